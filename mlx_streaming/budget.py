@@ -1,0 +1,78 @@
+"""Turn a memory budget for expert pools into slots per layer."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .core.format import ExpertMeta
+
+
+def slot_bytes(meta: ExpertMeta, layer: int) -> int:
+    """Device bytes one slot of ``layer`` takes (its parts, no record padding)."""
+    return sum(p.nbytes for p in meta.layers[layer].parts)
+
+
+@dataclass
+class BudgetPlan:
+    budget_bytes: int
+    slots: dict[int, int]  # layer -> slots
+    slot_bytes: dict[int, int]  # layer -> bytes per slot
+    weights: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(self.slots[li] * self.slot_bytes[li] for li in self.slots)
+
+    @property
+    def default_slots(self) -> int:
+        return min(self.slots.values())
+
+    def to_json(self) -> dict:
+        return {"budget_bytes": self.budget_bytes, "pool_bytes": self.pool_bytes,
+                "slots": {str(k): v for k, v in sorted(self.slots.items())}}
+
+
+def plan_budget(meta: ExpertMeta, budget_gb: float, weights: dict[int, float] | None = None
+                ) -> BudgetPlan:
+    """Slots per layer so that all pools together fit ``budget_gb`` (10**9 bytes).
+
+    ``weights`` (per layer, e.g. how diverse its routing is) shares the slots above the
+    top-k minimum out unevenly; without them every layer gets the same share.
+
+    Raises:
+        ValueError: the budget is not a positive number, or cannot hold one token's
+            experts in every layer.
+    """
+    if not isinstance(budget_gb, (int, float)) or not math.isfinite(budget_gb) or budget_gb <= 0:
+        raise ValueError(f"budget_gb must be a positive number of GB, got {budget_gb!r}")
+    budget = int(budget_gb * 1e9)
+    layers = sorted(meta.layers)
+    sb = {li: slot_bytes(meta, li) for li in layers}
+    k = meta.top_k
+    floor = sum(k * sb[li] for li in layers)
+    if budget < floor:
+        raise ValueError(
+            f"budget {budget_gb} GB is below the {floor / 1e9:.3f} GB that one token's "
+            f"{k} experts in each of {len(layers)} MoE layers need; raise --budget-gb to at "
+            f"least {math.ceil(floor / 1e7) / 100:.2f}"
+        )
+    slots = {li: k for li in layers}
+    w = {li: float((weights or {}).get(li, 1.0)) for li in layers}
+    left = budget - floor
+    if weights is None:  # uniform: whole rounds at once, the remainder greedily below
+        rounds = min(left // sum(sb.values()),
+                     min(meta.layers[li].num_experts for li in layers) - k)
+        for li in layers:
+            slots[li] += rounds
+        left -= rounds * sum(sb.values())
+    # Greedy: give a slot to the layer with the most weight per slot held, while it fits.
+    while True:
+        cands = [li for li in layers
+                 if slots[li] < meta.layers[li].num_experts and sb[li] <= left]
+        if not cands:
+            break
+        li = max(cands, key=lambda i: (w[i] / slots[i], -i))
+        slots[li] += 1
+        left -= sb[li]
+    return BudgetPlan(budget, slots, sb, w)

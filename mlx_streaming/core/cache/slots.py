@@ -1,0 +1,128 @@
+"""One MoE layer's slot table: which expert sits in which slot, pins, and the policy.
+
+Pure bookkeeping on the host, shared by the live store (which adds reads and device
+writes) and the trace simulator, so both count hits, misses and evictions identically.
+Placing experts is two-phase: ``reserve`` picks slots without changing anything, the
+caller loads the data, then ``commit`` makes it resident; a failed load leaves the table
+as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .policy import Policy
+
+
+@dataclass
+class CacheStats:
+    calls: int = 0  # layer calls that looked experts up
+    hits: int = 0  # lookups of a resident expert (one per distinct expert per call)
+    misses: int = 0
+    evictions: int = 0
+
+    @property
+    def lookups(self) -> int:
+        return self.hits + self.misses
+
+
+class SlotCache:
+    """Slot table of one layer with ``capacity`` slots for ``num_experts`` experts."""
+
+    def __init__(self, num_experts: int, capacity: int, policy: Policy):
+        self.num_experts = num_experts
+        self.capacity = capacity
+        self.policy = policy
+        self.slot_of = np.full(num_experts, -1, dtype=np.int32)
+        self.expert_in = np.full(capacity, -1, dtype=np.int32)
+        self._free = list(range(capacity - 1, -1, -1))
+        self.pinned: set[int] = set()
+        self.stats = CacheStats()
+
+    @property
+    def resident(self) -> int:
+        return self.capacity - len(self._free)
+
+    @property
+    def complete(self) -> bool:
+        """Every expert is resident: no lookup can miss."""
+        return self.resident == self.num_experts
+
+    def resident_experts(self) -> np.ndarray:
+        return np.nonzero(self.slot_of >= 0)[0]
+
+    def split(self, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(resident, missing) among distinct ``experts``."""
+        r = self.slot_of[experts] >= 0
+        return experts[r], experts[~r]
+
+    def fits(self, experts: np.ndarray) -> bool:
+        """Can all of ``experts`` be resident at once?"""
+        outside_pins = len(self.pinned.difference(experts.tolist()))
+        return len(experts) + outside_pins <= self.capacity
+
+    def groups(self, experts: np.ndarray, counts: np.ndarray | None = None) -> list[np.ndarray]:
+        """Split distinct ``experts`` into groups that each fit in the pool.
+
+        Resident and pinned experts come first (nothing to load), misses last and hottest
+        last, so the experts a chunk used most stay resident after it.
+        """
+        if self.fits(experts):
+            return [experts]
+        counts = np.ones(len(experts)) if counts is None else counts
+        pinned = np.array([e in self.pinned for e in experts.tolist()], dtype=bool)
+        resident = self.slot_of[experts] >= 0
+        # order: pinned, resident, then misses by ascending count
+        key = np.where(pinned, 0, np.where(resident, 1, 2))
+        order = np.lexsort((counts, key))
+        pins, rest = experts[order][pinned[order]], experts[order][~pinned[order]]
+        room = self.capacity - len(self.pinned)
+        assert room > 0, "pins leave no slot for other experts"
+        out = [np.concatenate([pins, rest[:room]])]
+        out += [rest[i:i + room] for i in range(room, len(rest), room)]
+        return out
+
+    def reserve(self, misses: np.ndarray, protect: set[int]) -> list[tuple[int, int, int]]:
+        """Slots for ``misses``: ``(expert, slot, evicted expert or -1)``; nothing changes."""
+        n_free = min(len(misses), len(self._free))
+        slots = [(s, -1) for s in self._free[::-1][:n_free]]
+        need = len(misses) - n_free
+        if need:
+            victims = self.policy.victims(need, protect | self.pinned)
+            if len(victims) < need:
+                raise RuntimeError(
+                    f"cannot place {len(misses)} experts: {self.capacity} slots, "
+                    f"{len(self.pinned)} pinned, {len(protect)} in use by this call"
+                )
+            slots += [(int(self.slot_of[v]), v) for v in victims]
+        return [(int(e), s, v) for e, (s, v) in zip(misses.tolist(), slots)]
+
+    def commit(self, placements: list[tuple[int, int, int]]) -> None:
+        """Make reserved placements resident (their data is in place)."""
+        for e, s, v in placements:
+            if v >= 0:
+                self.slot_of[v] = -1
+                self.policy.remove(v)
+                self.stats.evictions += 1
+            else:
+                self._free.remove(s)
+            self.slot_of[e] = s
+            self.expert_in[s] = e
+            self.policy.insert(e)
+
+    def access(self, experts: np.ndarray, n_misses: int) -> None:
+        """Count one lookup of distinct ``experts`` of which ``n_misses`` missed."""
+        self.stats.calls += 1
+        self.stats.hits += len(experts) - n_misses
+        self.stats.misses += n_misses
+        self.policy.access(experts.tolist())
+
+    def lookup(self, experts: np.ndarray) -> list[tuple[int, int, int]]:
+        """Simulate one call: reserve, commit and count. Returns the placements."""
+        _, misses = self.split(experts)
+        placed = self.reserve(misses, set(experts.tolist()))
+        self.commit(placed)
+        self.access(experts, len(misses))
+        return placed

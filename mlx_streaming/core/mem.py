@@ -1,0 +1,54 @@
+"""Memory readings: process RSS and MLX's active / peak / cache bytes."""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class MemSnapshot:
+    rss_bytes: int  # resident set size of this process now
+    peak_rss_bytes: int  # the process's peak RSS so far
+    mlx_active_bytes: int
+    mlx_peak_bytes: int
+    mlx_cache_bytes: int
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process."""
+    if sys.platform.startswith("linux"):
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    try:  # macOS: no /proc; psutil when available
+        import psutil
+
+        return psutil.Process().memory_info().rss
+    except ImportError:
+        return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (never reset)."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return r if sys.platform == "darwin" else r * 1024
+
+
+def snapshot() -> MemSnapshot:
+    """Memory now: RSS, peak RSS, MLX active, peak and cache bytes."""
+    return MemSnapshot(rss_bytes(), peak_rss_bytes(), mx.get_active_memory(),
+                       mx.get_peak_memory(), mx.get_cache_memory())
+
+
+def reset_peak() -> None:
+    """Reset MLX's peak memory counter."""
+    mx.reset_peak_memory()
+
+
+def clear_cache() -> None:
+    """Return MLX's cached free buffers to the system."""
+    mx.clear_cache()

@@ -1,0 +1,191 @@
+"""Swap a model's stacked experts for file-backed ones.
+
+Each MoE layer's ``SwitchGLU`` / ``SwitchMLP`` keeps its class, activation and code; only
+its projections change, to the same mlx-lm classes sized to the layer's pool of slots and
+backed by the pool's arrays. ``StreamedExperts`` wraps it: it maps routed expert ids to
+slots, loading misses first, and calls the wrapped module with slot ids. Every row is the
+same matmul on the same bytes as in stock mlx-lm, so outputs are bit-identical.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+from ..cache.expert_store import FileExpertStore
+from ..discovery import (
+    ExpertSite,
+    expert_dims,
+    find_expert_sites,
+    fingerprint,
+    fingerprint_mismatch,
+    projections,
+)
+from ..format import ExpertDirError, LayerLayout
+
+
+class StreamedExperts(nn.Module):
+    """A MoE layer's expert module whose experts live in a ``FileExpertStore``."""
+
+    is_streamed_experts = True
+
+    def __init__(self, experts: nn.Module, store: FileExpertStore, layer: int):
+        super().__init__()
+        self.experts = experts  # the layer's SwitchGLU / SwitchMLP over pool slots
+        self.layer = layer
+        self._store = store
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        store, layer = self._store, self.layer
+        pool = store.pool(layer)
+        if store.device_path(layer):  # nothing can miss: no host sync at all
+            store.note_device_call(layer, indices)
+            return self.experts(x, pool.lut[indices])
+        host = np.array(indices)  # the one host synchronisation of this layer
+        groups = store.plan(layer, host)
+        if len(groups) == 1:
+            store.fetch(layer, groups[0])
+            return self.experts(x, pool.lut[indices])
+        return self._expert_major(x, indices, host, groups)
+
+    def _expert_major(self, x, indices, host, groups) -> mx.array:
+        """More distinct experts than slots: run the rows of one group at a time.
+
+        Each expert is read at most once per call; rows are computed exactly as in the
+        one-shot path and scattered back to their place.
+        """
+        store, layer, pool = self._store, self.layer, self._store.pool(self.layer)
+        k = indices.shape[-1]
+        xf = x.reshape(-1, x.shape[-1])  # [T, D]
+        flat = host.reshape(-1)  # [T*k] routed expert of each (token, choice) row
+        out = None
+        for g in groups:
+            store.fetch(layer, g)
+            rows = np.nonzero(np.isin(flat, g))[0]
+            slots = pool.lut[mx.array(flat[rows])][:, None]  # [n, 1]
+            y = self.experts(xf[mx.array(rows // k)], slots)[:, 0]  # [n, D]
+            if out is None:
+                out = mx.zeros((flat.size, y.shape[-1]), dtype=y.dtype)
+            out[mx.array(rows)] = y
+            mx.eval(out)  # the next group may reuse these slots
+        return out.reshape(*indices.shape, -1)
+
+
+def _pool_projection(proj: nn.Module, name: str, layout: LayerLayout, arrays: dict) -> nn.Module:
+    """An mlx-lm SwitchLinear / QuantizedSwitchLinear over the pool's arrays."""
+    q = layout.quant[name]
+    w = arrays[f"{name}.weight"]
+    slots, out_dims = w.shape[0], w.shape[1]
+    has_bias = f"{name}.bias" in arrays
+    if q is None:
+        new = SwitchLinear(w.shape[2], out_dims, slots, bias=has_bias)
+    else:
+        in_dims = arrays[f"{name}.scales"].shape[-1] * q.group_size
+        new = QuantizedSwitchLinear(in_dims, out_dims, slots, bias=has_bias,
+                                    group_size=q.group_size, bits=q.bits, mode=q.mode)
+        new.scales = arrays[f"{name}.scales"]
+        new.biases = arrays.get(f"{name}.biases")
+        if f"{name}.global_scale" in arrays:
+            new.global_scale = arrays[f"{name}.global_scale"]
+    new.weight = w
+    if has_bias:
+        new.bias = arrays[f"{name}.bias"]
+    if q is not None:
+        new.freeze()
+    return new
+
+
+def _expected_bits(layer, layout, bits, proj_bits, layer_proj_bits) -> dict:
+    if layer_proj_bits and layer in layer_proj_bits:
+        want = dict(layer_proj_bits[layer])
+    elif proj_bits:
+        want = dict(proj_bits)
+    else:
+        want = {}
+    return {n: want.get(n, bits) for n in layout.quant}
+
+
+def _validate(store: FileExpertStore, sites: list[ExpertSite], model, hidden, moe_inter,
+              group_size, bits, proj_bits, layer_proj_bits) -> None:
+    meta = store.meta
+    where = f"expert directory {meta.root}"
+    got_layers = [s.layer for s in sites]
+    if got_layers != sorted(meta.layers):
+        raise ExpertDirError(
+            f"the model's MoE layers {got_layers} differ from the {where}'s "
+            f"{sorted(meta.layers)}: it was split from another model; split this model "
+            "into a new directory"
+        )
+    bad = fingerprint_mismatch(meta.fingerprint, fingerprint(model, sites))
+    if bad:
+        raise ExpertDirError(
+            f"the {where} was split from another model (fingerprint differs in "
+            f"{', '.join(bad)}); split this model into a new directory with "
+            "split_model(MODEL, NEW_DIR)"
+        )
+    if (hidden, moe_inter) != (meta.dims["hidden"], meta.dims["moe_inter"]):
+        raise ExpertDirError(
+            f"hidden={hidden}, moe_inter={moe_inter} do not match the {where} "
+            f"(hidden={meta.dims['hidden']}, moe_inter={meta.dims['moe_inter']})"
+        )
+    for s in sites:
+        if expert_dims(s) != (hidden, moe_inter):
+            raise ExpertDirError(f"layer {s.layer}'s experts are {expert_dims(s)}, not "
+                                 f"(hidden, moe_inter)=({hidden}, {moe_inter})")
+        lay = meta.layers[s.layer]
+        if s.num_experts != lay.num_experts:
+            raise ExpertDirError(f"layer {s.layer} has {s.num_experts} experts, the {where} "
+                                 f"{lay.num_experts}")
+        want = _expected_bits(s.layer, lay, bits, proj_bits, layer_proj_bits)
+        for name, q in lay.quant.items():
+            have = q.bits if q else None
+            if want[name] != have or (q and group_size is not None and group_size != q.group_size):
+                raise ExpertDirError(
+                    f"layer {s.layer} {name}: asked for bits={want[name]}, "
+                    f"group_size={group_size} but the {where} stores bits={have}, "
+                    f"group_size={q.group_size if q else None} (its _split_meta.json is the "
+                    "authority): pass the meta's values (dims.bits, dims.group_size, "
+                    "proj_bits, per_layer_proj_bits)"
+                )
+
+
+def patch_model_filebacked(model: nn.Module, store: FileExpertStore, hidden: int,
+                           moe_inter: int, group_size: int | None, bits: int | None,
+                           proj_bits: dict | None = None,
+                           layer_proj_bits: dict | None = None) -> int:
+    """Swap every MoE layer's experts for file-backed ones served by ``store``.
+
+    The stacked expert weights are dropped without being read, so a model loaded with
+    ``mlx_lm.load(path, lazy=True)`` never materializes its experts.
+
+    Args:
+        model: An mlx-lm model (loaded lazily).
+        store: The ``FileExpertStore`` over this model's expert directory.
+        hidden, moe_inter: Expert input and hidden widths.
+        group_size, bits: Expert quantization (``bits=None`` for float experts).
+        proj_bits: ``{projection: bits}`` when projections differ.
+        layer_proj_bits: ``{layer: {projection: bits}}`` when layers differ.
+
+    Returns:
+        The number of patched MoE layers.
+
+    Raises:
+        ExpertDirError: the directory does not belong to this model, or the arguments
+            disagree with its meta (which is the authority).
+        UnsupportedModelError: the model has no SwitchGLU/SwitchMLP experts.
+    """
+    sites = find_expert_sites(model)
+    if any(s.streamed is not None for s in sites):
+        raise ValueError("the model is already patched: load it again to patch it with "
+                         "another store")
+    _validate(store, sites, model, hidden, moe_inter, group_size, bits, proj_bits,
+              layer_proj_bits)
+    for s in sites:
+        arrays = store.pool(s.layer).arrays
+        lay = store.meta.layers[s.layer]
+        new = {name: _pool_projection(p, name, lay, arrays) for name, p in projections(s.module)}
+        s.module.update_modules(new)
+        s.parent.update_modules({s.attr: StreamedExperts(s.module, store, s.layer)})
+    return len(sites)

@@ -1,0 +1,258 @@
+"""Split a checkpoint's experts into per-layer record files, once.
+
+The checkpoint is read tensor by tensor (safetensors byte ranges, a block of experts at a
+time), so a split never holds more than a block of one layer's experts in memory. Each
+layer's file is written under a temporary name, fsync'd and renamed, with a sidecar that
+records its layout and checksums; ``_split_meta.json`` is written last, atomically. An
+interrupted split resumes from the layers that are complete; a complete directory is a
+no-op.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+from mlx.utils import tree_flatten
+from tqdm import tqdm
+
+from ..core.discovery import (
+    expert_dims,
+    find_expert_sites,
+    fingerprint,
+    fingerprint_mismatch,
+    projections,
+)
+from ..core.format import (
+    DTYPES,
+    META_NAME,
+    ExpertDirError,
+    ExpertMeta,
+    LayerLayout,
+    Quant,
+    load_meta,
+    mx_dtype_name,
+    plan_layout,
+    record_checksum,
+    summarize_dims,
+    write_json_atomic,
+)
+from ..core.io.safetensors import SafetensorsIndex
+
+BLOCK_BYTES = 64 << 20  # experts read per block, per layer
+
+
+def resolve_model_path(path_or_repo: str | Path) -> Path:
+    """A local model directory, or a Hugging Face repo id downloaded to its cache."""
+    p = Path(path_or_repo).expanduser()
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"{p} has no config.json; is it an MLX model directory?")
+        return p
+    if str(path_or_repo).count("/") != 1 or str(path_or_repo).startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model {path_or_repo} not found: give a local MLX model "
+                                "directory or a Hugging Face repo id (org/name)")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(
+        str(path_or_repo),
+        allow_patterns=["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken",
+                        "*.txt", "*.jinja"],
+    ))
+
+
+def load_lazy(model_dir: Path):
+    """The mlx-lm model with lazily loaded weights (nothing read yet), and its config."""
+    from mlx_lm.utils import load_model
+
+    return load_model(model_dir, lazy=True)
+
+
+def _quant_of(proj) -> Quant | None:
+    if "scales" not in proj:
+        return None
+    return Quant(proj.bits, proj.group_size, getattr(proj, "mode", "affine"))
+
+
+def layer_layout(site, file: str) -> LayerLayout:
+    """Record layout of one expert module, from its (lazy) parameters."""
+    params = dict(tree_flatten(site.module.parameters()))
+    e = site.num_experts
+    tensors = []
+    for name in sorted(params):
+        arr = params[name]
+        if arr.ndim == 0 or arr.shape[0] != e:
+            raise ExpertDirError(f"{site.path}.{name} has shape {arr.shape}; expected a "
+                                 f"leading expert axis of {e}")
+        tensors.append((name, arr.shape[1:], mx_dtype_name(arr.dtype)))
+    quant = {n: _quant_of(p) for n, p in projections(site.module)}
+    return plan_layout(site.layer, site.path, file, e, tensors, quant)
+
+
+class _ExpertSource:
+    """Bytes of experts ``[e0, e1)`` of one part: straight from the safetensors byte range
+    when the checkpoint stores the stacked tensor, else from the lazy mlx-lm parameter
+    (checkpoints whose experts mlx-lm stacks in ``sanitize``)."""
+
+    def __init__(self, index: SafetensorsIndex, site, layout: LayerLayout):
+        self.index, self.site, self.layout = index, site, layout
+        self.params = dict(tree_flatten(site.module.parameters()))
+        self._evaluated: dict[str, np.ndarray] = {}
+
+    def rows(self, part, e0: int, e1: int) -> np.ndarray:
+        np_dtype = DTYPES[part.dtype][0]
+        entry = self.index.get(f"{self.site.path}.{part.name}")
+        full = (self.layout.num_experts, *part.shape)
+        if entry is not None and entry.shape == full and entry.dtype == part.dtype:
+            buf = self.index.read_rows(entry, e0, e1)
+            return np.frombuffer(buf, dtype=np_dtype).reshape(e1 - e0, -1)
+        if part.name not in self._evaluated:
+            import mlx.core as mx
+
+            arr = self.params[part.name]
+            if arr.dtype == mx.bfloat16:
+                arr = arr.view(mx.uint16)
+            self._evaluated[part.name] = np.array(arr).reshape(full[0], -1)
+        return self._evaluated[part.name][e0:e1]
+
+
+def _write_layer(path: Path, source: _ExpertSource, layout: LayerLayout) -> list[str]:
+    tmp = path.with_name(path.name + ".partial")
+    per_block = max(1, BLOCK_BYTES // layout.stride)
+    sums = []
+    try:
+        with open(tmp, "wb") as f:
+            for e0 in range(0, layout.num_experts, per_block):
+                e1 = min(layout.num_experts, e0 + per_block)
+                block = np.zeros((e1 - e0, layout.stride), dtype=np.uint8)
+                for part in layout.parts:
+                    rows = source.rows(part, e0, e1).view(np.uint8)
+                    block[:, part.offset:part.offset + part.nbytes] = rows
+                for r in block:
+                    sums.append(record_checksum(memoryview(r)[:layout.record_bytes]))
+                f.write(block.data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.errno == errno.ENOSPC:
+            free = shutil.disk_usage(path.parent).free
+            raise ExpertDirError(
+                f"no space left on the device writing {path} (needs "
+                f"{layout.num_experts * layout.stride} bytes, {free} free); free some space "
+                "or choose another expert directory, then split again: completed layers "
+                "are kept"
+            ) from e
+        raise
+    return sums
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_suffix(".json")
+
+
+def _done_layer(path: Path, layout: LayerLayout, fp: dict) -> tuple[str, ...] | None:
+    """The checksums of a layer file finished by an earlier run, if it is complete."""
+    side = _sidecar(path)
+    if not (path.is_file() and side.is_file()):
+        return None
+    try:
+        d = json.loads(side.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    want = layout.to_json()
+    got = d.get("layout", {})
+    same = d.get("fingerprint") == fp and all(
+        got.get(k) == want[k] for k in want if k != "checksums")
+    sums = got.get("checksums", [])
+    if same and len(sums) == layout.num_experts and \
+            path.stat().st_size == layout.num_experts * layout.stride:
+        return tuple(sums)
+    return None
+
+
+def _prepare_out(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write_test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ExpertDirError(f"cannot write the expert directory {out} ({e.strerror}); choose a "
+                             "writable location with enough space for the experts") from e
+
+
+def split_model(model_path: str | Path, out_dir: str | Path, *, progress: bool | None = None
+                ) -> dict:
+    """Split every MoE layer's experts of a checkpoint into ``out_dir``.
+
+    Args:
+        model_path: MLX model directory or Hugging Face repo id.
+        out_dir: Expert directory to create or complete.
+        progress: Show a progress bar (default: only on a terminal).
+
+    Returns:
+        The meta dict, as written to ``out_dir/_split_meta.json``.
+
+    Raises:
+        ExpertDirError: ``out_dir`` holds another model's experts, cannot be written, or
+            the disk filled up.
+        UnsupportedModelError: the architecture keeps no experts in SwitchGLU/SwitchMLP.
+    """
+    model_dir = resolve_model_path(model_path)
+    out = Path(out_dir)
+    model, config = load_lazy(model_dir)
+    sites = find_expert_sites(model, config)
+    fp = fingerprint(model, sites, config)
+
+    if (out / META_NAME).exists():
+        meta = load_meta(out)
+        bad = fingerprint_mismatch(meta.fingerprint, fp)
+        if bad:
+            raise ExpertDirError(
+                f"{out} already holds the experts of another model (fingerprint differs in "
+                f"{', '.join(bad)}); choose another expert directory or delete it"
+            )
+        return meta.to_json()
+    _prepare_out(out)
+
+    index = SafetensorsIndex(model_dir)
+    layouts = {}
+    bar = tqdm(sites, desc="split experts", unit="layer",
+               disable=(None if progress is None else not progress))
+    for site in bar:
+        name = f"layer_{site.layer:03d}.bin"
+        layout = layer_layout(site, name)
+        path = out / name
+        sums = _done_layer(path, layout, fp)
+        if sums is None:
+            sums = _write_layer(path, _ExpertSource(index, site, layout), layout)
+        layout = LayerLayout(**{**layout.__dict__, "checksums": tuple(sums)})
+        if not _sidecar(path).exists():
+            write_json_atomic(_sidecar(path), {"fingerprint": fp, "layout": layout.to_json()})
+        layouts[site.layer] = layout
+
+    top_k = next((s.top_k for s in sites if s.top_k), None)
+    if top_k is None:
+        raise ExpertDirError(f"cannot tell how many experts each token uses in {model_dir}: "
+                             "set num_experts_per_tok in its config.json")
+    hidden, moe_inter = expert_dims(sites[0])
+    dims = summarize_dims(layouts, hidden, moe_inter)
+    scales = [p for lay in layouts.values() for p in lay.parts if p.param == "scales"]
+    weights = [p for lay in layouts.values() for p in lay.parts if p.param == "weight"]
+    dims["dtype"] = (scales or weights)[0].dtype
+    meta = ExpertMeta(
+        root=out, fingerprint=fp, model_type=str(config.get("model_type", "")),
+        moe_layers=tuple(sorted(layouts)), num_experts=max(s.num_experts for s in sites),
+        top_k=top_k, dims=dims, layers=layouts, source=str(model_path),
+    )
+    d = meta.to_json()
+    write_json_atomic(out / META_NAME, d)
+    for layout in layouts.values():
+        _sidecar(out / layout.file).unlink(missing_ok=True)
+    return d
