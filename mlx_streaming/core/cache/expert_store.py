@@ -14,12 +14,16 @@ from dataclasses import dataclass, fields
 
 import mlx.core as mx
 import numpy as np
+import xxhash
 
 from ..format import ExpertDirError, ExpertMeta, load_meta, record_checksum
 from ..io.reader import RecordReader, aligned_buffer
 from .policy import make_policy
 from .pool import LayerPool
 from .slots import SlotCache
+
+
+STAGING_BYTES = 256 << 20  # largest staging batch (device mode, O_DIRECT)
 
 
 class ExpertChecksumError(ExpertDirError):
@@ -78,6 +82,8 @@ class FileExpertStore:
         threads: ``pread`` threads.
         direct_io: Bypass the page cache (O_DIRECT / F_NOCACHE).
         verify: Check each record's checksum when it is read.
+        pool_mode: ``host`` (read straight into unified memory) or ``device`` (staging
+            buffer and device copies); default by backend (see ``pool.default_mode``).
 
     Raises:
         ExpertDirError: missing or invalid directory, or a capacity below top-k.
@@ -86,7 +92,7 @@ class FileExpertStore:
     def __init__(self, expert_dir, capacity: int = 8, layer_caps: dict | None = None,
                  clear_on_evict: bool = False, record: bool = False, *,
                  policy: str = "lru", threads: int = 4, direct_io: bool = False,
-                 verify: bool = True):
+                 verify: bool = True, pool_mode: str | None = None):
         self.meta: ExpertMeta = load_meta(expert_dir)
         self.expert_dir = self.meta.root
         self.top_k = self.meta.top_k
@@ -99,7 +105,8 @@ class FileExpertStore:
                        for li, c in caps.items()}
         self.stats = {li: LayerStats() for li in caps}
         self._resident = ResidentSet(
-            {li: LayerPool(self.meta.layers[li], c) for li, c in caps.items()}, self.stats)
+            {li: LayerPool(self.meta.layers[li], c, pool_mode) for li, c in caps.items()},
+            self.stats)
         self.reader = RecordReader(threads=threads, direct=direct_io)
         for li in caps:
             self.reader.open(li, self.meta.file(li), self.meta.layers[li].stride)
@@ -190,14 +197,16 @@ class FileExpertStore:
             load = cache.split(np.arange(cache.num_experts))[1]
         evicted = self._load(layer, load, protect=set(experts.tolist()))
         cache.access(experts, len(misses))
-        st = self.stats[layer]
-        if len(misses):
-            st.fallback += 1
-        else:
-            st.fastpath += 1
         if evicted and self.clear_on_evict:
             mx.clear_cache()
         return len(misses)
+
+    def end_call(self, layer: int, misses: int) -> None:
+        """Count a host-path call as fast (all resident) or fallback (loaded misses)."""
+        if misses:
+            self.stats[layer].fallback += 1
+        else:
+            self.stats[layer].fastpath += 1
 
     def _staging_rows(self, n: int, stride: int) -> np.ndarray:
         if self._staging.size < n * stride:
@@ -205,43 +214,82 @@ class FileExpertStore:
         return self._staging[: n * stride].reshape(n, stride)
 
     def _load(self, layer: int, misses: np.ndarray, protect: set) -> int:
+        """Read ``misses`` into reserved slots; returns how many experts were evicted."""
         if len(misses) == 0:
             return 0
-        cache, pool, st = self.caches[layer], self.pool(layer), self.stats[layer]
+        cache = self.caches[layer]
+        placed = cache.reserve(np.sort(misses), protect)
         lay = self.meta.layers[layer]
-        misses = np.sort(misses)
-        placed = cache.reserve(misses, protect)
-        batch = max(1, min(len(misses), (256 << 20) // lay.stride))
-        for i in range(0, len(placed), batch):
-            part = placed[i:i + batch]
-            ids = [e for e, _, _ in part]
-            buf = self._staging_rows(len(ids), lay.stride)
-            t0 = time.perf_counter()
-            nbytes = self.reader.read(layer, ids, buf)
-            st.read_s += time.perf_counter() - t0
-            st.bytes_read += nbytes
-            st.records_read += len(ids)
-            if self.verify:
-                self._verify(layer, ids, buf)
-            pool.write(ids, [s for _, s, _ in part], buf)
-            if i + batch < len(placed):
-                mx.eval(pool.state())  # bound staging memory for very large loads
+        batch = max(1, min(len(placed), STAGING_BYTES // lay.stride))
+        try:
+            for i in range(0, len(placed), batch):
+                part = placed[i:i + batch]
+                ids, slots = [e for e, _, _ in part], [s for _, s, _ in part]
+                if self.pool(layer).mode == "host" and not self.reader.direct:
+                    self._load_direct(layer, ids, slots)
+                else:
+                    self._load_staged(layer, ids, slots)
+        except BaseException:
+            cache.abort(placed)  # no slot stays marked resident with bad or partial data
+            raise
         cache.commit(placed)
         return sum(1 for _, _, v in placed if v >= 0)
 
-    def _verify(self, layer: int, ids, buf: np.ndarray) -> None:
-        lay = self.meta.layers[layer]
-        if not lay.checksums:
-            return
+    def _count_read(self, layer: int, t0: float, nbytes: int, n: int) -> None:
+        st = self.stats[layer]
+        st.read_s += time.perf_counter() - t0
+        st.bytes_read += nbytes
+        st.records_read += n
+
+    def _load_direct(self, layer: int, ids: list[int], slots: list[int]) -> None:
+        """Scatter-read records straight into their slot rows (unified memory)."""
+        pool, lay = self.pool(layer), self.meta.layers[layer]
+        gaps = np.zeros((len(ids), pool.gap_bytes()), dtype=np.uint8)
+        iov = [pool.record_iovecs(s, gaps[i]) for i, s in enumerate(slots)]
         t0 = time.perf_counter()
-        for row, e in enumerate(ids):
-            got = record_checksum(memoryview(buf[row])[: lay.record_bytes])
-            if got != lay.checksums[e]:
-                raise ExpertChecksumError(
-                    f"expert {e} of layer {layer} in {self.meta.file(layer)} fails its checksum "
-                    f"({got} != {lay.checksums[e]}): the file is corrupt; split the model again"
-                )
-        self.stats[layer].verify_s += time.perf_counter() - t0
+        nbytes = self.reader.submit_scatter(layer, ids, iov, lay.record_bytes).result()
+        self._count_read(layer, t0, nbytes, len(ids))
+        if self.verify and lay.checksums:
+            t0 = time.perf_counter()
+            for e, vecs in zip(ids, iov):
+                h = xxhash.xxh3_64()
+                for v in vecs:
+                    h.update(v)
+                self._check(layer, e, h.hexdigest())
+            self.stats[layer].verify_s += time.perf_counter() - t0
+        pool.set_lut(ids, slots)
+        pool.writes += len(ids)
+
+    def _load_staged(self, layer: int, ids: list[int], slots: list[int]) -> None:
+        """Read records into an aligned staging buffer, then into the pool."""
+        pool, lay = self.pool(layer), self.meta.layers[layer]
+        buf = self._staging_rows(len(ids), lay.stride)
+        t0 = time.perf_counter()
+        nbytes = self.reader.read(layer, ids, buf)
+        self._count_read(layer, t0, nbytes, len(ids))
+        if self.verify and lay.checksums:
+            t0 = time.perf_counter()
+            for row, e in enumerate(ids):
+                self._check(layer, e, record_checksum(memoryview(buf[row])[: lay.record_bytes]))
+            self.stats[layer].verify_s += time.perf_counter() - t0
+        if pool.mode == "host":  # O_DIRECT on unified memory: copy parts into the slots
+            for p in lay.parts:
+                dst = pool._host[p.name]
+                for row, s in enumerate(slots):
+                    dst[s] = buf[row, p.offset:p.offset + p.nbytes]
+            pool.set_lut(ids, slots)
+            pool.writes += len(ids)
+        else:
+            pool.write(ids, slots, buf)
+            mx.eval(pool.state())  # the staging buffer is reused by the next batch
+
+    def _check(self, layer: int, expert: int, got: str) -> None:
+        want = self.meta.layers[layer].checksums[expert]
+        if got != want:
+            raise ExpertChecksumError(
+                f"expert {expert} of layer {layer} in {self.meta.file(layer)} fails its "
+                f"checksum ({got} != {want}): the file is corrupt; split the model again"
+            )
 
     # ------------------------------------------------------------ pinning / recording
     def pin(self, layer: int, ids) -> None:

@@ -112,6 +112,17 @@ class SlotCache:
             self.expert_in[s] = e
             self.policy.insert(e)
 
+    def abort(self, placements: list[tuple[int, int, int]]) -> None:
+        """A load into reserved slots failed: their previous experts may be overwritten,
+        so they leave the pool (the slots become free); nothing new becomes resident."""
+        for _, s, v in placements:
+            if v >= 0 and self.slot_of[v] == s:
+                self.slot_of[v] = -1
+                self.expert_in[s] = -1
+                self.policy.remove(v)
+                self._free.append(s)
+                self.stats.evictions += 1
+
     def access(self, experts: np.ndarray, n_misses: int) -> None:
         """Count one lookup of distinct ``experts`` of which ``n_misses`` missed."""
         self.stats.calls += 1

@@ -23,6 +23,7 @@ import numpy as np
 
 MAX_RUN_BYTES = 8 << 20  # a merged run is split beyond this, to spread it over threads
 INLINE_BYTES = 512 << 10  # batches smaller than this are read on the calling thread
+IOV_MAX = 1024
 
 
 class RecordReadError(OSError):
@@ -140,6 +141,70 @@ class RecordReader:
             return fut
         parts = [self._pool.submit(self._read_run, fd, path, stride, *r, out) for r in runs]
         return _Gather(parts, finish)
+
+    def submit_scatter(self, key, ids, iovecs: list[list], record_bytes: int) -> Future:
+        """Start reading the first ``record_bytes`` of records ``ids`` (ascending) into
+        per-record buffer lists ``iovecs[i]`` (a scatter read; adjacent records are
+        merged into one ``preadv``, the padding between them read into a sink)."""
+        fd, stride, path = self._files[key]
+        pad = stride - record_bytes
+        sink = memoryview(bytearray(pad)) if pad else None
+        jobs, i, n = [], 0, len(ids)
+        while i < n:
+            vecs, first = list(iovecs[i]), int(ids[i])
+            j = i + 1
+            while (j < n and ids[j] == ids[j - 1] + 1 and (j - i) * stride < MAX_RUN_BYTES
+                   and len(vecs) + len(iovecs[j]) + 1 <= IOV_MAX):
+                if sink is not None:
+                    vecs.append(sink)
+                vecs.extend(iovecs[j])
+                j += 1
+            jobs.append((first, vecs))
+            i = j
+        t0 = time.perf_counter()
+        total = n * record_bytes
+
+        def run(first, vecs) -> int:
+            want = sum(v.nbytes for v in vecs)
+            got = os.preadv(fd, vecs, first * stride)
+            if got != want:  # rare: finish a short read buffer by buffer
+                got = self._finish_short(fd, path, vecs, first * stride, got, want)
+            return got
+
+        def finish(nbytes: int) -> int:
+            with self._lock:
+                self.stats.reads += len(jobs)
+                self.stats.records += n
+                self.stats.bytes += nbytes
+                self.stats.seconds += time.perf_counter() - t0
+            return nbytes
+
+        if total <= INLINE_BYTES or len(jobs) == 1 or self.threads == 1:
+            fut: Future = Future()
+            try:
+                fut.set_result(finish(sum(run(*j) for j in jobs)))
+            except OSError as e:
+                fut.set_exception(e)
+            return fut
+        return _Gather([self._pool.submit(run, *j) for j in jobs], finish)
+
+    @staticmethod
+    def _finish_short(fd, path, vecs, offset, got, want) -> int:
+        flat = [memoryview(v).cast("B") for v in vecs]
+        pos = 0
+        for v in flat:
+            end = pos + v.nbytes
+            if got < end:
+                start = max(got - pos, 0)
+                while start < v.nbytes:
+                    k = os.preadv(fd, [v[start:]], offset + pos + start)
+                    if k <= 0:
+                        raise RecordReadError(
+                            5, f"short read of {path} at byte {offset + pos + start}: the "
+                            "expert file is truncated; split the model again")
+                    start += k
+            pos = end
+        return want
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -46,7 +46,7 @@ class StreamedExperts(nn.Module):
         host = np.array(indices)  # the one host synchronisation of this layer
         groups = store.plan(layer, host)
         if len(groups) == 1:
-            store.fetch(layer, groups[0])
+            store.end_call(layer, store.fetch(layer, groups[0]))
             return self.experts(x, pool.lut[indices])
         return self._expert_major(x, indices, host, groups)
 
@@ -60,16 +60,19 @@ class StreamedExperts(nn.Module):
         k = indices.shape[-1]
         xf = x.reshape(-1, x.shape[-1])  # [T, D]
         flat = host.reshape(-1)  # [T*k] routed expert of each (token, choice) row
-        out = None
+        out, misses = None, 0
         for g in groups:
-            store.fetch(layer, g)
+            misses += store.fetch(layer, g)
             rows = np.nonzero(np.isin(flat, g))[0]
             slots = pool.lut[mx.array(flat[rows])][:, None]  # [n, 1]
             y = self.experts(xf[mx.array(rows // k)], slots)[:, 0]  # [n, D]
             if out is None:
                 out = mx.zeros((flat.size, y.shape[-1]), dtype=y.dtype)
             out[mx.array(rows)] = y
-            mx.eval(out)  # the next group may reuse these slots
+            del y, slots  # drop every reference to the pool before the next group writes it
+            mx.eval(out)
+            mx.synchronize()
+        store.end_call(layer, misses)
         return out.reshape(*indices.shape, -1)
 
 

@@ -1,0 +1,263 @@
+"""End-to-end benchmark of a streamed model, optionally side by side with stock mlx-lm.
+
+``run_bench`` does what the seed script does (split if needed, lazy load, patch, pin,
+warm up, timed generations) with every knob an explicit field of ``BenchConfig``, and
+returns the seed's JSON fields plus I/O, prefill/decode split and, with
+``compare_stock``, stock mlx-lm's speed on the same prompt and the exactness check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from .core import mem
+from .core.cache.expert_store import FileExpertStore
+from .core.format import META_NAME, load_meta
+from .core.prefetch.patch import patch_model_filebacked
+from .model_builder import _int_keys, load_pool_profile, read_pool_profile, store_kwargs_from
+from .prep.split_experts import resolve_model_path, split_model
+
+DEFAULT_PROMPT = "用三句话解释什么是混合专家模型。"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything a benchmark run depends on (the seed's environment, as fields)."""
+
+    model: str
+    expert_dir: str
+    slots: int | None = 8
+    budget_gb: float | None = None
+    prompt: str = DEFAULT_PROMPT
+    max_tokens: int = 128
+    warmup_tokens: int | None = None  # default: max_tokens
+    repeat: int = 3
+    wired_gb: float | None = None
+    cache_gb: float | None = None
+    clear_on_evict: bool = False
+    pin_hot: int = 0
+    cal_tokens: int = 32
+    expert_bits: int | None = None  # override the meta (seed's EXPERT_BITS)
+    expert_group: int | None = None
+    pool_profile: str | None = "auto"  # "auto": EXPERT_DIR/pool_profile.json; "none"; a path
+    prefill_chunk: int = 2048  # prefill_step_size (0: mlx-lm's default)
+    policy: str = "lru"
+    threads: int = 4
+    direct_io: bool = False
+    verify: bool = True
+    compare_stock: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def memory_limits(wired_gb: float | None, cache_gb: float | None):
+    """Set MLX's wired and cache limits for the duration, restoring them after."""
+    old = {}
+    try:
+        if wired_gb is not None and hasattr(mx, "set_wired_limit"):
+            old["wired"] = mx.set_wired_limit(int(wired_gb * 1e9))
+        if cache_gb is not None:
+            old["cache"] = mx.set_cache_limit(int(cache_gb * 1e9))
+        yield
+    finally:
+        if "wired" in old:
+            mx.set_wired_limit(old["wired"])
+        if "cache" in old:
+            mx.set_cache_limit(old["cache"])
+
+
+def _encode(tokenizer, prompt: str) -> list[int]:
+    bos = tokenizer.bos_token
+    return tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+
+
+def _generate(model, tokenizer, ids, max_tokens, prefill):
+    """One generation: (wall seconds, response of the last step, text)."""
+    from mlx_lm import stream_generate
+
+    kw = {"prefill_step_size": prefill} if prefill > 0 else {}
+    t0 = time.perf_counter()
+    text, last = "", None
+    for last in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, **kw):
+        text += last.text
+    return time.perf_counter() - t0, last, text
+
+
+def _timed_runs(model, tokenizer, ids, cfg: BenchConfig, before_last=None) -> dict:
+    warm = cfg.max_tokens if cfg.warmup_tokens is None else cfg.warmup_tokens
+    if warm > 0:
+        _generate(model, tokenizer, ids, warm, cfg.prefill_chunk)
+    mem.reset_peak()
+    runs, text, last = [], "", None
+    for r in range(cfg.repeat):
+        if r == cfg.repeat - 1 and before_last:
+            before_last()
+        wall, last, text = _generate(model, tokenizer, ids, cfg.max_tokens, cfg.prefill_chunk)
+        runs.append({"wall_s": wall, "tokens": last.generation_tokens,
+                     "prompt_tps": last.prompt_tps, "generation_tps": last.generation_tps})
+    tps = [round(r["tokens"] / r["wall_s"], 2) for r in runs]
+    return {
+        "tok_per_s": statistics.median(tps),
+        "tok_per_s_runs": tps,
+        "tok_per_s_minmax": [min(tps), max(tps)],
+        "decode_tok_per_s": round(statistics.median(r["generation_tps"] for r in runs), 2),
+        "prefill_tok_per_s": round(statistics.median(r["prompt_tps"] for r in runs), 2),
+        "generated_tokens": runs[-1]["tokens"],
+        "last_wall_s": runs[-1]["wall_s"],
+        "text": text,
+    }
+
+
+def open_streamed(cfg: BenchConfig):
+    """Split if needed, load lazily, open the store and patch: ``(model, tok, store, n)``."""
+    from mlx_lm import load
+
+    model_dir = resolve_model_path(cfg.model)
+    if not (Path(cfg.expert_dir) / META_NAME).exists():
+        split_model(model_dir, cfg.expert_dir)
+    meta = load_meta(cfg.expert_dir)
+    if cfg.pool_profile in (None, "none"):
+        caps = None
+    elif cfg.pool_profile == "auto":
+        caps = load_pool_profile(cfg.expert_dir)
+    else:
+        caps = read_pool_profile(cfg.pool_profile)
+    kw = store_kwargs_from(meta, slots=cfg.slots if cfg.budget_gb is None else None,
+                           budget_gb=cfg.budget_gb, layer_caps=caps)
+    model, tokenizer = load(str(model_dir), lazy=True)
+    store = FileExpertStore(cfg.expert_dir, clear_on_evict=cfg.clear_on_evict,
+                            record=cfg.pin_hot > 0, policy=cfg.policy, threads=cfg.threads,
+                            direct_io=cfg.direct_io, verify=cfg.verify, **kw)
+    d = meta.dims
+    n = patch_model_filebacked(
+        model, store, d["hidden"], d["moe_inter"],
+        cfg.expert_group or d.get("group_size"), cfg.expert_bits or d.get("bits"),
+        proj_bits=d.get("proj_bits"), layer_proj_bits=_int_keys(d.get("per_layer_proj_bits")))
+    return model, tokenizer, store, n
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    """Run the benchmark; returns the JSON-ready result dict."""
+    with memory_limits(cfg.wired_gb, cfg.cache_gb):
+        return _run(cfg)
+
+
+def _run(cfg: BenchConfig) -> dict:
+    mem.reset_peak()
+    t0 = time.perf_counter()
+    model, tokenizer, store, n_patched = open_streamed(cfg)
+    t1 = time.perf_counter()
+    after_patch = mem.snapshot()
+    ids = _encode(tokenizer, cfg.prompt)
+
+    cal_s = 0.0
+    if cfg.pin_hot > 0:
+        tc = time.perf_counter()
+        _generate(model, tokenizer, ids, cfg.cal_tokens, cfg.prefill_chunk)
+        for li in store.recorded_layers():
+            store.pin(li, store.hot(li, cfg.pin_hot))
+        store.record = False
+        store.reset_stats()
+        cal_s = round(time.perf_counter() - tc, 2)
+
+    timed = _timed_runs(model, tokenizer, ids, cfg, before_last=store.reset_stats)
+    mem.clear_cache()
+    after_gen = mem.snapshot()
+    totals = store.totals()
+    gen_tokens = max(1, timed["generated_tokens"])
+    meta = store.meta
+    out = {
+        "mode": "streaming_filebacked",
+        "model": cfg.model,
+        "expert_dir": str(cfg.expert_dir),
+        "expert_bits": cfg.expert_bits or meta.dims.get("bits"),
+        "expert_group": cfg.expert_group or meta.dims.get("group_size"),
+        "proj_bits": meta.dims.get("proj_bits"),
+        "layered": "per_layer_proj_bits" in meta.dims,
+        "per_layer_slots": store.capacity(store.layers[0]) if cfg.budget_gb is None else None,
+        "slots_per_layer": {str(li): store.capacity(li) for li in store.layers},
+        "budget_gb": cfg.budget_gb,
+        "policy": cfg.policy,
+        "pool_profile": any(store.capacity(li) != store.capacity(store.layers[0])
+                            for li in store.layers) or cfg.pool_profile not in ("auto", "none", None),
+        "wired_gb": cfg.wired_gb,
+        "cache_gb": cfg.cache_gb,
+        "clear_on_evict": cfg.clear_on_evict,
+        "pin_hot": cfg.pin_hot,
+        "cal_s": cal_s,
+        "warmup_tok": cfg.max_tokens if cfg.warmup_tokens is None else cfg.warmup_tokens,
+        "repeat": cfg.repeat,
+        "prefill_chunk": cfg.prefill_chunk,
+        "patched_moe_layers": n_patched,
+        "num_experts": meta.num_experts,
+        "top_k": meta.top_k,
+        "resident_experts": store.resident_count(),
+        "pinned_experts": store.pinned_count(),
+        "pool_gb": round(store.pool_bytes() / 1e9, 4),
+        "load_patch_s": round(t1 - t0, 2),
+        **{k: timed[k] for k in ("tok_per_s", "tok_per_s_runs", "tok_per_s_minmax",
+                                 "decode_tok_per_s", "prefill_tok_per_s", "generated_tokens")},
+        "prompt_tokens": len(ids),
+        "rss_gb_after_patch": round(after_patch.rss_bytes / 1e9, 3),
+        "rss_gb_after_gen": round(after_gen.rss_bytes / 1e9, 3),
+        "peak_rss_gb": round(after_gen.peak_rss_bytes / 1e9, 3),
+        "mlx_active_gb_after_gen": round(after_gen.mlx_active_bytes / 1e9, 3),
+        "mlx_peak_gb": round(after_gen.mlx_peak_bytes / 1e9, 3),
+        "expert_hit_rate": round(store.hit_rate(), 4),
+        "expert_hits": store.hits,
+        "expert_misses": store.misses,
+        "evictions": totals["evictions"],
+        "bytes_read": totals["bytes_read"],
+        "bytes_read_per_token": round(totals["bytes_read"] / (gen_tokens + len(ids))),
+        "read_s": round(totals["read_s"], 4),
+        "read_gbps": round(totals["bytes_read"] / totals["read_s"] / 1e9, 3)
+        if totals["read_s"] > 0 else None,
+        "verify_s": round(totals["verify_s"], 4),
+        "host_syncs": totals["host_calls"],
+        "gpu_fastpath": store._resident.gpu_fastpath,
+        "gpu_fallback": store._resident.gpu_fallback,
+        "gpu_fastpath_frac": round(store._resident.gpu_fastpath / max(
+            1, store._resident.gpu_fastpath + store._resident.gpu_fallback), 4),
+        "device": str(mx.default_device()),
+        "sample": timed["text"][:240],
+    }
+    if cfg.compare_stock:
+        out.update(_compare_stock(cfg, model, tokenizer, ids, out["tok_per_s"]))
+    store.close()
+    return out
+
+
+def _compare_stock(cfg: BenchConfig, streamed, tokenizer, ids, streamed_tps) -> dict:
+    """Stock mlx-lm, fully resident, same prompt and settings, in this run."""
+    from mlx_lm import load
+
+    from .verify import compare
+
+    stock, _ = load(str(resolve_model_path(cfg.model)))
+    timed = _timed_runs(stock, tokenizer, ids, cfg)
+    step = cfg.prefill_chunk if cfg.prefill_chunk > 0 else 2048
+    cmp = compare(stock, streamed, ids, min(cfg.max_tokens, 64), step)
+    del stock
+    gc.collect()
+    mem.clear_cache()
+    return {
+        "stock_tok_per_s": timed["tok_per_s"],
+        "stock_tok_per_s_runs": timed["tok_per_s_runs"],
+        "stock_decode_tok_per_s": timed["decode_tok_per_s"],
+        "stock_prefill_tok_per_s": timed["prefill_tok_per_s"],
+        "ratio_vs_stock": round(streamed_tps / timed["tok_per_s"], 4),
+        "exact_vs_stock": cmp.exact,
+        "exactness": cmp.to_json(),
+    }
+
+
+def config_json(cfg: BenchConfig) -> str:
+    return json.dumps(asdict(cfg), ensure_ascii=False)

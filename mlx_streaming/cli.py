@@ -1,0 +1,32 @@
+"""``python -m mlx_streaming <command>``: dispatch to the command modules."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "split": "split experts of a checkpoint into an expert directory",
+    "bench": "benchmark a streamed model (the seed script's fields), optionally vs stock",
+    "generate": "generate text with a streamed model",
+    "demo": "build a synthetic model, stream it and check it against stock mlx-lm",
+    "synth": "write a synthetic MoE checkpoint",
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: python -m mlx_streaming <command> [options]\n\ncommands:")
+        for name, text in COMMANDS.items():
+            print(f"  {name:<10} {text}")
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nunknown command {argv[0]!r}", file=sys.stderr)
+            sys.exit(2)
+        return
+    module = importlib.import_module(f"mlx_streaming.commands.{argv[0]}")
+    module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()

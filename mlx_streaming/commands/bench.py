@@ -1,0 +1,64 @@
+"""``python -m mlx_streaming bench``: the seed script's benchmark, as flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..bench import DEFAULT_PROMPT, BenchConfig, run_bench
+from ._args import add_store_args, nonneg_int, positive_float, positive_int
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlx_streaming bench", description=(
+        "Benchmark a streamed MoE model: tok/s (median of --repeat), memory, hit rate, "
+        "bytes read. Each flag names the seed script's environment variable it replaces."))
+    p.add_argument("--model", required=True, help="MLX model directory or repo id (MODEL)")
+    add_store_args(p)
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt (PROMPT)")
+    p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens (MAXTOK)")
+    p.add_argument("--warmup-tokens", type=nonneg_int, default=None,
+                   help="warm-up tokens, default --max-tokens (WARMUP_TOK)")
+    p.add_argument("--repeat", type=positive_int, default=3, help="timed runs (REPEAT)")
+    p.add_argument("--wired-gb", type=positive_float, help="mx.set_wired_limit (WIRED_GB)")
+    p.add_argument("--cache-gb", type=float, help="mx.set_cache_limit (CACHE_GB)")
+    p.add_argument("--clear-on-evict", action="store_true", help="(CLEAR_ON_EVICT=1)")
+    p.add_argument("--pin-hot", type=nonneg_int, default=0,
+                   help="pin each layer's N hottest experts after calibration (PIN_HOT)")
+    p.add_argument("--cal-tokens", type=positive_int, default=32, help="(CAL_TOK)")
+    p.add_argument("--expert-bits", type=positive_int, help="override meta bits (EXPERT_BITS)")
+    p.add_argument("--expert-group", type=positive_int, help="override meta group (EXPERT_GROUP)")
+    p.add_argument("--pool-profile", default="auto",
+                   help="auto (EXPERT_DIR/pool_profile.json), none, or a path "
+                        "(EXPERT_POOL_PROFILE)")
+    p.add_argument("--prefill-chunk", type=nonneg_int, default=2048,
+                   help="prefill_step_size, 0 = mlx-lm's default (PREFILL_CHUNK)")
+    p.add_argument("--compare-stock", action="store_true",
+                   help="also run stock mlx-lm fully resident and check exactness")
+    p.add_argument("--json", dest="json_out", help="also write the result JSON here")
+    return p
+
+
+def main(argv=None) -> None:
+    args = setup_arg_parser().parse_args(argv)
+    if args.cache_gb is not None and args.cache_gb < 0:
+        sys.exit("--cache-gb must be >= 0")
+    kw = vars(args)
+    json_out = kw.pop("json_out")
+    if kw["expert_dir"] is None:
+        from ..model_builder import default_expert_dir
+
+        kw["expert_dir"] = str(default_expert_dir(args.model))
+    if kw["slots"] is None and kw["budget_gb"] is None:
+        kw["slots"] = 8
+    result = run_bench(BenchConfig(**kw))
+    text = json.dumps(result, ensure_ascii=False, indent=2)
+    print(text)
+    if json_out:
+        with open(json_out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
