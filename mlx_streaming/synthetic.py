@@ -202,6 +202,16 @@ PRESETS: dict[str, Preset] = {
         "tiny-deepseek_v2", _deepseek_v2(4, _TINY, 16, 4, 64, shared=2, dense=1),
         description="DeepSeek-V2: MLA attention, two shared experts, dense layer 0",
     ),
+    # A dense model: nothing to stream (tests that it is refused with a clear error).
+    "tiny-llama-dense": Preset(
+        "tiny-llama-dense",
+        {
+            "model_type": "llama", "hidden_size": _TINY, "num_hidden_layers": 2,
+            "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        },
+        description="a dense Llama: not a MoE, cannot be streamed",
+    ),
     # The default demo model: Qwen3-Next architecture, small enough for a laptop CPU.
     "demo": Preset(
         "demo", _qwen3_next(8, 256, 32, 4, 128, mlp_only=()),
@@ -235,7 +245,7 @@ PRESETS: dict[str, Preset] = {
     ),
 }
 
-TINY_ARCHS = [n for n in PRESETS if n.startswith("tiny-")]
+TINY_ARCHS = [n for n in PRESETS if n.startswith("tiny-") and "dense" not in n]
 
 
 def build_tokenizer(vocab_size: int = 512):
@@ -313,12 +323,20 @@ def _popularity(model: nn.Module, sites, tokenizer, seed: int, spread: float = 1
         s.router.weight = (w + b * m[None] / norm2).astype(w.dtype)
 
 
+def _sites_or_none(model: nn.Module) -> list:
+    """The model's expert sites; none for a dense model (used in tests of bad input)."""
+    from .core.discovery import UnsupportedModelError, find_expert_sites
+
+    try:
+        return find_expert_sites(model)
+    except UnsupportedModelError:
+        return []
+
+
 def _shape_routers(model: nn.Module, scale: float, seed: int) -> None:
     """Sharpen and skew the routers so routing is peaked and not uniform."""
-    from .core.discovery import find_expert_sites
-
     key = mx.random.key(seed + 1)
-    for site in find_expert_sites(model):
+    for site in _sites_or_none(model):
         router = site.router
         if router is None:
             continue
@@ -413,10 +431,8 @@ def make_checkpoint(
     model = model_cls(args_cls.from_dict(config))
     model.set_dtype(getattr(mx, dtype))
     _shape_routers(model, p.router_scale, seed)
-    if p.popularity:
-        from .core.discovery import find_expert_sites
-
-        _popularity(model, find_expert_sites(model), tokenizer, seed, p.popularity)
+    if p.popularity and _sites_or_none(model):
+        _popularity(model, _sites_or_none(model), tokenizer, seed, p.popularity)
     _silence_eos(model, [eos_id])
     if bits is not None:
         with contextlib.redirect_stdout(io.StringIO()):

@@ -33,7 +33,7 @@ def patched(ck, ed, **store_kw):
     return model, store
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(ck):
     model, tok = load(str(ck))
     prompts = [tok.encode(t) for t in TEXTS]

@@ -22,7 +22,6 @@ from .policy import make_policy
 from .pool import LayerPool
 from .slots import SlotCache
 
-
 STAGING_BYTES = 256 << 20  # largest staging batch (device mode, O_DIRECT)
 
 

@@ -1,0 +1,62 @@
+"""``python -m mlx_streaming generate``: mlx-lm's generate on a streamed model."""
+
+from __future__ import annotations
+
+import argparse
+
+from ._args import add_store_args, nonneg_int, positive_int
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlx_streaming generate", description=(
+        "Generate text with a MoE model whose experts stream from disk. Flags as in "
+        "mlx_lm.generate, plus the streaming ones."))
+    p.add_argument("--model", required=True, help="MLX model directory or repo id")
+    add_store_args(p)
+    p.add_argument("--prompt", "-p", default="Hello", help="prompt ('-' reads stdin)")
+    p.add_argument("--system-prompt", default=None)
+    p.add_argument("--max-tokens", "-m", type=positive_int, default=100)
+    p.add_argument("--temp", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-chat-template", action="store_true")
+    p.add_argument("--prefill-step-size", type=nonneg_int, default=2048)
+    p.add_argument("--verbose", action=argparse.BooleanOptionalAction, default=True)
+    return p
+
+
+def main(argv=None) -> None:
+    import sys
+
+    import mlx.core as mx
+    from mlx_lm import generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from ..model_builder import load
+
+    a = setup_arg_parser().parse_args(argv)
+    if a.seed is not None:
+        mx.random.seed(a.seed)
+    model, tok, store = load(a.model, a.expert_dir, slots=a.slots, budget_gb=a.budget_gb,
+                             policy=a.policy, threads=a.threads, direct_io=a.direct_io,
+                             verify=a.verify)
+    prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
+    if not a.ignore_chat_template and tok.chat_template is not None:
+        msgs = ([{"role": "system", "content": a.system_prompt}] if a.system_prompt else [])
+        msgs.append({"role": "user", "content": prompt})
+        prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    text = generate(model, tok, prompt, max_tokens=a.max_tokens, verbose=a.verbose,
+                    sampler=make_sampler(a.temp, a.top_p),
+                    prefill_step_size=a.prefill_step_size or 2048)
+    if a.verbose:
+        t = store.totals()
+        print(f"Experts: hit rate {store.hit_rate():.3f}, {t['bytes_read'] / 1e6:.1f} MB read "
+              f"in {t['read_s']:.2f} s, pools {store.pool_bytes() / 1e9:.3f} GB, "
+              f"peak memory {mx.get_peak_memory() / 1e9:.3f} GB")
+    else:
+        print(text)
+    store.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The one-call API, the seed's helpers and the commands."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm import generate, load, stream_generate
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_streaming
+from mlx_streaming import config
+from mlx_streaming.core import mem
+from mlx_streaming.core.format import load_meta
+from mlx_streaming.model_builder import load_pool_profile, write_pool_profile
+
+PROMPT = "Tell me how a mixture of experts model picks its experts."
+
+
+def test_load_generate_stream_and_prompt_cache(models, tmp_path):
+    ck = models.checkpoint("tiny-qwen3_moe")
+    ref, tok = load(str(ck))
+    model, tok2, store = mlx_streaming.load(ck, tmp_path / "ed", slots=4)
+    assert generate(model, tok2, PROMPT, max_tokens=20) == generate(ref, tok, PROMPT, max_tokens=20)
+    text = "".join(r.text for r in stream_generate(model, tok2, PROMPT, max_tokens=12))
+    assert text == generate(ref, tok, PROMPT, max_tokens=12)
+    # a prompt cache carried across two turns, as in mlx_lm.chat
+    outs = []
+    for m in (ref, model):
+        cache = make_prompt_cache(m)
+        a = generate(m, tok, PROMPT, max_tokens=6, prompt_cache=cache)
+        b = generate(m, tok, " And then?", max_tokens=6, prompt_cache=cache)
+        outs.append((a, b))
+    assert outs[0] == outs[1]
+    assert store.misses > 0 and 0 < store.hit_rate() < 1
+    rep = store.layer_report()
+    assert set(rep) == set(load_meta(tmp_path / "ed").moe_layers)
+    assert all(r["bytes_read"] > 0 and r["read_s"] > 0 for r in rep.values())
+    store.close()
+
+
+def test_load_with_budget(models, tmp_path):
+    ck = models.checkpoint("tiny-mixtral")
+    _, ed = models.experts("tiny-mixtral")
+    meta = load_meta(ed)
+    from mlx_streaming.budget import slot_bytes
+
+    per_layer = slot_bytes(meta, meta.moe_layers[0])
+    budget = 5 * per_layer * len(meta.moe_layers) / 1e9
+    model, tok, store = mlx_streaming.load(ck, ed, budget_gb=budget)
+    assert all(store.capacity(li) == 5 for li in store.layers)
+    assert store.pool_bytes() <= budget * 1e9
+    with pytest.raises(ValueError, match="either slots or budget_gb"):
+        mlx_streaming.load(ck, ed, slots=4, budget_gb=1.0)
+    store.close()
+
+
+def test_mem_snapshot_is_real():
+    mem.reset_peak()
+    a = mx.ones((1024, 1024))
+    mx.eval(a)
+    s = mem.snapshot()
+    assert s.mlx_active_bytes >= a.nbytes and s.mlx_peak_bytes >= a.nbytes
+    assert s.rss_bytes > 0 and s.peak_rss_bytes >= s.rss_bytes // 2
+    del a
+    mem.clear_cache()
+    assert mem.snapshot().mlx_cache_bytes == 0
+
+
+def test_prefill_chunk_env(monkeypatch):
+    monkeypatch.delenv("PREFILL_CHUNK", raising=False)
+    assert config.prefill_chunk() == 2
+    monkeypatch.setenv("PREFILL_CHUNK", "0")
+    assert config.prefill_chunk() == 0
+    monkeypatch.setenv("PREFILL_CHUNK", "-3")
+    with pytest.raises(ValueError, match="PREFILL_CHUNK"):
+        config.prefill_chunk()
+
+
+def test_pool_profile(tmp_path, monkeypatch):
+    monkeypatch.delenv("EXPERT_POOL_PROFILE", raising=False)
+    assert load_pool_profile(tmp_path) is None
+    write_pool_profile(tmp_path / "pool_profile.json", {1: 5, 2: 6}, mode="test")
+    assert load_pool_profile(tmp_path) == {1: 5, 2: 6}
+    other = tmp_path / "other.json"
+    write_pool_profile(other, {1: 7})
+    monkeypatch.setenv("EXPERT_POOL_PROFILE", str(other))
+    assert load_pool_profile(tmp_path) == {1: 7}
+    monkeypatch.setenv("EXPERT_POOL_PROFILE", "none")
+    assert load_pool_profile(tmp_path) is None
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"layers": {"1": -2}}))
+    monkeypatch.setenv("EXPERT_POOL_PROFILE", str(bad))
+    with pytest.raises(ValueError, match="bad.json.*positive slot count"):
+        load_pool_profile(tmp_path)
+
+
+def test_bench_command_compare_stock(models, tmp_path, capsys):
+    from mlx_streaming.commands import bench
+
+    ck, ed = models.experts("tiny-qwen3_next")
+    out = tmp_path / "r.json"
+    bench.main(["--model", str(ck), "--expert-dir", str(ed), "--slots", "6", "--max-tokens",
+                "12", "--repeat", "1", "--compare-stock", "--json", str(out), "--prompt",
+                PROMPT])
+    r = json.loads(out.read_text())
+    assert r["exact_vs_stock"] is True and r["exactness"]["max_abs_logit_diff"] == 0.0
+    assert r["stock_tok_per_s"] > 0 and r["ratio_vs_stock"] > 0
+    assert r["generated_tokens"] == 12 and r["bytes_read"] > 0
+    assert json.loads(capsys.readouterr().out) == r
+
+
+def test_cli_split_and_bad_flags(models, tmp_path, capsys):
+    from mlx_streaming.cli import main
+
+    ck = models.checkpoint("tiny-olmoe")
+    main(["split", str(ck), "--expert-dir", str(tmp_path / "ed")])
+    assert json.loads(capsys.readouterr().out)["top_k"] == 4
+    for flags in (["--slots", "-1"], ["--budget-gb", "nan"], ["--max-tokens", "0"]):
+        with pytest.raises(SystemExit):
+            main(["bench", "--model", str(ck), *flags])
+        assert "must be" in capsys.readouterr().err

@@ -1,0 +1,171 @@
+"""Bad input raises an exception whose message names the file or value and the fix."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from mlx_lm import load
+
+from mlx_streaming import FileExpertStore, patch_model_filebacked, split_model
+from mlx_streaming.core.cache.expert_store import ExpertChecksumError
+from mlx_streaming.core.discovery import UnsupportedModelError
+from mlx_streaming.core.format import META_NAME, ExpertDirError, load_meta
+from mlx_streaming.verify import greedy_trace
+
+
+def _patch(ck, ed, **kw):
+    model, tok = load(str(ck), lazy=True)
+    store = FileExpertStore(ed, **kw)
+    d = load_meta(ed).dims
+    patch_model_filebacked(model, store, d["hidden"], d["moe_inter"], d["group_size"], d["bits"])
+    return model, tok, store
+
+
+@pytest.fixture
+def copy_of(models, tmp_path):
+    def make(arch="tiny-qwen3_moe"):
+        ck, ed = models.experts(arch)
+        dst = tmp_path / "experts"
+        shutil.copytree(ed, dst)
+        return ck, dst
+    return make
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(ExpertDirError, match=r"does not exist: split the model first"):
+        FileExpertStore(tmp_path / "nope", capacity=4)
+
+
+def test_missing_meta(copy_of):
+    ck, ed = copy_of()
+    (ed / META_NAME).unlink()
+    with pytest.raises(ExpertDirError, match=r"_split_meta.json is missing.*run the split again"):
+        FileExpertStore(ed, capacity=4)
+
+
+def test_malformed_meta(copy_of):
+    ck, ed = copy_of()
+    (ed / META_NAME).write_text("{not json")
+    with pytest.raises(ExpertDirError, match=r"not valid JSON"):
+        FileExpertStore(ed, capacity=4)
+
+
+def test_meta_from_another_model(models, copy_of):
+    ck, ed = copy_of()
+    other = models.checkpoint("tiny-qwen3_moe", seed=1)
+    model, _ = load(str(other), lazy=True)
+    store = FileExpertStore(ed, capacity=4)
+    d = load_meta(ed).dims
+    with pytest.raises(ExpertDirError, match=r"split from another model.*fingerprint differs"):
+        patch_model_filebacked(model, store, d["hidden"], d["moe_inter"], d["group_size"],
+                               d["bits"])
+    with pytest.raises(ExpertDirError, match=r"holds the experts of another model"):
+        split_model(other, ed)
+
+
+def test_truncated_record_file(copy_of):
+    ck, ed = copy_of()
+    meta = load_meta(ed)
+    f = meta.file(meta.moe_layers[-1])
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size - 100)
+    with pytest.raises(ExpertDirError, match=rf"{f.name} is truncated.*split the model again"):
+        FileExpertStore(ed, capacity=4)
+
+
+@pytest.mark.parametrize("mode", ["host", "device"])
+def test_checksum_mismatch_detected_on_read(copy_of, mode):
+    ck, ed = copy_of()
+    meta = load_meta(ed)
+    layer = meta.moe_layers[0]
+    lay = meta.layers[layer]
+    # corrupt every expert of the first MoE layer: whichever is routed to is caught
+    with open(meta.file(layer), "r+b") as fh:
+        for e in range(lay.num_experts):
+            fh.seek(e * lay.stride + lay.record_bytes // 2)
+            b = fh.read(1)
+            fh.seek(-1, 1)
+            fh.write(bytes([b[0] ^ 0xFF]))
+    model, tok, store = _patch(ck, ed, capacity=meta.top_k, pool_mode=mode)
+    with pytest.raises(ExpertChecksumError, match=rf"layer {layer} in .*layer_.*fails its checksum"):
+        greedy_trace(model, tok.encode("hello experts"), 2)
+    cache = store.caches[layer]
+    assert cache.resident == 0 and (cache.slot_of < 0).all()  # nothing bad marked resident
+    store.close()
+
+
+def test_capacity_below_top_k(copy_of):
+    ck, ed = copy_of()
+    k = load_meta(ed).top_k
+    with pytest.raises(ExpertDirError, match=rf"below top_k={k}.*use at least {k}"):
+        FileExpertStore(ed, capacity=k - 1)
+    with pytest.raises(ExpertDirError, match=r"positive integer"):
+        FileExpertStore(ed, capacity=0)
+
+
+def test_layer_caps_errors(copy_of):
+    ck, ed = copy_of()
+    meta = load_meta(ed)
+    with pytest.raises(ExpertDirError, match=r"layer_caps of 1 slots for layer"):
+        FileExpertStore(ed, capacity=8, layer_caps={meta.moe_layers[0]: 1})
+    with pytest.raises(ExpertDirError, match=r"not MoE layers"):
+        FileExpertStore(ed, capacity=8, layer_caps={999: 8})
+
+
+def test_unsupported_architecture(models, tmp_path):
+    ck = models.checkpoint("tiny-llama-dense")
+    with pytest.raises(UnsupportedModelError, match=r"model type 'llama' has no experts"):
+        split_model(ck, tmp_path / "x")
+    assert not (tmp_path / "x" / META_NAME).exists()
+
+
+def test_bits_disagree_with_meta(copy_of):
+    ck, ed = copy_of()
+    model, _ = load(str(ck), lazy=True)
+    store = FileExpertStore(ed, capacity=8)
+    d = load_meta(ed).dims
+    with pytest.raises(ExpertDirError, match=r"asked for bits=8.*stores bits=4.*authority"):
+        patch_model_filebacked(model, store, d["hidden"], d["moe_inter"], d["group_size"], 8)
+    with pytest.raises(ExpertDirError, match=r"hidden=7"):
+        patch_model_filebacked(model, store, 7, d["moe_inter"], d["group_size"], d["bits"])
+
+
+def test_meta_paths_confined(copy_of):
+    ck, ed = copy_of()
+    d = json.loads((ed / META_NAME).read_text())
+    first = next(iter(d["layers"]))
+    d["layers"][first]["file"] = "../../etc/passwd"
+    (ed / META_NAME).write_text(json.dumps(d))
+    with pytest.raises(ExpertDirError, match=r"not a plain name inside the expert directory"):
+        FileExpertStore(ed, capacity=8)
+
+
+def test_pin_limits(copy_of):
+    ck, ed = copy_of()
+    meta = load_meta(ed)
+    store = FileExpertStore(ed, capacity=meta.top_k + 1)
+    with pytest.raises(ValueError, match=r"leaves fewer than top_k"):
+        store.pin(meta.moe_layers[0], [0, 1])
+    with pytest.raises(ValueError, match=r"out of range"):
+        store.pin(meta.moe_layers[0], [meta.num_experts])
+    store.pin(meta.moe_layers[0], [0])
+    assert store.pinned_count() == 1
+    store.close()
+
+
+def test_budget_too_small(copy_of):
+    from mlx_streaming.budget import plan_budget
+
+    ck, ed = copy_of()
+    meta = load_meta(ed)
+    with pytest.raises(ValueError, match=r"raise --budget-gb to at least"):
+        plan_budget(meta, 1e-6)
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"positive number"):
+            plan_budget(meta, bad)
+    plan = plan_budget(meta, 1.0)
+    assert all(v == meta.num_experts for v in plan.slots.values())
+    assert np.isfinite(plan.pool_bytes)
