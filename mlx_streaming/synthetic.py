@@ -432,7 +432,9 @@ def make_checkpoint(
     model.set_dtype(getattr(mx, dtype))
     _shape_routers(model, p.router_scale, seed)
     if p.popularity and _sites_or_none(model):
+        model.set_dtype(mx.float32)  # calibrate in float32 (MLX's CPU gather_mm needs it);
         _popularity(model, _sites_or_none(model), tokenizer, seed, p.popularity)
+        model.set_dtype(getattr(mx, dtype))  # bf16 -> f32 -> bf16 round-trips exactly
     _silence_eos(model, [eos_id])
     if bits is not None:
         with contextlib.redirect_stdout(io.StringIO()):

@@ -142,3 +142,28 @@ def test_pool_updates_in_place(models):
     assert store.caches[layer].stats.evictions - before > 10
     assert np.array(arr, copy=False).ctypes.data == addr
     store.close()
+
+
+@pytest.mark.parametrize("kw", [{"bits": 8}, {"bits": None}, {"dtype": "bfloat16"},
+                                {"bits": 8, "group_size": 32}])
+def test_other_precisions(models, kw):
+    """8-bit, unquantized (float experts) and bf16 checkpoints stream exactly too."""
+    ck, ed = models.experts("tiny-qwen3_moe", **kw)
+    meta = load_meta(ed)
+    assert meta.dims["bits"] == kw.get("bits", 4)
+    model, store = patched(ck, ed, capacity=meta.top_k + 1)
+    assert_exact(model, ck)
+    store.close()
+
+
+def test_stacked_experts_are_dropped(models):
+    """After patching, no parameter holds all of a layer's experts: only pool slots."""
+    from mlx.utils import tree_flatten
+
+    ck, ed = models.experts("tiny-deepseek_v3")
+    meta = load_meta(ed)
+    model, store = patched(ck, ed, capacity=meta.top_k)
+    for path, arr in tree_flatten(model.parameters()):
+        if any(path.startswith(lay.module) for lay in meta.layers.values()):
+            assert ".experts." in path and arr.shape[0] == meta.top_k, path
+    store.close()
