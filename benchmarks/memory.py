@@ -72,10 +72,8 @@ def _imports():
 def phase_split(model: str, experts: str) -> dict:
     _imports()
     from mlx_streaming.core.format import load_meta
-    from mlx_streaming.core.mem import rss_bytes
+    from mlx_streaming.core.mem import peak_rss_bytes, rss_bytes
     from mlx_streaming.prep.split_experts import split_model
-
-    from mlx_streaming.core.mem import peak_rss_bytes
 
     base = rss_bytes()
     with RssSampler() as s:
