@@ -220,7 +220,6 @@ def _run(cfg: BenchConfig) -> dict:
         "read_s": round(totals["read_s"], 4),
         "read_gbps": round(totals["bytes_read"] / totals["read_s"] / 1e9, 3)
         if totals["read_s"] > 0 else None,
-        "verify_s": round(totals["verify_s"], 4),
         "host_syncs": totals["host_calls"],
         "gpu_fastpath": store._resident.gpu_fastpath,
         "gpu_fallback": store._resident.gpu_fallback,

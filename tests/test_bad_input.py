@@ -76,7 +76,7 @@ def test_truncated_record_file(copy_of):
         FileExpertStore(ed, capacity=4)
 
 
-@pytest.mark.parametrize("mode", ["host", "device"])
+@pytest.mark.parametrize("mode", ["host", "mlx"])
 def test_checksum_mismatch_detected_on_read(copy_of, mode):
     ck, ed = copy_of()
     meta = load_meta(ed)

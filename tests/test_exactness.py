@@ -12,6 +12,7 @@ from mlx_lm import load
 
 from mlx_streaming import FileExpertStore, patch_model_filebacked
 from mlx_streaming.core.format import load_meta
+from mlx_streaming.core.prefetch.patch import StreamOptions
 from mlx_streaming.model_builder import _int_keys
 from mlx_streaming.synthetic import TINY_ARCHS
 from mlx_streaming.verify import compare_traces, greedy_trace
@@ -23,13 +24,14 @@ TEXTS = ["Hi", "Experts stream from disk when the pool is small.",
          "the rest stay on disk until they are needed, and the cache keeps what was used."]
 
 
-def patched(ck, ed, **store_kw):
+def patched(ck, ed, options=None, **store_kw):
     model, _ = load(str(ck), lazy=True)
     store = FileExpertStore(ed, **store_kw)
     d = load_meta(ed).dims
     patch_model_filebacked(model, store, d["hidden"], d["moe_inter"], d["group_size"],
                            d["bits"], proj_bits=d.get("proj_bits"),
-                           layer_proj_bits=_int_keys(d.get("per_layer_proj_bits")))
+                           layer_proj_bits=_int_keys(d.get("per_layer_proj_bits")),
+                           options=options)
     return model, store
 
 
@@ -61,8 +63,12 @@ CONFIGS = {
                              "layer_caps": {m.moe_layers[0]: m.num_experts,
                                             m.moe_layers[-1]: m.top_k + 1}},
     "clear_on_evict": lambda m: {"capacity": m.top_k + 1, "clear_on_evict": True},
-    "device_pool": lambda m: {"capacity": m.top_k + 1, "pool_mode": "device"},
+    "mlx_pool": lambda m: {"capacity": m.top_k + 1, "pool_mode": "mlx"},
     "direct_io": lambda m: {"capacity": m.top_k + 1, "direct_io": True},
+    "no_overlap": lambda m: {"capacity": m.top_k + 1,
+                             "options": StreamOptions(overlap=False)},
+    "prefetch": lambda m: {"capacity": 2 * m.top_k,
+                           "options": StreamOptions(prefetch=True, prefetch_extra=1)},
 }
 
 
@@ -74,6 +80,11 @@ def test_streamed_equals_stock(models, arch, config):
     model, store = patched(ck, ed, **CONFIGS[config](meta))
     assert_exact(model, ck)
     assert store.misses > 0 and store.hits > 0
+    if config == "prefetch":
+        t = store.totals()
+        assert t["prefetched"] > 0 and t["prefetch_used"] > 0
+        rep = store.prefetcher.report()
+        assert 0 < rep["prediction_precision"] <= 1 and 0 < rep["prediction_recall"] <= 1
     if config == "slots=all":
         assert store.hit_rate() > 0.9  # after one load per layer, nothing misses
     store.close()
@@ -166,4 +177,36 @@ def test_stacked_experts_are_dropped(models):
     for path, arr in tree_flatten(model.parameters()):
         if any(path.startswith(lay.module) for lay in meta.layers.values()):
             assert ".experts." in path and arr.shape[0] == meta.top_k, path
+    store.close()
+
+
+def test_transition_prefetch_with_trace_routing(models, tmp_path):
+    """Trace replay + a transition predictor learned from the trace: still exact."""
+    from mlx_streaming.core.prefetch.predictor import TransitionPredictor
+    from mlx_streaming.trace import RoutingTrace, apply_trace_routing
+
+    ck, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    rng = np.random.default_rng(0)
+    L, E, k = len(meta.moe_layers), meta.num_experts, meta.top_k
+    # a trace with locality: each token keeps most of the previous token's experts
+    rows = [rng.choice(E, k, replace=False)]
+    for _ in range(400):
+        keep = rows[-1][: k - 1]
+        new = rng.choice(np.setdiff1d(np.arange(E), keep), 1)
+        rows.append(np.concatenate([keep[1:], new, keep[:1]]))
+    experts = np.stack([np.roll(np.array(rows), li, axis=1) for li in range(L)], axis=1)
+    trace = RoutingTrace(experts.astype(np.uint8), np.array([0, len(rows)]), E, "synthetic")
+    trace.save(tmp_path / "t.npz")
+    trace = RoutingTrace.load(tmp_path / "t.npz")
+    ref, tok = load(str(ck))
+    apply_trace_routing(ref, trace)
+    ids = tok.encode(TEXTS[2])
+    want = greedy_trace(ref, ids, NEW_TOKENS, PREFILL)
+    opts = StreamOptions(prefetch=True, predictor=TransitionPredictor.from_trace(trace, k))
+    model, store = patched(ck, ed, options=opts, capacity=k + 2)
+    apply_trace_routing(model, trace)
+    got = greedy_trace(model, ids, NEW_TOKENS, PREFILL)
+    assert compare_traces(want, got).exact
+    assert store.totals()["prefetch_used"] > 0
     store.close()

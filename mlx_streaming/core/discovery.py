@@ -42,6 +42,8 @@ class ExpertSite:
 
     @property
     def num_experts(self) -> int:
+        if self.streamed is not None:  # the module holds pool slots, not all experts
+            return self.streamed.num_experts
         return projections(self.module)[0][1].weight.shape[0]
 
 
@@ -118,7 +120,7 @@ def find_expert_sites(model: nn.Module, config: dict | None = None) -> list[Expe
         projs = projections(module)
         if not projs:
             raise UnsupportedModelError(f"{rel} in layer {li} has no SwitchLinear projections")
-        num_experts = projs[0][1].weight.shape[0]
+        num_experts = streamed.num_experts if streamed is not None else projs[0][1].weight.shape[0]
         router = _router(parent, attr, num_experts)
         sites.append(ExpertSite(
             layer=li,

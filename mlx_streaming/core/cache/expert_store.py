@@ -1,14 +1,16 @@
 """``FileExpertStore``: per-layer pools of expert slots filled from an expert directory.
 
-The store joins three parts that know nothing of each other: the slot tables and eviction
+The store joins parts that know nothing of each other: the slot tables and eviction
 policy (``slots``, ``policy``), the device arrays (``pool``) and the record reader
-(``io.reader``). A patched MoE layer asks it to make a group of experts resident
-(``fetch``); the store reads the misses, checks their checksums, writes them into the
-slots it reserved and only then marks them resident.
+(``io.reader``). A patched MoE layer asks it to make a group of experts resident: the
+store reserves slots, reads the misses on the reader's threads straight into them (or
+through staging), checks their checksums, and only then marks them resident. Loads can
+run in the background (``begin``/``Ticket.wait``, ``prefetch``) while the device works.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, fields
 
@@ -16,13 +18,13 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from ..format import ExpertDirError, ExpertMeta, load_meta, record_checksum
-from ..io.reader import RecordReader, aligned_buffer
+from ..format import ExpertDirError, ExpertMeta, load_meta
+from ..io.reader import RecordJob, RecordReader, aligned_buffer
 from .policy import make_policy
 from .pool import LayerPool
 from .slots import SlotCache
 
-STAGING_BYTES = 256 << 20  # largest staging batch (device mode, O_DIRECT)
+STAGING_BYTES = 256 << 20  # largest staging batch (mlx mode, O_DIRECT)
 
 
 class ExpertChecksumError(ExpertDirError):
@@ -35,12 +37,15 @@ class LayerStats:
 
     bytes_read: int = 0
     records_read: int = 0
-    read_s: float = 0.0
-    verify_s: float = 0.0
+    read_s: float = 0.0  # time the caller waited for demand reads
     device_calls: int = 0  # calls that read no routing on the host (layer complete)
     host_calls: int = 0  # calls that read the routing on the host (one sync each)
     fastpath: int = 0  # calls with every expert resident
     fallback: int = 0  # calls that loaded misses
+    prefetched: int = 0  # experts read ahead
+    prefetch_used: int = 0  # ... that a later call needed (misses avoided)
+    prefetch_on_time: int = 0  # ... that had arrived before they were needed
+    prefetch_bytes: int = 0
 
 
 class ResidentSet:
@@ -66,6 +71,52 @@ class ResidentSet:
         return sum(p.nbytes for p in self.pools.values())
 
 
+class _Staging:
+    """Page-aligned rows for records on their way to the pool (pinned in cuda mode)."""
+
+    def __init__(self, stride: int, pin: bool):
+        self.stride, self.pin = stride, pin
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+        self._keep = []
+
+    def take(self, n: int) -> list[np.ndarray]:
+        with self._lock:
+            if len(self._free) < n:
+                k = max(n - len(self._free), 8)
+                block = aligned_buffer(k * self.stride)
+                if self.pin:
+                    from ..io import cuda
+
+                    cuda.pin(block.ctypes.data, block.nbytes)
+                self._keep.append(block)
+                self._free += list(block.reshape(k, self.stride))
+            rows, self._free = self._free[:n], self._free[n:]
+            return rows
+
+    def give(self, rows: list[np.ndarray]) -> None:
+        with self._lock:
+            self._free += rows
+
+
+class Ticket:
+    """A load in flight: slots reserved, reads issued. ``wait`` finishes it."""
+
+    def __init__(self, store, layer, experts, misses, placed, future, rows, prefetch=False):
+        self.store, self.layer = store, layer
+        self.experts, self.misses, self.placed = experts, misses, placed
+        self.future, self.rows, self.prefetch = future, rows, prefetch
+        self.t0 = time.perf_counter()
+        self.done = False
+
+    def wait(self) -> int:
+        """Finish the load (commit, or abort and raise); returns the misses loaded."""
+        if not self.done:
+            self.done = True
+            self.store._finish(self)
+        return len(self.misses)
+
+
 class FileExpertStore:
     """Bounded per-layer pools of experts, loaded on demand from an expert directory.
 
@@ -74,15 +125,14 @@ class FileExpertStore:
         capacity: Slots per MoE layer (clipped to the layer's expert count).
         layer_caps: ``{layer: slots}`` overriding ``capacity`` for some layers.
         clear_on_evict: After a call that evicted experts, release MLX's buffer cache
-            (``mx.clear_cache``) so freed staging buffers go back to the system.
+            (``mx.clear_cache``) so freed buffers go back to the system.
         record: Count how often each expert is routed to (for ``hot``); forces the
             routing to be read on the host even where no miss is possible.
         policy: Eviction policy name (``lru``...).
         threads: ``pread`` threads.
         direct_io: Bypass the page cache (O_DIRECT / F_NOCACHE).
         verify: Check each record's checksum when it is read.
-        pool_mode: ``host`` (read straight into unified memory) or ``device`` (staging
-            buffer and device copies); default by backend (see ``pool.default_mode``).
+        pool_mode: ``host``, ``cuda`` or ``mlx`` (see ``pool``); default by backend.
 
     Raises:
         ExpertDirError: missing or invalid directory, or a capacity below top-k.
@@ -106,13 +156,17 @@ class FileExpertStore:
         self._resident = ResidentSet(
             {li: LayerPool(self.meta.layers[li], c, pool_mode) for li, c in caps.items()},
             self.stats)
+        self.pool_mode = next(iter(self._resident.pools.values())).mode
         self.reader = RecordReader(threads=threads, direct=direct_io)
         for li in caps:
             self.reader.open(li, self.meta.file(li), self.meta.layers[li].stride)
+        self._staging = {}
         self._counts = {li: np.zeros(self.meta.layers[li].num_experts, np.int64) for li in caps}
         self._pending_hits: list = []  # lazy device counts of device-path lookups
-        self._staging = aligned_buffer(0)
+        self._inflight: dict[int, list[Ticket]] = {li: [] for li in caps}  # prefetches
+        self._readers: dict[int, list] = {li: [] for li in caps}  # lazy outputs per layer
         self.observers: list = []  # callables(layer, host_ids) seeing host-read routing
+        self.prefetcher = None  # set by patch_model_filebacked when prefetch is on
 
     # ------------------------------------------------------------ set-up
     def _capacities(self, capacity, layer_caps) -> dict[int, int]:
@@ -145,6 +199,12 @@ class FileExpertStore:
     def pool(self, layer: int) -> LayerPool:
         return self._resident.pools[layer]
 
+    def _stage(self, layer: int) -> _Staging:
+        stride = self.meta.layers[layer].stride
+        if stride not in self._staging:
+            self._staging[stride] = _Staging(stride, pin=self.pool_mode == "cuda")
+        return self._staging[stride]
+
     # ------------------------------------------------------------ runtime
     def device_path(self, layer: int) -> bool:
         """True when a call needs no host routing: every expert resident, not recording."""
@@ -160,8 +220,7 @@ class FileExpertStore:
         if indices.size == k:  # one token: its k experts are distinct
             cache.stats.hits += k
         else:
-            E = cache.num_experts
-            seen = mx.zeros((E,), mx.int32).at[indices.reshape(-1)].add(1)
+            seen = mx.zeros((cache.num_experts,), mx.int32).at[indices.reshape(-1)].add(1)
             self._pending_hits.append((layer, (seen > 0).sum()))
 
     def _settle_hits(self) -> None:
@@ -174,31 +233,65 @@ class FileExpertStore:
 
     def plan(self, layer: int, host_ids: np.ndarray) -> list[np.ndarray]:
         """Distinct experts of one call's routing, in groups that each fit the pool."""
-        st = self.stats[layer]
-        st.host_calls += 1
+        self.stats[layer].host_calls += 1
         for obs in self.observers:
             obs(layer, host_ids)
         experts, counts = np.unique(host_ids, return_counts=True)
         if self.record:
             self._counts[layer][experts] += counts
+        self.settle(layer, experts)
         return self.caches[layer].groups(experts, counts)
 
-    def fetch(self, layer: int, experts: np.ndarray) -> int:
-        """Make distinct ``experts`` resident (they must fit); count the lookup.
-
-        Returns the number of misses loaded. On a read or checksum error nothing is
-        marked resident and the exception propagates.
-        """
+    def begin(self, layer: int, experts: np.ndarray) -> Ticket:
+        """Start making distinct ``experts`` resident (they must fit): reserve slots and
+        issue the reads. ``Ticket.wait()`` finishes; until then only the experts that
+        were already resident (``ticket.misses`` excluded) may be used."""
         cache = self.caches[layer]
         _, misses = cache.split(experts)
         load = misses
         if cache.capacity >= cache.num_experts:  # room for all: load the whole layer once
             load = cache.split(np.arange(cache.num_experts))[1]
-        evicted = self._load(layer, load, protect=set(experts.tolist()))
-        cache.access(experts, len(misses))
-        if evicted and self.clear_on_evict:
-            mx.clear_cache()
-        return len(misses)
+        placed = cache.reserve(np.sort(load), protect=set(experts.tolist()))
+        return self._issue(layer, experts, misses, placed, prefetch=False)
+
+    def fetch(self, layer: int, experts: np.ndarray) -> int:
+        """Make distinct ``experts`` resident now; returns the number of misses loaded."""
+        return self.begin(layer, experts).wait()
+
+    def prefetch(self, layer: int, experts, limit: int | None = None) -> int:
+        """Read ahead experts a coming call of ``layer`` is expected to need, into free
+        or evictable slots (never pinned ones, nor ``experts`` themselves). Best effort;
+        the next call of the layer settles them. Returns how many were issued."""
+        cache = self.caches[layer]
+        experts = np.asarray(experts, dtype=np.int64)
+        todo = [int(e) for e in experts if cache.slot_of[e] < 0 and e not in cache.pending]
+        if not todo:
+            return 0
+        placed = cache.reserve(todo, protect=set(experts.tolist()), limit=limit)
+        if not placed:
+            return 0
+        t = self._issue(layer, experts, np.array([e for e, _, _ in placed]), placed,
+                        prefetch=True)
+        self._inflight[layer].append(t)
+        st = self.stats[layer]
+        st.prefetched += len(placed)
+        st.prefetch_bytes += len(placed) * self.meta.layers[layer].record_bytes
+        return len(placed)
+
+    def settle(self, layer: int, needed: np.ndarray | None = None) -> None:
+        """Finish this layer's read-aheads; count those ``needed`` now."""
+        tickets, self._inflight[layer] = self._inflight[layer], []
+        need = set() if needed is None else set(needed.tolist())
+        st = self.stats[layer]
+        for t in tickets:
+            on_time = t.future.done()
+            try:
+                t.wait()
+            except Exception:  # noqa: BLE001 - a failed read-ahead is retried on demand
+                continue
+            used = need.intersection(t.misses.tolist())
+            st.prefetch_used += len(used)
+            st.prefetch_on_time += len(used) if on_time else 0
 
     def end_call(self, layer: int, misses: int) -> None:
         """Count a host-path call as fast (all resident) or fallback (loaded misses)."""
@@ -207,88 +300,90 @@ class FileExpertStore:
         else:
             self.stats[layer].fastpath += 1
 
-    def _staging_rows(self, n: int, stride: int) -> np.ndarray:
-        if self._staging.size < n * stride:
-            self._staging = aligned_buffer(n * stride)
-        return self._staging[: n * stride].reshape(n, stride)
+    def track_output(self, layer: int, y: mx.array) -> mx.array:
+        """Remember a lazy output that reads ``layer``'s pool: it is evaluated before the
+        pool is next written behind MLX's back (host and cuda modes)."""
+        if self.pool_mode != "mlx":
+            self._readers[layer].append(y)
+        return y
 
-    def _load(self, layer: int, misses: np.ndarray, protect: set) -> int:
-        """Read ``misses`` into reserved slots; returns how many experts were evicted."""
-        if len(misses) == 0:
-            return 0
-        cache = self.caches[layer]
-        placed = cache.reserve(np.sort(misses), protect)
-        lay = self.meta.layers[layer]
-        batch = max(1, min(len(placed), STAGING_BYTES // lay.stride))
-        try:
-            for i in range(0, len(placed), batch):
-                part = placed[i:i + batch]
-                ids, slots = [e for e, _, _ in part], [s for _, s, _ in part]
-                if self.pool(layer).mode == "host" and not self.reader.direct:
-                    self._load_direct(layer, ids, slots)
-                else:
-                    self._load_staged(layer, ids, slots)
-        except BaseException:
-            cache.abort(placed)  # no slot stays marked resident with bad or partial data
-            raise
-        cache.commit(placed)
-        return sum(1 for _, _, v in placed if v >= 0)
+    def _guard(self, layer: int) -> None:
+        if self._readers[layer]:
+            mx.eval(self._readers[layer])  # already evaluated in the usual flow: free
+            self._readers[layer].clear()
 
-    def _count_read(self, layer: int, t0: float, nbytes: int, n: int) -> None:
-        st = self.stats[layer]
-        st.read_s += time.perf_counter() - t0
-        st.bytes_read += nbytes
-        st.records_read += n
-
-    def _load_direct(self, layer: int, ids: list[int], slots: list[int]) -> None:
-        """Scatter-read records straight into their slot rows (unified memory)."""
+    # ------------------------------------------------------------ loading
+    def _issue(self, layer, experts, misses, placed, prefetch) -> Ticket:
         pool, lay = self.pool(layer), self.meta.layers[layer]
-        gaps = np.zeros((len(ids), pool.gap_bytes()), dtype=np.uint8)
-        iov = [pool.record_iovecs(s, gaps[i]) for i, s in enumerate(slots)]
-        t0 = time.perf_counter()
-        nbytes = self.reader.submit_scatter(layer, ids, iov, lay.record_bytes).result()
-        self._count_read(layer, t0, nbytes, len(ids))
-        if self.verify and lay.checksums:
-            t0 = time.perf_counter()
-            for e, vecs in zip(ids, iov):
+        if placed:
+            self._guard(layer)
+        if not placed:
+            return Ticket(self, layer, experts, misses, placed, _done_future(0), None, prefetch)
+        ids = [e for e, _, _ in placed]
+        slots = [s for _, s, _ in placed]
+        direct = pool.mode == "host" and not self.reader.direct
+        rows = None if direct else self._stage(layer).take(len(ids))
+        gaps = np.zeros((len(ids), pool.gap_bytes()), dtype=np.uint8) if direct else None
+        jobs = []
+        for i, (e, s) in enumerate(zip(ids, slots)):
+            if direct:
+                bufs = pool.record_bufs(s, gaps[i])
+            else:
+                bufs = [rows[i] if self.reader.direct else rows[i][: lay.record_bytes]]
+            jobs.append(RecordJob(e, bufs, self._after(layer, pool, e, s, bufs, rows, i)))
+        fut = self.reader.submit(layer, jobs)
+        return Ticket(self, layer, experts, misses, placed, fut, rows, prefetch)
+
+    def _after(self, layer, pool, expert, slot, bufs, rows, i):
+        """Work done on the reader thread once a record has landed."""
+        want = self.meta.layers[layer].checksums
+        nbytes = self.meta.layers[layer].record_bytes
+        check = self.verify and bool(want)
+
+        def after():
+            if check:
                 h = xxhash.xxh3_64()
-                for v in vecs:
-                    h.update(v)
-                self._check(layer, e, h.hexdigest())
-            self.stats[layer].verify_s += time.perf_counter() - t0
-        pool.set_lut(ids, slots)
-        pool.writes += len(ids)
+                left = nbytes
+                for b in bufs:
+                    h.update(b[:left])
+                    left -= min(left, b.nbytes)
+                if h.hexdigest() != want[expert]:
+                    raise ExpertChecksumError(
+                        f"expert {expert} of layer {layer} in {self.meta.file(layer)} fails its "
+                        f"checksum ({h.hexdigest()} != {want[expert]}): the file is corrupt; "
+                        "split the model again")
+            if pool.mode == "cuda":
+                pool.copy_record(slot, rows[i])
+            elif pool.mode == "host" and rows is not None:  # O_DIRECT: staging -> slot
+                for p in pool.layout.parts:
+                    pool._rows[p.name][slot] = rows[i][p.offset:p.offset + p.nbytes]
+        return after
 
-    def _load_staged(self, layer: int, ids: list[int], slots: list[int]) -> None:
-        """Read records into an aligned staging buffer, then into the pool."""
-        pool, lay = self.pool(layer), self.meta.layers[layer]
-        buf = self._staging_rows(len(ids), lay.stride)
-        t0 = time.perf_counter()
-        nbytes = self.reader.read(layer, ids, buf)
-        self._count_read(layer, t0, nbytes, len(ids))
-        if self.verify and lay.checksums:
-            t0 = time.perf_counter()
-            for row, e in enumerate(ids):
-                self._check(layer, e, record_checksum(memoryview(buf[row])[: lay.record_bytes]))
-            self.stats[layer].verify_s += time.perf_counter() - t0
-        if pool.mode == "host":  # O_DIRECT on unified memory: copy parts into the slots
-            for p in lay.parts:
-                dst = pool._host[p.name]
-                for row, s in enumerate(slots):
-                    dst[s] = buf[row, p.offset:p.offset + p.nbytes]
-            pool.set_lut(ids, slots)
-            pool.writes += len(ids)
-        else:
-            pool.write(ids, slots, buf)
-            mx.eval(pool.state())  # the staging buffer is reused by the next batch
-
-    def _check(self, layer: int, expert: int, got: str) -> None:
-        want = self.meta.layers[layer].checksums[expert]
-        if got != want:
-            raise ExpertChecksumError(
-                f"expert {expert} of layer {layer} in {self.meta.file(layer)} fails its "
-                f"checksum ({got} != {want}): the file is corrupt; split the model again"
-            )
+    def _finish(self, t: Ticket) -> None:
+        layer, cache, pool, st = t.layer, self.caches[t.layer], self.pool(t.layer), \
+            self.stats[t.layer]
+        try:
+            nbytes = t.future.result()
+            if t.placed and pool.mode == "mlx":
+                ids = [e for e, _, _ in t.placed]
+                pool.write(ids, [s for _, s, _ in t.placed], np.stack(t.rows))
+                mx.eval(pool.state())  # staging rows are reused next
+        except BaseException:
+            cache.abort(t.placed)  # no slot stays marked resident with bad or partial data
+            raise
+        finally:
+            if t.rows is not None:
+                self._stage(layer).give(t.rows)
+        if t.placed:
+            pool.set_lut([e for e, _, _ in t.placed], [s for _, s, _ in t.placed])
+        cache.commit(t.placed)
+        if not t.prefetch:
+            st.read_s += time.perf_counter() - t.t0
+            cache.access(t.experts, len(t.misses))
+            if any(v >= 0 for _, _, v in t.placed) and self.clear_on_evict:
+                mx.clear_cache()
+        st.bytes_read += nbytes
+        st.records_read += len(t.placed)
 
     # ------------------------------------------------------------ pinning / recording
     def pin(self, layer: int, ids) -> None:
@@ -305,8 +400,10 @@ class FileExpertStore:
                 f"{self.top_k} of its {cache.capacity} slots free; pin at most "
                 f"{cache.capacity - self.top_k} or raise the capacity"
             )
+        self.settle(layer)
         _, misses = cache.split(ids)
-        self._load(layer, misses, protect=set(ids.tolist()) | cache.pinned)
+        placed = cache.reserve(misses, protect=set(ids.tolist()) | cache.pinned)
+        self._issue(layer, ids, misses, placed, prefetch=True).wait()
         cache.pinned |= set(ids.tolist())
 
     def unpin(self, layer: int, ids=None) -> None:
@@ -378,13 +475,22 @@ class FileExpertStore:
         return out
 
     def totals(self) -> dict:
-        rep = self.layer_report().values()
-        keys = ["bytes_read", "records_read", "read_s", "verify_s", "device_calls",
-                "host_calls", "fastpath", "fallback", "hits", "misses", "evictions"]
-        return {k: sum(r[k] for r in rep) for k in keys}
+        rep = list(self.layer_report().values())
+        return {k: sum(r[k] for r in rep) for k in rep[0] if k not in ("slots",)}
 
     def close(self) -> None:
+        """Finish read-aheads and close the files."""
+        for li in self.caches:
+            self.settle(li)
         self.reader.close()
+
+
+def _done_future(value):
+    from concurrent.futures import Future
+
+    f = Future()
+    f.set_result(value)
+    return f
 
 
 def _check_count(what: str, v) -> None:

@@ -2,17 +2,19 @@
 
 Each record part (``gate_proj.weight``, ``gate_proj.scales``...) is one array of shape
 ``[slots, *part_shape]``, allocated once, and a lookup table ``lut[expert] = slot`` lets
-the routed expert ids be remapped to slots with one device gather. Fixed shapes also
-mean kernels compile once.
+routed expert ids become slot ids with one device gather. Fixed shapes also mean kernels
+compile once. Slots are filled without copying a pool array, in one of three ways:
 
-Two ways to fill slots, neither of which copies a whole pool array:
+* ``host`` (unified memory: CPU, Apple GPUs): records are ``preadv``'d straight into the
+  slot rows of the part arrays. Zero copies.
+* ``cuda`` (MLX's CUDA build keeps arrays in managed memory): records land in pinned host
+  buffers and a reader thread copies each part into its slot with ``cudaMemcpyAsync``.
+* ``mlx`` (anywhere): records land in a staging buffer, become one MLX array (one
+  host-to-device copy), and slice updates write the slots. In place only when MLX can
+  donate the pool buffer, which it cannot while earlier work still holds it.
 
-* ``host`` (unified memory: CPU and Apple GPUs): the reader ``preadv``s each record
-  straight into the slot rows of the part arrays (zero copies). MLX arrays on these
-  backends live in host-visible memory; the store writes a slot only at a point where
-  every computation that read it has finished (after the layer's routing was read).
-* ``device`` (discrete GPUs): records land in a host staging buffer, become one MLX
-  array (one host-to-device copy) and are written into their slots with slice updates.
+In the first two modes MLX never sees the writes, so the caller must only write a slot
+once every computation that read it has been evaluated (``StreamedExperts`` does).
 """
 
 from __future__ import annotations
@@ -21,13 +23,25 @@ import mlx.core as mx
 import numpy as np
 
 from ..format import DTYPES, LayerLayout
+from ..io import cuda
+from ..io.reader import aligned_buffer
+
+MODES = ("host", "cuda", "mlx")
 
 
 def default_mode() -> str:
-    """``host`` where MLX memory is host-visible (CPU, Metal), else ``device``."""
-    if mx.default_device() == mx.cpu:
+    """``host`` where MLX memory is host memory (CPU, Metal), ``cuda`` on MLX's CUDA
+    build when the CUDA runtime is reachable, else ``mlx``."""
+    if mx.default_device() == mx.cpu or mx.metal.is_available():
         return "host"
-    return "host" if mx.metal.is_available() else "device"
+    return "cuda" if cuda.available() else "mlx"
+
+
+def _host_view(arr: mx.array) -> np.ndarray:
+    """A writable byte view [rows, row_bytes] of an evaluated, contiguous MLX array."""
+    v = np.array(arr, copy=False)
+    assert v.flags.c_contiguous and v.flags.writeable
+    return v.reshape(v.shape[0], -1).view(np.uint8)
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
@@ -49,66 +63,76 @@ class LayerPool:
         self.layout = layout
         self.slots = slots
         self.mode = mode or default_mode()
-        if self.mode not in ("host", "device"):
-            raise ValueError(f"pool mode must be 'host' or 'device', got {self.mode!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"pool mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "cuda" and not cuda.available():
+            raise ValueError("pool mode 'cuda' needs the CUDA runtime (libcudart)")
         self.arrays: dict[str, mx.array] = {}
-        self._host: dict[str, np.ndarray] = {}  # writable byte views of the arrays (host mode)
+        self._rows: dict[str, np.ndarray] = {}  # host/cuda: byte view [slots, row_bytes]
         for p in layout.parts:
             np_dt, mx_dt = DTYPES[p.dtype]
             base = mx.array(np.zeros((slots, *p.shape), dtype=np_dt))  # contiguous, owned
             arr = base.view(mx_dt) if base.dtype != mx_dt else base
             mx.eval(arr)
             self.arrays[p.name] = arr
-            if self.mode == "host":
-                view = np.array(base, copy=False)
-                assert view.flags.c_contiguous and view.flags.writeable
-                self._host[p.name] = view.reshape(slots, -1).view(np.uint8)
+            if self.mode != "mlx":
+                self._rows[p.name] = _host_view(base)
         self.lut = mx.array(np.zeros(layout.num_experts, dtype=np.int32))
         mx.eval(self.lut)
-        self._lut_host = np.array(self.lut, copy=False) if self.mode == "host" else None
+        if self.mode == "host":
+            self._lut_host = np.array(self.lut, copy=False)
+        else:  # a host mirror (page-aligned, so that CUDA can pin it)
+            self._lut_host = aligned_buffer(4 * layout.num_experts).view(np.int32)
+        if self.mode == "cuda":
+            ptr = self._rows[layout.parts[0].name].ctypes.data
+            if not cuda.is_managed(ptr):
+                raise ValueError("MLX's CUDA arrays are not in managed memory here; use "
+                                 "pool mode 'mlx'")
+            cuda.pin(self._lut_host.ctypes.data, self._lut_host.nbytes)
+            self._lut_dev = np.array(self.lut, copy=False).ctypes.data
         self.writes = 0  # experts written into slots
-        self.write_ops = 0  # MLX update ops issued (device mode)
+        self.write_ops = 0  # MLX update ops issued (mlx mode)
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
 
-    # ---------------------------------------------------------------- host mode
-    def record_iovecs(self, slot: int, gaps: np.ndarray) -> list[memoryview]:
-        """Buffers that one record's bytes fill in order: the slot rows of each part,
-        with the record's alignment gaps going to ``gaps`` (a scratch row)."""
-        out, pos, g = [], 0, 0
-        for p in self.layout.parts:
-            if p.offset > pos:
-                n = p.offset - pos
-                out.append(memoryview(gaps[g:g + n]))
-                g += n
-            out.append(memoryview(self._host[p.name][slot]))
-            pos = p.offset + p.nbytes
-        return out
-
     def gap_bytes(self) -> int:
+        """Alignment padding inside one record (read, checksummed, then dropped)."""
         pos, total = 0, 0
         for p in self.layout.parts:
             total += max(0, p.offset - pos)
             pos = p.offset + p.nbytes
         return total
 
-    def set_lut(self, experts, slots) -> None:
-        """Point ``lut[experts]`` at ``slots``."""
-        if self._lut_host is not None:
-            self._lut_host[np.asarray(experts)] = np.asarray(slots, dtype=np.int32)
-        else:
-            self.lut[mx.array(np.asarray(experts, dtype=np.int32))] = mx.array(
-                np.asarray(slots, dtype=np.int32))
+    # ---------------------------------------------------------------- host mode
+    def record_bufs(self, slot: int, gaps: np.ndarray) -> list[memoryview]:
+        """Buffers one record's bytes fill in order: each part's slot row, with the
+        record's alignment gaps going to ``gaps`` (a scratch row)."""
+        out, pos, g = [], 0, 0
+        for p in self.layout.parts:
+            if p.offset > pos:
+                n = p.offset - pos
+                out.append(memoryview(gaps[g:g + n]))
+                g += n
+            out.append(memoryview(self._rows[p.name][slot]))
+            pos = p.offset + p.nbytes
+        return out
 
-    # ---------------------------------------------------------------- device mode
+    # ---------------------------------------------------------------- cuda mode
+    def copy_record(self, slot: int, record: np.ndarray) -> None:
+        """Copy one record's parts from a pinned host row into ``slot`` (reader thread)."""
+        src = record.ctypes.data
+        for p in self.layout.parts:
+            row = self._rows[p.name]
+            cuda.copy_to_device(row.ctypes.data + slot * row.shape[1], src + p.offset, p.nbytes)
+        cuda.synchronize()
+
+    # ---------------------------------------------------------------- mlx mode
     def write(self, experts: list[int], slots: list[int], records: np.ndarray) -> None:
-        """Place ``records[i]`` (raw record bytes) of ``experts[i]`` into ``slots[i]``.
-
-        One host-to-device copy for the batch, then per part one slice update per run of
-        consecutive slots. Lazy: nothing is evaluated here.
-        """
+        """Place ``records[i]`` (raw record bytes) of ``experts[i]`` into ``slots[i]``:
+        one host-to-device copy for the batch, then per part one slice update per run of
+        consecutive slots (lazy, evaluated with the next computation)."""
         n = len(experts)
         rec = mx.array(records[:n, : self.layout.record_bytes])  # [n, record_bytes] uint8
         runs = _runs(list(slots))
@@ -119,9 +143,25 @@ class LayerPool:
             for s, r, c in runs:
                 arr[s: s + c] = src[r: r + c]
                 self.write_ops += 1
-        self.set_lut(experts, slots)
-        self.writes += n
+
+    # ---------------------------------------------------------------- all modes
+    def set_lut(self, experts, slots) -> None:
+        """Point ``lut[experts]`` at ``slots``."""
+        e = np.asarray(experts, dtype=np.int64)
+        s = np.asarray(slots, dtype=np.int32)
+        self._lut_host[e] = s
+        if self.mode == "cuda":
+            cuda.copy_to_device(self._lut_dev, self._lut_host.ctypes.data, self._lut_host.nbytes)
+            cuda.synchronize()
+        elif self.mode == "mlx":
+            self.lut[mx.array(e.astype(np.int32))] = mx.array(s)
+        self.writes += len(e)
 
     def state(self) -> list[mx.array]:
-        """Arrays to evaluate to settle pending writes (device mode)."""
+        """Arrays to evaluate to settle pending MLX writes."""
         return [*self.arrays.values(), self.lut]
+
+    def data_pointers(self) -> dict[str, int]:
+        """Address of each part array's buffer (to show that writes are in place)."""
+        return {k: np.array(v if v.dtype != mx.bfloat16 else v.view(mx.uint16),
+                            copy=False).ctypes.data for k, v in self.arrays.items()}

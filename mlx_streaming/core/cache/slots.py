@@ -2,9 +2,10 @@
 
 Pure bookkeeping on the host, shared by the live store (which adds reads and device
 writes) and the trace simulator, so both count hits, misses and evictions identically.
-Placing experts is two-phase: ``reserve`` picks slots without changing anything, the
-caller loads the data, then ``commit`` makes it resident; a failed load leaves the table
-as it was.
+Placing experts is two-phase: ``reserve`` evicts the victims and marks the chosen slots
+pending (the data is not there yet), the caller loads the data, then ``commit`` makes
+the experts resident, or ``abort`` frees the slots if the load failed. A slot is never
+marked resident before its data is in place.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ class CacheStats:
         return self.hits + self.misses
 
 
+Placement = tuple[int, int, int]  # (expert, slot, evicted expert or -1)
+
+
 class SlotCache:
     """Slot table of one layer with ``capacity`` slots for ``num_experts`` experts."""
 
@@ -38,12 +42,13 @@ class SlotCache:
         self.slot_of = np.full(num_experts, -1, dtype=np.int32)
         self.expert_in = np.full(capacity, -1, dtype=np.int32)
         self._free = list(range(capacity - 1, -1, -1))
+        self.pending: dict[int, int] = {}  # expert -> slot being loaded
         self.pinned: set[int] = set()
         self.stats = CacheStats()
 
     @property
     def resident(self) -> int:
-        return self.capacity - len(self._free)
+        return self.capacity - len(self._free) - len(self.pending)
 
     @property
     def complete(self) -> bool:
@@ -54,7 +59,7 @@ class SlotCache:
         return np.nonzero(self.slot_of >= 0)[0]
 
     def split(self, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(resident, missing) among distinct ``experts``."""
+        """(resident, not resident) among distinct ``experts``."""
         r = self.slot_of[experts] >= 0
         return experts[r], experts[~r]
 
@@ -74,7 +79,6 @@ class SlotCache:
         counts = np.ones(len(experts)) if counts is None else counts
         pinned = np.array([e in self.pinned for e in experts.tolist()], dtype=bool)
         resident = self.slot_of[experts] >= 0
-        # order: pinned, resident, then misses by ascending count
         key = np.where(pinned, 0, np.where(resident, 1, 2))
         order = np.lexsort((counts, key))
         pins, rest = experts[order][pinned[order]], experts[order][~pinned[order]]
@@ -84,44 +88,46 @@ class SlotCache:
         out += [rest[i:i + room] for i in range(room, len(rest), room)]
         return out
 
-    def reserve(self, misses: np.ndarray, protect: set[int]) -> list[tuple[int, int, int]]:
-        """Slots for ``misses``: ``(expert, slot, evicted expert or -1)``; nothing changes."""
-        n_free = min(len(misses), len(self._free))
-        slots = [(s, -1) for s in self._free[::-1][:n_free]]
-        need = len(misses) - n_free
-        if need:
-            victims = self.policy.victims(need, protect | self.pinned)
-            if len(victims) < need:
+    def reserve(self, experts, protect: set[int], limit: int | None = None) -> list[Placement]:
+        """Take slots for ``experts`` (not resident, not pending): free slots first, then
+        the policy's victims outside ``protect`` and the pins. Victims leave now; the
+        slots are pending until ``commit``/``abort``. With ``limit``, place at most that
+        many (best effort, for prefetch); otherwise all or raise."""
+        want = [int(e) for e in experts]
+        n = len(want) if limit is None else min(len(want), limit)
+        slots = [(s, -1) for s in self._free[::-1][:n]]
+        if len(slots) < n:
+            victims = self.policy.victims(n - len(slots), protect | self.pinned)
+            if len(victims) < n - len(slots) and limit is None:
                 raise RuntimeError(
-                    f"cannot place {len(misses)} experts: {self.capacity} slots, "
-                    f"{len(self.pinned)} pinned, {len(protect)} in use by this call"
-                )
+                    f"cannot place {len(want)} experts: {self.capacity} slots, "
+                    f"{len(self.pinned)} pinned, {len(protect)} in use by this call")
             slots += [(int(self.slot_of[v]), v) for v in victims]
-        return [(int(e), s, v) for e, (s, v) in zip(misses.tolist(), slots)]
-
-    def commit(self, placements: list[tuple[int, int, int]]) -> None:
-        """Make reserved placements resident (their data is in place)."""
-        for e, s, v in placements:
+        placed = [(e, s, v) for e, (s, v) in zip(want, slots)]
+        for e, s, v in placed:
             if v >= 0:
                 self.slot_of[v] = -1
                 self.policy.remove(v)
                 self.stats.evictions += 1
             else:
                 self._free.remove(s)
-            self.slot_of[e] = s
             self.expert_in[s] = e
+            self.pending[e] = s
+        return placed
+
+    def commit(self, placements: list[Placement]) -> None:
+        """Reserved experts are loaded: make them resident."""
+        for e, s, _ in placements:
+            del self.pending[e]
+            self.slot_of[e] = s
             self.policy.insert(e)
 
-    def abort(self, placements: list[tuple[int, int, int]]) -> None:
-        """A load into reserved slots failed: their previous experts may be overwritten,
-        so they leave the pool (the slots become free); nothing new becomes resident."""
-        for _, s, v in placements:
-            if v >= 0 and self.slot_of[v] == s:
-                self.slot_of[v] = -1
+    def abort(self, placements: list[Placement]) -> None:
+        """A load failed: its slots become free; nothing new becomes resident."""
+        for e, s, _ in placements:
+            if self.pending.pop(e, None) is not None:
                 self.expert_in[s] = -1
-                self.policy.remove(v)
                 self._free.append(s)
-                self.stats.evictions += 1
 
     def access(self, experts: np.ndarray, n_misses: int) -> None:
         """Count one lookup of distinct ``experts`` of which ``n_misses`` missed."""
@@ -130,7 +136,7 @@ class SlotCache:
         self.stats.misses += n_misses
         self.policy.access(experts.tolist())
 
-    def lookup(self, experts: np.ndarray) -> list[tuple[int, int, int]]:
+    def lookup(self, experts: np.ndarray) -> list[Placement]:
         """Simulate one call: reserve, commit and count. Returns the placements."""
         _, misses = self.split(experts)
         placed = self.reserve(misses, set(experts.tolist()))

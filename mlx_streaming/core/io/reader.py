@@ -1,10 +1,11 @@
-"""Fixed-stride record reads with a pool of ``pread`` threads.
+"""Fixed-stride record reads with a pool of ``preadv`` threads.
 
 The reader knows files, strides and byte ranges, nothing of experts or caches. A batch of
-record ids is sorted into runs of adjacent records, each run becomes one ``preadv`` (the
-GIL is released during it) into a caller-supplied, page-aligned buffer, and the runs are
-issued together on a thread pool. ``direct=True`` bypasses the page cache (``O_DIRECT`` on
-Linux, ``F_NOCACHE`` on macOS).
+``RecordJob``s (record id, the buffers its bytes go to, an optional step to run once they
+have landed) is sorted into runs of adjacent records; each run becomes one ``preadv``
+(the GIL is released during it) and the runs are issued together on a thread pool.
+``direct=True`` bypasses the page cache (``O_DIRECT`` on Linux, ``F_NOCACHE`` on macOS);
+O_DIRECT needs page-aligned buffers that each take whole records.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ import sys
 import threading
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 MAX_RUN_BYTES = 8 << 20  # a merged run is split beyond this, to spread it over threads
-INLINE_BYTES = 512 << 10  # batches smaller than this are read on the calling thread
+INLINE_BYTES = 256 << 10  # batches smaller than this are read on the calling thread
 IOV_MAX = 1024
 
 
@@ -37,11 +39,25 @@ def aligned_buffer(nbytes: int) -> np.ndarray:
 
 
 @dataclass
+class RecordJob:
+    """Read record ``id``'s first bytes into ``bufs`` (in order), then run ``after``."""
+
+    id: int
+    bufs: list
+    after: Callable[[], None] | None = None
+    nbytes: int = field(init=False, default=0)
+
+    def __post_init__(self):
+        self.bufs = [memoryview(b).cast("B") for b in self.bufs]
+        self.nbytes = sum(b.nbytes for b in self.bufs)
+
+
+@dataclass
 class ReadStats:
     reads: int = 0  # preadv calls
     records: int = 0
     bytes: int = 0
-    seconds: float = 0.0  # wall time of read batches
+    seconds: float = 0.0  # wall time of read batches (overlapping batches both count)
 
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
@@ -57,6 +73,7 @@ class RecordReader:
         self._files: dict = {}  # key -> (fd, stride, path)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="mlxs-read")
         self._lock = threading.Lock()
+        self._sink = memoryview(bytearray(0))
 
     def open(self, key, path: str | Path, stride: int) -> None:
         """Register ``path`` under ``key`` with its record stride."""
@@ -78,133 +95,86 @@ class RecordReader:
 
             fcntl.fcntl(fd, fcntl.F_NOCACHE, 1)
         self._files[key] = (fd, stride, path)
+        if len(self._sink) < stride:
+            self._sink = memoryview(bytearray(stride))
 
     def stride(self, key) -> int:
         return self._files[key][1]
 
-    def _runs(self, key, ids) -> list[tuple[int, int, int]]:
-        """(first id, row in output, count) of adjacent-id runs, split at MAX_RUN_BYTES."""
-        stride = self._files[key][1]
-        per = max(1, MAX_RUN_BYTES // stride)
-        runs, i, n = [], 0, len(ids)
-        while i < n:
-            j = i + 1
-            while j < n and ids[j] == ids[j - 1] + 1 and j - i < per:
-                j += 1
-            runs.append((int(ids[i]), i, j - i))
-            i = j
+    def _runs(self, stride: int, jobs: list[RecordJob]) -> list[list[RecordJob]]:
+        """Adjacent records whose reads can be one preadv (padding goes to a sink)."""
+        runs: list[list[RecordJob]] = []
+        for j in sorted(jobs, key=lambda j: j.id):
+            r = runs[-1] if runs else None
+            if (r and j.id == r[-1].id + 1 and (len(r) + 1) * stride <= MAX_RUN_BYTES
+                    and sum(len(x.bufs) + 1 for x in r) + len(j.bufs) <= IOV_MAX
+                    and not self.direct):
+                r.append(j)
+            else:
+                runs.append([j])
         return runs
 
-    def _read_run(self, fd, path, stride, first, row, count, out) -> int:
-        view = memoryview(out[row:row + count]).cast("B")
-        want = count * stride
-        got = 0
-        while got < want:
-            n = os.preadv(fd, [view[got:]], first * stride + got)
-            if n <= 0:
-                raise RecordReadError(
-                    5, f"short read of {path} at record {first} ({got} of {want} bytes): "
-                    "the expert file is truncated; split the model again")
-            got += n
-        return want
+    def _read_run(self, fd, path, stride, run: list[RecordJob]) -> int:
+        vecs = []
+        for i, j in enumerate(run):
+            if i and stride > run[i - 1].nbytes:
+                vecs.append(self._sink[: stride - run[i - 1].nbytes])
+            vecs.extend(j.bufs)
+        offset = run[0].id * stride
+        want = sum(v.nbytes for v in vecs)
+        got = os.preadv(fd, vecs, offset)
+        if got != want:
+            self._finish_short(fd, path, vecs, offset, got)
+        for j in run:
+            if j.after is not None:
+                j.after()
+        return sum(j.nbytes for j in run)
 
-    def read(self, key, ids, out: np.ndarray) -> int:
-        """Read records ``ids`` (ascending) into rows of ``out`` (``[len(ids), stride]``).
+    @staticmethod
+    def _finish_short(fd, path, vecs, offset, got) -> None:
+        pos = 0
+        for v in vecs:
+            end = pos + v.nbytes
+            start = max(got - pos, 0)
+            while start < v.nbytes:
+                k = os.preadv(fd, [v[start:]], offset + pos + start)
+                if k <= 0:
+                    raise RecordReadError(
+                        5, f"short read of {path} at byte {offset + pos + start}: the expert "
+                        "file is truncated; split the model again")
+                start += k
+            pos = end
 
-        Returns the number of bytes read. Raises ``RecordReadError`` on failure.
-        """
-        return self.submit(key, ids, out).result()
-
-    def submit(self, key, ids, out: np.ndarray) -> Future:
-        """Start reading; the future's result is the byte count."""
+    def submit(self, key, jobs: list[RecordJob]) -> Future:
+        """Start reading ``jobs``; the future's result is the byte count. A failing job
+        (read error, or an exception from its ``after``) fails the future."""
         fd, stride, path = self._files[key]
-        assert out.shape[1] == stride and len(out) >= len(ids)
-        runs = self._runs(key, ids)
+        runs = self._runs(stride, jobs)
         t0 = time.perf_counter()
-        total = len(ids) * stride
 
         def finish(nbytes: int) -> int:
             with self._lock:
                 self.stats.reads += len(runs)
-                self.stats.records += len(ids)
+                self.stats.records += len(jobs)
                 self.stats.bytes += nbytes
                 self.stats.seconds += time.perf_counter() - t0
             return nbytes
 
-        if total <= INLINE_BYTES or (len(runs) == 1 and self.threads == 1):
+        total = sum(j.nbytes for j in jobs)
+        if total <= INLINE_BYTES or len(runs) == 1 or self.threads == 1:
             fut: Future = Future()
             try:
-                fut.set_result(finish(sum(self._read_run(fd, path, stride, *r, out)
-                                          for r in runs)))
-            except OSError as e:
+                fut.set_result(finish(sum(self._read_run(fd, path, stride, r) for r in runs)))
+            except Exception as e:  # noqa: BLE001 - handed to the caller through the future
                 fut.set_exception(e)
             return fut
-        parts = [self._pool.submit(self._read_run, fd, path, stride, *r, out) for r in runs]
-        return _Gather(parts, finish)
+        return _Gather([self._pool.submit(self._read_run, fd, path, stride, r) for r in runs],
+                       finish)
 
-    def submit_scatter(self, key, ids, iovecs: list[list], record_bytes: int) -> Future:
-        """Start reading the first ``record_bytes`` of records ``ids`` (ascending) into
-        per-record buffer lists ``iovecs[i]`` (a scatter read; adjacent records are
-        merged into one ``preadv``, the padding between them read into a sink)."""
-        fd, stride, path = self._files[key]
-        pad = stride - record_bytes
-        sink = memoryview(bytearray(pad)) if pad else None
-        jobs, i, n = [], 0, len(ids)
-        while i < n:
-            vecs, first = list(iovecs[i]), int(ids[i])
-            j = i + 1
-            while (j < n and ids[j] == ids[j - 1] + 1 and (j - i) * stride < MAX_RUN_BYTES
-                   and len(vecs) + len(iovecs[j]) + 1 <= IOV_MAX):
-                if sink is not None:
-                    vecs.append(sink)
-                vecs.extend(iovecs[j])
-                j += 1
-            jobs.append((first, vecs))
-            i = j
-        t0 = time.perf_counter()
-        total = n * record_bytes
-
-        def run(first, vecs) -> int:
-            want = sum(v.nbytes for v in vecs)
-            got = os.preadv(fd, vecs, first * stride)
-            if got != want:  # rare: finish a short read buffer by buffer
-                got = self._finish_short(fd, path, vecs, first * stride, got, want)
-            return got
-
-        def finish(nbytes: int) -> int:
-            with self._lock:
-                self.stats.reads += len(jobs)
-                self.stats.records += n
-                self.stats.bytes += nbytes
-                self.stats.seconds += time.perf_counter() - t0
-            return nbytes
-
-        if total <= INLINE_BYTES or len(jobs) == 1 or self.threads == 1:
-            fut: Future = Future()
-            try:
-                fut.set_result(finish(sum(run(*j) for j in jobs)))
-            except OSError as e:
-                fut.set_exception(e)
-            return fut
-        return _Gather([self._pool.submit(run, *j) for j in jobs], finish)
-
-    @staticmethod
-    def _finish_short(fd, path, vecs, offset, got, want) -> int:
-        flat = [memoryview(v).cast("B") for v in vecs]
-        pos = 0
-        for v in flat:
-            end = pos + v.nbytes
-            if got < end:
-                start = max(got - pos, 0)
-                while start < v.nbytes:
-                    k = os.preadv(fd, [v[start:]], offset + pos + start)
-                    if k <= 0:
-                        raise RecordReadError(
-                            5, f"short read of {path} at byte {offset + pos + start}: the "
-                            "expert file is truncated; split the model again")
-                    start += k
-            pos = end
-        return want
+    def read(self, key, ids, out: np.ndarray) -> int:
+        """Read whole records ``ids`` into rows of ``out`` ([n, stride]); returns bytes."""
+        jobs = [RecordJob(int(e), [out[i]]) for i, e in enumerate(ids)]
+        return self.submit(key, jobs).result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -215,7 +185,7 @@ class RecordReader:
     def __del__(self):
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001
             pass
 
 
@@ -226,13 +196,14 @@ class _Gather(Future):
         super().__init__()
         self._parts, self._finish = parts, finish
 
+    def done(self):
+        return super().done() or all(p.done() for p in self._parts)
+
     def result(self, timeout=None):
-        if not self.done():
+        if not super().done():
+            wait(self._parts, timeout)  # every read has stopped writing before we report
             try:
-                self.set_result(self._finish(sum(p.result(timeout) for p in self._parts)))
-            except OSError as e:
+                self.set_result(self._finish(sum(p.result(0) for p in self._parts)))
+            except Exception as e:  # noqa: BLE001
                 self.set_exception(e)
         return super().result(timeout)
-
-    def done(self):
-        return super().done()

@@ -5,9 +5,17 @@ its projections change, to the same mlx-lm classes sized to the layer's pool of 
 backed by the pool's arrays. ``StreamedExperts`` wraps it: it maps routed expert ids to
 slots, loading misses first, and calls the wrapped module with slot ids. Every row is the
 same matmul on the same bytes as in stock mlx-lm, so outputs are bit-identical.
+
+Per call: a layer whose experts are all resident needs no host work at all (the ids are
+remapped on the device). Otherwise the routing is read once (one host sync, together
+with the next layer's predicted experts when prefetch is on), the misses are read on the
+reader's threads while the resident experts' rows already compute, and the next layer's
+predicted experts are read ahead.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,6 +32,25 @@ from ..discovery import (
     projections,
 )
 from ..format import ExpertDirError, LayerLayout
+from .predictor import Prefetcher, RouterPredictor
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """How patched layers dispatch (all paths give identical outputs).
+
+    overlap: compute the resident experts' rows while the misses load (None: where the
+        pool is written without MLX, i.e. host and cuda modes).
+    prefetch: read the next layer's predicted experts ahead.
+    predictor: ``router`` (the next router on the current input) or a predictor object
+        (e.g. ``TransitionPredictor``).
+    prefetch_extra: predict ``top_k + prefetch_extra`` experts per token.
+    """
+
+    overlap: bool | None = None
+    prefetch: bool = False
+    predictor: object = "router"
+    prefetch_extra: int = 0
 
 
 class StreamedExperts(nn.Module):
@@ -31,11 +58,16 @@ class StreamedExperts(nn.Module):
 
     is_streamed_experts = True
 
-    def __init__(self, experts: nn.Module, store: FileExpertStore, layer: int):
+    def __init__(self, experts: nn.Module, store: FileExpertStore, layer: int, pos: int,
+                 overlap: bool, prefetcher: Prefetcher | None):
         super().__init__()
         self.experts = experts  # the layer's SwitchGLU / SwitchMLP over pool slots
-        self.layer = layer
-        self._store = store
+        self.layer, self.pos = layer, pos
+        self._store, self._overlap, self._prefetcher = store, overlap, prefetcher
+
+    @property
+    def num_experts(self) -> int:
+        return self._store.caches[self.layer].num_experts
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         store, layer = self._store, self.layer
@@ -43,12 +75,47 @@ class StreamedExperts(nn.Module):
         if store.device_path(layer):  # nothing can miss: no host sync at all
             store.note_device_call(layer, indices)
             return self.experts(x, pool.lut[indices])
+        pf = self._prefetcher
+        guess = pf.lazy(self.pos, x, indices) if pf else None
+        if guess is not None:
+            mx.eval(indices, guess)
         host = np.array(indices)  # the one host synchronisation of this layer
         groups = store.plan(layer, host)
-        if len(groups) == 1:
-            store.end_call(layer, store.fetch(layer, groups[0]))
-            return self.experts(x, pool.lut[indices])
-        return self._expert_major(x, indices, host, groups)
+        if len(groups) > 1:
+            y = self._expert_major(x, indices, host, groups)
+            if pf:
+                pf.step(self.pos, host, None)
+            return store.track_output(layer, y)
+        ticket = store.begin(layer, groups[0])
+        if pf:
+            pf.step(self.pos, host, None if guess is None else np.array(guess))
+        if len(ticket.misses) and self._overlap and len(ticket.misses) < len(groups[0]):
+            y = self._overlapped(x, indices, host, ticket)
+        else:
+            ticket.wait()
+            y = self.experts(x, pool.lut[indices])
+        store.end_call(layer, len(ticket.misses))
+        return store.track_output(layer, y)
+
+    def _rows(self, xf, flat, rows, k):
+        """The experts' output for (token, choice) rows ``rows`` only: [n, D]."""
+        slots = self._store.pool(self.layer).lut[mx.array(flat[rows])][:, None]  # [n, 1]
+        return self.experts(xf[mx.array(rows // k)], slots)[:, 0]
+
+    def _overlapped(self, x, indices, host, ticket) -> mx.array:
+        """Resident experts' rows compute while the misses are read."""
+        k = indices.shape[-1]
+        xf, flat = x.reshape(-1, x.shape[-1]), host.reshape(-1)  # [T, D], [T*k]
+        miss = np.isin(flat, ticket.misses)
+        hit_rows, miss_rows = np.nonzero(~miss)[0], np.nonzero(miss)[0]
+        y_hit = self._rows(xf, flat, hit_rows, k)
+        mx.async_eval(y_hit)
+        ticket.wait()
+        y_miss = self._rows(xf, flat, miss_rows, k)
+        out = mx.zeros((flat.size, y_hit.shape[-1]), dtype=y_hit.dtype)
+        out[mx.array(hit_rows)] = y_hit
+        out[mx.array(miss_rows)] = y_miss
+        return out.reshape(*indices.shape, -1)
 
     def _expert_major(self, x, indices, host, groups) -> mx.array:
         """More distinct experts than slots: run the rows of one group at a time.
@@ -56,22 +123,19 @@ class StreamedExperts(nn.Module):
         Each expert is read at most once per call; rows are computed exactly as in the
         one-shot path and scattered back to their place.
         """
-        store, layer, pool = self._store, self.layer, self._store.pool(self.layer)
+        store, layer = self._store, self.layer
         k = indices.shape[-1]
-        xf = x.reshape(-1, x.shape[-1])  # [T, D]
-        flat = host.reshape(-1)  # [T*k] routed expert of each (token, choice) row
+        xf, flat = x.reshape(-1, x.shape[-1]), host.reshape(-1)
         out, misses = None, 0
         for g in groups:
             misses += store.fetch(layer, g)
             rows = np.nonzero(np.isin(flat, g))[0]
-            slots = pool.lut[mx.array(flat[rows])][:, None]  # [n, 1]
-            y = self.experts(xf[mx.array(rows // k)], slots)[:, 0]  # [n, D]
+            y = self._rows(xf, flat, rows, k)
             if out is None:
                 out = mx.zeros((flat.size, y.shape[-1]), dtype=y.dtype)
             out[mx.array(rows)] = y
-            del y, slots  # drop every reference to the pool before the next group writes it
+            del y  # drop every reference to the pool before the next group writes it
             mx.eval(out)
-            mx.synchronize()
         store.end_call(layer, misses)
         return out.reshape(*indices.shape, -1)
 
@@ -157,7 +221,8 @@ def _validate(store: FileExpertStore, sites: list[ExpertSite], model, hidden, mo
 def patch_model_filebacked(model: nn.Module, store: FileExpertStore, hidden: int,
                            moe_inter: int, group_size: int | None, bits: int | None,
                            proj_bits: dict | None = None,
-                           layer_proj_bits: dict | None = None) -> int:
+                           layer_proj_bits: dict | None = None,
+                           options: StreamOptions | None = None) -> int:
     """Swap every MoE layer's experts for file-backed ones served by ``store``.
 
     The stacked expert weights are dropped without being read, so a model loaded with
@@ -170,6 +235,7 @@ def patch_model_filebacked(model: nn.Module, store: FileExpertStore, hidden: int
         group_size, bits: Expert quantization (``bits=None`` for float experts).
         proj_bits: ``{projection: bits}`` when projections differ.
         layer_proj_bits: ``{layer: {projection: bits}}`` when layers differ.
+        options: Dispatch options (overlap, prefetch); see ``StreamOptions``.
 
     Returns:
         The number of patched MoE layers.
@@ -179,16 +245,27 @@ def patch_model_filebacked(model: nn.Module, store: FileExpertStore, hidden: int
             disagree with its meta (which is the authority).
         UnsupportedModelError: the model has no SwitchGLU/SwitchMLP experts.
     """
+    options = options or StreamOptions()
     sites = find_expert_sites(model)
     if any(s.streamed is not None for s in sites):
         raise ValueError("the model is already patched: load it again to patch it with "
                          "another store")
     _validate(store, sites, model, hidden, moe_inter, group_size, bits, proj_bits,
               layer_proj_bits)
-    for s in sites:
+    prefetcher = None
+    if options.prefetch:
+        pred = options.predictor
+        if pred == "router":
+            pred = RouterPredictor([s.router for s in sites],
+                                   store.top_k + options.prefetch_extra)
+        prefetcher = Prefetcher(store, [s.layer for s in sites], pred)
+    store.prefetcher = prefetcher
+    overlap = options.overlap if options.overlap is not None else store.pool_mode != "mlx"
+    for pos, s in enumerate(sites):
         arrays = store.pool(s.layer).arrays
         lay = store.meta.layers[s.layer]
         new = {name: _pool_projection(p, name, lay, arrays) for name, p in projections(s.module)}
         s.module.update_modules(new)
-        s.parent.update_modules({s.attr: StreamedExperts(s.module, store, s.layer)})
+        s.parent.update_modules({s.attr: StreamedExperts(s.module, store, s.layer, pos,
+                                                         overlap, prefetcher)})
     return len(sites)

@@ -1,0 +1,123 @@
+"""Host-to-device copies into MLX's CUDA memory, off the main thread.
+
+MLX's CUDA backend allocates arrays with ``cudaMallocManaged``: one address, valid on host
+and device. Writing a slot from the host would migrate pages back and forth, so instead
+records are read into page-locked (pinned) host buffers and copied with
+``cudaMemcpyAsync`` on a non-blocking stream per reader thread, at PCIe speed, with the
+GIL released (ctypes drops it around foreign calls). MLX never sees these copies: the
+store only marks a slot resident after its copy has been synchronized.
+
+Everything here is optional: ``available()`` is False without a CUDA runtime, and the
+store then writes slots with MLX operations instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import os
+import threading
+
+_lib = None
+_lock = threading.Lock()
+_local = threading.local()
+H2D = 1  # cudaMemcpyHostToDevice
+NON_BLOCKING = 1  # cudaStreamNonBlocking
+ATTR_MANAGED = 3  # cudaMemoryTypeManaged
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+def _candidates() -> list[str]:
+    names = []
+    found = ctypes.util.find_library("cudart")
+    if found:
+        names.append(found)
+    for pat in ("/usr/local/cuda*/lib64/libcudart.so*", "/usr/lib/x86_64-linux-gnu/libcudart.so*"):
+        names += sorted(glob.glob(pat), reverse=True)
+    try:  # the runtime shipped with MLX's CUDA wheel, if any
+        import mlx
+
+        root = os.path.dirname(os.path.dirname(mlx.__file__))
+        names += sorted(glob.glob(os.path.join(root, "nvidia", "cu*", "lib", "libcudart.so*")))
+        names += sorted(glob.glob(os.path.join(root, "nvidia", "cuda_runtime", "lib",
+                                               "libcudart.so*")))
+    except ImportError:
+        pass
+    return names
+
+
+def lib():
+    """The loaded CUDA runtime, or None."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            _lib = False
+            for name in _candidates():
+                try:
+                    cand = ctypes.CDLL(name)
+                    n = ctypes.c_int(0)
+                    if cand.cudaGetDeviceCount(ctypes.byref(n)) == 0 and n.value > 0:
+                        _lib = cand
+                        break
+                except OSError:
+                    continue
+        return _lib or None
+
+
+def available() -> bool:
+    return lib() is not None
+
+
+def _check(err: int, what: str) -> None:
+    if err != 0:
+        l = lib()
+        l.cudaGetErrorString.restype = ctypes.c_char_p
+        raise CudaError(f"{what} failed: {l.cudaGetErrorString(err).decode()} ({err})")
+
+
+class _PointerAttributes(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
+                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p)]
+
+
+def is_managed(ptr: int) -> bool:
+    """Whether ``ptr`` lies in CUDA managed memory."""
+    attrs = _PointerAttributes()
+    if lib().cudaPointerGetAttributes(ctypes.byref(attrs), ctypes.c_void_p(ptr)) != 0:
+        return False
+    return attrs.type == ATTR_MANAGED
+
+
+def pin(ptr: int, nbytes: int) -> None:
+    """Page-lock an existing host buffer (cudaHostRegister)."""
+    _check(lib().cudaHostRegister(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), 0),
+           "cudaHostRegister")
+
+
+def unpin(ptr: int) -> None:
+    lib().cudaHostUnregister(ctypes.c_void_p(ptr))
+
+
+def _stream():
+    s = getattr(_local, "stream", None)
+    if s is None:
+        s = ctypes.c_void_p()
+        _check(lib().cudaStreamCreateWithFlags(ctypes.byref(s), NON_BLOCKING),
+               "cudaStreamCreateWithFlags")
+        _local.stream = s
+    return s
+
+
+def copy_to_device(dst: int, src: int, nbytes: int) -> None:
+    """Queue a host-to-device copy on this thread's stream."""
+    _check(lib().cudaMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src),
+                                 ctypes.c_size_t(nbytes), H2D, _stream()), "cudaMemcpyAsync")
+
+
+def synchronize() -> None:
+    """Wait for this thread's queued copies."""
+    _check(lib().cudaStreamSynchronize(_stream()), "cudaStreamSynchronize")

@@ -1,0 +1,201 @@
+"""Routing traces: record the experts a model routes to, and replay recorded routing.
+
+Format (shared with ``../shared/traces``): a NumPy ``.npz`` holding ``experts``
+(uint8/uint16, ``[T, L, k]``: token t's experts at MoE layer l, layers counted over MoE
+layers only), ``offsets`` (int64 ``[S + 1]``: sequence s is tokens ``offsets[s]:
+offsets[s+1]``), ``num_experts`` (int64 scalar) and ``model`` (str scalar). Loaded with
+``allow_pickle=False`` only.
+
+Random-weight checkpoints route unrealistically; replaying a real model's trace gives
+them real locality. ``TraceRouting`` swaps the router's choices for the trace's, keeping
+a data dependency on the real routing so that a streamed layer still waits for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+
+class TraceError(ValueError):
+    """A trace file is malformed or does not fit the model."""
+
+
+@dataclass
+class RoutingTrace:
+    experts: np.ndarray  # [T, L, k]
+    offsets: np.ndarray  # [S + 1]
+    num_experts: int
+    model: str = ""
+
+    @property
+    def tokens(self) -> int:
+        return self.experts.shape[0]
+
+    @property
+    def layers(self) -> int:
+        return self.experts.shape[1]
+
+    @property
+    def top_k(self) -> int:
+        return self.experts.shape[2]
+
+    @classmethod
+    def load(cls, path: str | Path) -> RoutingTrace:
+        """Read and validate a trace (``allow_pickle=False``)."""
+        path = Path(path)
+        try:
+            with np.load(path, allow_pickle=False) as d:
+                missing = {"experts", "offsets", "num_experts"} - set(d.files)
+                if missing:
+                    raise TraceError(f"trace {path} lacks {sorted(missing)}; see the format "
+                                     "in mlx_streaming/trace.py")
+                experts, offsets = d["experts"], d["offsets"]
+                ne = int(d["num_experts"])
+                model = str(d["model"]) if "model" in d.files else ""
+        except (OSError, ValueError) as e:
+            if isinstance(e, TraceError):
+                raise
+            raise TraceError(f"cannot read trace {path}: {e}") from e
+        t = cls(experts, offsets, ne, model)
+        t.validate(str(path))
+        return t
+
+    def validate(self, where: str = "trace") -> None:
+        e, o = self.experts, self.offsets
+        if e.ndim != 3 or e.dtype.kind not in "ui":
+            raise TraceError(f"{where}: experts must be an integer array [T, L, k], got "
+                             f"{e.dtype} {e.shape}")
+        if o.ndim != 1 or len(o) < 2 or o[0] != 0 or o[-1] != e.shape[0] or (np.diff(o) < 0).any():
+            raise TraceError(f"{where}: offsets must rise from 0 to T={e.shape[0]}")
+        if self.num_experts <= 0 or (e.size and int(e.max()) >= self.num_experts):
+            raise TraceError(f"{where}: expert ids must be below num_experts={self.num_experts}")
+
+    def save(self, path: str | Path) -> None:
+        """Write the trace (atomically)."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp.npz")
+        dtype = np.uint8 if self.num_experts <= 256 else np.uint16
+        np.savez(tmp, experts=self.experts.astype(dtype), offsets=self.offsets.astype(np.int64),
+                 num_experts=np.int64(self.num_experts), model=np.str_(self.model))
+        tmp.replace(path)
+
+    def split(self, fraction: float) -> tuple[RoutingTrace, RoutingTrace]:
+        """(first, rest) at a sequence boundary near ``fraction`` of the tokens."""
+        cut = int(np.searchsorted(self.offsets, fraction * self.tokens))
+        cut = min(max(cut, 1), len(self.offsets) - 2)
+        at = int(self.offsets[cut])
+        a = RoutingTrace(self.experts[:at], self.offsets[:cut + 1], self.num_experts, self.model)
+        b = RoutingTrace(self.experts[at:], self.offsets[cut:] - at, self.num_experts, self.model)
+        return a, b
+
+
+class TraceRecorder:
+    """Collects the routing a model takes (fed by ``FileExpertStore.observers`` or by
+    ``RoutingTap`` modules) and writes it in the trace format."""
+
+    def __init__(self, moe_layers: list[int], num_experts: int, model: str = ""):
+        self.moe_layers = list(moe_layers)
+        self.pos = {li: i for i, li in enumerate(self.moe_layers)}
+        self.num_experts, self.model = num_experts, model
+        self._rows: dict[int, list[np.ndarray]] = {li: [] for li in self.moe_layers}
+        self._seq_starts = [0]
+
+    def __call__(self, layer: int, host_ids: np.ndarray) -> None:
+        self._rows[layer].append(np.asarray(host_ids).reshape(-1, host_ids.shape[-1]))
+
+    def new_sequence(self) -> None:
+        n = self._count(self.moe_layers[0])
+        if n != self._seq_starts[-1]:
+            self._seq_starts.append(n)
+
+    def _count(self, layer: int) -> int:
+        return sum(len(r) for r in self._rows[layer])
+
+    def trace(self) -> RoutingTrace:
+        counts = {li: self._count(li) for li in self.moe_layers}
+        if len(set(counts.values())) != 1:
+            raise TraceError(f"recorded layers saw different token counts: {counts}")
+        t = next(iter(counts.values()))
+        experts = np.stack([np.concatenate(self._rows[li]) if t else
+                            np.zeros((0, 1), np.int64) for li in self.moe_layers], axis=1)
+        offsets = np.array(sorted(set(self._seq_starts + [t])), dtype=np.int64)
+        return RoutingTrace(experts, offsets, self.num_experts, self.model)
+
+    def save(self, path: str | Path) -> None:
+        self.trace().save(path)
+
+
+class RoutingTap(nn.Module):
+    """Sits in front of an expert module and reports its routing (stock models)."""
+
+    def __init__(self, inner: nn.Module, layer: int, recorder: TraceRecorder):
+        super().__init__()
+        self.inner, self.layer = inner, layer
+        self._recorder = recorder
+
+    def __call__(self, x, indices):
+        self._recorder(self.layer, np.array(indices))
+        return self.inner(x, indices)
+
+
+class TraceRouting:
+    """Replays a trace's routing, one row per token, as a stream across calls."""
+
+    def __init__(self, trace: RoutingTrace, start: int = 0):
+        self.trace = trace
+        self.cursor = start % trace.tokens
+
+    def rows(self, pos: int, n: int) -> np.ndarray:
+        idx = (self.cursor + np.arange(n)) % self.trace.tokens
+        return self.trace.experts[idx, pos, :]
+
+    def advance(self, n: int) -> None:
+        self.cursor = (self.cursor + n) % self.trace.tokens
+
+
+class TraceRouted(nn.Module):
+    """Feeds an expert module the trace's expert ids instead of the router's."""
+
+    def __init__(self, inner: nn.Module, routing: TraceRouting, pos: int, last: bool):
+        super().__init__()
+        self.inner = inner
+        self.pos, self.last = pos, last
+        self._routing = routing
+
+    def __call__(self, x, indices):
+        n = int(np.prod(indices.shape[:-1]))
+        rows = mx.array(self._routing.rows(self.pos, n).reshape(indices.shape))
+        # same values, but still computed after the real routing (a streamed layer waits)
+        ids = rows.astype(indices.dtype) + indices * 0
+        if self.last:
+            self._routing.advance(n)
+        return self.inner(x, ids)
+
+
+def apply_trace_routing(model: nn.Module, trace: RoutingTrace, start: int = 0) -> TraceRouting:
+    """Make every MoE layer of ``model`` (stock or streamed) route as the trace says.
+
+    MoE layer ``i`` of the model takes trace layer ``i``; the model may have fewer MoE
+    layers than the trace, not more, and the same expert count and top-k.
+    """
+    from .core.discovery import find_expert_sites
+
+    sites = find_expert_sites(model)
+    if len(sites) > trace.layers:
+        raise TraceError(f"the model has {len(sites)} MoE layers, the trace {trace.layers}")
+    for s in sites:
+        if s.num_experts != trace.num_experts or (s.top_k and s.top_k != trace.top_k):
+            raise TraceError(
+                f"trace routes {trace.top_k} of {trace.num_experts} experts; layer {s.layer} "
+                f"has top-{s.top_k} of {s.num_experts}: use a model of the trace's shape "
+                "(e.g. the dsv2-lite presets for the DeepSeek-V2-Lite trace)")
+    routing = TraceRouting(trace, start)
+    for i, s in enumerate(sites):
+        current = s.streamed if s.streamed is not None else s.module
+        s.parent.update_modules({s.attr: TraceRouted(current, routing, i, i == len(sites) - 1)})
+    return routing
