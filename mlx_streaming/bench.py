@@ -2,26 +2,33 @@
 
 ``run_bench`` does what the seed script does (split if needed, lazy load, patch, pin,
 warm up, timed generations) with every knob an explicit field of ``BenchConfig``, and
-returns the seed's JSON fields plus I/O, prefill/decode split and, with
+returns the seed's JSON fields plus I/O, the prefill/decode split and, with
 ``compare_stock``, stock mlx-lm's speed on the same prompt and the exactness check.
+
+The physical limit of decode: per token, ``miss_bytes`` must come from storage at
+bandwidth ``B`` while the model computes for ``t_compute`` (the resident speed). Fully
+overlapped, ``t >= max(t_compute, miss_bytes / B)``; serialised, the sum. ``efficiency``
+is the overlap bound's time over the measured time per token.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import json
+import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from .core import mem
 from .core.cache.expert_store import FileExpertStore
 from .core.format import META_NAME, load_meta
-from .core.prefetch.patch import patch_model_filebacked
+from .core.io.reader import aligned_buffer
+from .core.prefetch.patch import StreamOptions, patch_model_filebacked
 from .model_builder import _int_keys, load_pool_profile, read_pool_profile, store_kwargs_from
 from .prep.split_experts import resolve_model_path, split_model
 
@@ -53,7 +60,17 @@ class BenchConfig:
     threads: int = 4
     direct_io: bool = False
     verify: bool = True
+    pool_mode: str | None = None
+    overlap: bool | None = None
+    prefetch: bool = False
+    predictor: str = "router"  # or "transition" (learned from the routing trace)
+    routing_trace: str | None = None
+    trace_start: int | None = None  # default: the trace's held-out half
+    record_trace: str | None = None
+    cold: bool = False  # evict the expert files from the page cache before each timed run
     compare_stock: bool = False
+    t_compute_ms: float | None = None  # resident time per token, for the bound
+    read_gbps: float | None = None  # storage bandwidth for the bound (default: measured)
     extra: dict = field(default_factory=dict)
 
 
@@ -74,33 +91,84 @@ def memory_limits(wired_gb: float | None, cache_gb: float | None):
             mx.set_cache_limit(old["cache"])
 
 
+def drop_page_cache(paths) -> None:
+    """Evict files from the OS page cache (POSIX_FADV_DONTNEED; no root needed)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def measure_read_gbps(meta, threads: int, direct: bool, records: int = 64,
+                      cold: bool = False) -> float:
+    """Raw bandwidth of random whole-record reads from the expert files (GB/s)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(1)
+    layers = list(meta.layers)
+    picks = [(layers[i % len(layers)], int(rng.integers(meta.layers[layers[i % len(layers)]]
+                                                        .num_experts))) for i in range(records)]
+    if cold:
+        drop_page_cache([meta.file(li) for li in layers])
+    stride = max(meta.layers[li].stride for li in layers)
+    bufs = [aligned_buffer(stride) for _ in range(threads)]
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    fds = {li: os.open(meta.file(li), flags) for li in layers}
+
+    def one(i):
+        li, e = picks[i]
+        st = meta.layers[li].stride
+        return os.preadv(fds[li], [memoryview(bufs[i % threads])[:st]], e * st)
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as ex:
+            total = sum(ex.map(one, range(records)))
+        return total / (time.perf_counter() - t0) / 1e9
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
 def _encode(tokenizer, prompt: str) -> list[int]:
     bos = tokenizer.bos_token
     return tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
 
 
-def _generate(model, tokenizer, ids, max_tokens, prefill):
-    """One generation: (wall seconds, response of the last step, text)."""
+def _generate(model, tokenizer, ids, max_tokens, prefill, on_first=None):
+    """One generation: (wall seconds, last response, text)."""
     from mlx_lm import stream_generate
 
     kw = {"prefill_step_size": prefill} if prefill > 0 else {}
     t0 = time.perf_counter()
     text, last = "", None
     for last in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, **kw):
+        if on_first is not None and last.generation_tokens == 1:
+            on_first()
         text += last.text
     return time.perf_counter() - t0, last, text
 
 
-def _timed_runs(model, tokenizer, ids, cfg: BenchConfig, before_last=None) -> dict:
+def _timed_runs(model, tokenizer, ids, cfg: BenchConfig, store=None, files=()) -> dict:
     warm = cfg.max_tokens if cfg.warmup_tokens is None else cfg.warmup_tokens
     if warm > 0:
         _generate(model, tokenizer, ids, warm, cfg.prefill_chunk)
     mem.reset_peak()
-    runs, text, last = [], "", None
+    runs, text, last, first = [], "", None, {}
     for r in range(cfg.repeat):
-        if r == cfg.repeat - 1 and before_last:
-            before_last()
-        wall, last, text = _generate(model, tokenizer, ids, cfg.max_tokens, cfg.prefill_chunk)
+        if cfg.cold and files:
+            drop_page_cache(files)
+        if store is not None and r == cfg.repeat - 1:
+            store.reset_stats()
+
+            def on_first():
+                first.update(store.totals())
+        else:
+            on_first = None
+        wall, last, text = _generate(model, tokenizer, ids, cfg.max_tokens, cfg.prefill_chunk,
+                                     on_first)
         runs.append({"wall_s": wall, "tokens": last.generation_tokens,
                      "prompt_tps": last.prompt_tps, "generation_tps": last.generation_tps})
     tps = [round(r["tokens"] / r["wall_s"], 2) for r in runs]
@@ -109,11 +177,22 @@ def _timed_runs(model, tokenizer, ids, cfg: BenchConfig, before_last=None) -> di
         "tok_per_s_runs": tps,
         "tok_per_s_minmax": [min(tps), max(tps)],
         "decode_tok_per_s": round(statistics.median(r["generation_tps"] for r in runs), 2),
+        "decode_tok_per_s_runs": [round(r["generation_tps"], 2) for r in runs],
         "prefill_tok_per_s": round(statistics.median(r["prompt_tps"] for r in runs), 2),
         "generated_tokens": runs[-1]["tokens"],
-        "last_wall_s": runs[-1]["wall_s"],
         "text": text,
+        "first": first,
     }
+
+
+def _trace_setup(cfg: BenchConfig):
+    """(trace, start, predictor or None) for trace routing."""
+    from .trace import RoutingTrace
+
+    trace = RoutingTrace.load(cfg.routing_trace)
+    train, _ = trace.split(0.5)
+    start = cfg.trace_start if cfg.trace_start is not None else train.tokens
+    return trace, start, train
 
 
 def open_streamed(cfg: BenchConfig):
@@ -135,12 +214,21 @@ def open_streamed(cfg: BenchConfig):
     model, tokenizer = load(str(model_dir), lazy=True)
     store = FileExpertStore(cfg.expert_dir, clear_on_evict=cfg.clear_on_evict,
                             record=cfg.pin_hot > 0, policy=cfg.policy, threads=cfg.threads,
-                            direct_io=cfg.direct_io, verify=cfg.verify, **kw)
+                            direct_io=cfg.direct_io, verify=cfg.verify, pool_mode=cfg.pool_mode,
+                            **kw)
+    predictor = cfg.predictor
+    if cfg.prefetch and predictor == "transition":
+        from .core.prefetch.predictor import TransitionPredictor
+
+        if not cfg.routing_trace:
+            raise ValueError("the transition predictor learns from --routing-trace")
+        predictor = TransitionPredictor.from_trace(_trace_setup(cfg)[2], meta.top_k)
     d = meta.dims
     n = patch_model_filebacked(
         model, store, d["hidden"], d["moe_inter"],
         cfg.expert_group or d.get("group_size"), cfg.expert_bits or d.get("bits"),
-        proj_bits=d.get("proj_bits"), layer_proj_bits=_int_keys(d.get("per_layer_proj_bits")))
+        proj_bits=d.get("proj_bits"), layer_proj_bits=_int_keys(d.get("per_layer_proj_bits")),
+        options=StreamOptions(overlap=cfg.overlap, prefetch=cfg.prefetch, predictor=predictor))
     return model, tokenizer, store, n
 
 
@@ -150,6 +238,23 @@ def run_bench(cfg: BenchConfig) -> dict:
         return _run(cfg)
 
 
+def _bounds(t_compute: float | None, bytes_per_token: float, gbps: float | None,
+            decode_tps: float) -> dict:
+    if not t_compute or not gbps:
+        return {}
+    io = bytes_per_token / (gbps * 1e9)
+    overlap, serial = max(t_compute, io), t_compute + io
+    actual = 1.0 / decode_tps if decode_tps else float("inf")
+    return {
+        "t_compute_ms": round(t_compute * 1e3, 3),
+        "t_io_ms": round(io * 1e3, 3),
+        "bound_tok_per_s": round(1 / overlap, 2),
+        "serial_bound_tok_per_s": round(1 / serial, 2),
+        "efficiency": round(overlap / actual, 4),
+        "efficiency_vs_serial": round(serial / actual, 4),
+    }
+
+
 def _run(cfg: BenchConfig) -> dict:
     mem.reset_peak()
     t0 = time.perf_counter()
@@ -157,6 +262,23 @@ def _run(cfg: BenchConfig) -> dict:
     t1 = time.perf_counter()
     after_patch = mem.snapshot()
     ids = _encode(tokenizer, cfg.prompt)
+    meta = store.meta
+    files = [meta.file(li) for li in meta.layers]
+
+    trace_info = {}
+    if cfg.routing_trace:
+        from .trace import apply_trace_routing
+
+        trace, start, _ = _trace_setup(cfg)
+        apply_trace_routing(model, trace, start)
+        trace_info = {"routing_trace": cfg.routing_trace, "trace_model": trace.model,
+                      "trace_start": start}
+    recorder = None
+    if cfg.record_trace:
+        from .trace import TraceRecorder
+
+        recorder = TraceRecorder(store.layers, meta.num_experts, str(cfg.model))
+        store.observers.append(recorder)
 
     cal_s = 0.0
     if cfg.pin_hot > 0:
@@ -168,12 +290,14 @@ def _run(cfg: BenchConfig) -> dict:
         store.reset_stats()
         cal_s = round(time.perf_counter() - tc, 2)
 
-    timed = _timed_runs(model, tokenizer, ids, cfg, before_last=store.reset_stats)
+    timed = _timed_runs(model, tokenizer, ids, cfg, store, files)
     mem.clear_cache()
     after_gen = mem.snapshot()
-    totals = store.totals()
-    gen_tokens = max(1, timed["generated_tokens"])
-    meta = store.meta
+    totals, first = store.totals(), timed["first"] or store.totals()
+    gen = max(1, timed["generated_tokens"])
+    decode_bytes = (totals["bytes_read"] - first["bytes_read"]) / max(1, gen - 1)
+    decode_lookups = (totals["hits"] + totals["misses"]) - (first["hits"] + first["misses"])
+    decode_hits = totals["hits"] - first["hits"]
     out = {
         "mode": "streaming_filebacked",
         "model": cfg.model,
@@ -186,6 +310,9 @@ def _run(cfg: BenchConfig) -> dict:
         "slots_per_layer": {str(li): store.capacity(li) for li in store.layers},
         "budget_gb": cfg.budget_gb,
         "policy": cfg.policy,
+        "pool_mode": store.pool_mode,
+        "overlap": cfg.overlap,
+        "prefetch": cfg.prefetch,
         "pool_profile": any(store.capacity(li) != store.capacity(store.layers[0])
                             for li in store.layers) or cfg.pool_profile not in ("auto", "none", None),
         "wired_gb": cfg.wired_gb,
@@ -195,6 +322,9 @@ def _run(cfg: BenchConfig) -> dict:
         "cal_s": cal_s,
         "warmup_tok": cfg.max_tokens if cfg.warmup_tokens is None else cfg.warmup_tokens,
         "repeat": cfg.repeat,
+        "cold": cfg.cold,
+        "direct_io": cfg.direct_io,
+        "threads": cfg.threads,
         "prefill_chunk": cfg.prefill_chunk,
         "patched_moe_layers": n_patched,
         "num_experts": meta.num_experts,
@@ -202,10 +332,13 @@ def _run(cfg: BenchConfig) -> dict:
         "resident_experts": store.resident_count(),
         "pinned_experts": store.pinned_count(),
         "pool_gb": round(store.pool_bytes() / 1e9, 4),
+        "expert_mb": round(meta.expert_bytes() / 1e6, 3),
         "load_patch_s": round(t1 - t0, 2),
         **{k: timed[k] for k in ("tok_per_s", "tok_per_s_runs", "tok_per_s_minmax",
-                                 "decode_tok_per_s", "prefill_tok_per_s", "generated_tokens")},
+                                 "decode_tok_per_s", "decode_tok_per_s_runs",
+                                 "prefill_tok_per_s", "generated_tokens")},
         "prompt_tokens": len(ids),
+        **trace_info,
         "rss_gb_after_patch": round(after_patch.rss_bytes / 1e9, 3),
         "rss_gb_after_gen": round(after_gen.rss_bytes / 1e9, 3),
         "peak_rss_gb": round(after_gen.peak_rss_bytes / 1e9, 3),
@@ -214,12 +347,22 @@ def _run(cfg: BenchConfig) -> dict:
         "expert_hit_rate": round(store.hit_rate(), 4),
         "expert_hits": store.hits,
         "expert_misses": store.misses,
+        "decode_hit_rate": round(decode_hits / decode_lookups, 4) if decode_lookups else None,
         "evictions": totals["evictions"],
         "bytes_read": totals["bytes_read"],
-        "bytes_read_per_token": round(totals["bytes_read"] / (gen_tokens + len(ids))),
-        "read_s": round(totals["read_s"], 4),
-        "read_gbps": round(totals["bytes_read"] / totals["read_s"] / 1e9, 3)
-        if totals["read_s"] > 0 else None,
+        "bytes_read_per_token": round(decode_bytes),
+        "prefill_bytes_read": first.get("bytes_read", 0),
+        "prefill_bytes_per_token": round(first.get("bytes_read", 0) / max(1, len(ids))),
+        "read_wait_s": round(totals["read_s"], 4),
+        "read_gbps": round(store.reader.stats.gbps(), 3),
+        "prefetched": totals["prefetched"],
+        "prefetch_used": totals["prefetch_used"],
+        "prefetch_on_time": totals["prefetch_on_time"],
+        "prefetch_precision": round(totals["prefetch_used"] / totals["prefetched"], 4)
+        if totals["prefetched"] else None,
+        "prefetch_recall": round(totals["prefetch_used"] / (totals["prefetch_used"]
+                                                            + totals["misses"]), 4)
+        if totals["prefetched"] else None,
         "host_syncs": totals["host_calls"],
         "gpu_fastpath": store._resident.gpu_fastpath,
         "gpu_fallback": store._resident.gpu_fallback,
@@ -228,21 +371,45 @@ def _run(cfg: BenchConfig) -> dict:
         "device": str(mx.default_device()),
         "sample": timed["text"][:240],
     }
+    if store.prefetcher is not None:
+        out.update(store.prefetcher.report())
+    if recorder is not None:
+        recorder.save(cfg.record_trace)
+        out["recorded_trace"] = cfg.record_trace
     if cfg.compare_stock:
         out.update(_compare_stock(cfg, model, tokenizer, ids, out["tok_per_s"]))
+        out["decode_ratio_vs_stock"] = round(
+            out["decode_tok_per_s"] / out["stock_decode_tok_per_s"], 4)
+    gbps = cfg.read_gbps or measure_read_gbps(meta, cfg.threads, cfg.direct_io, cold=cfg.cold)
+    out["storage_gbps"] = round(gbps, 3)
+    t_compute = (cfg.t_compute_ms / 1e3 if cfg.t_compute_ms else
+                 1 / out["stock_decode_tok_per_s"] if out.get("stock_decode_tok_per_s") else None)
+    out.update(_bounds(t_compute, out["bytes_read_per_token"], gbps, out["decode_tok_per_s"]))
     store.close()
     return out
 
 
 def _compare_stock(cfg: BenchConfig, streamed, tokenizer, ids, streamed_tps) -> dict:
-    """Stock mlx-lm, fully resident, same prompt and settings, in this run."""
+    """Stock mlx-lm, fully resident, same prompt, settings and routing, in this run."""
     from mlx_lm import load
 
     from .verify import compare
 
     stock, _ = load(str(resolve_model_path(cfg.model)))
+    if cfg.routing_trace:
+        from .trace import apply_trace_routing
+
+        trace, start, _ = _trace_setup(cfg)
+        apply_trace_routing(stock, trace, start)
     timed = _timed_runs(stock, tokenizer, ids, cfg)
     step = cfg.prefill_chunk if cfg.prefill_chunk > 0 else 2048
+    if cfg.routing_trace:  # both replay the trace from the same token
+        from .trace import TraceRouted
+
+        for m in (stock, streamed):
+            for _, mod in m.named_modules():
+                if isinstance(mod, TraceRouted):
+                    mod._routing.cursor = start
     cmp = compare(stock, streamed, ids, min(cfg.max_tokens, 64), step)
     del stock
     gc.collect()
@@ -256,7 +423,3 @@ def _compare_stock(cfg: BenchConfig, streamed, tokenizer, ids, streamed_tps) -> 
         "exact_vs_stock": cmp.exact,
         "exactness": cmp.to_json(),
     }
-
-
-def config_json(cfg: BenchConfig) -> str:
-    return json.dumps(asdict(cfg), ensure_ascii=False)

@@ -36,6 +36,27 @@ def setup_arg_parser() -> argparse.ArgumentParser:
                    help="prefill_step_size, 0 = mlx-lm's default (PREFILL_CHUNK)")
     p.add_argument("--compare-stock", action="store_true",
                    help="also run stock mlx-lm fully resident and check exactness")
+    s = p.add_argument_group("speed")
+    s.add_argument("--pool-mode", choices=["host", "cuda", "mlx"],
+                   help="how slots are written (default: by backend)")
+    s.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="compute resident experts while misses load (default: by pool mode)")
+    s.add_argument("--prefetch", action="store_true", help="read the next layer's "
+                   "predicted experts ahead")
+    s.add_argument("--predictor", choices=["router", "transition"], default="router",
+                   help="router: next layer's router; transition: learned from the trace")
+    s.add_argument("--routing-trace", help="replay this routing trace (.npz) instead of the "
+                   "router's choices (the transition predictor learns from its first half; "
+                   "replay starts at its second half)")
+    s.add_argument("--trace-start", type=nonneg_int, help="trace token to start replay at")
+    s.add_argument("--record-trace", help="write the routing taken to this .npz")
+    s.add_argument("--cold", action="store_true",
+                   help="evict the expert files from the page cache before each timed run")
+    s.add_argument("--t-compute-ms", type=positive_float,
+                   help="resident time per token for the bound (default: stock's, with "
+                        "--compare-stock)")
+    s.add_argument("--read-gbps", type=positive_float,
+                   help="storage bandwidth for the bound (default: measured)")
     p.add_argument("--json", dest="json_out", help="also write the result JSON here")
     return p
 

@@ -72,10 +72,11 @@ class Part:
     offset: int
     shape: tuple[int, ...]
     dtype: str
+    nbytes: int = field(init=False, compare=False, repr=False)
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * np.dtype(DTYPES[self.dtype][0]).itemsize
+    def __post_init__(self):
+        nb = math.prod(self.shape) * np.dtype(DTYPES[self.dtype][0]).itemsize
+        object.__setattr__(self, "nbytes", nb)
 
     @property
     def projection(self) -> str:

@@ -19,7 +19,7 @@ import numpy as np
 import xxhash
 
 from ..format import ExpertDirError, ExpertMeta, load_meta
-from ..io.reader import RecordJob, RecordReader, aligned_buffer
+from ..io.reader import Done, RecordJob, RecordReader, aligned_buffer
 from .policy import make_policy
 from .pool import LayerPool
 from .slots import SlotCache
@@ -318,16 +318,15 @@ class FileExpertStore:
         if placed:
             self._guard(layer)
         if not placed:
-            return Ticket(self, layer, experts, misses, placed, _done_future(0), None, prefetch)
+            return Ticket(self, layer, experts, misses, placed, Done(0), None, prefetch)
         ids = [e for e, _, _ in placed]
         slots = [s for _, s, _ in placed]
         direct = pool.mode == "host" and not self.reader.direct
         rows = None if direct else self._stage(layer).take(len(ids))
-        gaps = np.zeros((len(ids), pool.gap_bytes()), dtype=np.uint8) if direct else None
         jobs = []
         for i, (e, s) in enumerate(zip(ids, slots)):
             if direct:
-                bufs = pool.record_bufs(s, gaps[i])
+                bufs = pool.record_bufs(s)
             else:
                 bufs = [rows[i] if self.reader.direct else rows[i][: lay.record_bytes]]
             jobs.append(RecordJob(e, bufs, self._after(layer, pool, e, s, bufs, rows, i)))
@@ -483,14 +482,6 @@ class FileExpertStore:
         for li in self.caches:
             self.settle(li)
         self.reader.close()
-
-
-def _done_future(value):
-    from concurrent.futures import Future
-
-    f = Future()
-    f.set_result(value)
-    return f
 
 
 def _check_count(what: str, v) -> None:

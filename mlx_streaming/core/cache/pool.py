@@ -90,6 +90,12 @@ class LayerPool:
                                  "pool mode 'mlx'")
             cuda.pin(self._lut_host.ctypes.data, self._lut_host.nbytes)
             self._lut_dev = np.array(self.lut, copy=False).ctypes.data
+        pos, gap = 0, 0
+        for p in layout.parts:
+            gap += max(0, p.offset - pos)
+            pos = p.offset + p.nbytes
+        self._gaps = np.zeros((slots, gap), dtype=np.uint8)  # record padding lands here
+        self._bufs = None
         self.writes = 0  # experts written into slots
         self.write_ops = 0  # MLX update ops issued (mlx mode)
 
@@ -97,25 +103,23 @@ class LayerPool:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
 
-    def gap_bytes(self) -> int:
-        """Alignment padding inside one record (read, checksummed, then dropped)."""
-        pos, total = 0, 0
-        for p in self.layout.parts:
-            total += max(0, p.offset - pos)
-            pos = p.offset + p.nbytes
-        return total
-
     # ---------------------------------------------------------------- host mode
-    def record_bufs(self, slot: int, gaps: np.ndarray) -> list[memoryview]:
+    def record_bufs(self, slot: int) -> list[memoryview]:
         """Buffers one record's bytes fill in order: each part's slot row, with the
-        record's alignment gaps going to ``gaps`` (a scratch row)."""
+        record's alignment gaps going to a scratch row of the slot."""
+        if self._bufs is None:
+            self._bufs = [self._slot_bufs(s) for s in range(self.slots)]
+        return self._bufs[slot]
+
+    def _slot_bufs(self, slot: int) -> list[memoryview]:
         out, pos, g = [], 0, 0
+        gaps = self._gaps[slot]
         for p in self.layout.parts:
             if p.offset > pos:
                 n = p.offset - pos
                 out.append(memoryview(gaps[g:g + n]))
                 g += n
-            out.append(memoryview(self._rows[p.name][slot]))
+            out.append(memoryview(self._rows[p.name][slot]).cast("B"))
             pos = p.offset + p.nbytes
         return out
 

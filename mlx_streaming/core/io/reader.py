@@ -48,7 +48,8 @@ class RecordJob:
     nbytes: int = field(init=False, default=0)
 
     def __post_init__(self):
-        self.bufs = [memoryview(b).cast("B") for b in self.bufs]
+        self.bufs = [b if isinstance(b, memoryview) and b.format == "B" and b.ndim == 1
+                     else memoryview(b).cast("B") for b in self.bufs]
         self.nbytes = sum(b.nbytes for b in self.bufs)
 
 
@@ -162,12 +163,10 @@ class RecordReader:
 
         total = sum(j.nbytes for j in jobs)
         if total <= INLINE_BYTES or len(runs) == 1 or self.threads == 1:
-            fut: Future = Future()
             try:
-                fut.set_result(finish(sum(self._read_run(fd, path, stride, r) for r in runs)))
+                return Done(finish(sum(self._read_run(fd, path, stride, r) for r in runs)))
             except Exception as e:  # noqa: BLE001 - handed to the caller through the future
-                fut.set_exception(e)
-            return fut
+                return Done(error=e)
         return _Gather([self._pool.submit(self._read_run, fd, path, stride, r) for r in runs],
                        finish)
 
@@ -187,6 +186,21 @@ class RecordReader:
             self.close()
         except Exception:  # noqa: BLE001
             pass
+
+
+class Done:
+    """A finished read: the cheap stand-in for a Future on the inline path."""
+
+    def __init__(self, value=None, error: Exception | None = None):
+        self._value, self._error = value, error
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout=None):
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 class _Gather(Future):

@@ -87,11 +87,13 @@ class StreamedExperts(nn.Module):
                 pf.step(self.pos, host, None)
             return store.track_output(layer, y)
         ticket = store.begin(layer, groups[0])
-        if pf:
-            pf.step(self.pos, host, None if guess is None else np.array(guess))
+        ahead = (lambda: pf.step(self.pos, host, None if guess is None else np.array(guess))) \
+            if pf else None
         if len(ticket.misses) and self._overlap and len(ticket.misses) < len(groups[0]):
-            y = self._overlapped(x, indices, host, ticket)
+            y = self._overlapped(x, indices, host, ticket, ahead)
         else:
+            if ahead:
+                ahead()
             ticket.wait()
             y = self.experts(x, pool.lut[indices])
         store.end_call(layer, len(ticket.misses))
@@ -102,7 +104,7 @@ class StreamedExperts(nn.Module):
         slots = self._store.pool(self.layer).lut[mx.array(flat[rows])][:, None]  # [n, 1]
         return self.experts(xf[mx.array(rows // k)], slots)[:, 0]
 
-    def _overlapped(self, x, indices, host, ticket) -> mx.array:
+    def _overlapped(self, x, indices, host, ticket, ahead=None) -> mx.array:
         """Resident experts' rows compute while the misses are read."""
         k = indices.shape[-1]
         xf, flat = x.reshape(-1, x.shape[-1]), host.reshape(-1)  # [T, D], [T*k]
@@ -110,6 +112,8 @@ class StreamedExperts(nn.Module):
         hit_rows, miss_rows = np.nonzero(~miss)[0], np.nonzero(miss)[0]
         y_hit = self._rows(xf, flat, hit_rows, k)
         mx.async_eval(y_hit)
+        if ahead:  # read ahead for the next layer once this layer's work is queued
+            ahead()
         ticket.wait()
         y_miss = self._rows(xf, flat, miss_rows, k)
         out = mx.zeros((flat.size, y_hit.shape[-1]), dtype=y_hit.dtype)
