@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from dataclasses import dataclass, fields
 
 import mlx.core as mx
@@ -21,7 +22,7 @@ import xxhash
 from ..format import ExpertDirError, ExpertMeta, load_meta
 from ..io.reader import Done, RecordJob, RecordReader, aligned_buffer
 from .policy import make_policy
-from .pool import LayerPool
+from .pool import LayerPool, default_mode
 from .slots import SlotCache
 
 STAGING_BYTES = 256 << 20  # largest staging batch (mlx mode, O_DIRECT)
@@ -153,9 +154,7 @@ class FileExpertStore:
         self.caches = {li: SlotCache(self.meta.layers[li].num_experts, c, make_policy(policy))
                        for li, c in caps.items()}
         self.stats = {li: LayerStats() for li in caps}
-        self._resident = ResidentSet(
-            {li: LayerPool(self.meta.layers[li], c, pool_mode) for li, c in caps.items()},
-            self.stats)
+        self._resident = ResidentSet(self._make_pools(caps, pool_mode), self.stats)
         self.pool_mode = next(iter(self._resident.pools.values())).mode
         self.reader = RecordReader(threads=threads, direct=direct_io)
         for li in caps:
@@ -188,6 +187,23 @@ class FileExpertStore:
                 )
             caps[li] = min(int(c), lay.num_experts)
         return caps
+
+    def _make_pools(self, caps: dict, mode: str | None) -> dict[int, LayerPool]:
+        """The layers' pools; an automatic ``cuda`` choice that fails its self-test
+        (a record copied in and read back through MLX) falls back to ``mlx``."""
+        auto = mode is None
+        mode = mode or default_mode()
+        try:
+            pools = {li: LayerPool(self.meta.layers[li], c, mode) for li, c in caps.items()}
+            if mode == "cuda":
+                _cuda_self_test(next(iter(pools.values())))
+            return pools
+        except Exception as e:  # noqa: BLE001
+            if not (auto and mode == "cuda"):
+                raise
+            warnings.warn(f"CUDA slot copies unavailable ({e}); using MLX updates",
+                          stacklevel=3)
+            return {li: LayerPool(self.meta.layers[li], c, "mlx") for li, c in caps.items()}
 
     @property
     def layers(self) -> list[int]:
@@ -482,6 +498,24 @@ class FileExpertStore:
         for li in self.caches:
             self.settle(li)
         self.reader.close()
+
+
+def _cuda_self_test(pool: LayerPool) -> None:
+    """Copy a pattern into slot 0 with the CUDA path and read it back through MLX."""
+    from ..io import cuda
+
+    lay = pool.layout
+    row = aligned_buffer(lay.stride)
+    cuda.pin(row.ctypes.data, row.nbytes)
+    try:
+        row[:] = np.arange(lay.stride, dtype=np.uint64).astype(np.uint8)
+        pool.copy_record(0, row)
+        for p in lay.parts:
+            got = np.array(pool.arrays[p.name][0].view(mx.uint8)).reshape(-1)
+            if not np.array_equal(got, row[p.offset:p.offset + p.nbytes]):
+                raise RuntimeError(f"read back wrong bytes for {p.name}")
+    finally:
+        cuda.unpin(row.ctypes.data)
 
 
 def _check_count(what: str, v) -> None:

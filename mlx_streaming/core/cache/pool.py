@@ -31,10 +31,23 @@ MODES = ("host", "cuda", "mlx")
 
 def default_mode() -> str:
     """``host`` where MLX memory is host memory (CPU, Metal), ``cuda`` on MLX's CUDA
-    build when the CUDA runtime is reachable, else ``mlx``."""
-    if mx.default_device() == mx.cpu or mx.metal.is_available():
-        return "host"
-    return "cuda" if cuda.available() else "mlx"
+    build when the CUDA runtime is reachable and MLX's arrays are managed memory, else
+    ``mlx``."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        if mx.default_device() == mx.cpu or mx.metal.is_available():
+            _DEFAULT = "host"
+        elif cuda.available():
+            probe = mx.zeros((4096,), dtype=mx.uint8)
+            mx.eval(probe)
+            _DEFAULT = "cuda" if cuda.is_managed(np.array(probe, copy=False).ctypes.data) \
+                else "mlx"
+        else:
+            _DEFAULT = "mlx"
+    return _DEFAULT
+
+
+_DEFAULT = None
 
 
 def _host_view(arr: mx.array) -> np.ndarray:
@@ -88,6 +101,9 @@ class LayerPool:
             if not cuda.is_managed(ptr):
                 raise ValueError("MLX's CUDA arrays are not in managed memory here; use "
                                  "pool mode 'mlx'")
+            # the arrays were filled on the host: touch them on the device once so that
+            # their pages live there before the first copy
+            mx.eval([a.view(mx.uint8).sum() for a in self.arrays.values()])
             cuda.pin(self._lut_host.ctypes.data, self._lut_host.nbytes)
             self._lut_dev = np.array(self.lut, copy=False).ctypes.data
         pos, gap = 0, 0
@@ -140,13 +156,17 @@ class LayerPool:
         n = len(experts)
         rec = mx.array(records[:n, : self.layout.record_bytes])  # [n, record_bytes] uint8
         runs = _runs(list(slots))
+        idx = mx.array(np.asarray(slots, dtype=np.int32)) if len(runs) > 1 else None
         for p in self.layout.parts:
             src = rec[:, p.offset: p.offset + p.nbytes].view(DTYPES[p.dtype][1])
             src = src.reshape(n, *p.shape)
             arr = self.arrays[p.name]
-            for s, r, c in runs:
-                arr[s: s + c] = src[r: r + c]
-                self.write_ops += 1
+            if idx is None:  # one run of consecutive slots: a slice update
+                s0 = runs[0][0]
+                arr[s0: s0 + n] = src
+            else:  # scattered slots: one scatter per part
+                arr[idx] = src
+            self.write_ops += 1
 
     # ---------------------------------------------------------------- all modes
     def set_lut(self, experts, slots) -> None:

@@ -74,9 +74,9 @@ def available() -> bool:
 
 def _check(err: int, what: str) -> None:
     if err != 0:
-        l = lib()
-        l.cudaGetErrorString.restype = ctypes.c_char_p
-        raise CudaError(f"{what} failed: {l.cudaGetErrorString(err).decode()} ({err})")
+        rt = lib()
+        rt.cudaGetErrorString.restype = ctypes.c_char_p
+        raise CudaError(f"{what} failed: {rt.cudaGetErrorString(err).decode()} ({err})")
 
 
 class _PointerAttributes(ctypes.Structure):

@@ -61,10 +61,10 @@ class TransitionPredictor:
         T, L, k = e.shape
         E = trace.num_experts
         counts = np.zeros((L - 1, E, E), np.float32)
-        for l in range(L - 1):
-            a = np.repeat(e[:, l, :], k, axis=1).reshape(-1)
-            b = np.tile(e[:, l + 1, :], (1, k)).reshape(-1)
-            np.add.at(counts[l], (a, b), 1)
+        for li in range(L - 1):
+            a = np.repeat(e[:, li, :], k, axis=1).reshape(-1)
+            b = np.tile(e[:, li + 1, :], (1, k)).reshape(-1)
+            np.add.at(counts[li], (a, b), 1)
         return cls(counts, m)
 
     def lazy(self, pos: int, x: mx.array) -> None:
