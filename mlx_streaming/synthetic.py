@@ -220,7 +220,7 @@ PRESETS: dict[str, Preset] = {
     # DeepSeek-V2-Lite's routing shape (27 layers, first dense; 64 experts, top-6, two
     # shared), to replay the DeepSeek-V2-Lite trace. Width scaled down for the CPU.
     "dsv2-lite-cpu": Preset(
-        "dsv2-lite-cpu", _deepseek_v2(27, 768, 64, 6, 384),
+        "dsv2-lite-cpu", _deepseek_v2(27, 768, 64, 6, 384), popularity=0.0,
         description="DeepSeek-V2-Lite routing shape, hidden 768, expert width 384, float32",
     ),
     # The same at full width (hidden 2048, expert width 1408, bf16): 4.87 MB per expert.
@@ -229,7 +229,7 @@ PRESETS: dict[str, Preset] = {
                                   num_attention_heads=16, num_key_value_heads=16,
                                   kv_lora_rank=512, qk_rope_head_dim=64,
                                   qk_nope_head_dim=128, v_head_dim=128),
-        dtype="bfloat16",
+        dtype="bfloat16", popularity=0.0,
         description="DeepSeek-V2-Lite shape at full width, bf16 (GPU benchmarks)",
     ),
     # Qwen3-Next-80B-A3B expert shape (512 experts, top-10, hidden 2048, width 512);
@@ -240,7 +240,7 @@ PRESETS: dict[str, Preset] = {
                     num_key_value_heads=2, head_dim=256, linear_num_value_heads=32,
                     linear_num_key_heads=16, linear_key_head_dim=128,
                     linear_value_head_dim=128, intermediate_size=5120),
-        dtype="bfloat16",
+        dtype="bfloat16", popularity=0.0,
         description="Qwen3-Next-80B-A3B expert shape, bf16 (GPU benchmarks)",
     ),
 }
