@@ -38,13 +38,13 @@ def _candidates() -> list[str]:
         names.append(found)
     for pat in ("/usr/local/cuda*/lib64/libcudart.so*", "/usr/lib/x86_64-linux-gnu/libcudart.so*"):
         names += sorted(glob.glob(pat), reverse=True)
-    try:  # the runtime shipped with MLX's CUDA wheel, if any
+    try:  # the runtime shipped beside MLX's CUDA wheel, if any
         import mlx
 
-        root = os.path.dirname(os.path.dirname(mlx.__file__))
-        names += sorted(glob.glob(os.path.join(root, "nvidia", "cu*", "lib", "libcudart.so*")))
-        names += sorted(glob.glob(os.path.join(root, "nvidia", "cuda_runtime", "lib",
-                                               "libcudart.so*")))
+        for base in list(getattr(mlx, "__path__", [])):
+            root = os.path.dirname(base)
+            for sub in ("nvidia/cu*/lib", "nvidia/cuda_runtime/lib"):
+                names += sorted(glob.glob(os.path.join(root, sub, "libcudart.so*")))
     except ImportError:
         pass
     return names
@@ -80,8 +80,10 @@ def _check(err: int, what: str) -> None:
 
 
 class _PointerAttributes(ctypes.Structure):
+    # the documented fields, then room for any the runtime version adds
     _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
-                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p)]
+                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p),
+                ("reserved", ctypes.c_byte * 256)]
 
 
 def is_managed(ptr: int) -> bool:

@@ -34,6 +34,8 @@ from ..discovery import (
 from ..format import ExpertDirError, LayerLayout
 from .predictor import Prefetcher, RouterPredictor
 
+SORT_ROWS = 64  # mlx-lm's SwitchGLU/SwitchMLP sort the rows of calls with this many or more
+
 
 @dataclass(frozen=True)
 class StreamOptions:
@@ -100,9 +102,18 @@ class StreamedExperts(nn.Module):
         return store.track_output(layer, y)
 
     def _rows(self, xf, flat, rows, k):
-        """The experts' output for (token, choice) rows ``rows`` only: [n, D]."""
+        """The experts' output for (token, choice) rows ``rows`` only: [n, D].
+
+        mlx-lm sorts the rows of a call with 64 or more (token, choice) pairs and then
+        runs other kernels; a subset must take the same kernels to give the same bits,
+        so it is padded (with copies of its last row) to 64 rows when the whole call had
+        that many.
+        """
+        n = len(rows)
+        if flat.size >= SORT_ROWS > n:
+            rows = np.concatenate([rows, np.full(SORT_ROWS - n, rows[-1])])
         slots = self._store.pool(self.layer).lut[mx.array(flat[rows])][:, None]  # [n, 1]
-        return self.experts(xf[mx.array(rows // k)], slots)[:, 0]
+        return self.experts(xf[mx.array(rows // k)], slots)[:n, 0]
 
     def _overlapped(self, x, indices, host, ticket, ahead=None) -> mx.array:
         """Resident experts' rows compute while the misses are read."""
