@@ -9,7 +9,9 @@ from .core.format import ExpertMeta
 
 
 def slot_bytes(meta: ExpertMeta, layer: int) -> int:
-    """Device bytes one slot of ``layer`` takes (its parts, no record padding)."""
+    """Device bytes one slot of ``layer`` takes (its parts, no record padding).
+
+    A pool of ``s`` slots holds ``s + 1`` (one zero slot for partial calls)."""
     return sum(p.nbytes for p in meta.layers[layer].parts)
 
 
@@ -22,7 +24,7 @@ class BudgetPlan:
 
     @property
     def pool_bytes(self) -> int:
-        return sum(self.slots[li] * self.slot_bytes[li] for li in self.slots)
+        return sum((self.slots[li] + 1) * self.slot_bytes[li] for li in self.slots)
 
     @property
     def default_slots(self) -> int:
@@ -50,7 +52,7 @@ def plan_budget(meta: ExpertMeta, budget_gb: float, weights: dict[int, float] | 
     layers = sorted(meta.layers)
     sb = {li: slot_bytes(meta, li) for li in layers}
     k = meta.top_k
-    floor = sum(k * sb[li] for li in layers)
+    floor = sum((k + 1) * sb[li] for li in layers)
     if budget < floor:
         raise ValueError(
             f"budget {budget_gb} GB is below the {floor / 1e9:.3f} GB that one token's "

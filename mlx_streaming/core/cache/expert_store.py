@@ -85,11 +85,12 @@ class _Staging:
         with self._lock:
             if len(self._free) < n:
                 k = max(n - len(self._free), 8)
-                block = aligned_buffer(k * self.stride)
                 if self.pin:
                     from ..io import cuda
 
-                    cuda.pin(block.ctypes.data, block.nbytes)
+                    block = cuda.pinned(k * self.stride)  # page-aligned too
+                else:
+                    block = aligned_buffer(k * self.stride)
                 self._keep.append(block)
                 self._free += list(block.reshape(k, self.stride))
             rows, self._free = self._free[:n], self._free[n:]
@@ -505,17 +506,13 @@ def _cuda_self_test(pool: LayerPool) -> None:
     from ..io import cuda
 
     lay = pool.layout
-    row = aligned_buffer(lay.stride)
-    cuda.pin(row.ctypes.data, row.nbytes)
-    try:
-        row[:] = np.arange(lay.stride, dtype=np.uint64).astype(np.uint8)
-        pool.copy_record(0, row)
-        for p in lay.parts:
-            got = np.array(pool.arrays[p.name][0].view(mx.uint8)).reshape(-1)
-            if not np.array_equal(got, row[p.offset:p.offset + p.nbytes]):
-                raise RuntimeError(f"read back wrong bytes for {p.name}")
-    finally:
-        cuda.unpin(row.ctypes.data)
+    row = cuda.pinned(lay.stride)
+    row[:] = np.arange(lay.stride, dtype=np.uint64).astype(np.uint8)
+    pool.copy_record(0, row)
+    for p in lay.parts:
+        got = np.array(pool.arrays[p.name][0].view(mx.uint8)).reshape(-1)
+        if not np.array_equal(got, row[p.offset:p.offset + p.nbytes]):
+            raise RuntimeError(f"read back wrong bytes for {p.name}")
 
 
 def _check_count(what: str, v) -> None:

@@ -24,7 +24,6 @@ import numpy as np
 
 from ..format import DTYPES, LayerLayout
 from ..io import cuda
-from ..io.reader import aligned_buffer
 
 MODES = ("host", "cuda", "mlx")
 
@@ -70,11 +69,12 @@ def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
 
 
 class LayerPool:
-    """Device arrays holding ``slots`` experts of one layer."""
+    """Device arrays holding ``slots`` experts of one layer (plus one zero slot)."""
 
     def __init__(self, layout: LayerLayout, slots: int, mode: str | None = None):
         self.layout = layout
         self.slots = slots
+        self.dummy = slots  # an extra, always-zero slot for rows a partial call skips
         self.mode = mode or default_mode()
         if self.mode not in MODES:
             raise ValueError(f"pool mode must be one of {MODES}, got {self.mode!r}")
@@ -84,7 +84,7 @@ class LayerPool:
         self._rows: dict[str, np.ndarray] = {}  # host/cuda: byte view [slots, row_bytes]
         for p in layout.parts:
             np_dt, mx_dt = DTYPES[p.dtype]
-            base = mx.array(np.zeros((slots, *p.shape), dtype=np_dt))  # contiguous, owned
+            base = mx.array(np.zeros((slots + 1, *p.shape), dtype=np_dt))  # contiguous
             arr = base.view(mx_dt) if base.dtype != mx_dt else base
             mx.eval(arr)
             self.arrays[p.name] = arr
@@ -94,8 +94,10 @@ class LayerPool:
         mx.eval(self.lut)
         if self.mode == "host":
             self._lut_host = np.array(self.lut, copy=False)
-        else:  # a host mirror (page-aligned, so that CUDA can pin it)
-            self._lut_host = aligned_buffer(4 * layout.num_experts).view(np.int32)
+        elif self.mode == "cuda":  # a pinned host mirror, copied over after each change
+            self._lut_host = cuda.pinned(4 * layout.num_experts).view(np.int32)
+        else:
+            self._lut_host = np.zeros(layout.num_experts, dtype=np.int32)
         if self.mode == "cuda":
             ptr = self._rows[layout.parts[0].name].ctypes.data
             if not cuda.is_managed(ptr):
@@ -104,7 +106,6 @@ class LayerPool:
             # the arrays were filled on the host: touch them on the device once so that
             # their pages live there before the first copy
             mx.eval([a.view(mx.uint8).sum() for a in self.arrays.values()])
-            cuda.pin(self._lut_host.ctypes.data, self._lut_host.nbytes)
             self._lut_dev = np.array(self.lut, copy=False).ctypes.data
         pos, gap = 0, 0
         for p in layout.parts:

@@ -94,14 +94,20 @@ def is_managed(ptr: int) -> bool:
     return attrs.type == ATTR_MANAGED
 
 
-def pin(ptr: int, nbytes: int) -> None:
-    """Page-lock an existing host buffer (cudaHostRegister)."""
-    _check(lib().cudaHostRegister(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), 0),
-           "cudaHostRegister")
+def pinned(nbytes: int):
+    """A page-locked host buffer from ``cudaHostAlloc`` as a uint8 NumPy array; the CUDA
+    allocation is freed when the array is."""
+    import weakref
 
+    import numpy as np
 
-def unpin(ptr: int) -> None:
-    lib().cudaHostUnregister(ctypes.c_void_p(ptr))
+    ptr = ctypes.c_void_p()
+    _check(lib().cudaHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(max(nbytes, 1)), 0),
+           "cudaHostAlloc")
+    raw = (ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr.value)
+    arr = np.frombuffer(raw, dtype=np.uint8, count=nbytes)
+    weakref.finalize(raw, lib().cudaFreeHost, ptr)
+    return arr
 
 
 def _stream():

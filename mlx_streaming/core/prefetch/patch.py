@@ -47,12 +47,19 @@ class StreamOptions:
     predictor: ``router`` (the next router on the current input) or a predictor object
         (e.g. ``TransitionPredictor``).
     prefetch_extra: predict ``top_k + prefetch_extra`` experts per token.
+    rows: how a call that runs only some (token, choice) rows computes them. ``subset``
+        runs just those rows (bit-identical on the CPU, whose kernels treat rows
+        independently); ``masked`` runs every row, the others against a zero slot, so
+        the kernels see the very shapes stock mlx-lm gives them (GPU kernels pick
+        different algorithms for different row counts). None: subset on the CPU, masked
+        on GPUs.
     """
 
     overlap: bool | None = None
     prefetch: bool = False
     predictor: object = "router"
     prefetch_extra: int = 0
+    rows: str | None = None
 
 
 class StreamedExperts(nn.Module):
@@ -61,11 +68,12 @@ class StreamedExperts(nn.Module):
     is_streamed_experts = True
 
     def __init__(self, experts: nn.Module, store: FileExpertStore, layer: int, pos: int,
-                 overlap: bool, prefetcher: Prefetcher | None):
+                 overlap: bool, prefetcher: Prefetcher | None, masked: bool):
         super().__init__()
         self.experts = experts  # the layer's SwitchGLU / SwitchMLP over pool slots
         self.layer, self.pos = layer, pos
         self._store, self._overlap, self._prefetcher = store, overlap, prefetcher
+        self._masked = masked
 
     @property
     def num_experts(self) -> int:
@@ -101,58 +109,58 @@ class StreamedExperts(nn.Module):
         store.end_call(layer, len(ticket.misses))
         return store.track_output(layer, y)
 
-    def _rows(self, xf, flat, rows, k):
-        """The experts' output for (token, choice) rows ``rows`` only: [n, D].
+    def _part(self, x, indices, host, keep, out):
+        """``out`` with the experts' outputs filled in on the rows where ``keep``
+        (a boolean array shaped like ``indices``); other rows are left as they were.
 
-        mlx-lm sorts the rows of a call with 64 or more (token, choice) pairs and then
-        runs other kernels; a subset must take the same kernels to give the same bits,
-        so it is padded (with copies of its last row) to 64 rows when the whole call had
-        that many.
+        Masked: every row runs, the skipped ones against the pool's zero slot, so the
+        kernels get exactly stock mlx-lm's shapes. Subset: only the kept rows run; as
+        mlx-lm sorts calls of 64 or more rows (and then takes other kernels), a subset
+        of such a call is padded to 64 rows so it takes the same ones.
         """
+        pool = self._store.pool(self.layer)
+        if self._masked:
+            slots = np.where(keep, pool._lut_host[host], pool.dummy).astype(np.int32)
+            y = self.experts(x, mx.array(slots))
+            return y if out is None else mx.where(mx.array(keep)[..., None], y, out)
+        k = indices.shape[-1]
+        xf, flat = x.reshape(-1, x.shape[-1]), host.reshape(-1)  # [T, D], [T*k]
+        rows = np.nonzero(keep.reshape(-1))[0]
         n = len(rows)
         if flat.size >= SORT_ROWS > n:
             rows = np.concatenate([rows, np.full(SORT_ROWS - n, rows[-1])])
-        slots = self._store.pool(self.layer).lut[mx.array(flat[rows])][:, None]  # [n, 1]
-        return self.experts(xf[mx.array(rows // k)], slots)[:n, 0]
+        slots = pool.lut[mx.array(flat[rows])][:, None]  # [n, 1]
+        y = self.experts(xf[mx.array(rows // k)], slots)[:n, 0]  # [n, D]
+        if out is None:
+            out = mx.zeros((*indices.shape, y.shape[-1]), dtype=y.dtype)
+        flat_out = out.reshape(-1, y.shape[-1])
+        flat_out[mx.array(rows[:n])] = y
+        return flat_out.reshape(out.shape)
 
     def _overlapped(self, x, indices, host, ticket, ahead=None) -> mx.array:
         """Resident experts' rows compute while the misses are read."""
-        k = indices.shape[-1]
-        xf, flat = x.reshape(-1, x.shape[-1]), host.reshape(-1)  # [T, D], [T*k]
-        miss = np.isin(flat, ticket.misses)
-        hit_rows, miss_rows = np.nonzero(~miss)[0], np.nonzero(miss)[0]
-        y_hit = self._rows(xf, flat, hit_rows, k)
-        mx.async_eval(y_hit)
+        miss = np.isin(host, ticket.misses)
+        y = self._part(x, indices, host, ~miss, None)
+        mx.async_eval(y)
         if ahead:  # read ahead for the next layer once this layer's work is queued
             ahead()
         ticket.wait()
-        y_miss = self._rows(xf, flat, miss_rows, k)
-        out = mx.zeros((flat.size, y_hit.shape[-1]), dtype=y_hit.dtype)
-        out[mx.array(hit_rows)] = y_hit
-        out[mx.array(miss_rows)] = y_miss
-        return out.reshape(*indices.shape, -1)
+        return self._part(x, indices, host, miss, y)
 
     def _expert_major(self, x, indices, host, groups) -> mx.array:
         """More distinct experts than slots: run the rows of one group at a time.
 
         Each expert is read at most once per call; rows are computed exactly as in the
-        one-shot path and scattered back to their place.
+        one-shot path and put back in their place.
         """
         store, layer = self._store, self.layer
-        k = indices.shape[-1]
-        xf, flat = x.reshape(-1, x.shape[-1]), host.reshape(-1)
         out, misses = None, 0
         for g in groups:
             misses += store.fetch(layer, g)
-            rows = np.nonzero(np.isin(flat, g))[0]
-            y = self._rows(xf, flat, rows, k)
-            if out is None:
-                out = mx.zeros((flat.size, y.shape[-1]), dtype=y.dtype)
-            out[mx.array(rows)] = y
-            del y  # drop every reference to the pool before the next group writes it
-            mx.eval(out)
+            out = self._part(x, indices, host, np.isin(host, g), out)
+            mx.eval(out)  # the next group may reuse these slots
         store.end_call(layer, misses)
-        return out.reshape(*indices.shape, -1)
+        return out
 
 
 def _pool_projection(proj: nn.Module, name: str, layout: LayerLayout, arrays: dict) -> nn.Module:
@@ -276,11 +284,15 @@ def patch_model_filebacked(model: nn.Module, store: FileExpertStore, hidden: int
         prefetcher = Prefetcher(store, [s.layer for s in sites], pred)
     store.prefetcher = prefetcher
     overlap = options.overlap if options.overlap is not None else store.pool_mode != "mlx"
+    rows = options.rows or ("subset" if mx.default_device() == mx.cpu else "masked")
+    if rows not in ("subset", "masked"):
+        raise ValueError(f"rows must be 'subset' or 'masked', got {rows!r}")
     for pos, s in enumerate(sites):
         arrays = store.pool(s.layer).arrays
         lay = store.meta.layers[s.layer]
         new = {name: _pool_projection(p, name, lay, arrays) for name, p in projections(s.module)}
         s.module.update_modules(new)
         s.parent.update_modules({s.attr: StreamedExperts(s.module, store, s.layer, pos,
-                                                         overlap, prefetcher)})
+                                                         overlap, prefetcher,
+                                                         rows == "masked")})
     return len(sites)
