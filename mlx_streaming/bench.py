@@ -26,6 +26,7 @@ import numpy as np
 
 from .core import mem
 from .core.cache.expert_store import FileExpertStore
+from .core.cache.policy import DEFAULT_POLICY
 from .core.format import META_NAME, load_meta
 from .core.io.reader import aligned_buffer
 from .core.prefetch.patch import StreamOptions, patch_model_filebacked
@@ -56,7 +57,7 @@ class BenchConfig:
     expert_group: int | None = None
     pool_profile: str | None = "auto"  # "auto": EXPERT_DIR/pool_profile.json; "none"; a path
     prefill_chunk: int = 2048  # prefill_step_size (0: mlx-lm's default)
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     threads: int = 4
     direct_io: bool = False
     verify: bool = True

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from . import config as env
 from .core.cache.expert_store import FileExpertStore
+from .core.cache.policy import DEFAULT_POLICY
 from .core.format import ExpertDirError, load_meta
 from .core.prefetch.patch import patch_model_filebacked
 from .prep.split_experts import resolve_model_path, split_model
@@ -92,7 +93,7 @@ def store_kwargs_from(meta, *, slots=None, budget_gb=None, layer_caps=None) -> d
 
 
 def load(path_or_repo: str | Path, expert_dir: str | Path | None = None, *,
-         slots: int | None = None, budget_gb: float | None = None, policy: str = "lru",
+         slots: int | None = None, budget_gb: float | None = None, policy: str = DEFAULT_POLICY,
          pool_profile: str | Path | None | bool = True, threads: int = 4,
          direct_io: bool = False, verify: bool = True, progress: bool | None = None):
     """Load a MoE model with its experts streamed from disk.

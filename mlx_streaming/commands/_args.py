@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from ..core.cache.policy import DEFAULT_POLICY, POLICIES
+
 
 def positive_int(s: str) -> int:
     try:
@@ -45,7 +47,8 @@ def add_store_args(p: argparse.ArgumentParser) -> None:
                       help="expert slots per MoE layer (seed: EXPERT_SLOTS)")
     size.add_argument("--budget-gb", type=positive_float,
                       help="total GB for all expert pools, instead of --slots")
-    g.add_argument("--policy", default="lru", help="eviction policy (default: lru)")
+    g.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+                   help=f"eviction policy (default: {DEFAULT_POLICY})")
     g.add_argument("--threads", type=positive_int, default=4, help="pread threads")
     g.add_argument("--direct-io", action="store_true",
                    help="bypass the page cache (O_DIRECT / F_NOCACHE)")

@@ -21,7 +21,7 @@ import xxhash
 
 from ..format import ExpertDirError, ExpertMeta, load_meta
 from ..io.reader import Done, RecordJob, RecordReader, aligned_buffer
-from .policy import make_policy
+from .policy import DEFAULT_POLICY, make_policy
 from .pool import LayerPool, default_mode
 from .slots import SlotCache
 
@@ -130,7 +130,7 @@ class FileExpertStore:
             (``mx.clear_cache``) so freed buffers go back to the system.
         record: Count how often each expert is routed to (for ``hot``); forces the
             routing to be read on the host even where no miss is possible.
-        policy: Eviction policy name (``lru``...).
+        policy: Eviction policy name (see ``policy.POLICIES``; default ``predictive``).
         threads: ``pread`` threads.
         direct_io: Bypass the page cache (O_DIRECT / F_NOCACHE).
         verify: Check each record's checksum when it is read.
@@ -142,7 +142,7 @@ class FileExpertStore:
 
     def __init__(self, expert_dir, capacity: int = 8, layer_caps: dict | None = None,
                  clear_on_evict: bool = False, record: bool = False, *,
-                 policy: str = "lru", threads: int = 4, direct_io: bool = False,
+                 policy: str = DEFAULT_POLICY, threads: int = 4, direct_io: bool = False,
                  verify: bool = True, pool_mode: str | None = None):
         self.meta: ExpertMeta = load_meta(expert_dir)
         self.expert_dir = self.meta.root
@@ -152,8 +152,10 @@ class FileExpertStore:
         self.verify = verify
         self.policy_name = policy
         caps = self._capacities(capacity, layer_caps)
-        self.caches = {li: SlotCache(self.meta.layers[li].num_experts, c, make_policy(policy))
-                       for li, c in caps.items()}
+        self.caches = {
+            li: SlotCache(self.meta.layers[li].num_experts, c,
+                          make_policy(policy, self.meta.layers[li].num_experts, c))
+            for li, c in caps.items()}
         self.stats = {li: LayerStats() for li in caps}
         self._resident = ResidentSet(self._make_pools(caps, pool_mode), self.stats)
         self.pool_mode = next(iter(self._resident.pools.values())).mode

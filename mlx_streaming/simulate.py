@@ -1,0 +1,121 @@
+"""Replay a routing trace through the store's own slot tables and policies.
+
+``simulate`` drives ``SlotCache`` (the bookkeeping the live ``FileExpertStore`` uses) with
+one lookup per token and MoE layer: the token's distinct experts must all be resident
+(demand caching). Belady's offline optimum runs through the same machinery with a policy
+that knows the future, as the ceiling for any demand policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .core.cache.policy import Belady, make_policy
+from .core.cache.slots import SlotCache
+from .trace import RoutingTrace
+
+
+@dataclass
+class SimResult:
+    policy: str
+    slots: dict[int, int]  # trace layer -> slots
+    hits: dict[int, int]
+    misses: dict[int, int]
+    evictions: dict[int, int]
+    tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        h, m = sum(self.hits.values()), sum(self.misses.values())
+        return h / (h + m) if h + m else 0.0
+
+    def layer_hit_rate(self, layer: int) -> float:
+        h, m = self.hits[layer], self.misses[layer]
+        return h / (h + m) if h + m else 0.0
+
+    def misses_per_token(self) -> float:
+        return sum(self.misses.values()) / max(1, self.tokens)
+
+
+def layer_lookups(trace: RoutingTrace, layer: int, start: int = 0, tokens: int | None = None
+                  ) -> list[np.ndarray]:
+    """Distinct experts of each token at one trace layer."""
+    end = trace.tokens if tokens is None else min(trace.tokens, start + tokens)
+    return [np.unique(r) for r in trace.experts[start:end, layer].astype(np.int64)]
+
+
+def simulate(trace: RoutingTrace, policy: str, slots, layers=None, start: int = 0,
+             tokens: int | None = None, pins: dict | None = None, **policy_kw) -> SimResult:
+    """Hit/miss counts of ``policy`` with ``slots`` per layer (an int or {layer: slots}).
+
+    Args:
+        trace: The routing to replay.
+        policy: A name from ``POLICIES`` or ``"belady"``.
+        slots: Slots per layer, or a dict per trace layer.
+        layers: Trace layers to simulate (default: all).
+        start, tokens: The span of the trace to replay.
+        pins: {layer: experts} kept resident from the start and never evicted.
+    """
+    layers = list(range(trace.layers)) if layers is None else list(layers)
+    E = trace.num_experts
+    res = SimResult(policy, {}, {}, {}, {}, 0)
+    for li in layers:
+        c = slots[li] if isinstance(slots, dict) else int(slots)
+        seq = layer_lookups(trace, li, start, tokens)
+        pol = Belady(E, seq) if policy == "belady" else make_policy(policy, E, c, **policy_kw)
+        cache = SlotCache(E, c, pol)
+        pinned = np.asarray(sorted((pins or {}).get(li, [])), dtype=np.int64)
+        if len(pinned):
+            cache.commit(cache.reserve(pinned, set()))
+            cache.pinned = set(pinned.tolist())
+        for need in seq:
+            cache.lookup(need)
+        res.slots[li] = c
+        res.hits[li], res.misses[li] = cache.stats.hits, cache.stats.misses
+        res.evictions[li] = cache.stats.evictions
+        res.tokens = len(seq)
+    return res
+
+
+def static_hot(trace: RoutingTrace, n: int, start: int = 0, tokens: int | None = None
+               ) -> dict[int, list[int]]:
+    """Each layer's ``n`` most used experts over a span (for pinning)."""
+    end = trace.tokens if tokens is None else start + tokens
+    out = {}
+    for li in range(trace.layers):
+        c = np.bincount(trace.experts[start:end, li].reshape(-1), minlength=trace.num_experts)
+        out[li] = np.argsort(-c, kind="stable")[:n].tolist()
+    return out
+
+
+def fit_predictive(trace: RoutingTrace, layers=None, tokens: int = 20000, horizon: int = 8,
+                   discount: float = 0.8) -> tuple[float, ...]:
+    """Least-squares weights for the ``predictive`` policy's score, from a trace.
+
+    The target for each expert at each lookup is its discounted use over the next
+    ``horizon`` lookups; the features are exactly those the policy computes live.
+    """
+    from .core.cache.policy import Predictive
+
+    layers = list(range(0, trace.layers, max(1, trace.layers // 6))) if layers is None else layers
+    E = trace.num_experts
+    Xs, ys = [], []
+    for li in layers:
+        seq = layer_lookups(trace, li, 0, tokens)
+        use = np.zeros((len(seq), E))
+        for t, need in enumerate(seq):
+            use[t, need] = 1
+        target = np.zeros_like(use)
+        for j in range(1, horizon + 1):
+            target[:-j] += discount ** (j - 1) * use[j:]
+        pol = Predictive(E)
+        for t, need in enumerate(seq[:-horizon]):
+            if t % 4 == 0 and t > 64:  # a sample of the steps is plenty
+                Xs.append(pol._features(need))
+                ys.append(target[t])
+            pol.access(need)
+    X, y = np.concatenate(Xs), np.concatenate(ys)
+    w, *_ = np.linalg.lstsq(np.hstack([X, np.ones((len(X), 1))]), y, rcond=None)
+    return tuple(round(float(v), 5) for v in w[:-1])
