@@ -7,8 +7,12 @@ import sys
 
 COMMANDS = {
     "split": "split experts of a checkpoint into an expert directory",
-    "bench": "benchmark a streamed model (the seed script's fields), optionally vs stock",
     "generate": "generate text with a streamed model",
+    "chat": "chat with a streamed model",
+    "serve": "an OpenAI-compatible server over a streamed model",
+    "bench": "benchmark a streamed model (the seed script's fields), optionally vs stock",
+    "plan": "predict hit rate and tok/s of each budget and policy from a routing trace",
+    "profile": "write pool_profile.json (per-layer slots) from a routing trace",
     "demo": "build a synthetic model, stream it and check it against stock mlx-lm",
     "synth": "write a synthetic MoE checkpoint",
 }
@@ -25,8 +29,24 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(2)
         return
     module = importlib.import_module(f"mlx_streaming.commands.{argv[0]}")
-    module.main(argv[1:])
+    try:
+        module.main(argv[1:])
+    except (ValueError, FileNotFoundError, PermissionError) as e:
+        # bad input: the message names the file or value and the fix; no traceback
+        print(f"mlx_streaming {argv[0]}: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
+
+def _command(name: str):
+    def run() -> None:
+        main([name, *sys.argv[1:]])
+    run.__name__ = name
+    return run
+
+
+split, generate, chat, serve, bench, plan, profile, demo, synth = (
+    _command(n) for n in ("split", "generate", "chat", "serve", "bench", "plan", "profile",
+                          "demo", "synth"))
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,121 @@
+"""``python -m mlx_streaming plan``: what each budget and policy buys, from a trace."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..planner import PlanRow, Shape, plan, resolve_policies
+from ..trace import RoutingTrace
+from ._args import nonneg_int, positive_float, positive_int
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlx_streaming plan", description=(
+        "Replay a routing trace through the cache policies at each budget and predict hit "
+        "rate, miss bytes per token and tok/s (from a compute time and a read bandwidth, "
+        "measured by `bench`). The trace's second half is replayed."))
+    p.add_argument("--trace", required=True, help="routing trace (.npz)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="model directory or repo id (its experts' sizes)")
+    src.add_argument("--expert-dir", help="an expert directory (its meta)")
+    src.add_argument("--expert-bytes", type=positive_int, help="bytes per expert")
+    p.add_argument("--top-k", type=positive_int, help="with --expert-bytes (default: trace's)")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--budget-gb", type=positive_float, nargs="+")
+    size.add_argument("--slots", type=positive_int, nargs="+")
+    p.add_argument("--policy", default="auto", help="a policy, all, or auto (all, with the "
+                   "best marked); lru and belady are always shown")
+    p.add_argument("--tokens", type=positive_int, default=20000, help="trace tokens to replay")
+    p.add_argument("--layer-sample", type=nonneg_int, default=6,
+                   help="simulate this many layers, spread evenly (0: all)")
+    p.add_argument("--pin-hot", type=nonneg_int, default=0,
+                   help="pin each layer's N statically hottest experts (from the first half)")
+    p.add_argument("--bench", help="a `bench --json` result: t_compute and read bandwidth")
+    p.add_argument("--t-compute-ms", type=positive_float)
+    p.add_argument("--read-gbps", type=positive_float)
+    p.add_argument("--json", action="store_true", help="print a JSON list")
+    p.add_argument("--plot", help="write a PNG of hit rate against budget (needs matplotlib)")
+    return p
+
+
+def _shape(a, trace: RoutingTrace) -> Shape:
+    if a.expert_bytes:
+        return Shape([a.expert_bytes] * trace.layers, trace.num_experts, a.top_k or trace.top_k)
+    if a.expert_dir:
+        from ..core.format import load_meta
+
+        return Shape.from_meta(load_meta(a.expert_dir))
+    from ..core.discovery import find_expert_sites
+    from ..prep.split_experts import layer_layout, load_lazy, resolve_model_path
+
+    model, config = load_lazy(resolve_model_path(a.model))
+    sites = find_expert_sites(model, config)
+    sizes = [sum(p.nbytes for p in layer_layout(s, "x").parts) for s in sites]
+    return Shape(sizes, sites[0].num_experts, next(s.top_k for s in sites if s.top_k))
+
+
+def _bounds(a) -> tuple[float | None, float | None]:
+    t, b = (a.t_compute_ms / 1e3 if a.t_compute_ms else None), a.read_gbps
+    if a.bench:
+        with open(a.bench) as f:
+            r = json.load(f)
+        if t is None and r.get("t_compute_ms"):
+            t = r["t_compute_ms"] / 1e3
+        b = b or r.get("storage_gbps")
+    return t, b
+
+
+def plot(rows: list[PlanRow], path: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'mlx-streaming[plot]'") from None
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for pol in dict.fromkeys(r.policy for r in rows):
+        pts = sorted((r.budget_gb, r.hit_rate) for r in rows if r.policy == pol)
+        ax.plot(*zip(*pts), marker="o", label=pol, linestyle="--" if pol == "belady" else "-")
+    ax.set_xlabel("expert pool budget (GB)")
+    ax.set_ylabel("hit rate (held-out routing)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> None:
+    a = setup_arg_parser().parse_args(argv)
+    trace = RoutingTrace.load(a.trace)
+    shape = _shape(a, trace)
+    t, b = _bounds(a)
+    rows = plan(trace, shape, budgets_gb=a.budget_gb or (), slots=a.slots or (),
+                policies=resolve_policies(a.policy), t_compute_s=t, read_gbps=b,
+                tokens=a.tokens, layer_sample=a.layer_sample or None, pin_hot=a.pin_hot)
+    best = {}
+    for r in rows:
+        if r.policy != "belady" and (r.slots not in best or r.hit_rate > best[r.slots].hit_rate):
+            best[r.slots] = r
+    if a.json:
+        print(json.dumps([{**r.to_json(), "best": best[r.slots] is r} for r in rows], indent=1))
+    else:
+        print(f"{'policy':<11} {'slots':>5} {'GB':>8} {'hit':>6} {'MB miss/tok':>12} "
+              f"{'tok/s':>8} {'serial':>8}")
+        for r in rows:
+            tps = f"{r.predicted_tok_per_s:8.2f}" if r.predicted_tok_per_s else f"{'-':>8}"
+            ser = f"{r.serial_tok_per_s:8.2f}" if r.serial_tok_per_s else f"{'-':>8}"
+            mark = " *" if best[r.slots] is r and a.policy == "auto" else ""
+            print(f"{r.policy:<11} {r.slots:>5} {r.budget_gb:>8.3f} {r.hit_rate:6.3f} "
+                  f"{r.miss_bytes_per_token / 1e6:12.2f} {tps} {ser}{mark}")
+        if t is None or b is None:
+            print("(tok/s: give --bench, or --t-compute-ms and --read-gbps)", file=sys.stderr)
+    if a.plot:
+        plot(rows, a.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""Cache policies, the trace simulator, the planner and pool profiles."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlx_streaming.core.cache.policy import DEFAULT_POLICY, POLICIES, Belady, make_policy
+from mlx_streaming.core.cache.slots import SlotCache
+from mlx_streaming.planner import Shape, build_profile, plan
+from mlx_streaming.simulate import simulate
+from mlx_streaming.trace import RoutingTrace, TraceError, TraceRecorder
+
+ALL = [*POLICIES, "belady"]
+
+
+def local_trace(T=600, L=3, E=32, k=4, seed=0, concentrated=()):
+    """Routing with temporal locality; layers in ``concentrated`` use few experts."""
+    rng = np.random.default_rng(seed)
+    ex = np.zeros((T, L, k), np.int64)
+    for li in range(L):
+        pool = np.arange(E) if li not in concentrated else rng.choice(E, k + 1, replace=False)
+        cur = rng.choice(pool, k, replace=False)
+        for t in range(T):
+            if rng.random() < 0.5:
+                out = rng.integers(k)
+                cur[out] = rng.choice(np.setdiff1d(pool, cur))
+            ex[t, li] = cur
+    return RoutingTrace(ex.astype(np.uint8), np.array([0, T // 2, T]), E, "synthetic")
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), cap=st.integers(4, 12), pins=st.integers(0, 2),
+       policy=st.sampled_from(ALL))
+def test_invariants(seed, cap, pins, policy):
+    rng = np.random.default_rng(seed)
+    E, k, T = 16, 4, 80
+    seq = [np.unique(rng.choice(E, k, replace=False)) for _ in range(T)]
+    pol = Belady(E, seq) if policy == "belady" else make_policy(policy, E, cap)
+    cache = SlotCache(E, cap, pol)
+    pinned = np.arange(min(pins, cap - k))  # as the store allows: top_k slots stay free
+    if len(pinned):
+        cache.commit(cache.reserve(pinned, set()))
+        cache.pinned = set(pinned.tolist())
+    for need in seq:
+        cache.lookup(need)
+        assert cache.resident <= cap  # capacity never exceeded
+        assert (cache.slot_of[pinned] >= 0).all()  # pinned never evicted
+        assert all(cache.slot_of[e] >= 0 for e in need)  # the call's experts resident
+        slots = cache.slot_of[cache.slot_of >= 0]
+        assert len(set(slots.tolist())) == len(slots)  # one expert per slot
+    s = cache.stats
+    assert s.hits + s.misses == sum(len(n) for n in seq)
+    assert s.calls == T
+
+
+DSV2 = Path(__file__).resolve().parents[2] / "shared" / "traces" / "deepseek-v2-lite.npz"
+
+
+def test_belady_is_the_ceiling():
+    trace = local_trace()
+    rates = {p: simulate(trace, p, 8).hit_rate for p in ALL}
+    assert all(rates["belady"] >= r - 1e-12 for r in rates.values())
+
+
+@pytest.mark.skipif(not DSV2.exists(), reason=f"no trace at {DSV2}")
+def test_default_policy_beats_lru_on_real_routing():
+    _, held = RoutingTrace.load(DSV2).split(0.5)
+    for slots in (8, 16):
+        lru = simulate(held, "lru", slots, layers=[0, 12, 25], tokens=3000).hit_rate
+        best = simulate(held, DEFAULT_POLICY, slots, layers=[0, 12, 25], tokens=3000).hit_rate
+        assert best > lru + 0.01, (slots, lru, best)
+
+
+def test_simulator_equals_live_store(models):
+    """The store's live counters equal the simulator's on the routing it took."""
+    from mlx_lm import load, stream_generate
+
+    from mlx_streaming import FileExpertStore, patch_model_filebacked
+    from mlx_streaming.core.format import load_meta
+
+    ck, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    for policy in ("lru", "predictive", "lfu"):
+        model, tok = load(str(ck), lazy=True)
+        store = FileExpertStore(ed, capacity=meta.top_k + 2, policy=policy)
+        d = meta.dims
+        patch_model_filebacked(model, store, d["hidden"], d["moe_inter"], d["group_size"],
+                               d["bits"])
+        rec = TraceRecorder(store.layers, meta.num_experts)
+        store.observers.append(rec)
+        for _ in stream_generate(model, tok, "How do experts stream from disk?", max_tokens=24,
+                                 prefill_step_size=1):  # one token per call, as simulated
+            pass
+        trace = rec.trace()
+        sim = simulate(trace, policy, meta.top_k + 2)
+        for pos, li in enumerate(store.layers):
+            c = store.caches[li].stats
+            assert (c.hits, c.misses, c.evictions) == \
+                (sim.hits[pos], sim.misses[pos], sim.evictions[pos]), (policy, li)
+        store.close()
+
+
+def test_trace_roundtrip_and_validation(tmp_path):
+    t = local_trace(T=50)
+    t.save(tmp_path / "t.npz")
+    back = RoutingTrace.load(tmp_path / "t.npz")
+    assert np.array_equal(back.experts, t.experts) and back.num_experts == 32
+    np.savez(tmp_path / "bad.npz", experts=t.experts, offsets=np.array([0, 7]),
+             num_experts=np.int64(32))
+    with pytest.raises(TraceError, match="offsets"):
+        RoutingTrace.load(tmp_path / "bad.npz")
+    np.savez(tmp_path / "obj.npz", experts=np.array([object()]), offsets=np.array([0]),
+             num_experts=np.int64(1))
+    with pytest.raises(TraceError, match="cannot read trace"):
+        RoutingTrace.load(tmp_path / "obj.npz")  # pickled objects are refused
+
+
+def test_plan_rows_and_budget_arithmetic():
+    trace = local_trace(T=400, L=4)
+    shape = Shape([1000] * 4, 32, 4)
+    assert shape.slots_for(4 * 1000 * 9 / 1e9) == 8  # 8 slots + the zero slot per layer
+    rows = plan(trace, shape, slots=[6, 12], policies=["lru", "predictive", "belady"],
+                t_compute_s=0.01, read_gbps=1.0, tokens=200, layer_sample=None)
+    assert {(r.policy, r.slots) for r in rows} == {(p, s) for p in ("lru", "predictive",
+                                                                    "belady") for s in (6, 12)}
+    for r in rows:
+        assert 0 <= r.hit_rate <= 1 and r.miss_bytes_per_token >= 0
+        assert r.predicted_tok_per_s >= r.serial_tok_per_s > 0
+        assert abs(r.miss_bytes_per_token - (1 - r.hit_rate) * 4 * 4000) < 4000 * 4 * 0.5
+    by = {(r.policy, r.slots): r.hit_rate for r in rows}
+    assert by["belady", 12] >= by["predictive", 12] and by["lru", 12] >= by["lru", 6]
+    with pytest.raises(ValueError, match="below top_k"):
+        plan(trace, shape, budgets_gb=[1e-6], policies=["lru"])
+
+
+def test_plan_command_json(tmp_path, capsys):
+    from mlx_streaming.commands import plan as cmd
+
+    local_trace(T=300).save(tmp_path / "t.npz")
+    cmd.main(["--trace", str(tmp_path / "t.npz"), "--expert-bytes", "4096", "--slots", "8",
+              "--policy", "lfu", "--tokens", "150", "--json", "--plot", str(tmp_path / "p.png")])
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["policy"] for r in rows} == {"lfu", "lru", "belady"}
+    assert all({"policy", "slots", "hit_rate"} <= set(r) for r in rows)
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_profile_gives_diverse_layers_more_slots(models):
+    from mlx_streaming.core.format import load_meta
+
+    _, ed = models.experts("tiny-qwen3_moe")  # 3 MoE layers, 16 experts, top-4
+    meta = load_meta(ed)
+    trace = local_trace(T=800, L=3, E=16, k=4, concentrated=(0, 2))
+    prof = build_profile(trace, meta, slots=8, policy="lru", tokens=400)
+    caps = [prof.slots[li] for li in sorted(meta.layers)]
+    assert caps[1] > caps[0] and caps[1] > caps[2]  # the diverse layer gets more
+    assert prof.profile_bytes <= prof.uniform_bytes
+    assert prof.heldout_hit_rate > prof.uniform_heldout_hit_rate
+    lossless = build_profile(trace, meta, mode="lossless", tokens=400)
+    assert lossless.slots[sorted(meta.layers)[0]] == 5  # the k + 1 experts it used
