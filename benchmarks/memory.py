@@ -146,6 +146,39 @@ def phase_run(model: str, experts: str, slots: int, tokens: int, stock: bool) ->
     return out
 
 
+def phase_budget(model: str, experts: str, budget_gb: float, tokens: int) -> dict:
+    """``mlx_streaming.load(budget_gb=...)`` and a long generation: peak memory against
+    trunk + budget + KV cache."""
+    _imports()
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import mlx_streaming
+    from mlx_streaming.core.mem import peak_rss_bytes, rss_bytes
+
+    base = rss_bytes()
+    mx.reset_peak_memory()
+    with RssSampler() as s:
+        m, tok, store = mlx_streaming.load(model, experts, budget_gb=budget_gb)
+        cache = make_prompt_cache(m)
+        n = 0
+        for r in stream_generate(m, tok, "Write a long story about experts on a disk.",
+                                 max_tokens=tokens, prompt_cache=cache):
+            n = r.generation_tokens
+    plan = store.memory_plan
+    kv = _kv_bytes(cache)
+    peak = max(s.peak, peak_rss_bytes())
+    expected = plan.trunk_bytes + int(budget_gb * 1e9) + kv
+    return {"budget_gb": budget_gb, "generated": n, "plan": plan.to_json(),
+            "pool_bytes": plan.pool_bytes, "trunk_bytes": plan.trunk_bytes, "kv_bytes": kv,
+            "peak_rss_delta": peak - base, "mlx_peak": mx.get_peak_memory(),
+            "expected": expected,
+            "rss_over_expected": round((peak - base) / expected, 3),
+            "mlx_over_expected": round(mx.get_peak_memory() / expected, 3),
+            "hit_rate": round(store.hit_rate(), 4)}
+
+
 def _sub(args: list[str]) -> dict:
     proc = subprocess.run([sys.executable, str(HERE), *args], capture_output=True, text=True)
     if proc.returncode:
@@ -165,12 +198,19 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--no-stock", action="store_true")
     p.add_argument("--json", dest="json_out")
-    p.add_argument("--phase", choices=["split", "stream", "stock"], help=argparse.SUPPRESS)
+    p.add_argument("--budget-gb", type=float, default=0.0,
+                   help="also run load(budget_gb=...) and generate --budget-tokens tokens")
+    p.add_argument("--budget-tokens", type=int, default=512)
+    p.add_argument("--phase", choices=["split", "stream", "stock", "budget"],
+                   help=argparse.SUPPRESS)
     a = p.parse_args()
     root = Path(a.workdir)
     model, experts = root / "model", root / "experts"
     if a.phase == "split":
         print(json.dumps(phase_split(str(model), str(experts))))
+        return
+    if a.phase == "budget":
+        print(json.dumps(phase_budget(str(model), str(experts), a.budget_gb, a.budget_tokens)))
         return
     if a.phase in ("stream", "stock"):
         print(json.dumps(phase_run(str(model), str(experts), a.slots, a.tokens,
@@ -197,6 +237,9 @@ def main() -> None:
     common = ["--workdir", str(root), "--slots", str(a.slots), "--tokens", str(a.tokens)]
     stream = _sub([*common, "--phase", "stream"])
     stock = None if a.no_stock else _sub([*common, "--phase", "stock"])
+    budget = _sub(["--workdir", str(root), "--phase", "budget", "--budget-gb",
+                   str(a.budget_gb), "--budget-tokens", str(a.budget_tokens)]) \
+        if a.budget_gb else None
     expert_bytes = stock["param_bytes"] - stream["trunk_bytes"] if stock else None
     budget = stream["trunk_bytes"] + stream["pool_bytes"] + stream["kv_bytes"]
     result = {
@@ -222,6 +265,15 @@ def main() -> None:
         "stock_peak_rss_delta_mb": round(stock["peak_rss_delta"] / 1e6, 1) if stock else None,
         "stock_mlx_peak_mb": round(stock["mlx_peak"] / 1e6, 1) if stock else None,
         "stream_rss_series": stream["rss_series"],
+        "budget_run": budget and {
+            **{k: budget[k] for k in ("budget_gb", "generated", "plan", "hit_rate",
+                                      "rss_over_expected", "mlx_over_expected")},
+            "expected_mb": round(budget["expected"] / 1e6, 1),
+            "kv_mb": round(budget["kv_bytes"] / 1e6, 1),
+            "peak_rss_delta_mb": round(budget["peak_rss_delta"] / 1e6, 1),
+            "mlx_peak_mb": round(budget["mlx_peak"] / 1e6, 1),
+            "within_10pct": budget["peak_rss_delta"] <= 1.10 * budget["expected"]
+            and budget["mlx_peak"] <= 1.10 * budget["expected"]},
     }
     text = json.dumps(result, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "stream_rss_series"}, indent=1))

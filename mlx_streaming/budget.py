@@ -78,3 +78,29 @@ def plan_budget(meta: ExpertMeta, budget_gb: float, weights: dict[int, float] | 
         slots[li] += 1
         left -= sb[li]
     return BudgetPlan(budget, slots, sb, w)
+
+
+@dataclass
+class MemoryPlan:
+    """Where a streamed model's memory goes: trunk, expert pools, MLX's buffer cache cap
+    (the KV cache grows with the context on top of these)."""
+
+    trunk_bytes: int
+    pool_bytes: int
+    cache_limit_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.trunk_bytes + self.pool_bytes + self.cache_limit_bytes
+
+    def to_json(self) -> dict:
+        return {"trunk_gb": round(self.trunk_bytes / 1e9, 3),
+                "pools_gb": round(self.pool_bytes / 1e9, 3),
+                "mlx_cache_limit_gb": round(self.cache_limit_bytes / 1e9, 3),
+                "total_gb_before_kv": round(self.total_bytes / 1e9, 3)}
+
+
+def default_cache_limit(pool_bytes: int) -> int:
+    """MLX keeps freed buffers for reuse unless capped; cap them at 5% of the pools
+    (at least 32 MB) so that memory the budget gives the experts stays theirs."""
+    return max(32 << 20, pool_bytes // 20)

@@ -10,6 +10,8 @@ import hashlib
 import json
 from pathlib import Path
 
+import mlx.core as mx
+
 from . import config as env
 from .core.cache.expert_store import FileExpertStore
 from .core.cache.policy import DEFAULT_POLICY
@@ -95,7 +97,8 @@ def store_kwargs_from(meta, *, slots=None, budget_gb=None, layer_caps=None) -> d
 def load(path_or_repo: str | Path, expert_dir: str | Path | None = None, *,
          slots: int | None = None, budget_gb: float | None = None, policy: str = DEFAULT_POLICY,
          pool_profile: str | Path | None | bool = True, threads: int = 4,
-         direct_io: bool = False, verify: bool = True, progress: bool | None = None):
+         direct_io: bool = False, verify: bool = True, progress: bool | None = None,
+         cache_limit_gb: float | None = None, options=None):
     """Load a MoE model with its experts streamed from disk.
 
     Splits the experts on first use (into ``expert_dir``, by default a cache folder keyed
@@ -113,6 +116,10 @@ def load(path_or_repo: str | Path, expert_dir: str | Path | None = None, *,
             ``EXPERT_POOL_PROFILE``); a path: that profile; None/False: no profile.
         threads, direct_io, verify: Reader options (see ``FileExpertStore``).
         progress: Progress bars (default: on a terminal).
+        cache_limit_gb: Cap on MLX's cache of freed buffers (default: 5% of the pools,
+            at least 32 MB; ``mx.set_cache_limit``). ``store.memory_plan`` reports it
+            with the trunk and pool sizes.
+        options: ``StreamOptions`` (overlap, prefetch...).
 
     Returns:
         ``(model, tokenizer, store)``.
@@ -137,11 +144,26 @@ def load(path_or_repo: str | Path, expert_dir: str | Path | None = None, *,
     try:
         patch_model_filebacked(model, store, d["hidden"], d["moe_inter"], d.get("group_size"),
                                d.get("bits"), proj_bits=d.get("proj_bits"),
-                               layer_proj_bits=_int_keys(d.get("per_layer_proj_bits")))
+                               layer_proj_bits=_int_keys(d.get("per_layer_proj_bits")),
+                               options=options)
     except ExpertDirError:
         store.close()
         raise
+    store.memory_plan = memory_plan(model, store, cache_limit_gb)
+    mx.set_cache_limit(store.memory_plan.cache_limit_bytes)
     return model, tokenizer, store
+
+
+def memory_plan(model, store, cache_limit_gb: float | None = None):
+    """Trunk, pool and buffer-cache bytes of a patched model (nothing is evaluated)."""
+    from mlx.utils import tree_flatten
+
+    from .budget import MemoryPlan, default_cache_limit
+
+    params = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    pools = store.pool_bytes()
+    cap = int(cache_limit_gb * 1e9) if cache_limit_gb is not None else default_cache_limit(pools)
+    return MemoryPlan(params - pools, pools, cap)
 
 
 def _int_keys(d: dict | None) -> dict | None:

@@ -21,6 +21,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-chat-template", action="store_true")
     p.add_argument("--prefill-step-size", type=nonneg_int, default=2048)
+    p.add_argument("--record-trace", help="write the routing taken to this .npz")
     p.add_argument("--verbose", action=argparse.BooleanOptionalAction, default=True)
     return p
 
@@ -40,6 +41,12 @@ def main(argv=None) -> None:
     model, tok, store = load(a.model, a.expert_dir, slots=a.slots, budget_gb=a.budget_gb,
                              policy=a.policy, threads=a.threads, direct_io=a.direct_io,
                              verify=a.verify)
+    recorder = None
+    if a.record_trace:
+        from ..trace import TraceRecorder
+
+        recorder = TraceRecorder(store.layers, store.meta.num_experts, a.model)
+        store.observers.append(recorder)
     prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
     if not a.ignore_chat_template and tok.chat_template is not None:
         msgs = ([{"role": "system", "content": a.system_prompt}] if a.system_prompt else [])
@@ -48,7 +55,10 @@ def main(argv=None) -> None:
     text = generate(model, tok, prompt, max_tokens=a.max_tokens, verbose=a.verbose,
                     sampler=make_sampler(a.temp, a.top_p),
                     prefill_step_size=a.prefill_step_size or 2048)
+    if recorder is not None:
+        recorder.save(a.record_trace)
     if a.verbose:
+        print("Memory plan:", store.memory_plan.to_json())
         t = store.totals()
         print(f"Experts: hit rate {store.hit_rate():.3f}, {t['bytes_read'] / 1e6:.1f} MB read "
               f"in {t['read_s']:.2f} s, pools {store.pool_bytes() / 1e9:.3f} GB, "
