@@ -1,0 +1,69 @@
+"""``python -m mlx_streaming chat``: mlx-lm's chat (its flags and UI), streamed experts."""
+
+from __future__ import annotations
+
+from ._args import add_store_args
+
+
+def setup_arg_parser():
+    from mlx_lm.chat import setup_arg_parser as mlx_chat_parser
+
+    p = mlx_chat_parser()
+    p.prog = "mlx_streaming chat"
+    for action in p._actions:
+        if action.dest == "model":
+            action.required, action.default = True, None
+    add_store_args(p)
+    return p
+
+
+def main(argv=None) -> None:
+    import mlx.core as mx
+    from mlx_lm.cli_ui import ChatUI
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
+
+    from ..model_builder import load
+
+    a = setup_arg_parser().parse_args(argv)
+    if a.adapter_path:
+        raise ValueError("--adapter-path is not supported with streamed experts")
+    mx.random.seed(a.seed)
+    model, tokenizer, store = load(a.model, a.expert_dir, slots=a.slots, budget_gb=a.budget_gb,
+                                   policy=a.policy, threads=a.threads,
+                                   direct_io=a.direct_io, verify=a.verify)
+    with ChatUI(a) as ui:
+        cache = make_prompt_cache(model, a.max_kv_size)
+        while True:
+            query = ui.prompt()
+            if query == "q":
+                ui.say_bye()
+                break
+            if query == "r":
+                cache = make_prompt_cache(model, a.max_kv_size)
+                ui.say_reset()
+                continue
+            if query == "h":
+                ui.say_help()
+                continue
+            messages = [{"role": "system", "content": a.system_prompt}] if a.system_prompt else []
+            messages.append({"role": "user", "content": query})
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            last = None
+            sampler = make_sampler(a.temp, a.top_p, xtc_threshold=a.xtc_threshold,
+                                   xtc_probability=a.xtc_probability,
+                                   xtc_special_tokens=(tokenizer.encode("\n")
+                                                       + list(tokenizer.eos_token_ids)))
+            for last in stream_generate(model, tokenizer, prompt, max_tokens=a.max_tokens,
+                                        sampler=sampler, prompt_cache=cache,
+                                        prefill_step_size=a.prefill_step_size):
+                ui.stream_token(last.text)
+            ui.end_turn(last)
+            print(f"  experts: hit rate {store.hit_rate():.3f}, "
+                  f"{store.totals()['bytes_read'] / 1e6:.1f} MB read")
+    store.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""``python -m mlx_streaming serve``: mlx-lm's OpenAI-compatible server, streamed experts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+from ._args import add_store_args, nonneg_int, positive_int
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlx_streaming serve", description=(
+        "Serve /v1/chat/completions, /v1/completions and /v1/models (mlx-lm's server) with "
+        "the model's experts streamed from disk. Requests run one at a time; /health "
+        "reports the queue depth."))
+    p.add_argument("--model", required=True, help="MLX model directory or repo id")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
+    p.add_argument("--port", type=positive_int, default=8080)
+    p.add_argument("--allowed-origins", type=lambda s: s.split(","), default=["*"])
+    p.add_argument("--log-level", default="INFO",
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    p.add_argument("--chat-template", default="")
+    p.add_argument("--use-default-chat-template", action="store_true")
+    p.add_argument("--chat-template-args", type=json.loads, default={})
+    p.add_argument("--temp", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=positive_int, default=512)
+    p.add_argument("--prefill-step-size", type=positive_int, default=2048)
+    p.add_argument("--prompt-cache-size", type=nonneg_int, default=10)
+    p.add_argument("--prompt-cache-bytes", type=positive_int, default=None)
+    p.add_argument("--kv-bits", type=int, default=None)
+    p.add_argument("--kv-group-size", type=int, default=64)
+    p.add_argument("--quantized-kv-start", type=int, default=5000)
+    add_store_args(p)
+    p.add_argument("--prefetch", action="store_true")
+    return p
+
+
+def cli_args_for_mlx_lm(a: argparse.Namespace) -> argparse.Namespace:
+    """The namespace mlx-lm's server reads, from our flags (fixed values where streaming
+    rules them: no adapters, no draft model, no batching, no distribution)."""
+    return argparse.Namespace(
+        model=a.model, adapter_path=None, draft_model=None, num_draft_tokens=3,
+        trust_remote_code=False, allowed_origins=a.allowed_origins,
+        chat_template=a.chat_template, use_default_chat_template=a.use_default_chat_template,
+        chat_template_args=a.chat_template_args, temp=a.temp, top_p=a.top_p, top_k=a.top_k,
+        min_p=a.min_p, max_tokens=a.max_tokens, decode_concurrency=1, prompt_concurrency=1,
+        prefill_step_size=a.prefill_step_size, prompt_cache_size=a.prompt_cache_size,
+        prompt_cache_bytes=a.prompt_cache_bytes, kv_bits=a.kv_bits,
+        kv_group_size=a.kv_group_size, quantized_kv_start=a.quantized_kv_start,
+        pipeline=False)
+
+
+def main(argv=None) -> None:
+    from ..core.prefetch.patch import StreamOptions
+    from ..server import serve
+
+    a = setup_arg_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, a.log_level), format="%(asctime)s %(message)s")
+    load_kwargs = dict(expert_dir=a.expert_dir, slots=a.slots, budget_gb=a.budget_gb,
+                       policy=a.policy, threads=a.threads, direct_io=a.direct_io,
+                       verify=a.verify, options=StreamOptions(prefetch=a.prefetch))
+    serve(a.host, a.port, cli_args_for_mlx_lm(a), load_kwargs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""mlx-lm's OpenAI-compatible server over a streamed model.
+
+No HTTP server of our own: ``StreamingModelProvider`` is mlx-lm's ``ModelProvider`` that
+loads through ``mlx_streaming.load``, and ``StreamingAPIHandler`` is mlx-lm's handler
+that also reports the request queue (``/health`` and an ``X-Queue-Depth`` header on every
+response) and the expert pools' counters. Requests run one at a time (no batching) since
+they share one pool of expert slots.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import mlx.core as mx
+from mlx_lm import server as mlx_server
+
+
+class StreamingModelProvider(mlx_server.ModelProvider):
+    """Loads the served model with its experts streamed from disk."""
+
+    def __init__(self, cli_args, load_kwargs: dict):
+        super().__init__(cli_args)
+        self._load_kwargs = load_kwargs
+        self.store = None
+
+    def _load(self, model_path, adapter_path=None, draft_model_path=None):
+        from .model_builder import load
+
+        if adapter_path is not None or draft_model_path is not None:
+            raise ValueError("adapters and draft models are not supported with streamed experts")
+        if self.store is not None:
+            self.store.close()
+        self.reset()
+        self.store = None
+        gc.collect()
+        mx.clear_cache()
+        model, tokenizer, store = load(model_path, **self._load_kwargs)
+        if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
+            tokenizer.chat_template = tokenizer.default_chat_template
+        self.model_key = (model_path, adapter_path, draft_model_path)
+        self.model, self.tokenizer, self.store = model, tokenizer, store
+        self.processor = None
+        self.draft_model = None
+        self.is_batchable = False  # one request at a time: they share the expert pools
+
+
+class StreamingAPIHandler(mlx_server.APIHandler):
+    """mlx-lm's API handler, plus the queue depth and the pools' counters."""
+
+    def _queue_depth(self) -> int:
+        return self.response_generator.requests.qsize()
+
+    def _set_completion_headers(self, status_code: int = 200):
+        super()._set_completion_headers(status_code)
+        self.send_header("X-Queue-Depth", str(self._queue_depth()))
+
+    def _set_stream_headers(self, status_code: int = 200):
+        super()._set_stream_headers(status_code)
+        self.send_header("X-Queue-Depth", str(self._queue_depth()))
+
+    def handle_models_request(self):
+        """The served model (mlx-lm's version also scans the Hugging Face cache, and
+        fails where there is none)."""
+        from pathlib import Path
+
+        model = self.response_generator.cli_args.model
+        p = Path(model)
+        ids = [str(p.resolve()) if p.exists() else model, "default_model"]
+        body = {"object": "list", "data": [{"id": i, "object": "model",
+                                            "created": self.created} for i in ids]}
+        self._set_completion_headers(200)
+        self.end_headers()
+        self.wfile.write(json.dumps(body).encode())
+        self.wfile.flush()
+
+    def handle_health_check(self):
+        healthy = self.response_generator.is_healthy
+        provider = self.response_generator.model_provider
+        body = {"status": "ok" if healthy else "unavailable",
+                "queue_depth": self._queue_depth(), "concurrency": 1}
+        store = getattr(provider, "store", None)
+        if store is not None:
+            t = store.totals()
+            body["experts"] = {"hit_rate": round(store.hit_rate(), 4),
+                               "bytes_read": t["bytes_read"], "pool_gb":
+                               round(store.pool_bytes() / 1e9, 3)}
+        self._set_completion_headers(200 if healthy else 503)
+        self.end_headers()
+        self.wfile.write(json.dumps(body).encode())
+        self.wfile.flush()
+
+
+def serve(host: str, port: int, cli_args, load_kwargs: dict) -> None:
+    """Run mlx-lm's server with the streamed model until interrupted.
+
+    As in ``mlx_lm.server.run``: its response generator loads the model on its own
+    thread (MLX streams are per thread) and serves one request at a time; the HTTP side
+    is the standard library's threading server with mlx-lm's handler, extended.
+    """
+    from http.server import ThreadingHTTPServer
+
+    provider = StreamingModelProvider(cli_args, load_kwargs)
+    generator = mlx_server.ResponseGenerator(
+        provider, mlx_server.LRUPromptCache(cli_args.prompt_cache_size))
+    fingerprint = mlx_server.get_system_fingerprint()
+    httpd = ThreadingHTTPServer(
+        (host, port),
+        lambda *a, **kw: StreamingAPIHandler(generator, *a, system_fingerprint=fingerprint,
+                                             **kw))
+    try:
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        httpd.shutdown()
+        generator.stop_and_join()

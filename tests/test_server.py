@@ -1,0 +1,98 @@
+"""The OpenAI-compatible server (mlx-lm's, over a streamed model), driven by the openai
+client, streaming and not: its text equals offline generation with the same settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from mlx_lm import generate, load
+
+openai = pytest.importorskip("openai")
+
+MESSAGES = [{"role": "user", "content": "Why do experts stream from disk?"}]
+PROMPT = "The expert pool holds"
+MAX_TOKENS = 24
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url):
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return r.status, dict(r.headers), json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    ck, ed = models.experts("tiny-qwen3_next")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_streaming", "serve", "--model", str(ck), "--expert-dir",
+         str(ed), "--slots", "6", "--port", str(port), "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(120):
+        try:
+            if get(base + "/health")[0] == 200:
+                break
+        except OSError:
+            if proc.poll() is not None:
+                pytest.fail(proc.stdout.read())
+            time.sleep(0.5)
+    yield ck, base, port
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def offline(ck, prompt):
+    model, tok = load(str(ck))
+    return generate(model, tok, prompt, max_tokens=MAX_TOKENS)
+
+
+def test_chat_completions(server):
+    ck, base, _ = server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none")
+    _, tok = load(str(ck))
+    want = offline(ck, tok.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                               tokenize=False))
+    r = client.chat.completions.create(model="default_model", messages=MESSAGES,
+                                       max_tokens=MAX_TOKENS, temperature=0.0)
+    assert r.choices[0].message.content == want
+    chunks = client.chat.completions.create(model="default_model", messages=MESSAGES,
+                                            max_tokens=MAX_TOKENS, temperature=0.0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+
+
+def test_completions(server):
+    ck, base, _ = server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none")
+    want = offline(ck, PROMPT)
+    r = client.completions.create(model="default_model", prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                  temperature=0.0)
+    assert r.choices[0].text == want
+    chunks = client.completions.create(model="default_model", prompt=PROMPT,
+                                       max_tokens=MAX_TOKENS, temperature=0.0, stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+
+
+def test_models_health_and_queue(server):
+    ck, base, port = server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none")
+    assert any(m.id == str(ck.resolve()) for m in client.models.list().data)
+    status, headers, body = get(base + "/health")
+    assert status == 200 and body["status"] == "ok"
+    assert body["queue_depth"] == 0 and body["concurrency"] == 1
+    assert 0 <= body["experts"]["hit_rate"] <= 1 and body["experts"]["bytes_read"] > 0
+    assert headers["X-Queue-Depth"] == "0"
