@@ -13,6 +13,8 @@ COMMANDS = {
     "bench": "benchmark a streamed model (the seed script's fields), optionally vs stock",
     "plan": "predict hit rate and tok/s of each budget and policy from a routing trace",
     "profile": "write pool_profile.json (per-layer slots) from a routing trace",
+    "requantize": "requantize experts to fewer bits (per projection / per layer)",
+    "quality": "KL divergence, top-1 agreement and projection errors of requantized experts",
     "demo": "build a synthetic model, stream it and check it against stock mlx-lm",
     "synth": "write a synthetic MoE checkpoint",
 }
@@ -44,9 +46,9 @@ def _command(name: str):
     return run
 
 
-split, generate, chat, serve, bench, plan, profile, demo, synth = (
+split, generate, chat, serve, bench, plan, profile, requantize, quality, demo, synth = (
     _command(n) for n in ("split", "generate", "chat", "serve", "bench", "plan", "profile",
-                          "demo", "synth"))
+                          "requantize", "quality", "demo", "synth"))
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,38 @@
+"""``python -m mlx_streaming requantize``: fewer bits per expert, per projection or layer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..prep.requantize import requantize
+from ._args import positive_int
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlx_streaming requantize", description=(
+        "Dequantize each expert and quantize it again with mx.quantize into a new expert "
+        "directory (a projection already in the target format is copied as is)."))
+    p.add_argument("--src", required=True, help="expert directory, or a model to split first")
+    p.add_argument("--out", required=True, help="new expert directory")
+    p.add_argument("--bits", type=positive_int, default=4)
+    p.add_argument("--group-size", type=positive_int)
+    p.add_argument("--proj-bits", help="per projection, e.g. gate=2,up=2,down=3")
+    p.add_argument("--layer-bits", help="JSON file {layer: bits or {projection: bits}}")
+    p.add_argument("--model-out", help="also write a standard MLX model with these experts")
+    p.add_argument("--model", help="source model for --model-out (default: the split's)")
+    return p
+
+
+def main(argv=None) -> None:
+    a = setup_arg_parser().parse_args(argv)
+    meta = requantize(a.src, a.out, a.bits, group_size=a.group_size, proj_bits=a.proj_bits,
+                      layer_bits=a.layer_bits, model_out=a.model_out, model=a.model)
+    lay = next(iter(meta["layers"].values()))
+    print(json.dumps({"expert_dir": a.out, "dims": meta["dims"],
+                      "expert_bytes": lay["record_bytes"], "model_out": a.model_out},
+                     indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""Requantize an expert directory: fewer bits per expert, per projection or per layer.
+
+Each projection of each expert is dequantized from its source format (affine 4/8-bit,
+or float) and quantized again with MLX's own ``mx.quantize``; a projection whose target
+equals its source format is copied byte for byte. The result is a complete expert
+directory whose meta records ``bits``, ``group_size``, ``proj_bits`` and
+``per_layer_proj_bits``, so streaming runs each projection at its own bits.
+``model_out`` also writes a standard MLX model with the same experts stacked, which
+stock mlx-lm loads (its config names the bits of every expert projection).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from tqdm import tqdm
+
+from ..core.format import (
+    DTYPES,
+    META_NAME,
+    ExpertMeta,
+    LayerLayout,
+    Quant,
+    load_meta,
+    mx_dtype_name,
+    plan_layout,
+    summarize_dims,
+    write_json_atomic,
+)
+from ..core.io.reader import RecordReader, aligned_buffer
+from .split_experts import _prepare_out, _write_layer, resolve_model_path, split_model
+
+
+def parse_proj_bits(spec: str | dict | None) -> dict[str, int] | None:
+    """``"gate=2,up=2,down=3"`` (or a dict) -> ``{"gate_proj": 2, ...}``."""
+    if spec is None or isinstance(spec, dict):
+        return spec
+    out = {}
+    for item in spec.split(","):
+        name, _, b = item.partition("=")
+        if not b.isdigit():
+            raise ValueError(f"--proj-bits entry {item!r} must look like gate=2")
+        name = name.strip()
+        out[name if name.endswith("_proj") or name.startswith("fc") else f"{name}_proj"] = int(b)
+    return out
+
+
+def _targets(layout: LayerLayout, bits, group_size, proj_bits, layer_bits, mode) -> dict:
+    """Target Quant of each projection of one layer."""
+    want = {}
+    lb = (layer_bits or {}).get(layout.layer, (layer_bits or {}).get(str(layout.layer)))
+    for proj in layout.quant:
+        b = bits
+        if proj_bits and proj in proj_bits:
+            b = proj_bits[proj]
+        if isinstance(lb, dict) and proj in lb:
+            b = lb[proj]
+        elif isinstance(lb, int):
+            b = lb
+        src = layout.quant[proj]
+        gs = group_size or (src.group_size if src else 64)
+        if b not in (2, 3, 4, 5, 6, 8):
+            raise ValueError(f"bits {b} for layer {layout.layer} {proj} is not supported "
+                             "(use 2, 3, 4, 5, 6 or 8)")
+        want[proj] = Quant(int(b), int(gs), mode)
+    return want
+
+
+def _parts_of(layout: LayerLayout, record: np.ndarray) -> dict[str, mx.array]:
+    out = {}
+    for p in layout.parts:
+        np_dt, mx_dt = DTYPES[p.dtype]
+        a = mx.array(record[p.offset:p.offset + p.nbytes].view(np_dt).reshape(p.shape))
+        out[p.name] = a.view(mx_dt) if a.dtype != mx_dt else a
+    return out
+
+
+def requantize_expert(layout: LayerLayout, parts: dict, target: dict) -> dict[str, mx.array]:
+    """New parts of one expert: each projection at its target quantization."""
+    new = {}
+    for proj, q_src in layout.quant.items():
+        q = target[proj]
+        w = parts[f"{proj}.weight"]
+        if f"{proj}.bias" in parts:  # linear biases stay as they are
+            new[f"{proj}.bias"] = parts[f"{proj}.bias"]
+        if q_src == q:  # same format: the very bytes
+            for n in ("weight", "scales", "biases"):
+                if f"{proj}.{n}" in parts:
+                    new[f"{proj}.{n}"] = parts[f"{proj}.{n}"]
+            continue
+        if q_src is not None:
+            w = mx.dequantize(w, parts[f"{proj}.scales"], parts.get(f"{proj}.biases"),
+                              q_src.group_size, q_src.bits, mode=q_src.mode)
+        dtype = parts[f"{proj}.scales"].dtype if q_src is not None else w.dtype
+        if w.shape[-1] % q.group_size:
+            raise ValueError(f"{proj} input width {w.shape[-1]} is not a multiple of "
+                             f"group size {q.group_size}")
+        qw, scales, *biases = mx.quantize(w.astype(dtype), q.group_size, q.bits, mode=q.mode)
+        new[f"{proj}.weight"], new[f"{proj}.scales"] = qw, scales.astype(dtype)
+        if biases:
+            new[f"{proj}.biases"] = biases[0].astype(dtype)
+    return new
+
+
+class _RequantSource:
+    """The split's ``rows(part, e0, e1)`` interface over requantized experts."""
+
+    def __init__(self, reader, layer, src: LayerLayout, dst: LayerLayout, target):
+        self.reader, self.layer, self.src, self.dst, self.target = reader, layer, src, dst, target
+        self._block = None
+
+    def _load(self, e0, e1):
+        if self._block and self._block[0] == (e0, e1):
+            return self._block[1]
+        buf = aligned_buffer((e1 - e0) * self.src.stride).reshape(e1 - e0, self.src.stride)
+        self.reader.read(self.layer, list(range(e0, e1)), buf)
+        rows = {p.name: [] for p in self.dst.parts}
+        for i in range(e1 - e0):
+            new = requantize_expert(self.src, _parts_of(self.src, buf[i]), self.target)
+            mx.eval(new)
+            for name, a in new.items():
+                a = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
+                rows[name].append(np.array(a).reshape(-1).view(np.uint8))
+        block = {n: np.stack(v) for n, v in rows.items()}
+        self._block = ((e0, e1), block)
+        return block
+
+    def rows(self, part, e0, e1):
+        return self._load(e0, e1)[part.name]
+
+
+def _dst_layout(src: LayerLayout, target: dict) -> LayerLayout:
+    """Record layout after requantization (shapes from one expert run through it)."""
+    dummy = {}
+    for p in src.parts:
+        dummy[p.name] = mx.zeros(p.shape, dtype=DTYPES[p.dtype][1])
+    new = requantize_expert(src, dummy, target)
+    tensors = [(n, a.shape, mx_dtype_name(a.dtype)) for n, a in sorted(new.items())]
+    return plan_layout(src.layer, src.module, src.file, src.num_experts, tensors, target)
+
+
+def requantize(src: str | Path, out: str | Path, bits: int = 4, *, group_size: int | None = None,
+               proj_bits: dict | str | None = None, layer_bits: dict | str | Path | None = None,
+               mode: str = "affine", model_out: str | Path | None = None,
+               model: str | Path | None = None, progress: bool | None = None) -> dict:
+    """Requantize the experts of ``src`` (an expert directory, or a model to split first).
+
+    Args:
+        src: Expert directory or MLX model (directory or repo id).
+        out: New expert directory.
+        bits: Default bits of every projection.
+        group_size: Quantization group size (default: the source's, else 64).
+        proj_bits: ``{"gate_proj": 2, ...}`` or ``"gate=2,up=2,down=3"``.
+        layer_bits: ``{layer: bits or {proj: bits}}``, or a JSON file of it.
+        mode: MLX quantization mode.
+        model_out: Also write a standard MLX model with these experts stacked.
+        model: The source model (for ``model_out``; default: the one ``src`` was split from).
+
+    Returns:
+        The new meta dict.
+    """
+    src = Path(src)
+    if not (src / META_NAME).exists():
+        from ..model_builder import default_expert_dir
+
+        model = model or src
+        src = default_expert_dir(str(src))
+        split_model(resolve_model_path(model), src, progress=progress)
+    meta = load_meta(src)
+    if isinstance(layer_bits, (str, Path)):
+        layer_bits = json.loads(Path(layer_bits).read_text())
+    proj_bits = parse_proj_bits(proj_bits)
+    out = Path(out)
+    if out.resolve() == Path(src).resolve():
+        raise ValueError("requantize writes a new expert directory: choose --out apart from "
+                         "the source")
+    _prepare_out(out)
+    reader = RecordReader(threads=1)
+    layouts = {}
+    for li in tqdm(sorted(meta.layers), desc="requantize", unit="layer",
+                   disable=None if progress is None else not progress):
+        lay = meta.layers[li]
+        reader.open(li, meta.file(li), lay.stride)
+        target = _targets(lay, bits, group_size, proj_bits, layer_bits, mode)
+        dst = _dst_layout(lay, target)
+        sums = _write_layer(out / dst.file, _RequantSource(reader, li, lay, dst, target), dst)
+        layouts[li] = LayerLayout(**{**dst.__dict__, "checksums": tuple(sums)})
+    reader.close()
+    dims = summarize_dims(layouts, meta.dims["hidden"], meta.dims["moe_inter"])
+    dims["dtype"] = meta.dims.get("dtype")
+    new = ExpertMeta(out, meta.fingerprint, meta.model_type, meta.moe_layers, meta.num_experts,
+                     meta.top_k, dims, layouts, meta.source,
+                     {"requantized_from": str(src)})
+    d = new.to_json()
+    if model_out:
+        write_model(model or meta.source, new, model_out)
+    write_json_atomic(out / META_NAME, d)
+    return d
+
+
+def write_model(model: str | Path, meta: ExpertMeta, out: str | Path) -> Path:
+    """A standard MLX model: ``model``'s trunk with ``meta``'s experts stacked."""
+    from mlx_lm.utils import make_shards, save_config
+
+    model_dir = resolve_model_path(model)
+    out = Path(out)
+    config = json.loads((model_dir / "config.json").read_text())
+    weights = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    quant = dict(config.get("quantization") or {})
+    for li, lay in meta.layers.items():
+        for name in [k for k in weights if k.startswith(lay.module + ".")]:
+            del weights[name]
+        data = np.fromfile(meta.file(li), dtype=np.uint8).reshape(lay.num_experts, lay.stride)
+        for p in lay.parts:
+            np_dt, mx_dt = DTYPES[p.dtype]
+            a = mx.array(np.ascontiguousarray(data[:, p.offset:p.offset + p.nbytes])
+                         .view(np_dt).reshape(lay.num_experts, *p.shape))
+            weights[f"{lay.module}.{p.name}"] = a.view(mx_dt) if a.dtype != mx_dt else a
+        for proj, q in lay.quant.items():
+            if q is not None:
+                quant[f"{lay.module}.{proj}"] = {"group_size": q.group_size, "bits": q.bits,
+                                                 "mode": q.mode}
+    if quant:
+        first = next(q for lay in meta.layers.values() for q in lay.quant.values() if q)
+        quant.setdefault("group_size", first.group_size)  # mlx-lm reads the defaults
+        quant.setdefault("bits", first.bits)
+        config["quantization"] = quant
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shards = make_shards(weights)
+    for i, shard in enumerate(shards):
+        name = "model.safetensors" if len(shards) == 1 else \
+            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        mx.save_safetensors(str(tmp / name), shard, metadata={"format": "mlx"})
+    save_config(config, tmp / "config.json")
+    for f in model_dir.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (
+                "config.json", "model.safetensors.index.json"):
+            shutil.copy(f, tmp / f.name)
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out

@@ -1,0 +1,107 @@
+"""Requantized and mixed-precision experts: exact against stock mlx-lm on the same
+weights, identical bytes when nothing changes, and the quality metrics."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from mlx_lm import load
+
+from mlx_streaming import FileExpertStore, patch_model_filebacked
+from mlx_streaming.core.format import load_meta
+from mlx_streaming.model_builder import _int_keys
+from mlx_streaming.prep.requantize import requantize
+from mlx_streaming.verify import compare_traces, greedy_trace
+
+PROMPT = "Requantized experts take fewer bytes per token, and the cache holds more of them."
+
+
+def streamed(ck, ed, slots):
+    model, _ = load(str(ck), lazy=True)
+    store = FileExpertStore(ed, capacity=slots)
+    d = load_meta(ed).dims
+    patch_model_filebacked(model, store, d["hidden"], d["moe_inter"], d["group_size"],
+                           d["bits"], proj_bits=d.get("proj_bits"),
+                           layer_proj_bits=_int_keys(d.get("per_layer_proj_bits")))
+    return model, store
+
+
+def test_same_format_gives_identical_bytes(models, tmp_path):
+    ck, ed = models.experts("tiny-gpt_oss")  # 4-bit, group 64, with linear biases
+    out = requantize(ed, tmp_path / "same", 4, group_size=64)
+    for name in (f for f in os.listdir(ed) if f.endswith(".bin")):
+        assert filecmp.cmp(ed / name, tmp_path / "same" / name, shallow=False)
+    assert out["dims"]["bits"] == 4 and "proj_bits" not in out["dims"]
+
+
+@pytest.mark.parametrize("spec", [{"bits": 3}, {"bits": 4, "proj_bits": "gate=2,up=2,down=3"},
+                                  {"bits": 2, "layer_bits": {"2": 8, "3": {"down_proj": 3}}}])
+def test_requantized_streams_exactly(models, tmp_path, spec):
+    ck, ed = models.experts("tiny-qwen3_moe")
+    out = tmp_path / "rq"
+    meta = requantize(ed, out, model_out=tmp_path / "model", model=ck, **spec)
+    m = load_meta(out)
+    if "proj_bits" in spec:
+        assert m.dims["proj_bits"] == {"down_proj": 3, "gate_proj": 2, "up_proj": 2}
+        assert all(lay.proj_bits() == m.dims["proj_bits"] for lay in m.layers.values())
+    if "layer_bits" in spec:
+        assert m.dims["per_layer_proj_bits"]["2"] == {"down_proj": 8, "gate_proj": 8,
+                                                      "up_proj": 8}
+        assert m.layers[3].proj_bits() == {"down_proj": 3, "gate_proj": 2, "up_proj": 2}
+    assert m.expert_bytes() < load_meta(ed).expert_bytes() or "layer_bits" in spec
+    assert meta["fingerprint"] == load_meta(ed).to_json()["fingerprint"]
+    ref, tok = load(str(tmp_path / "model"))  # stock mlx-lm on the requantized weights
+    ids = tok.encode(PROMPT)
+    want = greedy_trace(ref, ids, 24, 16)
+    for slots in (m.top_k, m.num_experts):
+        model, store = streamed(ck, out, slots)
+        cmp = compare_traces(want, greedy_trace(model, ids, 24, 16))
+        assert cmp.exact, cmp.to_json()
+        store.close()
+
+
+def test_seed_runs_on_requantized_directory(models, tmp_path):
+    from test_seed import SEED, run_seed
+
+    if not SEED.exists():
+        pytest.skip("seed script not found")
+    ck, ed = models.experts("tiny-qwen3_moe")
+    requantize(ed, tmp_path / "rq", 4, proj_bits="gate=2,up=2,down=3")
+    r = run_seed({"MODEL": str(ck), "EXPERT_DIR": str(tmp_path / "rq"), "MAXTOK": "8",
+                  "REPEAT": "1"})
+    assert r["proj_bits"] == {"down_proj": 3, "gate_proj": 2, "up_proj": 2}
+    assert r["tok_per_s"] > 0 and r["expert_misses"] > 0
+
+
+def test_quality_metrics(models, tmp_path):
+    from mlx_streaming.commands.quality import quality
+    from mlx_streaming.quality import compare_distributions
+
+    ck, ed = models.experts("tiny-qwen3_moe")
+    ref, tok = load(str(ck))
+    same = compare_distributions(ref, ref, tok.encode(PROMPT))
+    assert same["kl"] == 0.0 and same["top1_agreement"] == 1.0
+    requantize(ed, tmp_path / "q8", 8)
+    requantize(ed, tmp_path / "q2", 2)
+    q8 = quality(str(ck), str(tmp_path / "q8"), tokens=64)
+    q2 = quality(str(ck), str(tmp_path / "q2"), tokens=64)
+    assert 0 < q8["kl"] < q2["kl"]
+    assert q8["top1_agreement"] >= q2["top1_agreement"]
+    for p, e in q2["mean_projection_error"].items():
+        assert e > q8["mean_projection_error"][p] > 0
+
+
+def test_requantize_command_and_errors(models, tmp_path):
+    ck, ed = models.experts("tiny-mixtral")
+    r = subprocess.run([sys.executable, "-m", "mlx_streaming", "requantize", "--src", str(ed),
+                        "--out", str(tmp_path / "x"), "--bits", "7"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "bits 7" in r.stderr and "Traceback" not in r.stderr
+    with pytest.raises(ValueError, match="gate=2"):
+        requantize(ed, tmp_path / "y", 4, proj_bits="gate2")
+    assert np.isfinite(load_meta(ed).expert_bytes())
