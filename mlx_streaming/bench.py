@@ -291,7 +291,8 @@ def _run(cfg: BenchConfig) -> dict:
         store.reset_stats()
         cal_s = round(time.perf_counter() - tc, 2)
 
-    timed = _timed_runs(model, tokenizer, ids, cfg, store, files)
+    with mem.MemorySampler() as sampler:
+        timed = _timed_runs(model, tokenizer, ids, cfg, store, files)
     mem.clear_cache()
     after_gen = mem.snapshot()
     totals, first = store.totals(), timed["first"] or store.totals()
@@ -371,6 +372,12 @@ def _run(cfg: BenchConfig) -> dict:
             1, store._resident.gpu_fastpath + store._resident.gpu_fallback), 4),
         "device": str(mx.default_device()),
         "sample": timed["text"][:240],
+        "layers": {str(li): {k: r[k] for k in ("hits", "misses", "bytes_read", "slots")}
+                   | {"hit_rate": round(r["hits"] / max(1, r["hits"] + r["misses"]), 4)}
+                   for li, r in store.layer_report().items()},
+        "memory_series": sampler.series[:: max(1, len(sampler.series) // 300)],
+        "timed_peak_rss_gb": round(sampler.peak_rss / 1e9, 3),
+        "timed_peak_mlx_active_gb": round(sampler.peak_mlx / 1e9, 3),
     }
     if store.prefetcher is not None:
         out.update(store.prefetcher.report())

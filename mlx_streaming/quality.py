@@ -39,16 +39,17 @@ class _Capture(nn.Module):
 
 
 def capture_inputs(model, tokens: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """MoE inputs and routing of each MoE layer on ``tokens`` (stock model)."""
+    """MoE inputs and routing of each MoE layer on ``tokens`` (stock or streamed model)."""
     from .core.discovery import find_expert_sites
 
     sites = find_expert_sites(model)
     caught = {s.layer: [] for s in sites}
+    inner = {s.layer: s.streamed if s.streamed is not None else s.module for s in sites}
     for s in sites:
-        s.parent.update_modules({s.attr: _Capture(s.module, caught[s.layer])})
+        s.parent.update_modules({s.attr: _Capture(inner[s.layer], caught[s.layer])})
     mx.eval(model(mx.array(tokens)[None]))
     for s in sites:
-        s.parent.update_modules({s.attr: s.module})
+        s.parent.update_modules({s.attr: inner[s.layer]})
     return {li: (np.concatenate([a for a, _ in v]), np.concatenate([b for _, b in v]))
             for li, v in caught.items()}
 
@@ -123,3 +124,107 @@ def compare_distributions(model_a, model_b, tokens: list[int]) -> dict:
     return {"kl": max(0.0, float(kl.mean().item())), "kl_max": float(kl.max().item()),
             "top1_agreement": float(agree.astype(mx.float32).mean().item()),
             "positions": len(tokens)}
+
+
+def error_table(source: ExpertMeta, inputs: dict, candidates=(2, 3, 4, 8),
+                experts_per_layer: int = 4, group_size: int | None = None) -> dict:
+    """``{layer: {proj: {bits: relative error}}}`` of quantizing the source's most routed
+    experts to each candidate bit width (in memory, nothing written)."""
+    from .core.format import Quant
+    from .prep.requantize import requantize_expert
+
+    reader = RecordReader(threads=1)
+    for li in source.layers:
+        reader.open(li, source.file(li), source.layers[li].stride)
+    table = {}
+    for li, (x, ids) in inputs.items():
+        if li not in source.layers:
+            continue
+        lay = source.layers[li]
+        counts = np.bincount(ids.reshape(-1), minlength=source.num_experts)
+        acc: dict = {}
+        for e in np.argsort(-counts)[:experts_per_layer]:
+            rows = np.nonzero((ids == e).any(-1))[0][:128]
+            if not len(rows):
+                continue
+            xe = mx.array(x[rows])
+            a = _expert(source, reader, li, int(e))
+            for b in candidates:
+                tgt = {p: Quant(b, group_size or (q.group_size if q else 64))
+                       for p, q in lay.quant.items()}
+                new = requantize_expert(lay, a, tgt)
+                for p in lay.quant:
+                    wa = _dense(a, lay, p)
+                    wb = _dense(new, type("L", (), {"quant": tgt})(), p)
+                    xin = xe if wa.shape[-1] == xe.shape[-1] else None
+                    if xin is None and "gate_proj" in lay.quant:
+                        xin = nn.silu(xe @ _dense(a, lay, "gate_proj").T) * (
+                            xe @ _dense(a, lay, "up_proj").T)
+                    if xin is None:
+                        continue
+                    ya, yb = xin @ wa.T, xin @ wb.T
+                    err = (mx.linalg.norm(yb - ya) / mx.maximum(mx.linalg.norm(ya), 1e-12)).item()
+                    acc.setdefault(p, {}).setdefault(b, []).append(err)
+        table[li] = {p: {b: float(np.mean(v)) for b, v in d.items()} for p, d in acc.items()}
+    reader.close()
+    return table
+
+
+def proj_bytes(layout, proj: str, bits: int, group_size: int) -> int:
+    """Bytes one expert's projection takes at ``bits`` (packed weight, scales, biases)."""
+    w = next(p for p in layout.parts if p.name == f"{proj}.weight")
+    q = layout.quant[proj]
+    out_dims = w.shape[0]
+    in_dims = w.shape[1] * (32 // q.bits) if q else w.shape[1]
+    scale_bytes = 2 if layout.parts[0].dtype in ("bfloat16", "float16") else 4
+    for p in layout.parts:
+        if p.name == f"{proj}.scales":
+            scale_bytes = p.nbytes // (p.shape[0] * p.shape[1])
+    return out_dims * in_dims * bits // 8 + 2 * out_dims * (in_dims // group_size) * scale_bytes
+
+
+def allocate_bits(source: ExpertMeta, table: dict, target_bytes: int, group_size: int = 64
+                  ) -> tuple[dict, dict]:
+    """Bits per layer and projection minimising the summed error within ``target_bytes``
+    of expert data (greedy upgrades by error saved per byte), and the uniform choice
+    that fits the same bytes, for comparison: ``(layer_bits, report)``."""
+    cands = sorted({b for d in table.values() for pd in d.values() for b in pd})
+    E = source.num_experts
+    keys = [(li, p) for li in sorted(table) for p in sorted(table[li])]
+    size = {(li, p, b): proj_bytes(source.layers[li], p, b, group_size) * E
+            for li, p in keys for b in cands}
+    choice = {k: cands[0] for k in keys}
+    used = sum(size[(*k, b)] for k, b in choice.items())
+    if used > target_bytes:
+        raise ValueError(f"even {cands[0]}-bit experts need {used / 1e9:.3f} GB; raise "
+                         "--target-gb")
+    while True:
+        best, gain = None, 0.0
+        for k, b in choice.items():
+            i = cands.index(b)
+            if i + 1 == len(cands):
+                continue
+            nb = cands[i + 1]
+            extra = size[(*k, nb)] - size[(*k, b)]
+            if used + extra > target_bytes:
+                continue
+            g = (table[k[0]][k[1]][b] - table[k[0]][k[1]][nb]) / max(extra, 1)
+            if best is None or g > gain:
+                best, gain = (k, nb, extra), g
+        if best is None:
+            break
+        k, nb, extra = best
+        choice[k], used = nb, used + extra
+    uniform = max((b for b in cands if sum(size[(*k, b)] for k in keys) <= target_bytes),
+                  default=None)
+    err = float(np.mean([table[k[0]][k[1]][b] for k, b in choice.items()]))
+    report = {"target_bytes": target_bytes, "bytes": used, "mean_error": err}
+    if uniform is not None:
+        report.update(uniform_bits=uniform,
+                      uniform_bytes=sum(size[(*k, uniform)] for k in keys),
+                      uniform_mean_error=float(np.mean([table[k[0]][k[1]][uniform]
+                                                         for k in keys])))
+    layer_bits: dict = {}
+    for (li, p), b in choice.items():
+        layer_bits.setdefault(str(li), {})[p] = b
+    return layer_bits, report

@@ -105,3 +105,19 @@ def test_requantize_command_and_errors(models, tmp_path):
     with pytest.raises(ValueError, match="gate=2"):
         requantize(ed, tmp_path / "y", 4, proj_bits="gate2")
     assert np.isfinite(load_meta(ed).expert_bytes())
+
+
+def test_target_gb_allocation_beats_uniform(models, tmp_path):
+    from mlx_streaming.commands.requantize import plan_bits
+
+    ck, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    from mlx_streaming.quality import proj_bytes
+
+    three = sum(proj_bytes(lay, p, 3, 64) * lay.num_experts
+                for lay in meta.layers.values() for p in lay.quant)
+    layer_bits, rep = plan_bits(str(ed), three * 1.05 / 1e9, str(ck), 64)
+    assert rep["bytes"] <= rep["target_bytes"] and rep["uniform_bits"] == 3
+    assert rep["mean_error"] <= rep["uniform_mean_error"]
+    out = requantize(ed, tmp_path / "t", 4, layer_bits=layer_bits)
+    assert sum(lay["record_bytes"] for lay in out["layers"].values()) > 0

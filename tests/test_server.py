@@ -96,3 +96,45 @@ def test_models_health_and_queue(server):
     assert body["queue_depth"] == 0 and body["concurrency"] == 1
     assert 0 <= body["experts"]["hit_rate"] <= 1 and body["experts"]["bytes_read"] > 0
     assert headers["X-Queue-Depth"] == "0"
+
+
+def test_failing_request_gets_an_error_and_the_server_keeps_serving(models, tmp_path):
+    import shutil
+
+    from mlx_streaming.core.format import load_meta
+
+    ck, src = models.experts("tiny-qwen3_moe")
+    ed = tmp_path / "experts"
+    shutil.copytree(src, ed)
+    meta = load_meta(ed)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlx_streaming", "serve", "--model", str(ck), "--expert-dir",
+         str(ed), "--slots", "4", "--port", str(port), "--log-level", "WARNING"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            try:
+                if get(base + "/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        originals = {li: meta.file(li).read_bytes() for li in meta.layers}
+        for li, lay in meta.layers.items():  # every record fails its checksum
+            data = bytearray(originals[li])
+            for e in range(lay.num_experts):
+                data[e * lay.stride + 5] ^= 0xFF
+            meta.file(li).write_bytes(bytes(data))
+        with pytest.raises(openai.APIError):
+            client.completions.create(model="default_model", prompt=PROMPT, max_tokens=8)
+        assert get(base + "/health")[2]["status"] == "ok"
+        for li in meta.layers:  # repaired: the next request is served normally
+            meta.file(li).write_bytes(originals[li])
+        r = client.completions.create(model="default_model", prompt=PROMPT,
+                                      max_tokens=MAX_TOKENS, temperature=0.0)
+        assert r.choices[0].text == offline(ck, PROMPT)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

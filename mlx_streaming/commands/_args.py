@@ -38,14 +38,16 @@ def positive_float(s: str) -> float:
     return v
 
 
-def add_store_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that opens a streamed model."""
+def add_store_args(p: argparse.ArgumentParser, several: bool = False) -> None:
+    """Flags shared by every command that opens a streamed model (``several``: --slots
+    and --budget-gb take a list, one run each)."""
     g = p.add_argument_group("streaming")
     g.add_argument("--expert-dir", help="expert directory (split there on first use)")
     size = g.add_mutually_exclusive_group()
-    size.add_argument("--slots", type=positive_int,
+    n = "+" if several else None
+    size.add_argument("--slots", type=positive_int, nargs=n,
                       help="expert slots per MoE layer (seed: EXPERT_SLOTS)")
-    size.add_argument("--budget-gb", type=positive_float,
+    size.add_argument("--budget-gb", type=positive_float, nargs=n,
                       help="total GB for all expert pools, instead of --slots")
     g.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
                    help=f"eviction policy (default: {DEFAULT_POLICY})")

@@ -15,7 +15,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "Benchmark a streamed MoE model: tok/s (median of --repeat), memory, hit rate, "
         "bytes read. Each flag names the seed script's environment variable it replaces."))
     p.add_argument("--model", required=True, help="MLX model directory or repo id (MODEL)")
-    add_store_args(p)
+    add_store_args(p, several=True)
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt (PROMPT)")
     p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens (MAXTOK)")
     p.add_argument("--warmup-tokens", type=nonneg_int, default=None,
@@ -58,6 +58,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     s.add_argument("--read-gbps", type=positive_float,
                    help="storage bandwidth for the bound (default: measured)")
     p.add_argument("--json", dest="json_out", help="also write the result JSON here")
+    p.add_argument("--report", help="write results.json, PNG plots and summary.md here")
     return p
 
 
@@ -66,19 +67,25 @@ def main(argv=None) -> None:
     if args.cache_gb is not None and args.cache_gb < 0:
         sys.exit("--cache-gb must be >= 0")
     kw = vars(args)
-    json_out = kw.pop("json_out")
+    json_out, report = kw.pop("json_out"), kw.pop("report")
     if kw["expert_dir"] is None:
         from ..model_builder import default_expert_dir
 
         kw["expert_dir"] = str(default_expert_dir(args.model))
-    if kw["slots"] is None and kw["budget_gb"] is None:
-        kw["slots"] = 8
-    result = run_bench(BenchConfig(**kw))
-    text = json.dumps(result, ensure_ascii=False, indent=2)
+    sizes = [{"slots": s, "budget_gb": None} for s in kw.pop("slots") or []] + \
+        [{"slots": None, "budget_gb": g} for g in kw.pop("budget_gb") or []]
+    results = [run_bench(BenchConfig(**kw, **size)) for size in sizes or [{"slots": 8}]]
+    out = results[0] if len(results) == 1 else results
+    text = json.dumps(out, ensure_ascii=False, indent=2)
     print(text)
     if json_out:
         with open(json_out, "w") as f:
             f.write(text + "\n")
+    if report:
+        from ..report import write_report
+
+        for path in write_report(results, report):
+            print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -52,3 +52,36 @@ def reset_peak() -> None:
 def clear_cache() -> None:
     """Return MLX's cached free buffers to the system."""
     mx.clear_cache()
+
+
+class MemorySampler:
+    """Samples RSS and MLX active memory on a thread while a ``with`` block runs; keeps
+    the peaks and a time series."""
+
+    def __init__(self, every_s: float = 0.02):
+        import threading
+        import time
+
+        self._time, self.every = time, every_s
+        self.peak_rss = rss_bytes()
+        self.peak_mlx = mx.get_active_memory()
+        self.series: list[tuple[float, int, int]] = []  # (seconds, rss, mlx active)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        t0 = self._time.perf_counter()
+        while not self._stop.is_set():
+            r, m = rss_bytes(), mx.get_active_memory()
+            self.peak_rss, self.peak_mlx = max(self.peak_rss, r), max(self.peak_mlx, m)
+            self.series.append((round(self._time.perf_counter() - t0, 3), r, m))
+            self._time.sleep(self.every)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak_rss = max(self.peak_rss, rss_bytes())

@@ -140,10 +140,10 @@ def _write_layer(path: Path, source: _ExpertSource, layout: LayerLayout) -> list
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        if e.errno == errno.ENOSPC:
+        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             free = shutil.disk_usage(path.parent).free
             raise ExpertDirError(
-                f"no space left on the device writing {path} (needs "
+                f"no space left writing {path} ({e.strerror}; needs "
                 f"{layout.num_experts * layout.stride} bytes, {free} free); free some space "
                 "or choose another expert directory, then split again: completed layers "
                 "are kept"

@@ -1,0 +1,87 @@
+"""Soak: one long generation (5,000 tokens) with a streamed model; RSS and MLX active
+memory must stay flat. The KV cache grows with the context by design, so drift is also
+given with it subtracted.
+
+    python benchmarks/soak.py --json benchmarks/results/soak-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+
+def kv_bytes(cache) -> int:
+    total = 0
+    for c in cache:
+        st = c.state if isinstance(c.state, (list, tuple)) else [c.state]
+        total += sum(getattr(a, "nbytes", 0) for a in st if a is not None)
+    return total
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="demo")
+    p.add_argument("--workdir", default="scratch/soak")
+    p.add_argument("--tokens", type=int, default=5000)
+    p.add_argument("--slots", type=int, default=16)
+    p.add_argument("--json", dest="json_out")
+    a = p.parse_args()
+    from mlx_lm import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
+
+    import mlx_streaming
+    from mlx_streaming.core.mem import rss_bytes
+    from mlx_streaming.synthetic import make_checkpoint
+
+    root = Path(a.workdir)
+    ck = make_checkpoint(root / a.preset, a.preset)
+    model, tok, store = mlx_streaming.load(ck, root / "experts", slots=a.slots)
+    cache = make_prompt_cache(model)
+    samples = []
+    t0 = time.perf_counter()
+    for r in stream_generate(model, tok, "Tell a very long story.", max_tokens=a.tokens,
+                             prompt_cache=cache, sampler=make_sampler(0.8, 0.95)):
+        if r.generation_tokens % 100 == 0:
+            samples.append((r.generation_tokens, rss_bytes(), mx.get_active_memory(),
+                            kv_bytes(cache)))
+        n = r.generation_tokens
+    wall = time.perf_counter() - t0
+    warm = [s for s in samples if s[0] >= 500]  # after the pools have filled
+    q = len(warm) // 4 or 1
+    first, last = warm[:q], warm[-q:]
+
+    def drift(i, minus_kv=False):
+        f = statistics.mean(s[i] - (s[3] if minus_kv else 0) for s in first)
+        lst = statistics.mean(s[i] - (s[3] if minus_kv else 0) for s in last)
+        return round(lst / f - 1, 4)
+    out = {
+        "benchmark": "soak", "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{os.uname().sysname} {os.uname().machine}, {os.cpu_count()} cores",
+        "command": "python benchmarks/soak.py " + " ".join(sys.argv[1:]),
+        "model": a.preset, "slots": a.slots, "generated": n, "wall_s": round(wall, 1),
+        "tok_per_s": round(n / wall, 2), "hit_rate": round(store.hit_rate(), 4),
+        "rss_mb_first": round(statistics.mean(s[1] for s in first) / 1e6, 1),
+        "rss_mb_last": round(statistics.mean(s[1] for s in last) / 1e6, 1),
+        "kv_mb_last": round(last[-1][3] / 1e6, 2),
+        "rss_drift": drift(1), "mlx_active_drift": drift(2),
+        "rss_drift_minus_kv": drift(1, True), "mlx_active_drift_minus_kv": drift(2, True),
+        "flat_within_2pct": abs(drift(1, True)) < 0.02 and abs(drift(2, True)) < 0.02,
+        "samples": samples[:: max(1, len(samples) // 100)],
+    }
+    print(json.dumps({k: v for k, v in out.items() if k != "samples"}, indent=1))
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

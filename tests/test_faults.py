@@ -1,0 +1,243 @@
+"""Faults: interrupted or failing splits, corrupt or failing reads mid-generation, hostile
+metas, bad configs. Each ends in a clear error and a consistent state; nothing half-done
+is ever taken for complete."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlx_lm import load
+
+from mlx_streaming import FileExpertStore, split_model
+from mlx_streaming.core.cache.expert_store import ExpertChecksumError
+from mlx_streaming.core.format import META_NAME, ExpertDirError, load_meta, meta_from_json
+from mlx_streaming.synthetic import Preset, make_checkpoint
+from mlx_streaming.verify import compare_traces, greedy_trace
+
+SPLIT = ("import sys; from mlx_streaming import split_model; "
+         "split_model(sys.argv[1], sys.argv[2], progress=False)")
+
+
+@pytest.fixture(scope="module")
+def bigger(tmp_path_factory):
+    """A checkpoint whose split takes a moment (for killing it midway)."""
+    root = tmp_path_factory.mktemp("bigger")
+    preset = Preset("faults", {
+        "model_type": "qwen3_moe", "hidden_size": 256, "num_hidden_layers": 8,
+        "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "num_experts": 64, "num_experts_per_tok": 4, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "moe_intermediate_size": 256, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "tie_word_embeddings": False, "max_position_embeddings": 4096,
+        "norm_topk_prob": True}, popularity=0.0)
+    ck = make_checkpoint(root / "model", preset)
+    ref = root / "ref"
+    split_model(ck, ref)
+    return ck, ref
+
+
+def files_of(d):
+    return {f: (d / f).read_bytes() for f in sorted(os.listdir(d)) if f.endswith(".bin")}
+
+
+def test_split_killed_at_random_points_resumes_identically(bigger, tmp_path):
+    ck, ref = bigger
+    out = tmp_path / "experts"
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", SPLIT, str(ck), str(tmp_path / "timing")], check=True)
+    span = time.perf_counter() - t0
+    rng = random.Random(0)
+    killed = 0
+    for _ in range(10):
+        p = subprocess.Popen([sys.executable, "-c", SPLIT, str(ck), str(out)])
+        time.sleep(rng.uniform(0.0, span))
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+            killed += 1
+        p.wait()
+        if (out / META_NAME).exists():  # finished before the kill: start over
+            meta = load_meta(out)  # a meta is only ever complete
+            assert len(meta.layers) == 8
+            shutil.rmtree(out)
+        else:
+            with pytest.raises(ExpertDirError):
+                FileExpertStore(out, capacity=8)  # never taken for complete
+    assert killed >= 5
+    split_model(ck, out)
+    assert files_of(out) == files_of(ref)
+    assert load_meta(out).to_json()["layers"] == load_meta(ref).to_json()["layers"]
+
+
+def test_full_disk_gives_clear_error_and_no_meta(bigger, tmp_path):
+    ck, _ = bigger
+    out = tmp_path / "experts"
+    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (300000, 300000)); " + SPLIT)
+    r = subprocess.run([sys.executable, "-c", code, str(ck), str(out)], capture_output=True,
+                       text=True)
+    assert r.returncode != 0
+    assert "no space left writing" in r.stderr and "completed layers are kept" in r.stderr
+    assert not (out / META_NAME).exists()
+    assert not list(out.glob("*.partial"))  # no half-written file left behind
+    split_model(ck, out)  # with room again, it completes
+    assert len(load_meta(out).layers) == 8
+
+
+def corrupt(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_corrupt_record_mid_generation_then_recovery(models, tmp_path):
+    from mlx_streaming import patch_model_filebacked
+
+    ck, src = models.experts("tiny-qwen3_moe")
+    ed = tmp_path / "experts"
+    shutil.copytree(src, ed)
+    meta = load_meta(ed)
+    ref, tok = load(str(ck))
+    ids = tok.encode("A long enough prompt to touch many experts in every layer, twice over.")
+    want = greedy_trace(ref, ids, 16)
+    model, _ = load(str(ck), lazy=True)
+    store = FileExpertStore(ed, capacity=meta.top_k)
+    d = meta.dims
+    patch_model_filebacked(model, store, d["hidden"], d["moe_inter"], d["group_size"], d["bits"])
+    layer = meta.moe_layers[-1]
+    lay = meta.layers[layer]
+    f = meta.file(layer)
+    original = f.read_bytes()
+    for e in range(lay.num_experts):  # every record of the last MoE layer goes bad
+        corrupt(f, e * lay.stride + 7)
+    with pytest.raises(ExpertChecksumError, match=f"layer {layer} .* split the model again"):
+        greedy_trace(model, ids, 16)
+    cache = store.caches[layer]
+    assert (cache.slot_of < 0).all() and not cache.pending  # nothing bad resident
+    f.write_bytes(original)  # the disk is good again (same inode, the store keeps its fd)
+    assert compare_traces(want, greedy_trace(model, ids, 16)).exact
+    store.close()
+
+
+def test_read_error_mid_generation_then_recovery(models):
+    from mlx_streaming import patch_model_filebacked
+
+    ck, ed = models.experts("tiny-mixtral")
+    meta = load_meta(ed)
+    ref, tok = load(str(ck))
+    ids = tok.encode("Reads fail sometimes; the store must stay consistent.")
+    want = greedy_trace(ref, ids, 12)
+    model, _ = load(str(ck), lazy=True)
+    store = FileExpertStore(ed, capacity=meta.top_k)
+    d = meta.dims
+    patch_model_filebacked(model, store, d["hidden"], d["moe_inter"], d["group_size"], d["bits"])
+    real = store.reader._read_run
+    fails = {"n": 0}
+
+    def flaky(*a):
+        if fails["n"] < 3:
+            fails["n"] += 1
+            raise OSError(5, "Input/output error (injected)")
+        return real(*a)
+
+    store.reader._read_run = flaky
+    with pytest.raises(OSError, match="injected"):
+        greedy_trace(model, ids, 12)
+    for cache in store.caches.values():
+        assert not cache.pending and cache.resident == int((cache.slot_of >= 0).sum())
+    while fails["n"] < 3:  # let the injected faults run out
+        fails["n"] += 1
+    assert compare_traces(want, greedy_trace(model, ids, 12)).exact
+    store.close()
+
+
+def test_symlink_out_of_the_directory_is_refused(models, tmp_path):
+    _, src = models.experts("tiny-mixtral")
+    ed = tmp_path / "experts"
+    shutil.copytree(src, ed)
+    meta = load_meta(ed)
+    victim = meta.file(meta.moe_layers[0])
+    outside = tmp_path / "outside.bin"
+    shutil.copy(victim, outside)
+    victim.unlink()
+    victim.symlink_to(outside)
+    with pytest.raises(ExpertDirError, match="symlink leading out"):
+        load_meta(ed)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_meta_loader_fuzz(models, data, tmp_path_factory):
+    """Mutated metas are refused with ExpertDirError (or accepted if still valid), never
+    any other exception."""
+    _, ed = models.experts("tiny-olmoe")
+    base = json.loads((ed / META_NAME).read_text())
+    d = json.loads(json.dumps(base))
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-5, 10 ** 9), st.floats(),
+                        st.text(max_size=8), st.lists(st.integers(-3, 3), max_size=3))
+    for _ in range(data.draw(st.integers(1, 4))):
+        node = d
+        path = []
+        while isinstance(node, (dict, list)) and node and data.draw(st.booleans()):
+            key = data.draw(st.sampled_from(sorted(node) if isinstance(node, dict)
+                                            else list(range(len(node)))))
+            path.append(key)
+            parent, node = node, node[key]
+        if path:
+            if data.draw(st.booleans()) and isinstance(parent, dict):
+                del parent[path[-1]]
+            else:
+                parent[path[-1]] = data.draw(scalars)
+        else:
+            d = data.draw(scalars)
+    try:
+        meta_from_json(d, ed)
+    except ExpertDirError:
+        pass
+
+
+def test_bad_configs_and_missing_tokenizer(models, tmp_path):
+    ck = models.checkpoint("tiny-mixtral")
+    bad = tmp_path / "bad"
+    shutil.copytree(ck, bad)
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(ValueError):
+        split_model(bad, tmp_path / "e1")
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["model_type"] = "no_such_arch"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="no_such_arch"):
+        split_model(bad, tmp_path / "e2")
+    notok = tmp_path / "notok"
+    shutil.copytree(ck, notok)
+    for f in notok.glob("tokenizer*"):
+        f.unlink()
+    import mlx_streaming
+
+    with pytest.raises(Exception, match="(?i)tokenizer"):
+        mlx_streaming.load(notok, tmp_path / "e3", slots=4)
+
+
+def test_no_pickle_on_any_load_path():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for dirpath, _, names in os.walk(os.path.join(root, "mlx_streaming")):
+        for n in names:
+            if n.endswith(".py"):
+                src = open(os.path.join(dirpath, n)).read()
+                assert "import pickle" not in src and "torch.load" not in src, n
+                for line in src.splitlines():
+                    if "np.load(" in line:
+                        assert "allow_pickle=False" in line, (n, line)
+    assert np.__version__
