@@ -23,42 +23,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
+from mlx_streaming.core.mem import MemorySampler
+
 HERE = Path(__file__).resolve()
-
-
-class RssSampler:
-    """Samples this process's RSS every few milliseconds; keeps the peak and a series."""
-
-    def __init__(self, every_s: float = 0.005):
-        from mlx_streaming.core.mem import rss_bytes
-
-        self._rss = rss_bytes
-        self.every = every_s
-        self.peak = rss_bytes()
-        self.series: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._t0 = time.perf_counter()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.is_set():
-            r = self._rss()
-            self.peak = max(self.peak, r)
-            self.series.append((round(time.perf_counter() - self._t0, 3), r))
-            time.sleep(self.every)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._rss())
 
 
 def _imports():
@@ -76,14 +46,14 @@ def phase_split(model: str, experts: str) -> dict:
     from mlx_streaming.prep.split_experts import split_model
 
     base = rss_bytes()
-    with RssSampler() as s:
+    with MemorySampler(0.005) as s:
         t0 = time.perf_counter()
         split_model(model, experts, progress=False)
         secs = time.perf_counter() - t0
-    s.peak = max(s.peak, peak_rss_bytes())
+    s.peak_rss = max(s.peak_rss, peak_rss_bytes())
     meta = load_meta(experts)
     lay = next(iter(meta.layers.values()))
-    return {"split_s": round(secs, 2), "split_peak_rss_delta": s.peak - base,
+    return {"split_s": round(secs, 2), "split_peak_rss_delta": s.peak_rss - base,
             "layer_expert_bytes": lay.num_experts * lay.record_bytes}
 
 
@@ -109,7 +79,7 @@ def phase_run(model: str, experts: str, slots: int, tokens: int, stock: bool) ->
     mx.set_cache_limit(0)  # MLX returns freed buffers at once (both runs): structural memory
     base = rss_bytes()
     mx.reset_peak_memory()
-    with RssSampler() as s:
+    with MemorySampler(0.005) as s:
         if stock:
             m, tok = load(model)
             store = None
@@ -127,7 +97,7 @@ def phase_run(model: str, experts: str, slots: int, tokens: int, stock: bool) ->
             n = r.generation_tokens
     from mlx_streaming.core.mem import peak_rss_bytes
 
-    peak = max(s.peak, peak_rss_bytes())  # the sampler's peak, or the kernel's if higher
+    peak = max(s.peak_rss, peak_rss_bytes())  # the sampler's peak, or the kernel's if higher
     params = sum(v.nbytes for _, v in tree_flatten(m.parameters()))
     pool = store.pool_bytes() if store else 0
     out = {
@@ -138,7 +108,7 @@ def phase_run(model: str, experts: str, slots: int, tokens: int, stock: bool) ->
         "pool_bytes": pool,
         "trunk_bytes": params - pool,
         "kv_bytes": _kv_bytes(cache),
-        "rss_series": s.series[:: max(1, len(s.series) // 200)],
+        "rss_series": [(t, r) for t, r, _ in s.series[:: max(1, len(s.series) // 200)]],
     }
     if store:
         out["hit_rate"] = round(store.hit_rate(), 4)
@@ -159,7 +129,7 @@ def phase_budget(model: str, experts: str, budget_gb: float, tokens: int) -> dic
 
     base = rss_bytes()
     mx.reset_peak_memory()
-    with RssSampler() as s:
+    with MemorySampler(0.005) as s:
         m, tok, store = mlx_streaming.load(model, experts, budget_gb=budget_gb)
         cache = make_prompt_cache(m)
         n = 0
@@ -168,7 +138,7 @@ def phase_budget(model: str, experts: str, budget_gb: float, tokens: int) -> dic
             n = r.generation_tokens
     plan = store.memory_plan
     kv = _kv_bytes(cache)
-    peak = max(s.peak, peak_rss_bytes())
+    peak = max(s.peak_rss, peak_rss_bytes())
     expected = plan.trunk_bytes + int(budget_gb * 1e9) + kv
     return {"budget_gb": budget_gb, "generated": n, "plan": plan.to_json(),
             "pool_bytes": plan.pool_bytes, "trunk_bytes": plan.trunk_bytes, "kv_bytes": kv,

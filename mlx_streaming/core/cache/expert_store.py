@@ -323,7 +323,11 @@ class FileExpertStore:
         """Remember a lazy output that reads ``layer``'s pool: it is evaluated before the
         pool is next written behind MLX's back (host and cuda modes)."""
         if self.pool_mode != "mlx":
-            self._readers[layer].append(y)
+            readers = self._readers[layer]
+            readers.append(y)
+            if len(readers) > 8:  # calls that wrote nothing: settle the older ones
+                mx.eval(readers[:-1])
+                del readers[:-1]
         return y
 
     def _guard(self, layer: int) -> None:
