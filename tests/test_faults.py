@@ -142,7 +142,7 @@ def test_read_error_mid_generation_then_recovery(models):
     store = FileExpertStore(ed, capacity=meta.top_k)
     d = meta.dims
     patch_model_filebacked(model, store, d["hidden"], d["moe_inter"], d["group_size"], d["bits"])
-    real = store.reader._read_run
+    real = store.reader._read_piece
     fails = {"n": 0}
 
     def flaky(*a):
@@ -151,7 +151,7 @@ def test_read_error_mid_generation_then_recovery(models):
             raise OSError(5, "Input/output error (injected)")
         return real(*a)
 
-    store.reader._read_run = flaky
+    store.reader._read_piece = flaky
     with pytest.raises(OSError, match="injected"):
         greedy_trace(model, ids, 12)
     for cache in store.caches.values():

@@ -352,7 +352,9 @@ class FileExpertStore:
                 bufs = pool.record_bufs(s)
             else:
                 bufs = [rows[i] if self.reader.direct else rows[i][: lay.record_bytes]]
-            jobs.append(RecordJob(e, bufs, self._after(layer, pool, e, s, bufs, rows, i)))
+            copy = (lambda a, b, s=s, r=rows[i]: pool.copy_range(s, r, a, b)) \
+                if pool.mode == "cuda" else None
+            jobs.append(RecordJob(e, bufs, self._after(layer, pool, e, s, bufs, rows, i), copy))
         fut = self.reader.submit(layer, jobs)
         return Ticket(self, layer, experts, misses, placed, fut, rows, prefetch)
 
@@ -374,9 +376,7 @@ class FileExpertStore:
                         f"expert {expert} of layer {layer} in {self.meta.file(layer)} fails its "
                         f"checksum ({h.hexdigest()} != {want[expert]}): the file is corrupt; "
                         "split the model again")
-            if pool.mode == "cuda":
-                pool.copy_record(slot, rows[i])
-            elif pool.mode == "host" and rows is not None:  # O_DIRECT: staging -> slot
+            if pool.mode == "host" and rows is not None:  # O_DIRECT: staging -> slot
                 for p in pool.layout.parts:
                     pool._rows[p.name][slot] = rows[i][p.offset:p.offset + p.nbytes]
         return after
@@ -514,7 +514,9 @@ def _cuda_self_test(pool: LayerPool) -> None:
     lay = pool.layout
     row = cuda.pinned(lay.stride)
     row[:] = np.arange(lay.stride, dtype=np.uint64).astype(np.uint8)
-    pool.copy_record(0, row)
+    half = lay.record_bytes // 2 + 1  # two pieces, the cut inside a part
+    pool.copy_range(0, row, 0, half)
+    pool.copy_range(0, row, half, lay.record_bytes)
     for p in lay.parts:
         got = np.array(pool.arrays[p.name][0].view(mx.uint8)).reshape(-1)
         if not np.array_equal(got, row[p.offset:p.offset + p.nbytes]):

@@ -8,7 +8,8 @@ compile once. Slots are filled without copying a pool array, in one of three way
 * ``host`` (unified memory: CPU, Apple GPUs): records are ``preadv``'d straight into the
   slot rows of the part arrays. Zero copies.
 * ``cuda`` (MLX's CUDA build keeps arrays in managed memory): records land in pinned host
-  buffers and a reader thread copies each part into its slot with ``cudaMemcpyAsync``.
+  buffers and the reader threads copy each piece into its slot with ``cudaMemcpyAsync``
+  as soon as it has landed.
 * ``mlx`` (anywhere): records land in a staging buffer, become one MLX array (one
   host-to-device copy), and slice updates write the slots. In place only when MLX can
   donate the pool buffer, which it cannot while earlier work still holds it.
@@ -141,12 +142,16 @@ class LayerPool:
         return out
 
     # ---------------------------------------------------------------- cuda mode
-    def copy_record(self, slot: int, record: np.ndarray) -> None:
-        """Copy one record's parts from a pinned host row into ``slot`` (reader thread)."""
+    def copy_range(self, slot: int, record: np.ndarray, start: int, end: int) -> None:
+        """Copy bytes [start, end) of a record in a pinned host row into ``slot``'s
+        parts, and wait for the copies (called on a reader thread as pieces land)."""
         src = record.ctypes.data
         for p in self.layout.parts:
-            row = self._rows[p.name]
-            cuda.copy_to_device(row.ctypes.data + slot * row.shape[1], src + p.offset, p.nbytes)
+            lo, hi = max(start, p.offset), min(end, p.offset + p.nbytes)
+            if lo < hi:
+                row = self._rows[p.name]
+                dst = row.ctypes.data + slot * row.shape[1] + (lo - p.offset)
+                cuda.copy_to_device(dst, src + lo, hi - lo)
         cuda.synchronize()
 
     # ---------------------------------------------------------------- mlx mode

@@ -3,7 +3,9 @@
 The reader knows files, strides and byte ranges, nothing of experts or caches. A batch of
 ``RecordJob``s (record id, the buffers its bytes go to, an optional step to run once they
 have landed) is sorted into runs of adjacent records; each run becomes one ``preadv``
-(the GIL is released during it) and the runs are issued together on a thread pool.
+(the GIL is released during it), runs larger than a few MB are cut into pieces, and the
+pieces are issued together on a thread pool, so even one large record is read by several
+threads. A job may also ask to hear of each piece that lands (to copy it on at once).
 ``direct=True`` bypasses the page cache (``O_DIRECT`` on Linux, ``F_NOCACHE`` on macOS);
 O_DIRECT needs page-aligned buffers that each take whole records.
 """
@@ -23,7 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-MAX_RUN_BYTES = 8 << 20  # a merged run is split beyond this, to spread it over threads
+MAX_RUN_BYTES = 8 << 20  # adjacent records are merged into one run up to this size
+PIECE_BYTES = 1 << 20  # runs larger than twice this are read as pieces on several threads
+PIECE_ALIGN = 4096  # piece boundaries (O_DIRECT needs aligned offsets and lengths)
 INLINE_BYTES = 256 << 10  # batches smaller than this are read on the calling thread
 IOV_MAX = 1024
 
@@ -45,6 +49,7 @@ class RecordJob:
     id: int
     bufs: list
     after: Callable[[], None] | None = None
+    piece: Callable[[int, int], None] | None = None  # (start, end): these bytes landed
     nbytes: int = field(init=False, default=0)
 
     def __post_init__(self):
@@ -64,12 +69,38 @@ class ReadStats:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
+@dataclass
+class _Piece:
+    """One preadv: ``vecs`` at file ``offset``, covering ``(job, start, end)`` byte
+    ranges of jobs; ``left`` counts each job's pieces still to land (shared)."""
+
+    offset: int
+    vecs: list
+    jobs: list
+    left: dict = field(default_factory=dict)
+
+
+def _slice(vecs: list[memoryview], a: int, b: int) -> list[memoryview]:
+    """The views covering bytes [a, b) of the concatenation of ``vecs``."""
+    out, pos = [], 0
+    for v in vecs:
+        end = pos + v.nbytes
+        if end > a and pos < b:
+            out.append(v[max(a, pos) - pos: min(b, end) - pos])
+        pos = end
+        if pos >= b:
+            break
+    return out
+
+
 class RecordReader:
     """Reads records ``id`` at ``id * stride`` of registered files."""
 
-    def __init__(self, threads: int = 4, direct: bool = False):
+    def __init__(self, threads: int = 4, direct: bool = False,
+                 piece_bytes: int = PIECE_BYTES):
         self.threads = max(1, int(threads))
         self.direct = bool(direct)
+        self.piece_bytes = max(PIECE_ALIGN, int(piece_bytes))
         self.stats = ReadStats()
         self._files: dict = {}  # key -> (fd, stride, path)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="mlxs-read")
@@ -115,21 +146,56 @@ class RecordReader:
                 runs.append([j])
         return runs
 
-    def _read_run(self, fd, path, stride, run: list[RecordJob]) -> int:
-        vecs = []
-        for i, j in enumerate(run):
-            if i and stride > run[i - 1].nbytes:
-                vecs.append(self._sink[: stride - run[i - 1].nbytes])
-            vecs.extend(j.bufs)
-        offset = run[0].id * stride
-        want = sum(v.nbytes for v in vecs)
-        got = os.preadv(fd, vecs, offset)
+    def _pieces(self, stride: int, jobs: list[RecordJob]) -> list[_Piece]:
+        """The batch as preadv calls: runs of adjacent records, each cut into pieces of
+        about ``piece_bytes`` so one large record is read by several threads at once."""
+        out = []
+        for run in self._runs(stride, jobs):
+            vecs, spans, pos = [], [], 0
+            for i, j in enumerate(run):
+                if i and stride > run[i - 1].nbytes:
+                    pad = stride - run[i - 1].nbytes
+                    vecs.append(self._sink[:pad])
+                    pos += pad
+                spans.append((j, pos))
+                vecs.extend(j.bufs)
+                pos += j.nbytes
+            offset = run[0].id * stride
+            n = max(1, -(-pos // self.piece_bytes)) if pos > 2 * self.piece_bytes else 1
+            step = -(-pos // n)
+            step = -(-step // PIECE_ALIGN) * PIECE_ALIGN
+            for a in range(0, pos, step):
+                b = min(pos, a + step)
+                out.append(_Piece(offset + a, _slice(vecs, a, b),
+                                  [(j, max(a, s) - s, min(b, s + j.nbytes) - s)
+                                   for j, s in spans if s < b and s + j.nbytes > a]))
+        left = {}
+        for pc in out:
+            for j, lo, hi in pc.jobs:
+                if hi > lo:
+                    left[id(j)] = left.get(id(j), 0) + 1
+        for pc in out:
+            pc.left = left
+        return out
+
+    def _read_piece(self, fd, path, piece: _Piece, lock: threading.Lock) -> int:
+        want = sum(v.nbytes for v in piece.vecs)
+        got = os.preadv(fd, piece.vecs, piece.offset)
         if got != want:
-            self._finish_short(fd, path, vecs, offset, got)
-        for j in run:
-            if j.after is not None:
+            self._finish_short(fd, path, piece.vecs, piece.offset, got)
+        nbytes = 0
+        for j, lo, hi in piece.jobs:
+            if hi <= lo:
+                continue
+            nbytes += hi - lo
+            if j.piece is not None:
+                j.piece(lo, hi)
+            with lock:
+                piece.left[id(j)] -= 1
+                last = piece.left[id(j)] == 0
+            if last and j.after is not None:
                 j.after()
-        return sum(j.nbytes for j in run)
+        return nbytes
 
     @staticmethod
     def _finish_short(fd, path, vecs, offset, got) -> None:
@@ -148,27 +214,29 @@ class RecordReader:
 
     def submit(self, key, jobs: list[RecordJob]) -> Future:
         """Start reading ``jobs``; the future's result is the byte count. A failing job
-        (read error, or an exception from its ``after``) fails the future."""
+        (read error, or an exception from its ``after``) fails the future. Small batches
+        are read on the calling thread; the rest return at once, reading on the pool."""
         fd, stride, path = self._files[key]
-        runs = self._runs(stride, jobs)
+        pieces = self._pieces(stride, jobs)
+        lock = threading.Lock()
         t0 = time.perf_counter()
 
         def finish(nbytes: int) -> int:
             with self._lock:
-                self.stats.reads += len(runs)
+                self.stats.reads += len(pieces)
                 self.stats.records += len(jobs)
                 self.stats.bytes += nbytes
                 self.stats.seconds += time.perf_counter() - t0
             return nbytes
 
         total = sum(j.nbytes for j in jobs)
-        if total <= INLINE_BYTES or len(runs) == 1 or self.threads == 1:
+        if total <= INLINE_BYTES or self.threads == 1:
             try:
-                return Done(finish(sum(self._read_run(fd, path, stride, r) for r in runs)))
+                return Done(finish(sum(self._read_piece(fd, path, pc, lock) for pc in pieces)))
             except Exception as e:  # noqa: BLE001 - handed to the caller through the future
                 return Done(error=e)
-        return _Gather([self._pool.submit(self._read_run, fd, path, stride, r) for r in runs],
-                       finish)
+        return _Gather([self._pool.submit(self._read_piece, fd, path, pc, lock)
+                        for pc in pieces], finish)
 
     def read(self, key, ids, out: np.ndarray) -> int:
         """Read whole records ``ids`` into rows of ``out`` ([n, stride]); returns bytes."""

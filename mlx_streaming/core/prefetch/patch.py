@@ -107,6 +107,7 @@ class StreamedExperts(nn.Module):
             ticket.wait()
             y = self.experts(x, pool.lut[indices])
         store.end_call(layer, len(ticket.misses))
+        mx.async_eval(y)  # the device starts on it while the next layer is built
         return store.track_output(layer, y)
 
     def _part(self, x, indices, host, keep, out):
