@@ -151,7 +151,24 @@ def load(path_or_repo: str | Path, expert_dir: str | Path | None = None, *,
         raise
     store.memory_plan = memory_plan(model, store, cache_limit_gb)
     mx.set_cache_limit(store.memory_plan.cache_limit_bytes)
+    load_trunk(model, progress)
     return model, tokenizer, store
+
+
+def load_trunk(model, progress: bool | None = None) -> None:
+    """Read the (lazily loaded) trunk weights now, one block at a time, with a progress
+    bar on a terminal, so the first token does not pay for them."""
+    from mlx.utils import tree_flatten
+    from tqdm import tqdm
+
+    groups: dict[str, list] = {}
+    for name, v in tree_flatten(model.parameters()):
+        parts = name.split(".")
+        key = ".".join(parts[:3]) if len(parts) > 3 and parts[2].isdigit() else parts[0]
+        groups.setdefault(key, []).append(v)
+    for arrays in tqdm(groups.values(), desc="load trunk", unit="block",
+                       disable=None if progress is None else not progress):
+        mx.eval(arrays)
 
 
 def memory_plan(model, store, cache_limit_gb: float | None = None):

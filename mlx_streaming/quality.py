@@ -127,9 +127,13 @@ def compare_distributions(model_a, model_b, tokens: list[int]) -> dict:
 
 
 def error_table(source: ExpertMeta, inputs: dict, candidates=(2, 3, 4, 8),
-                experts_per_layer: int = 4, group_size: int | None = None) -> dict:
+                experts_per_layer: int = 4, group_size: int | None = None,
+                progress: bool | None = None) -> dict:
     """``{layer: {proj: {bits: relative error}}}`` of quantizing the source's most routed
-    experts to each candidate bit width (in memory, nothing written)."""
+    experts to each candidate bit width (in memory, nothing written); a progress bar on
+    a terminal."""
+    from tqdm import tqdm
+
     from .core.format import Quant
     from .prep.requantize import requantize_expert
 
@@ -137,7 +141,8 @@ def error_table(source: ExpertMeta, inputs: dict, candidates=(2, 3, 4, 8),
     for li in source.layers:
         reader.open(li, source.file(li), source.layers[li].stride)
     table = {}
-    for li, (x, ids) in inputs.items():
+    for li, (x, ids) in tqdm(inputs.items(), desc="calibrate bits", unit="layer",
+                             disable=None if progress is None else not progress):
         if li not in source.layers:
             continue
         lay = source.layers[li]
