@@ -162,7 +162,8 @@ def main():
             t = store.totals()
             per_run.append({"bytes": t["bytes_read"], "hits": t["hits"], "misses": t["misses"],
                             "tokens": n + len(ids), "prefetched": t["prefetched"],
-                            "prefetch_used": t["prefetch_used"]})
+                            "prefetch_used": t["prefetch_used"],
+                            "prefetch_on_time": t["prefetch_on_time"]})
         results["stock_decode_runs"] += k_runs
         # exactness on this configuration: same trace position for both
         stock_routing.cursor = routing.cursor = start
@@ -198,6 +199,8 @@ def main():
             rec["prefetch_precision"] = round(tot["prefetch_used"] / max(1, tot["prefetched"]), 4)
             rec["prefetch_recall"] = round(
                 tot["prefetch_used"] / max(1, tot["prefetch_used"] + tot["misses"]), 4)
+            rec["prefetch_on_time_share"] = round(
+                tot["prefetch_on_time"] / max(1, tot["prefetch_used"]), 4)
             rec.update(store.prefetcher.report())
         _log(json.dumps(rec))
         out_cfgs.append(rec)
