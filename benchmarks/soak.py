@@ -47,10 +47,17 @@ def main():
     ck = make_checkpoint(root / a.preset, a.preset)
     model, tok, store = mlx_streaming.load(ck, root / "experts", slots=a.slots)
     cache = make_prompt_cache(model)
+    # random weights: keep sampling from ending the story early on an EOS token
+    eos = mx.array(sorted(tok.eos_token_ids), dtype=mx.int32)
+
+    def no_eos(tokens, logits):
+        return logits.at[..., eos].add(-1e9)
+
     samples = []
     t0 = time.perf_counter()
     for r in stream_generate(model, tok, "Tell a very long story.", max_tokens=a.tokens,
-                             prompt_cache=cache, sampler=make_sampler(0.8, 0.95)):
+                             prompt_cache=cache, sampler=make_sampler(0.8, 0.95),
+                             logits_processors=[no_eos]):
         if r.generation_tokens % 100 == 0:
             samples.append((r.generation_tokens, rss_bytes(), mx.get_active_memory(),
                             kv_bytes(cache)))

@@ -67,7 +67,7 @@ def write_report(results: list[dict], out_dir: str | Path) -> list[Path]:
     if len(results) > 1:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         xs = [r["pool_gb"] for r in results]
-        ax.plot(xs, [r["tok_per_s"] for r in results], marker="o", label="streamed")
+        ax.plot(xs, [r["tok_per_s"] for r in results], marker="o", label="streamed tok/s")
         if all("stock_tok_per_s" in r for r in results):
             ax.axhline(results[0]["stock_tok_per_s"], color="gray", linestyle="--",
                        label="stock mlx-lm (all resident)")
@@ -77,7 +77,9 @@ def write_report(results: list[dict], out_dir: str | Path) -> list[Path]:
         ax.set(xlabel="expert pools (GB)", ylabel="tok/s", title="speed against budget")
         ax2.set_ylabel("hit rate")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
+        lines = ax.get_legend_handles_labels()
+        lines2 = ax2.get_legend_handles_labels()
+        ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="lower right")
         files.append(_save(fig, out / "tok_per_s_vs_budget.png"))
 
     lines = ["# mlx_streaming bench report", "",
