@@ -9,9 +9,7 @@ from .core.format import ExpertMeta
 
 
 def slot_bytes(meta: ExpertMeta, layer: int) -> int:
-    """Device bytes one slot of ``layer`` takes (its parts, no record padding).
-
-    A pool of ``s`` slots holds ``s + 1`` (one zero slot for partial calls)."""
+    """Device bytes one slot of ``layer`` takes (its parts, no record padding)."""
     return sum(p.nbytes for p in meta.layers[layer].parts)
 
 
@@ -21,10 +19,12 @@ class BudgetPlan:
     slots: dict[int, int]  # layer -> slots
     slot_bytes: dict[int, int]  # layer -> bytes per slot
     weights: dict[int, float] = field(default_factory=dict)
+    zero_slot: bool = True  # each pool also holds one zero slot (masked rows)
 
     @property
     def pool_bytes(self) -> int:
-        return sum((self.slots[li] + 1) * self.slot_bytes[li] for li in self.slots)
+        z = int(self.zero_slot)
+        return sum((self.slots[li] + z) * self.slot_bytes[li] for li in self.slots)
 
     @property
     def default_slots(self) -> int:
@@ -35,12 +35,13 @@ class BudgetPlan:
                 "slots": {str(k): v for k, v in sorted(self.slots.items())}}
 
 
-def plan_budget(meta: ExpertMeta, budget_gb: float, weights: dict[int, float] | None = None
-                ) -> BudgetPlan:
+def plan_budget(meta: ExpertMeta, budget_gb: float, weights: dict[int, float] | None = None,
+                zero_slot: bool | None = None) -> BudgetPlan:
     """Slots per layer so that all pools together fit ``budget_gb`` (10**9 bytes).
 
     ``weights`` (per layer, e.g. how diverse its routing is) shares the slots above the
     top-k minimum out unevenly; without them every layer gets the same share.
+    ``zero_slot``: count each pool's zero slot (default: as ``FileExpertStore`` does).
 
     Raises:
         ValueError: the budget is not a positive number, or cannot hold one token's
@@ -51,8 +52,12 @@ def plan_budget(meta: ExpertMeta, budget_gb: float, weights: dict[int, float] | 
     budget = int(budget_gb * 1e9)
     layers = sorted(meta.layers)
     sb = {li: slot_bytes(meta, li) for li in layers}
+    if zero_slot is None:
+        from .core.cache.pool import default_zero_slot
+
+        zero_slot = default_zero_slot()
     k = meta.top_k
-    floor = sum((k + 1) * sb[li] for li in layers)
+    floor = sum((k + int(zero_slot)) * sb[li] for li in layers)
     if budget < floor:
         raise ValueError(
             f"budget {budget_gb} GB is below the {floor / 1e9:.3f} GB that one token's "
@@ -77,7 +82,7 @@ def plan_budget(meta: ExpertMeta, budget_gb: float, weights: dict[int, float] | 
         li = max(cands, key=lambda i: (w[i] / slots[i], -i))
         slots[li] += 1
         left -= sb[li]
-    return BudgetPlan(budget, slots, sb, w)
+    return BudgetPlan(budget, slots, sb, w, bool(zero_slot))
 
 
 @dataclass

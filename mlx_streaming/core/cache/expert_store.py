@@ -22,10 +22,13 @@ import xxhash
 from ..format import ExpertDirError, ExpertMeta, load_meta
 from ..io.reader import Done, RecordJob, RecordReader, aligned_buffer
 from .policy import DEFAULT_POLICY, make_policy
-from .pool import LayerPool, default_mode
+from .pool import LayerPool, default_mode, default_zero_slot
 from .slots import SlotCache
 
 STAGING_BYTES = 256 << 20  # largest staging batch (mlx mode, O_DIRECT)
+
+
+TRACK_EVAL_BYTES = 1 << 20  # outputs larger than this are evaluated, not held
 
 
 class ExpertChecksumError(ExpertDirError):
@@ -135,6 +138,8 @@ class FileExpertStore:
         direct_io: Bypass the page cache (O_DIRECT / F_NOCACHE).
         verify: Check each record's checksum when it is read.
         pool_mode: ``host``, ``cuda`` or ``mlx`` (see ``pool``); default by backend.
+        zero_slot: Give each pool an all-zero slot, which masked rows need (default:
+            off the CPU, where masked rows are the default).
 
     Raises:
         ExpertDirError: missing or invalid directory, or a capacity below top-k.
@@ -143,7 +148,8 @@ class FileExpertStore:
     def __init__(self, expert_dir, capacity: int = 8, layer_caps: dict | None = None,
                  clear_on_evict: bool = False, record: bool = False, *,
                  policy: str = DEFAULT_POLICY, threads: int = 4, direct_io: bool = False,
-                 verify: bool = True, pool_mode: str | None = None):
+                 verify: bool = True, pool_mode: str | None = None,
+                 zero_slot: bool | None = None):
         self.meta: ExpertMeta = load_meta(expert_dir)
         self.expert_dir = self.meta.root
         self.top_k = self.meta.top_k
@@ -157,6 +163,7 @@ class FileExpertStore:
                           make_policy(policy, self.meta.layers[li].num_experts, c))
             for li, c in caps.items()}
         self.stats = {li: LayerStats() for li in caps}
+        self.zero_slot = default_zero_slot() if zero_slot is None else bool(zero_slot)
         self._resident = ResidentSet(self._make_pools(caps, pool_mode), self.stats)
         self.pool_mode = next(iter(self._resident.pools.values())).mode
         self.reader = RecordReader(threads=threads, direct=direct_io)
@@ -197,7 +204,8 @@ class FileExpertStore:
         auto = mode is None
         mode = mode or default_mode()
         try:
-            pools = {li: LayerPool(self.meta.layers[li], c, mode) for li, c in caps.items()}
+            pools = {li: LayerPool(self.meta.layers[li], c, mode, self.zero_slot)
+                     for li, c in caps.items()}
             if mode == "cuda":
                 _cuda_self_test(next(iter(pools.values())))
             return pools
@@ -206,7 +214,8 @@ class FileExpertStore:
                 raise
             warnings.warn(f"CUDA slot copies unavailable ({e}); using MLX updates",
                           stacklevel=3)
-            return {li: LayerPool(self.meta.layers[li], c, "mlx") for li, c in caps.items()}
+            return {li: LayerPool(self.meta.layers[li], c, "mlx", self.zero_slot)
+                    for li, c in caps.items()}
 
     @property
     def layers(self) -> list[int]:
@@ -323,6 +332,9 @@ class FileExpertStore:
         """Remember a lazy output that reads ``layer``'s pool: it is evaluated before the
         pool is next written behind MLX's back (host and cuda modes)."""
         if self.pool_mode != "mlx":
+            if y.nbytes > TRACK_EVAL_BYTES:  # a long prompt's output: settle it now rather
+                mx.eval(y)  # than hold its buffer until the pool is next written
+                return y
             readers = self._readers[layer]
             readers.append(y)
             if len(readers) > 8:  # calls that wrote nothing: settle the older ones

@@ -50,6 +50,11 @@ def default_mode() -> str:
 _DEFAULT = None
 
 
+def default_zero_slot() -> bool:
+    """Whether pools get a zero slot by default: where calls run masked rows (GPUs)."""
+    return mx.default_device() != mx.cpu
+
+
 def _host_view(arr: mx.array) -> np.ndarray:
     """A writable byte view [rows, row_bytes] of an evaluated, contiguous MLX array."""
     v = np.array(arr, copy=False)
@@ -70,12 +75,14 @@ def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
 
 
 class LayerPool:
-    """Device arrays holding ``slots`` experts of one layer (plus one zero slot)."""
+    """Device arrays holding ``slots`` experts of one layer, plus with ``zero_slot`` one
+    always-zero slot (``dummy``) that masked calls point their skipped rows at."""
 
-    def __init__(self, layout: LayerLayout, slots: int, mode: str | None = None):
+    def __init__(self, layout: LayerLayout, slots: int, mode: str | None = None,
+                 zero_slot: bool = True):
         self.layout = layout
         self.slots = slots
-        self.dummy = slots  # an extra, always-zero slot for rows a partial call skips
+        self.dummy = slots if zero_slot else None
         self.mode = mode or default_mode()
         if self.mode not in MODES:
             raise ValueError(f"pool mode must be one of {MODES}, got {self.mode!r}")
@@ -85,7 +92,7 @@ class LayerPool:
         self._rows: dict[str, np.ndarray] = {}  # host/cuda: byte view [slots, row_bytes]
         for p in layout.parts:
             np_dt, mx_dt = DTYPES[p.dtype]
-            base = mx.array(np.zeros((slots + 1, *p.shape), dtype=np_dt))  # contiguous
+            base = mx.array(np.zeros((slots + bool(zero_slot), *p.shape), dtype=np_dt))
             arr = base.view(mx_dt) if base.dtype != mx_dt else base
             mx.eval(arr)
             self.arrays[p.name] = arr

@@ -288,6 +288,9 @@ def patch_model_filebacked(model: nn.Module, store: FileExpertStore, hidden: int
     rows = options.rows or ("subset" if mx.default_device() == mx.cpu else "masked")
     if rows not in ("subset", "masked"):
         raise ValueError(f"rows must be 'subset' or 'masked', got {rows!r}")
+    if rows == "masked" and not store.zero_slot:
+        raise ValueError("rows='masked' points skipped rows at a zero slot: create the store "
+                         "with FileExpertStore(..., zero_slot=True)")
     for pos, s in enumerate(sites):
         arrays = store.pool(s.layer).arrays
         lay = store.meta.layers[s.layer]
