@@ -74,11 +74,20 @@ def byte_lru_hit_rate(trace: RoutingTrace, layer: int, sizes: np.ndarray, budget
     return hits / max(1, hits + misses), loaded / max(1, end - start)
 
 
-def expert_bytes(hidden: int, moe_inter: int, bits: int, group_size: int,
-                 scale_bytes: int, projections: int = 3) -> int:
-    """Bytes of one quantized expert (packed weights, scales and biases)."""
-    params = projections * hidden * moe_inter
-    return params * bits // 8 + 2 * (params // group_size) * scale_bytes
+def expert_bytes(module: nn.Module, bits: int, group_size: int) -> int:
+    """Bytes of one expert of ``module`` (a SwitchGLU / SwitchMLP) with every projection
+    quantized at ``bits``, scales in the source's dtype."""
+    from .quality import quantized_bytes
+
+    total = 0
+    for _, proj in projections(module):
+        if isinstance(proj, QuantizedSwitchLinear):
+            in_dims = proj.weight.shape[-1] * 32 // proj.bits
+            scale_bytes = proj.scales.dtype.size
+        else:
+            in_dims, scale_bytes = proj.weight.shape[-1], proj.weight.dtype.size
+        total += quantized_bytes(proj.weight.shape[1], in_dims, bits, group_size, scale_bytes)
+    return total
 
 
 def _dequantized(proj: nn.Module) -> mx.array:
@@ -142,15 +151,7 @@ def hot_cold_study(model_path, trace: RoutingTrace, *, hot_bits: int = 4,
     sites = find_expert_sites(ref)
     if len(sites) > trace.layers:
         raise ValueError(f"{model_path} has {len(sites)} MoE layers, the trace {trace.layers}")
-    projs = dict(projections(sites[0].module))
-    some = next(iter(projs.values()))
-    hidden = some.weight.shape[-1] * (32 // some.bits if isinstance(some, QuantizedSwitchLinear)
-                                      else 1)
-    moe_inter = some.weight.shape[1]
-    scale_bytes = 2 if getattr(some, "scales", mx.zeros(0, mx.float16)).dtype != mx.float32 \
-        else 4
-    n_proj = len(projs)
-    size = {b: expert_bytes(hidden, moe_inter, b, group_size, scale_bytes, n_proj)
+    size = {b: expert_bytes(sites[0].module, b, group_size)
             for b in {hot_bits, cold_bits, *uniform}}
     E = trace.num_experts
     budget = int(budget_fraction * E * size[hot_bits])

@@ -185,6 +185,13 @@ def proj_bytes(layout, proj: str, bits: int, group_size: int) -> int:
     for p in layout.parts:
         if p.name == f"{proj}.scales":
             scale_bytes = p.nbytes // (p.shape[0] * p.shape[1])
+    return quantized_bytes(out_dims, in_dims, bits, group_size, scale_bytes)
+
+
+def quantized_bytes(out_dims: int, in_dims: int, bits: int, group_size: int,
+                    scale_bytes: int) -> int:
+    """Bytes of an ``out_dims x in_dims`` matrix quantized at ``bits`` with affine
+    groups: packed weights, then a scale and a bias per group."""
     return out_dims * in_dims * bits // 8 + 2 * out_dims * (in_dims // group_size) * scale_bytes
 
 

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm import load
+from test_exactness import patched
 
 from mlx_streaming import FileExpertStore, split_model
 from mlx_streaming.core.cache.expert_store import ExpertChecksumError
@@ -102,8 +103,6 @@ def corrupt(path, offset):
 
 
 def test_corrupt_record_mid_generation_then_recovery(models, tmp_path):
-    from mlx_streaming import patch_model_filebacked
-
     ck, src = models.experts("tiny-qwen3_moe")
     ed = tmp_path / "experts"
     shutil.copytree(src, ed)
@@ -111,10 +110,7 @@ def test_corrupt_record_mid_generation_then_recovery(models, tmp_path):
     ref, tok = load(str(ck))
     ids = tok.encode("A long enough prompt to touch many experts in every layer, twice over.")
     want = greedy_trace(ref, ids, 16)
-    model, _ = load(str(ck), lazy=True)
-    store = FileExpertStore(ed, capacity=meta.top_k)
-    d = meta.dims
-    patch_model_filebacked(model, store, d["hidden"], d["moe_inter"], d["group_size"], d["bits"])
+    model, store = patched(ck, ed, capacity=meta.top_k)
     layer = meta.moe_layers[-1]
     lay = meta.layers[layer]
     f = meta.file(layer)
@@ -131,17 +127,12 @@ def test_corrupt_record_mid_generation_then_recovery(models, tmp_path):
 
 
 def test_read_error_mid_generation_then_recovery(models):
-    from mlx_streaming import patch_model_filebacked
-
     ck, ed = models.experts("tiny-mixtral")
     meta = load_meta(ed)
     ref, tok = load(str(ck))
     ids = tok.encode("Reads fail sometimes; the store must stay consistent.")
     want = greedy_trace(ref, ids, 12)
-    model, _ = load(str(ck), lazy=True)
-    store = FileExpertStore(ed, capacity=meta.top_k)
-    d = meta.dims
-    patch_model_filebacked(model, store, d["hidden"], d["moe_inter"], d["group_size"], d["bits"])
+    model, store = patched(ck, ed, capacity=meta.top_k)
     real = store.reader._read_piece
     fails = {"n": 0}
 

@@ -30,8 +30,9 @@ class Policy:
 
     name = "base"
 
-    def __init__(self, num_experts: int = 0):
+    def __init__(self, num_experts: int = 0, capacity: int | None = None):
         self.num_experts = num_experts
+        self.c = capacity or max(1, num_experts // 2)  # slots, for policies that size lists
 
     def access(self, experts: Iterable[int]) -> None:
         """Experts looked up by one layer call (hits and misses), after admission."""
@@ -52,8 +53,8 @@ class LRU(Policy):
 
     name = "lru"
 
-    def __init__(self, num_experts: int = 0):
-        super().__init__(num_experts)
+    def __init__(self, num_experts: int = 0, capacity: int | None = None):
+        super().__init__(num_experts, capacity)
         self._order: OrderedDict[int, None] = OrderedDict()
 
     def access(self, experts):
@@ -82,8 +83,8 @@ class _Scored(Policy):
     """Evicts the resident experts with the lowest ``scores()``; ties go to the least
     recently used."""
 
-    def __init__(self, num_experts: int):
-        super().__init__(num_experts)
+    def __init__(self, num_experts: int, capacity: int | None = None):
+        super().__init__(num_experts, capacity)
         self.t = 0
         self.last = np.full(num_experts, -1, dtype=np.int64)
         self.resident = np.zeros(num_experts, dtype=bool)
@@ -122,8 +123,8 @@ class LFU(_Scored):
 
     name = "lfu"
 
-    def __init__(self, num_experts: int, decay: float = 0.95):
-        super().__init__(num_experts)
+    def __init__(self, num_experts: int, capacity: int | None = None, decay: float = 0.95):
+        super().__init__(num_experts, capacity)
         self.decay = decay
         self.count = np.zeros(num_experts)
         self.stamp = np.zeros(num_experts, dtype=np.int64)
@@ -153,8 +154,9 @@ class Predictive(_Scored):
     WINDOWS = (4, 16, 64)
     AGE = 0.9
 
-    def __init__(self, num_experts: int, weights=PREDICTIVE_WEIGHTS):
-        super().__init__(num_experts)
+    def __init__(self, num_experts: int, capacity: int | None = None,
+                 weights=PREDICTIVE_WEIGHTS):
+        super().__init__(num_experts, capacity)
         self.w = np.asarray(weights, dtype=np.float64)
         E = num_experts
         self.trans = np.zeros((E, E), dtype=np.float32)  # counts: e at t -> e' at t+1
@@ -204,8 +206,7 @@ class ARC(Policy):
     name = "arc"
 
     def __init__(self, num_experts: int = 0, capacity: int | None = None):
-        super().__init__(num_experts)
-        self.c = capacity or max(1, num_experts // 2)
+        super().__init__(num_experts, capacity)
         self.t1: OrderedDict[int, None] = OrderedDict()  # seen once recently
         self.t2: OrderedDict[int, None] = OrderedDict()  # seen at least twice
         self.b1: OrderedDict[int, None] = OrderedDict()  # ghosts of t1
@@ -267,8 +268,7 @@ class S3FIFO(Policy):
 
     def __init__(self, num_experts: int = 0, capacity: int | None = None,
                  small: float = 0.1):
-        super().__init__(num_experts)
-        self.c = capacity or max(1, num_experts // 2)
+        super().__init__(num_experts, capacity)
         self.small_cap = max(1, round(small * self.c))
         self.small: OrderedDict[int, None] = OrderedDict()
         self.main: OrderedDict[int, None] = OrderedDict()
@@ -369,8 +369,4 @@ def make_policy(name: str, num_experts: int = 0, capacity: int | None = None, **
     cls = POLICIES.get(name)
     if cls is None:
         raise ValueError(f"unknown cache policy {name!r}; choose one of {sorted(POLICIES)}")
-    if cls in (ARC, S3FIFO):
-        return cls(num_experts, capacity=capacity, **kw)
-    if cls is LRU:
-        return cls(num_experts)
-    return cls(num_experts, **kw)
+    return cls(num_experts, capacity, **kw)

@@ -33,21 +33,21 @@ def default_mode() -> str:
     """``host`` where MLX memory is host memory (CPU, Metal), ``cuda`` on MLX's CUDA
     build when the CUDA runtime is reachable and MLX's arrays are managed memory, else
     ``mlx``."""
-    global _DEFAULT
-    if _DEFAULT is None:
+    device = str(mx.default_device())
+    if device not in _DEFAULT:  # probed once per device
         if mx.default_device() == mx.cpu or mx.metal.is_available():
-            _DEFAULT = "host"
+            mode = "host"
         elif cuda.available():
             probe = mx.zeros((4096,), dtype=mx.uint8)
             mx.eval(probe)
-            _DEFAULT = "cuda" if cuda.is_managed(np.array(probe, copy=False).ctypes.data) \
-                else "mlx"
+            mode = "cuda" if cuda.is_managed(np.array(probe, copy=False).ctypes.data) else "mlx"
         else:
-            _DEFAULT = "mlx"
-    return _DEFAULT
+            mode = "mlx"
+        _DEFAULT[device] = mode
+    return _DEFAULT[device]
 
 
-_DEFAULT = None
+_DEFAULT: dict[str, str] = {}
 
 
 def default_zero_slot() -> bool:
