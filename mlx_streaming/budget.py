@@ -19,12 +19,13 @@ class BudgetPlan:
     slots: dict[int, int]  # layer -> slots
     slot_bytes: dict[int, int]  # layer -> bytes per slot
     weights: dict[int, float] = field(default_factory=dict)
-    zero_slot: bool = True  # each pool also holds one zero slot (masked rows)
+    zero_slot: bool = True  # pools short of their layer's experts hold one zero slot
+    num_experts: dict[int, int] = field(default_factory=dict)  # layer -> experts
 
     @property
     def pool_bytes(self) -> int:
-        z = int(self.zero_slot)
-        return sum((self.slots[li] + z) * self.slot_bytes[li] for li in self.slots)
+        return sum(pool_slots(self.slots[li], self.num_experts.get(li, 0), self.zero_slot)
+                   * self.slot_bytes[li] for li in self.slots)
 
     @property
     def default_slots(self) -> int:
@@ -33,6 +34,12 @@ class BudgetPlan:
     def to_json(self) -> dict:
         return {"budget_bytes": self.budget_bytes, "pool_bytes": self.pool_bytes,
                 "slots": {str(k): v for k, v in sorted(self.slots.items())}}
+
+
+def pool_slots(slots: int, num_experts: int, zero_slot: bool) -> int:
+    """Slots a pool allocates: ``slots``, plus the zero slot of a pool short of its
+    layer's ``num_experts`` (as ``FileExpertStore`` makes them)."""
+    return slots + int(zero_slot and slots < num_experts)
 
 
 def plan_budget(meta: ExpertMeta, budget_gb: float, weights: dict[int, float] | None = None,
@@ -57,7 +64,8 @@ def plan_budget(meta: ExpertMeta, budget_gb: float, weights: dict[int, float] | 
 
         zero_slot = default_zero_slot()
     k = meta.top_k
-    floor = sum((k + int(zero_slot)) * sb[li] for li in layers)
+    ne = {li: meta.layers[li].num_experts for li in layers}
+    floor = sum(pool_slots(k, ne[li], zero_slot) * sb[li] for li in layers)
     if budget < floor:
         raise ValueError(
             f"budget {budget_gb} GB is below the {floor / 1e9:.3f} GB that one token's "
@@ -68,21 +76,25 @@ def plan_budget(meta: ExpertMeta, budget_gb: float, weights: dict[int, float] | 
     w = {li: float((weights or {}).get(li, 1.0)) for li in layers}
     left = budget - floor
     if weights is None:  # uniform: whole rounds at once, the remainder greedily below
-        rounds = min(left // sum(sb.values()),
-                     min(meta.layers[li].num_experts for li in layers) - k)
-        for li in layers:
-            slots[li] += rounds
-        left -= rounds * sum(sb.values())
+        rounds = min(left // sum(sb.values()), min(ne.values()) - k - 1)
+        if rounds > 0:
+            for li in layers:
+                slots[li] += rounds
+            left -= rounds * sum(sb.values())
+
+    def cost(li):  # the last slot of a layer also drops its zero slot
+        n = slots[li] + 1
+        return (pool_slots(n, ne[li], zero_slot) - pool_slots(slots[li], ne[li], zero_slot)) \
+            * sb[li]
     # Greedy: give a slot to the layer with the most weight per slot held, while it fits.
     while True:
-        cands = [li for li in layers
-                 if slots[li] < meta.layers[li].num_experts and sb[li] <= left]
+        cands = [li for li in layers if slots[li] < ne[li] and cost(li) <= left]
         if not cands:
             break
         li = max(cands, key=lambda i: (w[i] / slots[i], -i))
+        left -= cost(li)
         slots[li] += 1
-        left -= sb[li]
-    return BudgetPlan(budget, slots, sb, w, bool(zero_slot))
+    return BudgetPlan(budget, slots, sb, w, bool(zero_slot), ne)
 
 
 @dataclass

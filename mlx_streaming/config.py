@@ -44,3 +44,8 @@ def pool_profile_override() -> str | None:
 def cache_dir() -> Path:
     """Root for expert directories of models given by repo id (env ``MLX_STREAMING_CACHE``)."""
     return Path(os.environ.get("MLX_STREAMING_CACHE", "~/.cache/mlx_streaming")).expanduser()
+
+
+def kernel_cache_file() -> Path:
+    """Where the kernel-parity self-test remembers the shapes it found exact."""
+    return cache_dir() / "kernel_parity.json"

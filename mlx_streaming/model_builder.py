@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -15,8 +16,8 @@ import mlx.core as mx
 from . import config as env
 from .core.cache.expert_store import FileExpertStore
 from .core.cache.policy import DEFAULT_POLICY
-from .core.format import ExpertDirError, load_meta
-from .core.prefetch.patch import patch_model_filebacked
+from .core.format import load_meta
+from .core.prefetch.patch import StreamOptions, patch_model_filebacked
 from .prep.split_experts import resolve_model_path, split_model
 
 PROFILE_NAME = "pool_profile.json"
@@ -141,12 +142,15 @@ def load(path_or_repo: str | Path, expert_dir: str | Path | None = None, *,
     store = FileExpertStore(expert_dir, policy=policy, threads=threads, direct_io=direct_io,
                             verify=verify, **kw)
     d = meta.dims
+    options = options or StreamOptions()
+    if options.kernel_cache is None:
+        options = replace(options, kernel_cache=env.kernel_cache_file())
     try:
         patch_model_filebacked(model, store, d["hidden"], d["moe_inter"], d.get("group_size"),
                                d.get("bits"), proj_bits=d.get("proj_bits"),
                                layer_proj_bits=_int_keys(d.get("per_layer_proj_bits")),
                                options=options)
-    except ExpertDirError:
+    except Exception:
         store.close()
         raise
     store.memory_plan = memory_plan(model, store, cache_limit_gb)

@@ -202,6 +202,21 @@ PRESETS: dict[str, Preset] = {
         "tiny-deepseek_v2", _deepseek_v2(4, _TINY, 16, 4, 64, shared=2, dense=1),
         description="DeepSeek-V2: MLA attention, two shared experts, dense layer 0",
     ),
+    # Many experts, top-8: prefill chunks of 8-64 tokens cross every row threshold of
+    # MLX's kernel choice (8, 16, 64 rows; 4 x the experts of stock and of small pools).
+    "thresholds-qwen3_moe": Preset(
+        "thresholds-qwen3_moe",
+        {
+            "model_type": "qwen3_moe", "hidden_size": _TINY, "num_hidden_layers": 3,
+            "intermediate_size": 2 * _TINY, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "num_experts": 128,
+            "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "moe_intermediate_size": 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "tie_word_embeddings": False, "max_position_embeddings": 8192,
+            "norm_topk_prob": True,
+        },
+        description="Qwen3-MoE with 128 experts, top-8 (kernel thresholds)",
+    ),
     # A dense model: nothing to stream (tests that it is refused with a clear error).
     "tiny-llama-dense": Preset(
         "tiny-llama-dense",

@@ -213,3 +213,22 @@ def test_transition_prefetch_with_trace_routing(models, tmp_path):
     assert compare_traces(want, got).exact
     assert store.totals()["prefetch_used"] > 0
     store.close()
+
+
+@pytest.mark.parametrize("rows", ["subset", "masked"])
+def test_kernel_thresholds(models, rows):
+    """128 experts, top-8, prefill chunks of 8-64 tokens (64-512 routed rows): every row
+    threshold of MLX's kernel choice is crossed, for pools of top-k, 2x, half and all
+    the experts, with the start-up kernel self-test on."""
+    ck, ed = models.experts("thresholds-qwen3_moe")
+    meta = load_meta(ed)
+    ref, tok = load(str(ck))
+    ids = tok.encode(" ".join(TEXTS * 3))[:150]
+    want = {c: greedy_trace(ref, ids, 8, c) for c in (8, 16, 32, 64)}
+    for cap in (meta.top_k, 2 * meta.top_k, meta.num_experts // 2, meta.num_experts):
+        model, store = patched(ck, ed, capacity=cap, zero_slot=rows == "masked",
+                               options=StreamOptions(rows=rows, kernel_check=True))
+        for chunk, ref_trace in want.items():
+            cmp = compare_traces(ref_trace, greedy_trace(model, ids, 8, chunk))
+            assert cmp.exact, (cap, chunk, cmp.to_json())
+        store.close()

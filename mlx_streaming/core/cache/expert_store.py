@@ -138,8 +138,10 @@ class FileExpertStore:
         direct_io: Bypass the page cache (O_DIRECT / F_NOCACHE).
         verify: Check each record's checksum when it is read.
         pool_mode: ``host``, ``cuda`` or ``mlx`` (see ``pool``); default by backend.
-        zero_slot: Give each pool an all-zero slot, which masked rows need (default:
-            off the CPU, where masked rows are the default).
+        zero_slot: Give each pool that holds fewer slots than its layer has experts an
+            all-zero slot, which masked rows need (default: off the CPU, where masked
+            rows are the default). A layer with every expert's slot never has one, so
+            its arrays have stock's expert count (and MLX picks stock's kernels).
 
     Raises:
         ExpertDirError: missing or invalid directory, or a capacity below top-k.
@@ -203,8 +205,11 @@ class FileExpertStore:
         (a record copied in and read back through MLX) falls back to ``mlx``."""
         auto = mode is None
         mode = mode or default_mode()
+
+        def zero(li, c):  # a layer with every expert's slot never masks rows
+            return self.zero_slot and c < self.meta.layers[li].num_experts
         try:
-            pools = {li: LayerPool(self.meta.layers[li], c, mode, self.zero_slot)
+            pools = {li: LayerPool(self.meta.layers[li], c, mode, zero(li, c))
                      for li, c in caps.items()}
             if mode == "cuda":
                 _cuda_self_test(next(iter(pools.values())))
@@ -214,7 +219,7 @@ class FileExpertStore:
                 raise
             warnings.warn(f"CUDA slot copies unavailable ({e}); using MLX updates",
                           stacklevel=3)
-            return {li: LayerPool(self.meta.layers[li], c, "mlx", self.zero_slot)
+            return {li: LayerPool(self.meta.layers[li], c, "mlx", zero(li, c))
                     for li, c in caps.items()}
 
     @property
@@ -356,14 +361,14 @@ class FileExpertStore:
             return Ticket(self, layer, experts, misses, placed, Done(0), None, prefetch)
         ids = [e for e, _, _ in placed]
         slots = [s for _, s, _ in placed]
-        direct = pool.mode == "host" and not self.reader.direct
+        direct = pool.mode == "host" and not self.reader.aligned
         rows = None if direct else self._stage(layer).take(len(ids))
         jobs = []
         for i, (e, s) in enumerate(zip(ids, slots)):
             if direct:
                 bufs = pool.record_bufs(s)
             else:
-                bufs = [rows[i] if self.reader.direct else rows[i][: lay.record_bytes]]
+                bufs = [rows[i] if self.reader.aligned else rows[i][: lay.record_bytes]]
             copy = (lambda a, b, s=s, r=rows[i]: pool.copy_range(s, r, a, b)) \
                 if pool.mode == "cuda" else None
             jobs.append(RecordJob(e, bufs, self._after(layer, pool, e, s, bufs, rows, i), copy))

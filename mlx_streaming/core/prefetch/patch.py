@@ -16,11 +16,11 @@ predicted experts are read ahead.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from ..cache.expert_store import FileExpertStore
 from ..discovery import (
@@ -31,7 +31,9 @@ from ..discovery import (
     fingerprint_mismatch,
     projections,
 )
-from ..format import ExpertDirError, LayerLayout
+from ..dispatch import PoolQuantizedSwitchLinear, PoolSwitchLinear, backend
+from ..format import ExpertDirError, LayerLayout, mx_dtype_name
+from ..selftest import cases_for, ensure_kernel_parity
 from .predictor import Prefetcher, RouterPredictor
 
 SORT_ROWS = 64  # mlx-lm's SwitchGLU/SwitchMLP sort the rows of calls with this many or more
@@ -53,6 +55,11 @@ class StreamOptions:
         the kernels see the very shapes stock mlx-lm gives them (GPU kernels pick
         different algorithms for different row counts). None: subset on the CPU, masked
         on GPUs.
+    kernel_check: before patching, check on the device that pool-shaped gather
+        matmuls equal stock-shaped ones bit for bit (``selftest``). None: on GPU
+        backends, where MLX picks kernels by shape.
+    kernel_cache: a JSON file remembering the checks passed per device, MLX version
+        and shape (None: remembered for this process only).
     """
 
     overlap: bool | None = None
@@ -60,6 +67,8 @@ class StreamOptions:
     predictor: object = "router"
     prefetch_extra: int = 0
     rows: str | None = None
+    kernel_check: bool | None = None
+    kernel_cache: str | Path | None = None
 
 
 class StreamedExperts(nn.Module):
@@ -99,7 +108,8 @@ class StreamedExperts(nn.Module):
         ticket = store.begin(layer, groups[0])
         ahead = (lambda: pf.step(self.pos, host, None if guess is None else np.array(guess))) \
             if pf else None
-        if len(ticket.misses) and self._overlap and len(ticket.misses) < len(groups[0]):
+        partial = self._overlap and (not self._masked or pool.dummy is not None)
+        if len(ticket.misses) and partial and len(ticket.misses) < len(groups[0]):
             y = self._overlapped(x, indices, host, ticket, ahead)
         else:
             if ahead:
@@ -164,18 +174,21 @@ class StreamedExperts(nn.Module):
         return out
 
 
-def _pool_projection(proj: nn.Module, name: str, layout: LayerLayout, arrays: dict) -> nn.Module:
-    """An mlx-lm SwitchLinear / QuantizedSwitchLinear over the pool's arrays."""
+def _pool_projection(name: str, layout: LayerLayout, arrays: dict, device: str) -> nn.Module:
+    """An mlx-lm SwitchLinear / QuantizedSwitchLinear over the pool's arrays that takes
+    the kernel stock's call over all the layer's experts takes."""
     q = layout.quant[name]
     w = arrays[f"{name}.weight"]
     slots, out_dims = w.shape[0], w.shape[1]
     has_bias = f"{name}.bias" in arrays
+    parity = {"model_experts": layout.num_experts, "backend": device}
     if q is None:
-        new = SwitchLinear(w.shape[2], out_dims, slots, bias=has_bias)
+        new = PoolSwitchLinear(w.shape[2], out_dims, slots, bias=has_bias, **parity)
     else:
         in_dims = arrays[f"{name}.scales"].shape[-1] * q.group_size
-        new = QuantizedSwitchLinear(in_dims, out_dims, slots, bias=has_bias,
-                                    group_size=q.group_size, bits=q.bits, mode=q.mode)
+        new = PoolQuantizedSwitchLinear(in_dims, out_dims, slots, bias=has_bias,
+                                        group_size=q.group_size, bits=q.bits, mode=q.mode,
+                                        **parity)
         new.scales = arrays[f"{name}.scales"]
         new.biases = arrays.get(f"{name}.biases")
         if f"{name}.global_scale" in arrays:
@@ -291,12 +304,40 @@ def patch_model_filebacked(model: nn.Module, store: FileExpertStore, hidden: int
     if rows == "masked" and not store.zero_slot:
         raise ValueError("rows='masked' points skipped rows at a zero slot: create the store "
                          "with FileExpertStore(..., zero_slot=True)")
+    device = backend()
+    if options.kernel_check or (options.kernel_check is None and device != "cpu"):
+        check_kernels(model, store, options.kernel_cache)
     for pos, s in enumerate(sites):
         arrays = store.pool(s.layer).arrays
         lay = store.meta.layers[s.layer]
-        new = {name: _pool_projection(p, name, lay, arrays) for name, p in projections(s.module)}
+        new = {name: _pool_projection(name, lay, arrays, device)
+               for name, _ in projections(s.module)}
         s.module.update_modules(new)
         s.parent.update_modules({s.attr: StreamedExperts(s.module, store, s.layer, pos,
                                                          overlap, prefetcher,
                                                          rows == "masked")})
     return len(sites)
+
+
+_CHECKED: set = set()  # kernel-parity cases found exact in this process
+
+
+def check_kernels(model: nn.Module, store: FileExpertStore, cache_file=None) -> None:
+    """Check that every distinct pool of ``store`` computes exactly what stock's arrays
+    would on this device (see ``selftest``).
+
+    Raises:
+        KernelParityError: MLX picks another kernel for a pool than for stock.
+    """
+    from mlx.utils import tree_flatten
+
+    x_dtype = next(mx_dtype_name(v.dtype) for _, v in tree_flatten(model.parameters())
+                   if mx.issubdtype(v.dtype, mx.floating))
+    cases = []
+    for li in store.layers:
+        pool = store.pool(li)
+        cases += cases_for(store.meta.layers[li], pool.slots, pool.dummy is not None,
+                           store.top_k, x_dtype)
+    todo = [c for c in dict.fromkeys(cases) if c not in _CHECKED]
+    ensure_kernel_parity(todo, cache_file=Path(cache_file) if cache_file else None)
+    _CHECKED.update(todo)
