@@ -14,6 +14,7 @@ COMMANDS = {
     "plan": "predict hit rate and tok/s of each budget and policy from a routing trace",
     "profile": "write pool_profile.json (per-layer slots) from a routing trace",
     "requantize": "requantize experts to fewer bits (per projection / per layer)",
+    "verify": "check, layer by layer, that streamed experts equal stock mlx-lm's bit for bit",
     "quality": "KL divergence, top-1 agreement and projection errors of requantized experts",
     "demo": "build a synthetic model, stream it and check it against stock mlx-lm",
     "synth": "write a synthetic MoE checkpoint",
@@ -46,9 +47,9 @@ def _command(name: str):
     return run
 
 
-split, generate, chat, serve, bench, plan, profile, requantize, quality, demo, synth = (
+split, generate, chat, serve, bench, plan, profile, requantize, verify, quality, demo, synth = (
     _command(n) for n in ("split", "generate", "chat", "serve", "bench", "plan", "profile",
-                          "requantize", "quality", "demo", "synth"))
+                          "requantize", "verify", "quality", "demo", "synth"))
 
 if __name__ == "__main__":
     main()
