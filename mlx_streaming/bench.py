@@ -17,6 +17,7 @@ import contextlib
 import gc
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,12 +29,17 @@ from .core import mem
 from .core.cache.expert_store import FileExpertStore
 from .core.cache.policy import DEFAULT_POLICY
 from .core.format import META_NAME, load_meta
-from .core.io.reader import aligned_buffer
+from .core.io.reader import RecordReader, aligned_buffer
 from .core.prefetch.patch import StreamOptions, patch_model_filebacked
 from .model_builder import _int_keys, load_pool_profile, read_pool_profile, store_kwargs_from
 from .prep.split_experts import resolve_model_path, split_model
 
 DEFAULT_PROMPT = "用三句话解释什么是混合专家模型。"
+MEMORY_SOURCES = {
+    "rss_*": "the process's resident set size (OS); on macOS it leaves out Metal buffers",
+    "mlx_*": "MLX's allocator: active = bytes in live arrays, peak = most since the "
+             "timed runs began; on Metal and CUDA this is the GPU's memory",
+}
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,16 @@ def memory_limits(wired_gb: float | None, cache_gb: float | None):
 
 
 def drop_page_cache(paths) -> None:
-    """Evict files from the OS page cache (POSIX_FADV_DONTNEED; no root needed)."""
+    """Evict files from the OS page cache (POSIX_FADV_DONTNEED; no root needed).
+
+    Raises:
+        ValueError: the OS has no ``posix_fadvise`` (macOS).
+    """
+    if not hasattr(os, "posix_fadvise"):
+        raise ValueError(
+            f"cold runs need posix_fadvise, which {sys.platform} lacks; on macOS flush the "
+            "page cache with `sudo purge` before a warm-cache run instead, and use "
+            "--direct-io (F_NOCACHE) to keep expert reads out of the cache")
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
@@ -105,32 +120,26 @@ def drop_page_cache(paths) -> None:
 
 def measure_read_gbps(meta, threads: int, direct: bool, records: int = 64,
                       cold: bool = False) -> float:
-    """Raw bandwidth of random whole-record reads from the expert files (GB/s)."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    """Bandwidth of random whole-record reads from the expert files through the store's
+    reader (GB/s)."""
     rng = np.random.default_rng(1)
     layers = list(meta.layers)
-    picks = [(layers[i % len(layers)], int(rng.integers(meta.layers[layers[i % len(layers)]]
-                                                        .num_experts))) for i in range(records)]
     if cold:
         drop_page_cache([meta.file(li) for li in layers])
-    stride = max(meta.layers[li].stride for li in layers)
-    bufs = [aligned_buffer(stride) for _ in range(threads)]
-    flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
-    fds = {li: os.open(meta.file(li), flags) for li in layers}
-
-    def one(i):
-        li, e = picks[i]
-        st = meta.layers[li].stride
-        return os.preadv(fds[li], [memoryview(bufs[i % threads])[:st]], e * st)
+    reader = RecordReader(threads=threads, direct=direct)
     try:
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(threads) as ex:
-            total = sum(ex.map(one, range(records)))
+        picks: dict[int, list[int]] = {}
+        for i in range(records):
+            li = layers[i % len(layers)]
+            picks.setdefault(li, []).append(int(rng.integers(meta.layers[li].num_experts)))
+        total, t0 = 0, time.perf_counter()
+        for li, ids in picks.items():
+            reader.open(li, meta.file(li), meta.layers[li].stride)
+            out = aligned_buffer(len(ids) * meta.layers[li].stride)
+            total += reader.read(li, ids, out.reshape(len(ids), -1))
         return total / (time.perf_counter() - t0) / 1e9
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        reader.close()
 
 
 def _encode(tokenizer, prompt: str) -> list[int]:
@@ -138,11 +147,13 @@ def _encode(tokenizer, prompt: str) -> list[int]:
     return tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
 
 
-def _generate(model, tokenizer, ids, max_tokens, prefill, on_first=None):
+def _generate(model, tokenizer, ids, max_tokens, cfg: BenchConfig, on_first=None):
     """One generation: (wall seconds, last response, text)."""
     from mlx_lm import stream_generate
 
-    kw = {"prefill_step_size": prefill} if prefill > 0 else {}
+    kw = {"prefill_step_size": cfg.prefill_chunk} if cfg.prefill_chunk > 0 else {}
+    if cfg.wired_gb is not None:
+        kw["prompt_progress_callback"] = mem.keep_wired_limit(int(cfg.wired_gb * 1e9))
     t0 = time.perf_counter()
     text, last = "", None
     for last in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, **kw):
@@ -155,7 +166,7 @@ def _generate(model, tokenizer, ids, max_tokens, prefill, on_first=None):
 def _timed_runs(model, tokenizer, ids, cfg: BenchConfig, store=None, files=()) -> dict:
     warm = cfg.max_tokens if cfg.warmup_tokens is None else cfg.warmup_tokens
     if warm > 0:
-        _generate(model, tokenizer, ids, warm, cfg.prefill_chunk)
+        _generate(model, tokenizer, ids, warm, cfg)
     mem.reset_peak()
     runs, text, last, first = [], "", None, {}
     for r in range(cfg.repeat):
@@ -168,8 +179,7 @@ def _timed_runs(model, tokenizer, ids, cfg: BenchConfig, store=None, files=()) -
                 first.update(store.totals())
         else:
             on_first = None
-        wall, last, text = _generate(model, tokenizer, ids, cfg.max_tokens, cfg.prefill_chunk,
-                                     on_first)
+        wall, last, text = _generate(model, tokenizer, ids, cfg.max_tokens, cfg, on_first)
         runs.append({"wall_s": wall, "tokens": last.generation_tokens,
                      "prompt_tps": last.prompt_tps, "generation_tps": last.generation_tps})
     tps = [round(r["tokens"] / r["wall_s"], 2) for r in runs]
@@ -235,6 +245,8 @@ def open_streamed(cfg: BenchConfig):
 
 def run_bench(cfg: BenchConfig) -> dict:
     """Run the benchmark; returns the JSON-ready result dict."""
+    if cfg.cold and not hasattr(os, "posix_fadvise"):
+        drop_page_cache([])  # raises the clear error before anything is loaded
     with memory_limits(cfg.wired_gb, cfg.cache_gb):
         return _run(cfg)
 
@@ -284,7 +296,7 @@ def _run(cfg: BenchConfig) -> dict:
     cal_s = 0.0
     if cfg.pin_hot > 0:
         tc = time.perf_counter()
-        _generate(model, tokenizer, ids, cfg.cal_tokens, cfg.prefill_chunk)
+        _generate(model, tokenizer, ids, cfg.cal_tokens, cfg)
         for li in store.recorded_layers():
             store.pin(li, store.hot(li, cfg.pin_hot))
         store.record = False
@@ -341,6 +353,7 @@ def _run(cfg: BenchConfig) -> dict:
                                  "prefill_tok_per_s", "generated_tokens")},
         "prompt_tokens": len(ids),
         **trace_info,
+        "memory_sources": MEMORY_SOURCES,
         "rss_gb_after_patch": round(after_patch.rss_bytes / 1e9, 3),
         "rss_gb_after_gen": round(after_gen.rss_bytes / 1e9, 3),
         "peak_rss_gb": round(after_gen.peak_rss_bytes / 1e9, 3),

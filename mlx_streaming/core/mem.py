@@ -44,6 +44,21 @@ def snapshot() -> MemSnapshot:
                        mx.get_peak_memory(), mx.get_cache_memory())
 
 
+def keep_wired_limit(nbytes: int):
+    """A ``prompt_progress_callback`` for mlx-lm's ``stream_generate`` that sets MLX's
+    wired limit to ``nbytes`` as each generation starts.
+
+    mlx-lm raises the wired limit to the device's recommended working set for the
+    duration of every generation (and restores the previous limit after), which would
+    silently override a limit set beforehand; its first progress call comes inside that
+    span, before any computation.
+    """
+    def callback(processed: int, total: int) -> None:
+        if processed == 0 and hasattr(mx, "set_wired_limit"):
+            mx.set_wired_limit(nbytes)
+    return callback
+
+
 def reset_peak() -> None:
     """Reset MLX's peak memory counter."""
     mx.reset_peak_memory()

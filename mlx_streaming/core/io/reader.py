@@ -7,7 +7,8 @@ have landed) is sorted into runs of adjacent records; each run becomes one ``pre
 pieces are issued together on a thread pool, so even one large record is read by several
 threads. A job may also ask to hear of each piece that lands (to copy it on at once).
 ``direct=True`` bypasses the page cache (``O_DIRECT`` on Linux, ``F_NOCACHE`` on macOS);
-O_DIRECT needs page-aligned buffers that each take whole records.
+O_DIRECT needs page-aligned buffers that each take whole records (``aligned``), F_NOCACHE
+reads into any buffer.
 """
 
 from __future__ import annotations
@@ -101,6 +102,9 @@ class RecordReader:
                  piece_bytes: int = PIECE_BYTES):
         self.threads = max(1, int(threads))
         self.direct = bool(direct)
+        # O_DIRECT (Linux) needs page-aligned buffers taking whole records; macOS's
+        # F_NOCACHE reads into any buffer
+        self.aligned = self.direct and sys.platform.startswith("linux")
         self.piece_bytes = max(PIECE_ALIGN, int(piece_bytes))
         self.stats = ReadStats()
         self._files: dict = {}  # key -> (fd, stride, path)
@@ -112,7 +116,7 @@ class RecordReader:
         """Register ``path`` under ``key`` with its record stride."""
         path = Path(path)
         flags = os.O_RDONLY
-        if self.direct and sys.platform.startswith("linux"):
+        if self.aligned:
             flags |= os.O_DIRECT
         try:
             fd = os.open(path, flags)
@@ -141,7 +145,7 @@ class RecordReader:
             r = runs[-1] if runs else None
             if (r and j.id == r[-1].id + 1 and (len(r) + 1) * stride <= MAX_RUN_BYTES
                     and sum(len(x.bufs) + 1 for x in r) + len(j.bufs) <= IOV_MAX
-                    and not self.direct):
+                    and not self.aligned):
                 r.append(j)
             else:
                 runs.append([j])
