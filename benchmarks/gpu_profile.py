@@ -72,7 +72,7 @@ def main():
     from mlx_streaming.core.prefetch.patch import StreamedExperts, StreamOptions
     from mlx_streaming.prep.split_experts import split_model
     from mlx_streaming.synthetic import make_checkpoint
-    from mlx_streaming.trace import RoutingTrace
+    from mlx_streaming.planning.trace import RoutingTrace
 
     root = Path(a.workdir)
     ck = make_checkpoint(root / a.preset, a.preset)

@@ -31,9 +31,9 @@ def main():
     p.add_argument("--json", dest="json_out")
     a = p.parse_args()
 
-    from mlx_streaming.precision import hot_cold_study
+    from mlx_streaming.analysis.precision import hot_cold_study
     from mlx_streaming.synthetic import make_checkpoint
-    from mlx_streaming.trace import RoutingTrace
+    from mlx_streaming.planning.trace import RoutingTrace
 
     t0 = time.perf_counter()
     ck = make_checkpoint(Path(a.workdir) / f"{a.preset}-{a.num_layers}l", a.preset,

@@ -24,8 +24,8 @@ import numpy as np
 
 from mlx_streaming.core.cache.policy import POLICIES
 from mlx_streaming.core.cache.slots import SlotCache
-from mlx_streaming.simulate import layer_lookups, simulate, static_hot
-from mlx_streaming.trace import RoutingTrace
+from mlx_streaming.planning.simulate import layer_lookups, simulate, static_hot
+from mlx_streaming.planning.trace import RoutingTrace
 
 
 class LookaheadLRU:

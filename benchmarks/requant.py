@@ -28,7 +28,7 @@ def main():
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json", dest="json_out")
     a = p.parse_args()
-    from mlx_streaming.bench import BenchConfig, run_bench
+    from mlx_streaming.bench.run import BenchConfig, run_bench
     from mlx_streaming.commands.quality import quality
     from mlx_streaming.core.format import load_meta
     from mlx_streaming.prep.requantize import requantize

@@ -52,7 +52,7 @@ def open_streamed(ck, ed, slots, trace, start, opts, store_kw):
 
     from mlx_streaming import FileExpertStore, patch_model_filebacked
     from mlx_streaming.core.format import load_meta
-    from mlx_streaming.trace import apply_trace_routing
+    from mlx_streaming.planning.trace import apply_trace_routing
 
     model, _ = load(str(ck), lazy=True)
     store = FileExpertStore(ed, capacity=slots, **store_kw)
@@ -97,14 +97,14 @@ def main():
 
     from mlx_lm import load
 
-    from mlx_streaming.bench import drop_page_cache, measure_read_gbps
+    from mlx_streaming.bench.run import drop_page_cache, measure_read_gbps
     from mlx_streaming.core.format import load_meta
     from mlx_streaming.core.prefetch.patch import StreamOptions
     from mlx_streaming.core.prefetch.predictor import TransitionPredictor
     from mlx_streaming.prep.split_experts import split_model
     from mlx_streaming.synthetic import make_checkpoint
-    from mlx_streaming.trace import RoutingTrace, apply_trace_routing
-    from mlx_streaming.verify import compare_traces, greedy_trace
+    from mlx_streaming.planning.trace import RoutingTrace, apply_trace_routing
+    from mlx_streaming.analysis.verify import compare_traces, greedy_trace
 
     t_start = time.perf_counter()
     root = Path(a.workdir)

@@ -86,7 +86,7 @@ def store_kwargs_from(meta, *, slots=None, budget_gb=None, layer_caps=None) -> d
     if slots is not None and budget_gb is not None:
         raise ValueError("give either slots or budget_gb, not both")
     if budget_gb is not None:
-        from .budget import plan_budget
+        from .planning.budget import plan_budget
 
         plan = plan_budget(meta, budget_gb)
         return {"capacity": plan.default_slots, "layer_caps": plan.slots}
@@ -179,7 +179,7 @@ def memory_plan(model, store, cache_limit_gb: float | None = None):
     """Trunk, pool and buffer-cache bytes of a patched model (nothing is evaluated)."""
     from mlx.utils import tree_flatten
 
-    from .budget import MemoryPlan, default_cache_limit
+    from .planning.budget import MemoryPlan, default_cache_limit
 
     params = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     pools = store.pool_bytes()

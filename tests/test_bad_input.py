@@ -13,7 +13,7 @@ from mlx_streaming import FileExpertStore, patch_model_filebacked, split_model
 from mlx_streaming.core.cache.expert_store import ExpertChecksumError
 from mlx_streaming.core.discovery import UnsupportedModelError
 from mlx_streaming.core.format import META_NAME, ExpertDirError, load_meta
-from mlx_streaming.verify import greedy_trace
+from mlx_streaming.analysis.verify import greedy_trace
 
 
 def _patch(ck, ed, **kw):
@@ -157,7 +157,7 @@ def test_pin_limits(copy_of):
 
 
 def test_budget_too_small(copy_of):
-    from mlx_streaming.budget import plan_budget
+    from mlx_streaming.planning.budget import plan_budget
 
     ck, ed = copy_of()
     meta = load_meta(ed)

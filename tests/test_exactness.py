@@ -15,7 +15,7 @@ from mlx_streaming.core.format import load_meta
 from mlx_streaming.core.prefetch.patch import StreamOptions
 from mlx_streaming.model_builder import _int_keys
 from mlx_streaming.synthetic import TINY_ARCHS
-from mlx_streaming.verify import compare_traces, greedy_trace
+from mlx_streaming.analysis.verify import compare_traces, greedy_trace
 
 NEW_TOKENS = 32
 PREFILL = 16  # the longest prompt spans several prefill chunks
@@ -186,7 +186,7 @@ def test_stacked_experts_are_dropped(models):
 def test_transition_prefetch_with_trace_routing(models, tmp_path):
     """Trace replay + a transition predictor learned from the trace: still exact."""
     from mlx_streaming.core.prefetch.predictor import TransitionPredictor
-    from mlx_streaming.trace import RoutingTrace, apply_trace_routing
+    from mlx_streaming.planning.trace import RoutingTrace, apply_trace_routing
 
     ck, ed = models.experts("tiny-qwen3_moe")
     meta = load_meta(ed)

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from mlx_streaming.core.cache.policy import DEFAULT_POLICY, POLICIES, Belady, make_policy
 from mlx_streaming.core.cache.slots import SlotCache
-from mlx_streaming.planner import Shape, build_profile, plan
-from mlx_streaming.simulate import simulate
-from mlx_streaming.trace import RoutingTrace, TraceError, TraceRecorder
+from mlx_streaming.planning.planner import Shape, build_profile, plan
+from mlx_streaming.planning.simulate import simulate
+from mlx_streaming.planning.trace import RoutingTrace, TraceError, TraceRecorder
 
 ALL = [*POLICIES, "belady"]
 

@@ -7,15 +7,15 @@ from mlx_lm import load
 from test_policies import local_trace
 
 from mlx_streaming.core.discovery import find_expert_sites
-from mlx_streaming.precision import (
+from mlx_streaming.analysis.precision import (
     byte_lru_hit_rate,
     fake_quantized,
     hot_cold_study,
     hot_experts,
 )
-from mlx_streaming.quality import compare_distributions
-from mlx_streaming.simulate import simulate
-from mlx_streaming.trace import apply_trace_routing
+from mlx_streaming.analysis.quality import compare_distributions
+from mlx_streaming.planning.simulate import simulate
+from mlx_streaming.planning.trace import apply_trace_routing
 
 
 def test_byte_lru_with_equal_sizes_is_the_stores_lru():

@@ -16,7 +16,7 @@ from mlx_streaming import FileExpertStore, patch_model_filebacked
 from mlx_streaming.core.format import load_meta
 from mlx_streaming.model_builder import _int_keys
 from mlx_streaming.prep.requantize import requantize
-from mlx_streaming.verify import compare_traces, greedy_trace
+from mlx_streaming.analysis.verify import compare_traces, greedy_trace
 
 PROMPT = "Requantized experts take fewer bytes per token, and the cache holds more of them."
 
@@ -80,7 +80,7 @@ def test_seed_runs_on_requantized_directory(models, tmp_path):
 
 def test_quality_metrics(models, tmp_path):
     from mlx_streaming.commands.quality import quality
-    from mlx_streaming.quality import compare_distributions
+    from mlx_streaming.analysis.quality import compare_distributions
 
     ck, ed = models.experts("tiny-qwen3_moe")
     ref, tok = load(str(ck))
@@ -112,7 +112,7 @@ def test_target_gb_allocation_beats_uniform(models, tmp_path):
 
     ck, ed = models.experts("tiny-qwen3_moe")
     meta = load_meta(ed)
-    from mlx_streaming.quality import proj_bytes
+    from mlx_streaming.analysis.quality import proj_bytes
 
     three = sum(proj_bytes(lay, p, 3, 64) * lay.num_experts
                 for lay in meta.layers.values() for p in lay.quant)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ..bench import DEFAULT_PROMPT, BenchConfig, run_bench
+from ..bench.run import DEFAULT_PROMPT, BenchConfig, run_bench
 from ._args import add_store_args, nonneg_int, positive_float, positive_int
 
 
@@ -82,7 +82,7 @@ def main(argv=None) -> None:
         with open(json_out, "w") as f:
             f.write(text + "\n")
     if report:
-        from ..report import write_report
+        from ..bench.report import write_report
 
         for path in write_report(results, report):
             print(f"wrote {path}", file=sys.stderr)

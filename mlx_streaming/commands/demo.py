@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ..bench import BenchConfig, run_bench
+from ..bench.run import BenchConfig, run_bench
 from ..synthetic import PRESETS, make_checkpoint
 from ._args import positive_int
 

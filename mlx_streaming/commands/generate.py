@@ -43,7 +43,7 @@ def main(argv=None) -> None:
                              verify=a.verify)
     recorder = None
     if a.record_trace:
-        from ..trace import TraceRecorder
+        from ..planning.trace import TraceRecorder
 
         recorder = TraceRecorder(store.layers, store.meta.num_experts, a.model)
         store.observers.append(recorder)

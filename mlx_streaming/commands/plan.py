@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from ..planner import PlanRow, Shape, plan, resolve_policies
-from ..trace import RoutingTrace
+from ..planning.planner import PlanRow, Shape, plan, resolve_policies
+from ..planning.trace import RoutingTrace
 from ._args import nonneg_int, positive_float, positive_int
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from ..core.cache.policy import DEFAULT_POLICY, POLICIES
 from ..core.format import load_meta
 from ..model_builder import PROFILE_NAME, write_pool_profile
-from ..planner import build_profile
-from ..trace import RoutingTrace
+from ..planning.planner import build_profile
+from ..planning.trace import RoutingTrace
 from ._args import positive_float, positive_int
 
 

@@ -29,7 +29,7 @@ def quality(model: str, expert_dir: str, source_expert_dir: str | None = None,
 
     from ..core.format import load_meta
     from ..model_builder import load
-    from ..quality import QUALITY_TEXT, capture_inputs, compare_distributions, projection_errors
+    from ..analysis.quality import QUALITY_TEXT, capture_inputs, compare_distributions, projection_errors
 
     new = load_meta(expert_dir)
     src = load_meta(source_expert_dir or new.extra.get("requantized_from") or expert_dir)

@@ -47,7 +47,7 @@ def plan_bits(src: str, target_gb: float, model: str | None, group_size: int) ->
     """Measured-error allocation of bits under a byte target (see quality.allocate_bits)."""
     from ..core.format import load_meta
     from ..model_builder import load
-    from ..quality import QUALITY_TEXT, allocate_bits, capture_inputs, error_table
+    from ..analysis.quality import QUALITY_TEXT, allocate_bits, capture_inputs, error_table
 
     meta = load_meta(src)
     streamed, tok, store = load(model or meta.source, src, slots=meta.num_experts)

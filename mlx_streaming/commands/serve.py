@@ -56,7 +56,7 @@ def cli_args_for_mlx_lm(a: argparse.Namespace) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     from ..core.prefetch.patch import StreamOptions
-    from ..server import serve
+    from ..serve.server import serve
 
     a = setup_arg_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, a.log_level), format="%(asctime)s %(message)s")

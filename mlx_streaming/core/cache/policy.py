@@ -139,7 +139,7 @@ class LFU(_Scored):
 
 # Weights of the predictive score, fitted by least squares on the first half of the
 # DeepSeek-V2-Lite trace (target: discounted use over the next 8 lookups); features in
-# the order of Predictive._features. Re-fit with `mlx_streaming.simulate.fit_predictive`.
+# the order of Predictive._features. Re-fit with `mlx_streaming.planning.simulate.fit_predictive`.
 PREDICTIVE_WEIGHTS = (0.00541, -0.01885, -0.00014, 0.0169, 0.44336, 0.11748)
 
 

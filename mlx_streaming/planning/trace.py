@@ -183,7 +183,7 @@ def apply_trace_routing(model: nn.Module, trace: RoutingTrace, start: int = 0) -
     MoE layer ``i`` of the model takes trace layer ``i``; the model may have fewer MoE
     layers than the trace, not more, and the same expert count and top-k.
     """
-    from .core.discovery import find_expert_sites
+    from ..core.discovery import find_expert_sites
 
     sites = find_expert_sites(model)
     if len(sites) > trace.layers:

@@ -25,7 +25,7 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         self.store = None
 
     def _load(self, model_path, adapter_path=None, draft_model_path=None):
-        from .model_builder import load
+        from ..model_builder import load
 
         if adapter_path is not None or draft_model_path is not None:
             raise ValueError("adapters and draft models are not supported with streamed experts")

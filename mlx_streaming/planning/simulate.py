@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .core.cache.policy import Belady, make_policy
-from .core.cache.slots import SlotCache
+from ..core.cache.policy import Belady, make_policy
+from ..core.cache.slots import SlotCache
 from .trace import RoutingTrace
 
 
@@ -97,7 +97,7 @@ def fit_predictive(trace: RoutingTrace, layers=None, tokens: int = 20000, horizo
     The target for each expert at each lookup is its discounted use over the next
     ``horizon`` lookups; the features are exactly those the policy computes live.
     """
-    from .core.cache.policy import Predictive
+    from ..core.cache.policy import Predictive
 
     layers = list(range(0, trace.layers, max(1, trace.layers // 6))) if layers is None else layers
     E = trace.num_experts

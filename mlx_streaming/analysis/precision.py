@@ -24,8 +24,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
-from .core.discovery import find_expert_sites, projections
-from .trace import RoutingTrace
+from ..core.discovery import find_expert_sites, projections
+from ..planning.trace import RoutingTrace
 
 
 def hot_experts(trace: RoutingTrace, fraction: float, start: int = 0,
@@ -145,7 +145,7 @@ def hot_cold_study(model_path, trace: RoutingTrace, *, hot_bits: int = 4,
     from mlx_lm import load
 
     from .quality import QUALITY_TEXT, compare_distributions
-    from .trace import apply_trace_routing
+    from ..planning.trace import apply_trace_routing
 
     ref, tok = load(str(model_path), lazy=True)
     sites = find_expert_sites(ref)

@@ -16,9 +16,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .core.format import ExpertMeta
-from .core.io.reader import RecordReader, aligned_buffer
-from .prep.requantize import _parts_of
+from ..core.format import ExpertMeta
+from ..core.io.reader import RecordReader, aligned_buffer
+from ..prep.requantize import _parts_of
 
 QUALITY_TEXT = (
     "A mixture of experts model routes each token to a few experts. The experts that "
@@ -40,7 +40,7 @@ class _Capture(nn.Module):
 
 def capture_inputs(model, tokens: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """MoE inputs and routing of each MoE layer on ``tokens`` (stock or streamed model)."""
-    from .core.discovery import find_expert_sites
+    from ..core.discovery import find_expert_sites
 
     sites = find_expert_sites(model)
     caught = {s.layer: [] for s in sites}
@@ -134,8 +134,8 @@ def error_table(source: ExpertMeta, inputs: dict, candidates=(2, 3, 4, 8),
     a terminal."""
     from tqdm import tqdm
 
-    from .core.format import Quant
-    from .prep.requantize import requantize_expert
+    from ..core.format import Quant
+    from ..prep.requantize import requantize_expert
 
     reader = RecordReader(threads=1)
     for li in source.layers:

@@ -25,14 +25,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .core import mem
-from .core.cache.expert_store import FileExpertStore
-from .core.cache.policy import DEFAULT_POLICY
-from .core.format import META_NAME, load_meta
-from .core.io.reader import RecordReader, aligned_buffer
-from .core.prefetch.patch import StreamOptions, patch_model_filebacked
-from .model_builder import _int_keys, load_pool_profile, read_pool_profile, store_kwargs_from
-from .prep.split_experts import resolve_model_path, split_model
+from ..core import mem
+from ..core.cache.expert_store import FileExpertStore
+from ..core.cache.policy import DEFAULT_POLICY
+from ..core.format import META_NAME, load_meta
+from ..core.io.reader import RecordReader, aligned_buffer
+from ..core.prefetch.patch import StreamOptions, patch_model_filebacked
+from ..model_builder import _int_keys, load_pool_profile, read_pool_profile, store_kwargs_from
+from ..prep.split_experts import resolve_model_path, split_model
 
 DEFAULT_PROMPT = "用三句话解释什么是混合专家模型。"
 MEMORY_SOURCES = {
@@ -198,7 +198,7 @@ def _timed_runs(model, tokenizer, ids, cfg: BenchConfig, store=None, files=()) -
 
 def _trace_setup(cfg: BenchConfig):
     """(trace, start, predictor or None) for trace routing."""
-    from .trace import RoutingTrace
+    from ..planning.trace import RoutingTrace
 
     trace = RoutingTrace.load(cfg.routing_trace)
     train, _ = trace.split(0.5)
@@ -229,7 +229,7 @@ def open_streamed(cfg: BenchConfig):
                             **kw)
     predictor = cfg.predictor
     if cfg.prefetch and predictor == "transition":
-        from .core.prefetch.predictor import TransitionPredictor
+        from ..core.prefetch.predictor import TransitionPredictor
 
         if not cfg.routing_trace:
             raise ValueError("the transition predictor learns from --routing-trace")
@@ -280,7 +280,7 @@ def _run(cfg: BenchConfig) -> dict:
 
     trace_info = {}
     if cfg.routing_trace:
-        from .trace import apply_trace_routing
+        from ..planning.trace import apply_trace_routing
 
         trace, start, _ = _trace_setup(cfg)
         apply_trace_routing(model, trace, start)
@@ -288,7 +288,7 @@ def _run(cfg: BenchConfig) -> dict:
                       "trace_start": start}
     recorder = None
     if cfg.record_trace:
-        from .trace import TraceRecorder
+        from ..planning.trace import TraceRecorder
 
         recorder = TraceRecorder(store.layers, meta.num_experts, str(cfg.model))
         store.observers.append(recorder)
@@ -414,18 +414,18 @@ def _compare_stock(cfg: BenchConfig, streamed, tokenizer, ids, streamed_tps) -> 
     """Stock mlx-lm, fully resident, same prompt, settings and routing, in this run."""
     from mlx_lm import load
 
-    from .verify import compare
+    from ..analysis.verify import compare
 
     stock, _ = load(str(resolve_model_path(cfg.model)))
     if cfg.routing_trace:
-        from .trace import apply_trace_routing
+        from ..planning.trace import apply_trace_routing
 
         trace, start, _ = _trace_setup(cfg)
         apply_trace_routing(stock, trace, start)
     timed = _timed_runs(stock, tokenizer, ids, cfg)
     step = cfg.prefill_chunk if cfg.prefill_chunk > 0 else 2048
     if cfg.routing_trace:  # both replay the trace from the same token
-        from .trace import TraceRouted
+        from ..planning.trace import TraceRouted
 
         for m in (stock, streamed):
             for _, mod in m.named_modules():

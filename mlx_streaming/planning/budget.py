@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .core.format import ExpertMeta
+from ..core.format import ExpertMeta
 
 
 def slot_bytes(meta: ExpertMeta, layer: int) -> int:
@@ -60,7 +60,7 @@ def plan_budget(meta: ExpertMeta, budget_gb: float, weights: dict[int, float] | 
     layers = sorted(meta.layers)
     sb = {li: slot_bytes(meta, li) for li in layers}
     if zero_slot is None:
-        from .core.cache.pool import default_zero_slot
+        from ..core.cache.pool import default_zero_slot
 
         zero_slot = default_zero_slot()
     k = meta.top_k

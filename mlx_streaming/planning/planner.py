@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .core.cache.policy import POLICIES
+from ..core.cache.policy import POLICIES
 from .simulate import simulate, static_hot
 from .trace import RoutingTrace
 
