@@ -1,20 +1,62 @@
 """Every environment variable mlx_streaming reads, read here and nowhere else.
 
-Library functions take explicit arguments; these helpers give the defaults that the
-commands and the seed script take from the environment.
+Library functions take explicit arguments. The edges (the commands, ``load`` and the
+seed-facing helpers below) read the environment once into ``Settings`` and pass values
+on.
 
   PREFILL_CHUNK         prompt tokens per prefill step for the seed script (default 2;
                         0 = mlx-lm's default of 2048)
   EXPERT_POOL_PROFILE   pool profile to use instead of EXPERT_DIR/pool_profile.json,
                         or "none" to use none
-  MLX_STREAMING_CACHE   where expert directories of downloaded models go
-                        (default ~/.cache/mlx_streaming)
+  MLX_STREAMING_CACHE   where expert directories of downloaded models and the kernel
+                        self-test's results go (default ~/.cache/mlx_streaming)
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
+
+# The seed script prefills two tokens per step (its documented default): prefill
+# activations then stay at decode size, which its memory measurements rely on. The
+# commands prefill as mlx-lm does, 2048 tokens per step, which is far faster.
+SEED_PREFILL_CHUNK = 2
+PREFILL_CHUNK = 2048
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the environment says."""
+
+    prefill_chunk: int = SEED_PREFILL_CHUNK
+    pool_profile: str | None = None  # a path, "none", or None (use EXPERT_DIR's)
+    cache_dir: Path = Path("~/.cache/mlx_streaming").expanduser()
+
+    @property
+    def kernel_cache_file(self) -> Path:
+        """Where the kernel-parity self-test remembers the shapes it found exact."""
+        return self.cache_dir / "kernel_parity.json"
+
+
+def settings() -> Settings:
+    """Read the environment into ``Settings``.
+
+    Raises:
+        ValueError: a variable holds a bad value (names it).
+    """
+    return Settings(
+        prefill_chunk=_int_env("PREFILL_CHUNK", SEED_PREFILL_CHUNK),
+        pool_profile=os.environ.get("EXPERT_POOL_PROFILE") or None,
+        cache_dir=Path(os.environ.get("MLX_STREAMING_CACHE", "~/.cache/mlx_streaming"))
+        .expanduser(),
+    )
+
+
+def prefill_chunk() -> int:
+    """Prompt tokens per prefill step for the seed (env ``PREFILL_CHUNK``, default 2;
+    0 = mlx-lm's)."""
+    return settings().prefill_chunk
 
 
 def _int_env(name: str, default: int) -> int:
@@ -28,24 +70,3 @@ def _int_env(name: str, default: int) -> int:
     if v < 0:
         raise ValueError(f"environment variable {name}={raw!r} must be >= 0")
     return v
-
-
-def prefill_chunk() -> int:
-    """Prompt tokens per prefill step (env ``PREFILL_CHUNK``, default 2; 0 = mlx-lm's)."""
-    return _int_env("PREFILL_CHUNK", 2)
-
-
-def pool_profile_override() -> str | None:
-    """Env ``EXPERT_POOL_PROFILE``: a profile path, ``"none"``, or None when unset."""
-    v = os.environ.get("EXPERT_POOL_PROFILE")
-    return v if v else None
-
-
-def cache_dir() -> Path:
-    """Root for expert directories of models given by repo id (env ``MLX_STREAMING_CACHE``)."""
-    return Path(os.environ.get("MLX_STREAMING_CACHE", "~/.cache/mlx_streaming")).expanduser()
-
-
-def kernel_cache_file() -> Path:
-    """Where the kernel-parity self-test remembers the shapes it found exact."""
-    return cache_dir() / "kernel_parity.json"

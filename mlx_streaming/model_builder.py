@@ -1,13 +1,13 @@
-"""The one-call API (``load``) and pool profiles.
+"""The one way to build a streamed model (``load``), and the seed's pool-profile helper.
 
-``load`` chains the separate steps: resolve the model, split it once, load it lazily with
-mlx-lm, open a store, patch. Each step is a public function of its own module.
+``load`` chains the separate steps: resolve the model, split it once, size the pools,
+load the model lazily with mlx-lm, open a store, patch, read the trunk. Each step is a
+public function of its own module.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,46 +16,11 @@ import mlx.core as mx
 from . import config as env
 from .core.cache.expert_store import FileExpertStore
 from .core.cache.policy import DEFAULT_POLICY
-from .core.format import load_meta
 from .core.prefetch.patch import StreamOptions, patch_model_filebacked
-from .prep.split_experts import resolve_model_path, split_model
-
-PROFILE_NAME = "pool_profile.json"
-PROFILE_FORMAT = "mlx_streaming.pool_profile"
-
-
-def read_pool_profile(path: str | Path) -> dict[int, int]:
-    """``{layer: slots}`` from a pool profile file.
-
-    Raises:
-        ValueError: the file is not a valid pool profile (names the file).
-    """
-    path = Path(path)
-    try:
-        d = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"pool profile {path} does not exist") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"pool profile {path} is not valid JSON ({e})") from e
-    layers = d.get("layers") if isinstance(d, dict) else None
-    if not isinstance(layers, dict) or not layers:
-        raise ValueError(f"pool profile {path} has no 'layers' object of {{layer: slots}}; "
-                         "write one with `python -m mlx_streaming profile`")
-    out = {}
-    for k, v in layers.items():
-        if not str(k).isdigit() or isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"pool profile {path}: entry {k!r}: {v!r} must map a layer "
-                             "index to a positive slot count")
-        out[int(k)] = v
-    return out
-
-
-def write_pool_profile(path: str | Path, caps: dict[int, int], **info) -> None:
-    """Write ``{layer: slots}`` (plus descriptive ``info``) as a pool profile."""
-    from .core.format import write_json_atomic
-
-    write_json_atomic(Path(path), {"format": PROFILE_FORMAT, "version": 1, **info,
-                                   "layers": {str(k): int(v) for k, v in sorted(caps.items())}})
+from .planning.budget import MemoryPlan, default_cache_limit, store_slots
+from .planning.profiles import PROFILE_NAME, read_pool_profile
+from .prep.hub import resolve_model_path
+from .prep.split_experts import ensure_split
 
 
 def load_pool_profile(expert_dir: str | Path) -> dict[int, int] | None:
@@ -64,7 +29,7 @@ def load_pool_profile(expert_dir: str | Path) -> dict[int, int] | None:
     Uses ``expert_dir/pool_profile.json`` when present; the environment variable
     ``EXPERT_POOL_PROFILE`` names another file instead, or ``none`` to use no profile.
     """
-    override = env.pool_profile_override()
+    override = env.settings().pool_profile
     if override is not None:
         if override.lower() == "none":
             return None
@@ -78,34 +43,22 @@ def default_expert_dir(model: str | Path) -> Path:
     p = Path(model).expanduser()
     key = str(p.resolve()) if p.exists() else str(model)
     name = Path(key).name or "model"
-    return env.cache_dir() / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
-
-
-def store_kwargs_from(meta, *, slots=None, budget_gb=None, layer_caps=None) -> dict:
-    """``capacity`` and ``layer_caps`` for a store from slots, a budget or a profile."""
-    if slots is not None and budget_gb is not None:
-        raise ValueError("give either slots or budget_gb, not both")
-    if budget_gb is not None:
-        from .planning.budget import plan_budget
-
-        plan = plan_budget(meta, budget_gb)
-        return {"capacity": plan.default_slots, "layer_caps": plan.slots}
-    if slots is None:
-        slots = max(meta.top_k, meta.num_experts // 2)
-    return {"capacity": slots, "layer_caps": layer_caps}
+    return env.settings().cache_dir / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
 def load(path_or_repo: str | Path, expert_dir: str | Path | None = None, *,
-         slots: int | None = None, budget_gb: float | None = None, policy: str = DEFAULT_POLICY,
-         pool_profile: str | Path | None | bool = True, threads: int = 4,
-         direct_io: bool = False, verify: bool = True, progress: bool | None = None,
-         cache_limit_gb: float | None = None, options=None):
+         slots: int | None = None, budget_gb: float | None = None,
+         policy: str = DEFAULT_POLICY, pool_profile: str | Path | None | bool = True,
+         threads: int = 4, direct_io: bool = False, verify: bool = True,
+         pool_mode: str | None = None, record: bool = False, clear_on_evict: bool = False,
+         cache_limit_gb: float | None = None, options: StreamOptions | None = None,
+         progress: bool | None = None):
     """Load a MoE model with its experts streamed from disk.
 
     Splits the experts on first use (into ``expert_dir``, by default a cache folder keyed
-    by the model), loads the trunk lazily with mlx-lm and patches every MoE layer. The
-    model then works unchanged with mlx-lm's ``generate``, ``stream_generate`` and
-    prompt caches.
+    by the model), loads the trunk lazily with mlx-lm, patches every MoE layer and reads
+    the trunk. The model then works unchanged with mlx-lm's ``generate``,
+    ``stream_generate`` and prompt caches.
 
     Args:
         path_or_repo: MLX model directory or Hugging Face repo id.
@@ -115,12 +68,12 @@ def load(path_or_repo: str | Path, expert_dir: str | Path | None = None, *,
         policy: Eviction policy.
         pool_profile: True: use ``expert_dir/pool_profile.json`` when present (or
             ``EXPERT_POOL_PROFILE``); a path: that profile; None/False: no profile.
-        threads, direct_io, verify: Reader options (see ``FileExpertStore``).
-        progress: Progress bars (default: on a terminal).
+        threads, direct_io, verify, pool_mode, record, clear_on_evict: Store options
+            (see ``FileExpertStore``).
         cache_limit_gb: Cap on MLX's cache of freed buffers (default: 5% of the pools,
-            at least 32 MB; ``mx.set_cache_limit``). ``store.memory_plan`` reports it
-            with the trunk and pool sizes.
-        options: ``StreamOptions`` (overlap, prefetch...).
+            at least 32 MB; ``mx.set_cache_limit``); see ``memory_plan``.
+        options: ``StreamOptions`` (overlap, prefetch, rows, kernel check...).
+        progress: Progress bars (default: on a terminal).
 
     Returns:
         ``(model, tokenizer, store)``.
@@ -129,32 +82,27 @@ def load(path_or_repo: str | Path, expert_dir: str | Path | None = None, *,
 
     model_dir = resolve_model_path(path_or_repo)
     expert_dir = Path(expert_dir) if expert_dir else default_expert_dir(path_or_repo)
-    split_model(model_dir, expert_dir, progress=progress)
-    meta = load_meta(expert_dir)
+    meta = ensure_split(model_dir, expert_dir, progress=progress)
     if pool_profile is True:
         caps = load_pool_profile(expert_dir)
     elif pool_profile:
         caps = read_pool_profile(pool_profile)
     else:
         caps = None
-    kw = store_kwargs_from(meta, slots=slots, budget_gb=budget_gb, layer_caps=caps)
+    capacity, layer_caps = store_slots(meta, slots, budget_gb, caps)
     model, tokenizer = mlx_load(str(model_dir), lazy=True)
-    store = FileExpertStore(expert_dir, policy=policy, threads=threads, direct_io=direct_io,
-                            verify=verify, **kw)
-    d = meta.dims
+    store = FileExpertStore(meta, capacity, layer_caps, clear_on_evict, record, policy=policy,
+                            threads=threads, direct_io=direct_io, verify=verify,
+                            pool_mode=pool_mode)
     options = options or StreamOptions()
     if options.kernel_cache is None:
-        options = replace(options, kernel_cache=env.kernel_cache_file())
+        options = replace(options, kernel_cache=env.settings().kernel_cache_file)
     try:
-        patch_model_filebacked(model, store, d["hidden"], d["moe_inter"], d.get("group_size"),
-                               d.get("bits"), proj_bits=d.get("proj_bits"),
-                               layer_proj_bits=_int_keys(d.get("per_layer_proj_bits")),
-                               options=options)
+        patch_model_filebacked(model, store, options=options)
     except Exception:
         store.close()
         raise
-    store.memory_plan = memory_plan(model, store, cache_limit_gb)
-    mx.set_cache_limit(store.memory_plan.cache_limit_bytes)
+    mx.set_cache_limit(memory_plan(model, store, cache_limit_gb).cache_limit_bytes)
     load_trunk(model, progress)
     return model, tokenizer, store
 
@@ -175,17 +123,13 @@ def load_trunk(model, progress: bool | None = None) -> None:
         mx.eval(arrays)
 
 
-def memory_plan(model, store, cache_limit_gb: float | None = None):
-    """Trunk, pool and buffer-cache bytes of a patched model (nothing is evaluated)."""
+def memory_plan(model, store: FileExpertStore, cache_limit_gb: float | None = None
+                ) -> MemoryPlan:
+    """Trunk, pool and buffer-cache bytes of a patched model (nothing is evaluated);
+    ``cache_limit_gb`` as given to ``load``."""
     from mlx.utils import tree_flatten
-
-    from .planning.budget import MemoryPlan, default_cache_limit
 
     params = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     pools = store.pool_bytes()
     cap = int(cache_limit_gb * 1e9) if cache_limit_gb is not None else default_cache_limit(pools)
     return MemoryPlan(params - pools, pools, cap)
-
-
-def _int_keys(d: dict | None) -> dict | None:
-    return {int(k): v for k, v in d.items()} if d else None

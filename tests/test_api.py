@@ -13,7 +13,8 @@ import mlx_streaming
 from mlx_streaming import config
 from mlx_streaming.core import mem
 from mlx_streaming.core.format import load_meta
-from mlx_streaming.model_builder import load_pool_profile, write_pool_profile
+from mlx_streaming.model_builder import load_pool_profile
+from mlx_streaming.planning.profiles import write_pool_profile
 
 PROMPT = "Tell me how a mixture of experts model picks its experts."
 
@@ -44,8 +45,8 @@ def test_load_with_budget(models, tmp_path):
     ck = models.checkpoint("tiny-mixtral")
     _, ed = models.experts("tiny-mixtral")
     meta = load_meta(ed)
-    from mlx_streaming.planning.budget import slot_bytes
     from mlx_streaming.core.cache.pool import default_zero_slot
+    from mlx_streaming.planning.budget import slot_bytes
 
     per_layer = slot_bytes(meta, meta.moe_layers[0])
     zero = int(default_zero_slot())  # GPUs: a zero slot for masked rows; CPU: none

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
+import mlx_streaming
 from mlx_streaming import FileExpertStore, patch_model_filebacked, split_model
+from mlx_streaming.analysis.verify import greedy_trace
 from mlx_streaming.core.cache.expert_store import ExpertChecksumError
 from mlx_streaming.core.discovery import UnsupportedModelError
 from mlx_streaming.core.format import META_NAME, ExpertDirError, load_meta
-from mlx_streaming.analysis.verify import greedy_trace
 
 
 def _patch(ck, ed, **kw):
@@ -62,8 +63,17 @@ def test_meta_from_another_model(models, copy_of):
     with pytest.raises(ExpertDirError, match=r"split from another model.*fingerprint differs"):
         patch_model_filebacked(model, store, d["hidden"], d["moe_inter"], d["group_size"],
                                d["bits"])
-    with pytest.raises(ExpertDirError, match=r"holds the experts of another model"):
-        split_model(other, ed)
+    # a complete directory is not re-checked by split (it returns at once); loading
+    # another model over it is refused by the patch
+    assert split_model(other, ed) == load_meta(ed).to_json()
+    with pytest.raises(ExpertDirError, match=r"split from another model"):
+        mlx_streaming.load(other, ed, slots=4)
+
+
+def test_split_returns_at_once_on_a_complete_directory(copy_of, tmp_path):
+    ck, ed = copy_of()
+    missing = tmp_path / "no-such-model"  # never opened: the meta says it all
+    assert split_model(missing, ed)["moe_layers"] == list(load_meta(ed).moe_layers)
 
 
 def test_truncated_record_file(copy_of):

@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 from mlx_streaming.core.cache.policy import DEFAULT_POLICY, POLICIES, Belady, make_policy
 from mlx_streaming.core.cache.slots import SlotCache
-from mlx_streaming.planning.planner import Shape, build_profile, plan
+from mlx_streaming.planning.budget import PoolShape, plan_budget
+from mlx_streaming.planning.planner import plan
+from mlx_streaming.planning.profiles import build_profile
 from mlx_streaming.planning.simulate import simulate
 from mlx_streaming.planning.trace import RoutingTrace, TraceError, TraceRecorder
 
@@ -123,8 +125,12 @@ def test_trace_roundtrip_and_validation(tmp_path):
 
 def test_plan_rows_and_budget_arithmetic():
     trace = local_trace(T=400, L=4)
-    shape = Shape([1000] * 4, 32, 4)
-    assert shape.slots_for(4 * 1000 * 9 / 1e9) == 8  # 8 slots + the zero slot per layer
+    shape = PoolShape([1000] * 4, 32, 4)
+    # 8 slots (+ the zero slot per layer where pools have one) fill 4 x 9000 bytes
+    assert plan_budget(shape, 4 * 1000 * 9 / 1e9, zero_slot=True).slots == {i: 8 for i in range(4)}
+    assert plan_budget(shape, 4 * 1000 * 9 / 1e9, zero_slot=False).slots == {i: 9 for i in range(4)}
+    # a layer's last slot drops its zero slot: 32 slots cost what 31 + zero do
+    assert plan_budget(shape, 4 * 1000 * 32 / 1e9, zero_slot=True).slots == {i: 32 for i in range(4)}
     rows = plan(trace, shape, slots=[6, 12], policies=["lru", "predictive", "belady"],
                 t_compute_s=0.01, read_gbps=1.0, tokens=200, layer_sample=None)
     assert {(r.policy, r.slots) for r in rows} == {(p, s) for p in ("lru", "predictive",
@@ -135,8 +141,10 @@ def test_plan_rows_and_budget_arithmetic():
         assert abs(r.miss_bytes_per_token - (1 - r.hit_rate) * 4 * 4000) < 4000 * 4 * 0.5
     by = {(r.policy, r.slots): r.hit_rate for r in rows}
     assert by["belady", 12] >= by["predictive", 12] and by["lru", 12] >= by["lru", 6]
-    with pytest.raises(ValueError, match="below top_k"):
+    with pytest.raises(ValueError, match="one token's 4 experts in each of 4 MoE layers"):
         plan(trace, shape, budgets_gb=[1e-6], policies=["lru"])
+    with pytest.raises(ValueError, match="below top_k"):
+        plan(trace, shape, slots=[3], policies=["lru"])
 
 
 def test_plan_command_json(tmp_path, capsys):

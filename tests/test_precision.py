@@ -6,7 +6,6 @@ import numpy as np
 from mlx_lm import load
 from test_policies import local_trace
 
-from mlx_streaming.core.discovery import find_expert_sites
 from mlx_streaming.analysis.precision import (
     byte_lru_hit_rate,
     fake_quantized,
@@ -14,6 +13,7 @@ from mlx_streaming.analysis.precision import (
     hot_experts,
 )
 from mlx_streaming.analysis.quality import compare_distributions
+from mlx_streaming.core.discovery import find_expert_sites
 from mlx_streaming.planning.simulate import simulate
 from mlx_streaming.planning.trace import apply_trace_routing
 

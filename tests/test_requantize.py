@@ -12,22 +12,16 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from mlx_streaming import FileExpertStore, patch_model_filebacked
-from mlx_streaming.core.format import load_meta
-from mlx_streaming.model_builder import _int_keys
-from mlx_streaming.prep.requantize import requantize
+import mlx_streaming
 from mlx_streaming.analysis.verify import compare_traces, greedy_trace
+from mlx_streaming.core.format import load_meta
+from mlx_streaming.prep.requantize import requantize
 
 PROMPT = "Requantized experts take fewer bytes per token, and the cache holds more of them."
 
 
 def streamed(ck, ed, slots):
-    model, _ = load(str(ck), lazy=True)
-    store = FileExpertStore(ed, capacity=slots)
-    d = load_meta(ed).dims
-    patch_model_filebacked(model, store, d["hidden"], d["moe_inter"], d["group_size"],
-                           d["bits"], proj_bits=d.get("proj_bits"),
-                           layer_proj_bits=_int_keys(d.get("per_layer_proj_bits")))
+    model, _, store = mlx_streaming.load(ck, ed, slots=slots)
     return model, store
 
 
@@ -79,8 +73,7 @@ def test_seed_runs_on_requantized_directory(models, tmp_path):
 
 
 def test_quality_metrics(models, tmp_path):
-    from mlx_streaming.commands.quality import quality
-    from mlx_streaming.analysis.quality import compare_distributions
+    from mlx_streaming.analysis.quality import compare_distributions, quality_report
 
     ck, ed = models.experts("tiny-qwen3_moe")
     ref, tok = load(str(ck))
@@ -88,8 +81,8 @@ def test_quality_metrics(models, tmp_path):
     assert same["kl"] == 0.0 and same["top1_agreement"] == 1.0
     requantize(ed, tmp_path / "q8", 8)
     requantize(ed, tmp_path / "q2", 2)
-    q8 = quality(str(ck), str(tmp_path / "q8"), tokens=64)
-    q2 = quality(str(ck), str(tmp_path / "q2"), tokens=64)
+    q8 = quality_report(str(ck), str(tmp_path / "q8"), tokens=64)
+    q2 = quality_report(str(ck), str(tmp_path / "q2"), tokens=64)
     assert 0 < q8["kl"] < q2["kl"]
     assert q8["top1_agreement"] >= q2["top1_agreement"]
     for p, e in q2["mean_projection_error"].items():
@@ -108,7 +101,7 @@ def test_requantize_command_and_errors(models, tmp_path):
 
 
 def test_target_gb_allocation_beats_uniform(models, tmp_path):
-    from mlx_streaming.commands.requantize import plan_bits
+    from mlx_streaming.analysis.quality import choose_bits
 
     ck, ed = models.experts("tiny-qwen3_moe")
     meta = load_meta(ed)
@@ -116,7 +109,7 @@ def test_target_gb_allocation_beats_uniform(models, tmp_path):
 
     three = sum(proj_bytes(lay, p, 3, 64) * lay.num_experts
                 for lay in meta.layers.values() for p in lay.quant)
-    layer_bits, rep = plan_bits(str(ed), three * 1.05 / 1e9, str(ck), 64)
+    layer_bits, rep = choose_bits(str(ed), three * 1.05 / 1e9, str(ck), 64)
     assert rep["bytes"] <= rep["target_bytes"] and rep["uniform_bits"] == 3
     assert rep["mean_error"] <= rep["uniform_mean_error"]
     out = requantize(ed, tmp_path / "t", 4, layer_bits=layer_bits)

@@ -59,7 +59,7 @@ def test_rerun_is_noop(models):
 def test_interrupted_split_resumes(models, tmp_path, monkeypatch):
     ck, ref = models.experts("tiny-qwen3_next")
     out = tmp_path / "experts"
-    real = se._write_layer
+    real = se.write_layer_file
     calls = {"n": 0}
 
     def dying(path, source, layout):
@@ -70,14 +70,14 @@ def test_interrupted_split_resumes(models, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(path, source, layout)
 
-    monkeypatch.setattr(se, "_write_layer", dying)
+    monkeypatch.setattr(se, "write_layer_file", dying)
     with pytest.raises(KeyboardInterrupt):
         split_model(ck, out)
     assert not (out / META_NAME).exists()  # never taken for a complete directory
     done = sorted(p.name for p in out.glob("layer_*.bin"))
     assert len(done) == 1
     mtime = (out / done[0]).stat().st_mtime_ns
-    monkeypatch.setattr(se, "_write_layer", real)
+    monkeypatch.setattr(se, "write_layer_file", real)
     split_model(ck, out)
     assert (out / done[0]).stat().st_mtime_ns == mtime  # the finished layer was kept
     for f in sorted(p.name for p in ref.glob("layer_*.bin")):

@@ -20,6 +20,7 @@ from mlx.utils import tree_map
 
 from ..core.discovery import find_expert_sites, projections
 from ..core.selftest import token_counts
+from .capture import capture_inputs
 
 DEFAULT_PROMPT = ("Explain, in a few sentences, how a mixture-of-experts language model "
                   "chooses which experts process each token.")
@@ -56,42 +57,6 @@ class VerifyReport:
                 "layers": [{"layer": r.layer, "exact": r.exact, "tokens": r.tokens,
                             "differ_at_tokens": r.differ_at,
                             "max_abs_diff": r.max_abs_diff} for r in self.layers]}
-
-
-class _Capture(nn.Module):
-    """Stands in front of an expert module and keeps the inputs of its first call."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-        self.seen: tuple | None = None
-
-    def __call__(self, x, indices):
-        if self.seen is None:
-            self.seen = (x, indices)
-        return self.inner(x, indices)
-
-
-def capture_inputs(model: nn.Module, prompt_ids: list[int]) -> dict[int, tuple]:
-    """``{layer: (x, indices)}``: what each MoE layer's expert module receives on one
-    forward pass of the prompt."""
-    sites = find_expert_sites(model)
-    caps = {}
-    for s in sites:
-        current = s.streamed if s.streamed is not None else s.module
-        caps[s.layer] = _Capture(current)
-        s.parent.update_modules({s.attr: caps[s.layer]})
-    try:
-        mx.eval(model(mx.array(prompt_ids)[None]))
-    finally:
-        for s in sites:
-            s.parent.update_modules({s.attr: caps[s.layer].inner})
-    out = {}
-    for li, c in caps.items():
-        x, idx = c.seen
-        mx.eval(x, idx)
-        out[li] = (x.reshape(-1, x.shape[-1]), idx.reshape(-1, idx.shape[-1]))
-    return out
 
 
 def _rows(x: mx.array, idx: mx.array, tokens: int) -> tuple[mx.array, mx.array]:

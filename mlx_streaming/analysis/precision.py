@@ -24,7 +24,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
+from ..core.cache.recording import hottest
 from ..core.discovery import find_expert_sites, projections
+from ..planning.simulate import routing_counts
 from ..planning.trace import RoutingTrace
 
 
@@ -34,14 +36,8 @@ def hot_experts(trace: RoutingTrace, fraction: float, start: int = 0,
     span ``[start, start + tokens)``."""
     if not 0 <= fraction <= 1:
         raise ValueError(f"hot fraction must be in [0, 1], got {fraction}")
-    end = trace.tokens if tokens is None else min(trace.tokens, start + tokens)
     n = int(np.ceil(fraction * trace.num_experts))
-    out = []
-    for li in range(trace.layers):
-        counts = np.bincount(trace.experts[start:end, li].reshape(-1),
-                             minlength=trace.num_experts)
-        out.append(np.sort(np.argsort(-counts, kind="stable")[:n]))
-    return out
+    return [np.sort(h) for h in hottest(routing_counts(trace, start, tokens), n)]
 
 
 def byte_lru_hit_rate(trace: RoutingTrace, layer: int, sizes: np.ndarray, budget: int,
@@ -144,8 +140,8 @@ def hot_cold_study(model_path, trace: RoutingTrace, *, hot_bits: int = 4,
     """
     from mlx_lm import load
 
-    from .quality import QUALITY_TEXT, compare_distributions
     from ..planning.trace import apply_trace_routing
+    from .quality import QUALITY_TEXT, compare_distributions
 
     ref, tok = load(str(model_path), lazy=True)
     sites = find_expert_sites(ref)

@@ -16,9 +16,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..core.format import ExpertMeta
+from ..core.format import ExpertMeta, parts_of
 from ..core.io.reader import RecordReader, aligned_buffer
-from ..prep.requantize import _parts_of
+from ..planning.allocate import climb
+from .capture import capture_inputs
 
 QUALITY_TEXT = (
     "A mixture of experts model routes each token to a few experts. The experts that "
@@ -27,31 +28,10 @@ QUALITY_TEXT = (
 )
 
 
-class _Capture(nn.Module):
-    def __init__(self, inner, store: list):
-        super().__init__()
-        self.inner, self._store = inner, store
-
-    def __call__(self, x, indices):
-        self._store.append((np.array(x.reshape(-1, x.shape[-1]).astype(mx.float32)),
-                            np.array(indices.reshape(-1, indices.shape[-1]))))
-        return self.inner(x, indices)
-
-
-def capture_inputs(model, tokens: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """MoE inputs and routing of each MoE layer on ``tokens`` (stock or streamed model)."""
-    from ..core.discovery import find_expert_sites
-
-    sites = find_expert_sites(model)
-    caught = {s.layer: [] for s in sites}
-    inner = {s.layer: s.streamed if s.streamed is not None else s.module for s in sites}
-    for s in sites:
-        s.parent.update_modules({s.attr: _Capture(inner[s.layer], caught[s.layer])})
-    mx.eval(model(mx.array(tokens)[None]))
-    for s in sites:
-        s.parent.update_modules({s.attr: inner[s.layer]})
-    return {li: (np.concatenate([a for a, _ in v]), np.concatenate([b for _, b in v]))
-            for li, v in caught.items()}
+def capture_arrays(model, tokens: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """``capture_inputs`` as float32 / int NumPy arrays."""
+    return {li: (np.array(x.astype(mx.float32)), np.array(i))
+            for li, (x, i) in capture_inputs(model, tokens).items()}
 
 
 def _dense(parts: dict, layout, proj: str) -> mx.array:
@@ -67,7 +47,7 @@ def _expert(meta: ExpertMeta, reader: RecordReader, layer: int, e: int) -> dict:
     lay = meta.layers[layer]
     buf = aligned_buffer(lay.stride).reshape(1, lay.stride)
     reader.read(layer, [e], buf)
-    return _parts_of(lay, buf[0])
+    return parts_of(lay, buf[0])
 
 
 def projection_errors(source: ExpertMeta, other: ExpertMeta, inputs: dict,
@@ -199,34 +179,21 @@ def allocate_bits(source: ExpertMeta, table: dict, target_bytes: int, group_size
                   ) -> tuple[dict, dict]:
     """Bits per layer and projection minimising the summed error within ``target_bytes``
     of expert data (greedy upgrades by error saved per byte), and the uniform choice
-    that fits the same bytes, for comparison: ``(layer_bits, report)``."""
+    that fits the same bytes, for comparison: ``(layer_bits, report)``. Upgrades go
+    greedily by error saved per byte (``planning.allocate.climb``)."""
     cands = sorted({b for d in table.values() for pd in d.values() for b in pd})
     E = source.num_experts
     keys = [(li, p) for li in sorted(table) for p in sorted(table[li])]
     size = {(li, p, b): proj_bytes(source.layers[li], p, b, group_size) * E
             for li, p in keys for b in cands}
-    choice = {k: cands[0] for k in keys}
-    used = sum(size[(*k, b)] for k, b in choice.items())
-    if used > target_bytes:
-        raise ValueError(f"even {cands[0]}-bit experts need {used / 1e9:.3f} GB; raise "
+    floor = sum(size[(*k, cands[0])] for k in keys)
+    if floor > target_bytes:
+        raise ValueError(f"even {cands[0]}-bit experts need {floor / 1e9:.3f} GB; raise "
                          "--target-gb")
-    while True:
-        best, gain = None, 0.0
-        for k, b in choice.items():
-            i = cands.index(b)
-            if i + 1 == len(cands):
-                continue
-            nb = cands[i + 1]
-            extra = size[(*k, nb)] - size[(*k, b)]
-            if used + extra > target_bytes:
-                continue
-            g = (table[k[0]][k[1]][b] - table[k[0]][k[1]][nb]) / max(extra, 1)
-            if best is None or g > gain:
-                best, gain = (k, nb, extra), g
-        if best is None:
-            break
-        k, nb, extra = best
-        choice[k], used = nb, used + extra
+    at = climb([len(cands)] * len(keys), lambda i, a: size[(*keys[i], cands[a])],
+               lambda i, a: -table[keys[i][0]][keys[i][1]][cands[a]], target_bytes)
+    choice = {k: cands[a] for k, a in zip(keys, at)}
+    used = sum(size[(*k, b)] for k, b in choice.items())
     uniform = max((b for b in cands if sum(size[(*k, b)] for k in keys) <= target_bytes),
                   default=None)
     err = float(np.mean([table[k[0]][k[1]][b] for k, b in choice.items()]))
@@ -240,3 +207,44 @@ def allocate_bits(source: ExpertMeta, table: dict, target_bytes: int, group_size
     for (li, p), b in choice.items():
         layer_bits.setdefault(str(li), {})[p] = b
     return layer_bits, report
+
+
+def quality_report(model: str, expert_dir: str, source_expert_dir: str | None = None,
+                   tokens: int = 256, text: str | None = None) -> dict:
+    """Per-projection errors and end-to-end KL/top-1 of the requantized ``expert_dir``
+    against its source (stock ``model`` with its own experts)."""
+    from mlx_lm import load as mlx_load
+
+    from ..core.format import load_meta
+    from ..model_builder import load
+
+    new = load_meta(expert_dir)
+    src = load_meta(source_expert_dir or new.extra.get("requantized_from") or expert_dir)
+    stock, tok = mlx_load(model)
+    ids = tok.encode(text or QUALITY_TEXT)[:tokens]
+    errors = projection_errors(src, new, capture_arrays(stock, ids))
+    streamed, _, store = load(model, expert_dir, slots=new.num_experts)
+    e2e = compare_distributions(stock, streamed, ids)
+    store.close()
+    return {"expert_dir": expert_dir, "dims": new.dims,
+            "expert_bytes": new.expert_bytes(), "source_expert_bytes": src.expert_bytes(),
+            "projection_error": {str(k): v for k, v in errors.items()},
+            "mean_projection_error": {p: round(sum(v[p] for v in errors.values() if p in v)
+                                               / len(errors), 6)
+                                      for p in next(iter(errors.values()))},
+            **e2e, "note": "random-weight models: a relative guide only"}
+
+
+def choose_bits(src: str, target_gb: float, model: str | None = None,
+                group_size: int = 64) -> tuple[dict, dict]:
+    """Bits per layer and projection for ``requantize --target-gb``: the measured error of
+    each width on real inputs, allocated under the byte target (``allocate_bits``)."""
+    from ..core.format import load_meta
+    from ..model_builder import load
+
+    meta = load_meta(src)
+    streamed, tok, store = load(model or meta.source, src, slots=meta.num_experts)
+    inputs = capture_arrays(streamed, tok.encode(QUALITY_TEXT)[:256])
+    store.close()
+    table = error_table(meta, inputs, group_size=group_size)
+    return allocate_bits(meta, table, int(target_gb * 1e9), group_size)

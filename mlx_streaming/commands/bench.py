@@ -7,13 +7,15 @@ import json
 import sys
 
 from ..bench.run import DEFAULT_PROMPT, BenchConfig, run_bench
-from ._args import add_store_args, nonneg_int, positive_float, positive_int
+from ..config import PREFILL_CHUNK
+from ._args import add_store_args, nonneg_int, positive_float, positive_int, stream_options
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlx_streaming bench", description=(
         "Benchmark a streamed MoE model: tok/s (median of --repeat), memory, hit rate, "
-        "bytes read. Each flag names the seed script's environment variable it replaces."))
+        "bytes read, host time per layer call. Each flag names the seed script's "
+        "environment variable it replaces."))
     p.add_argument("--model", required=True, help="MLX model directory or repo id (MODEL)")
     add_store_args(p, several=True)
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt (PROMPT)")
@@ -23,28 +25,22 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=positive_int, default=3, help="timed runs (REPEAT)")
     p.add_argument("--wired-gb", type=positive_float, help="mx.set_wired_limit (WIRED_GB)")
     p.add_argument("--cache-gb", type=float, help="mx.set_cache_limit (CACHE_GB)")
-    p.add_argument("--clear-on-evict", action="store_true", help="(CLEAR_ON_EVICT=1)")
     p.add_argument("--pin-hot", type=nonneg_int, default=0,
                    help="pin each layer's N hottest experts after calibration (PIN_HOT)")
     p.add_argument("--cal-tokens", type=positive_int, default=32, help="(CAL_TOK)")
-    p.add_argument("--expert-bits", type=positive_int, help="override meta bits (EXPERT_BITS)")
-    p.add_argument("--expert-group", type=positive_int, help="override meta group (EXPERT_GROUP)")
-    p.add_argument("--pool-profile", default="auto",
-                   help="auto (EXPERT_DIR/pool_profile.json), none, or a path "
-                        "(EXPERT_POOL_PROFILE)")
-    p.add_argument("--prefill-chunk", type=nonneg_int, default=2048,
-                   help="prefill_step_size, 0 = mlx-lm's default (PREFILL_CHUNK)")
+    p.add_argument("--expert-bits", type=positive_int, help="checked against the meta "
+                   "(EXPERT_BITS)")
+    p.add_argument("--expert-group", type=positive_int, help="checked against the meta "
+                   "(EXPERT_GROUP)")
+    p.add_argument("--prefill-chunk", type=nonneg_int, default=PREFILL_CHUNK,
+                   help=f"prefill_step_size, default {PREFILL_CHUNK}; 0 = mlx-lm's default "
+                        "(PREFILL_CHUNK; the seed's default is 2)")
     p.add_argument("--compare-stock", action="store_true",
                    help="also run stock mlx-lm fully resident and check exactness")
     s = p.add_argument_group("speed")
-    s.add_argument("--pool-mode", choices=["host", "cuda", "mlx"],
-                   help="how slots are written (default: by backend)")
-    s.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                   help="compute resident experts while misses load (default: by pool mode)")
-    s.add_argument("--prefetch", action="store_true", help="read the next layer's "
-                   "predicted experts ahead")
     s.add_argument("--predictor", choices=["router", "transition"], default="router",
-                   help="router: next layer's router; transition: learned from the trace")
+                   help="with --prefetch; router: next layer's router; transition: learned "
+                        "from the trace")
     s.add_argument("--routing-trace", help="replay this routing trace (.npz) instead of the "
                    "router's choices (the transition predictor learns from its first half; "
                    "replay starts at its second half)")
@@ -62,29 +58,35 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> None:
-    args = setup_arg_parser().parse_args(argv)
-    if args.cache_gb is not None and args.cache_gb < 0:
-        sys.exit("--cache-gb must be >= 0")
-    kw = vars(args)
-    json_out, report = kw.pop("json_out"), kw.pop("report")
-    if kw["expert_dir"] is None:
-        from ..model_builder import default_expert_dir
+CONFIG_FLAGS = ("model", "expert_dir", "prompt", "max_tokens", "warmup_tokens", "repeat",
+                "wired_gb", "cache_gb", "clear_on_evict", "pin_hot", "cal_tokens",
+                "expert_bits", "expert_group", "pool_profile", "prefill_chunk", "policy",
+                "threads", "direct_io", "verify", "pool_mode", "predictor", "routing_trace",
+                "trace_start", "record_trace", "cold", "compare_stock", "t_compute_ms",
+                "read_gbps")
 
-        kw["expert_dir"] = str(default_expert_dir(args.model))
-    sizes = [{"slots": s, "budget_gb": None} for s in kw.pop("slots") or []] + \
-        [{"slots": None, "budget_gb": g} for g in kw.pop("budget_gb") or []]
+
+def main(argv=None) -> None:
+    a = setup_arg_parser().parse_args(argv)
+    if a.cache_gb is not None and a.cache_gb < 0:
+        sys.exit("--cache-gb must be >= 0")
+    kw = {k: getattr(a, k) for k in CONFIG_FLAGS}
+    if kw["cache_gb"] is None:
+        kw["cache_gb"] = a.cache_limit_gb
+    kw.update(options=stream_options(a), memory_series=bool(a.report))
+    sizes = [{"slots": s, "budget_gb": None} for s in a.slots or []] + \
+        [{"slots": None, "budget_gb": g} for g in a.budget_gb or []]
     results = [run_bench(BenchConfig(**kw, **size)) for size in sizes or [{"slots": 8}]]
     out = results[0] if len(results) == 1 else results
     text = json.dumps(out, ensure_ascii=False, indent=2)
     print(text)
-    if json_out:
-        with open(json_out, "w") as f:
+    if a.json_out:
+        with open(a.json_out, "w") as f:
             f.write(text + "\n")
-    if report:
+    if a.report:
         from ..bench.report import write_report
 
-        for path in write_report(results, report):
+        for path in write_report(results, a.report):
             print(f"wrote {path}", file=sys.stderr)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._args import add_store_args
+from ._args import add_store_args, load_kwargs
 
 
 def setup_arg_parser():
@@ -10,9 +10,7 @@ def setup_arg_parser():
 
     p = mlx_chat_parser()
     p.prog = "mlx_streaming chat"
-    for action in p._actions:
-        if action.dest == "model":
-            action.required, action.default = True, None
+    p.set_defaults(model=None)  # mlx-lm's default is a model to download; ours is required
     add_store_args(p)
     return p
 
@@ -26,13 +24,14 @@ def main(argv=None) -> None:
 
     from ..model_builder import load
 
-    a = setup_arg_parser().parse_args(argv)
+    p = setup_arg_parser()
+    a = p.parse_args(argv)
+    if a.model is None:
+        p.error("--model is required: the MLX model directory or repo id to chat with")
     if a.adapter_path:
         raise ValueError("--adapter-path is not supported with streamed experts")
     mx.random.seed(a.seed)
-    model, tokenizer, store = load(a.model, a.expert_dir, slots=a.slots, budget_gb=a.budget_gb,
-                                   policy=a.policy, threads=a.threads,
-                                   direct_io=a.direct_io, verify=a.verify)
+    model, tokenizer, store = load(a.model, **load_kwargs(a))
     with ChatUI(a) as ui:
         cache = make_prompt_cache(model, a.max_kv_size)
         while True:

@@ -2,7 +2,8 @@
 
 Builds a synthetic checkpoint (Qwen3-Next architecture by default), splits its experts,
 runs it streamed with a pool of about half its experts, runs stock mlx-lm on the same
-prompt, and prints the benchmark JSON with the exactness check.
+prompt, checks that tokens and logits are identical, and prints a short summary (the
+full benchmark JSON with ``--json FILE``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,25 @@ def demo(workdir: str = "mlx_streaming_demo", preset: str = "demo", slots: int |
                     "per layer resident", **result}
 
 
+def summary(r: dict) -> str:
+    """A few lines a person reads."""
+    e = r["exactness"]
+    return "\n".join([
+        f"mlx_streaming demo: {r['demo']}",
+        f"  model      {r['model']} ({r['patched_moe_layers']} MoE layers, device "
+        f"{r['device']})",
+        f"  experts    {r['expert_dir']} ({r['expert_mb']} MB each; pools {r['pool_gb']} GB)",
+        f"  speed      {r['tok_per_s']} tok/s streamed, {r['stock_tok_per_s']} tok/s stock "
+        f"mlx-lm ({r['ratio_vs_stock']:.2f}x)",
+        f"  experts    hit rate {r['expert_hit_rate']:.3f}, "
+        f"{r['bytes_read_per_token'] / 1e6:.2f} MB read per decoded token",
+        f"  memory     peak RSS {r['peak_rss_gb']} GB, MLX peak {r['mlx_peak_gb']} GB",
+        f"  exact      {r['exact_vs_stock']} (tokens equal: {e['tokens_equal']}, logits "
+        f"equal: {e['logits_equal']}, max |diff| {e['max_abs_logit_diff']})",
+        f"  sample     {r['sample'][:100]!r}",
+    ])
+
+
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlx_streaming demo", description=__doc__)
     p.add_argument("--workdir", default="mlx_streaming_demo",
@@ -43,12 +63,18 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=positive_int, help="slots per layer (default: half)")
     p.add_argument("--max-tokens", type=positive_int, default=64)
     p.add_argument("--repeat", type=positive_int, default=3)
+    p.add_argument("--json", dest="json_out", help="also write the full benchmark JSON here")
     return p
 
 
 def main(argv=None) -> None:
-    args = setup_arg_parser().parse_args(argv)
-    print(json.dumps(demo(**vars(args)), ensure_ascii=False, indent=2))
+    args = vars(setup_arg_parser().parse_args(argv))
+    json_out = args.pop("json_out")
+    result = demo(**args)
+    print(summary(result))
+    if json_out:
+        Path(json_out).write_text(json.dumps(result, ensure_ascii=False, indent=1) + "\n")
+        print(f"  full JSON  {json_out}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ._args import add_store_args, nonneg_int, positive_int
+from ..config import PREFILL_CHUNK
+from ._args import add_store_args, load_kwargs, nonneg_int, positive_int
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -20,7 +21,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-chat-template", action="store_true")
-    p.add_argument("--prefill-step-size", type=nonneg_int, default=2048)
+    p.add_argument("--prefill-step-size", type=nonneg_int, default=PREFILL_CHUNK,
+                   help=f"prompt tokens per prefill step (default {PREFILL_CHUNK}; 0: the same)")
     p.add_argument("--record-trace", help="write the routing taken to this .npz")
     p.add_argument("--verbose", action=argparse.BooleanOptionalAction, default=True)
     return p
@@ -33,14 +35,12 @@ def main(argv=None) -> None:
     from mlx_lm import generate
     from mlx_lm.sample_utils import make_sampler
 
-    from ..model_builder import load
+    from ..model_builder import load, memory_plan
 
     a = setup_arg_parser().parse_args(argv)
     if a.seed is not None:
         mx.random.seed(a.seed)
-    model, tok, store = load(a.model, a.expert_dir, slots=a.slots, budget_gb=a.budget_gb,
-                             policy=a.policy, threads=a.threads, direct_io=a.direct_io,
-                             verify=a.verify)
+    model, tok, store = load(a.model, **load_kwargs(a))
     recorder = None
     if a.record_trace:
         from ..planning.trace import TraceRecorder
@@ -54,11 +54,11 @@ def main(argv=None) -> None:
         prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     text = generate(model, tok, prompt, max_tokens=a.max_tokens, verbose=a.verbose,
                     sampler=make_sampler(a.temp, a.top_p),
-                    prefill_step_size=a.prefill_step_size or 2048)
+                    prefill_step_size=a.prefill_step_size or PREFILL_CHUNK)
     if recorder is not None:
         recorder.save(a.record_trace)
     if a.verbose:
-        print("Memory plan:", store.memory_plan.to_json())
+        print("Memory plan:", memory_plan(model, store, a.cache_limit_gb).to_json())
         t = store.totals()
         print(f"Experts: hit rate {store.hit_rate():.3f}, {t['bytes_read'] / 1e6:.1f} MB read "
               f"in {t['read_s']:.2f} s, pools {store.pool_bytes() / 1e9:.3f} GB, "

@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from ..planning.planner import PlanRow, Shape, plan, resolve_policies
+from ..planning.budget import PoolShape
+from ..planning.planner import PlanRow, plan, resolve_policies
 from ..planning.trace import RoutingTrace
 from ._args import nonneg_int, positive_float, positive_int
 
@@ -40,20 +41,23 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _shape(a, trace: RoutingTrace) -> Shape:
+def _shape(a, trace: RoutingTrace) -> PoolShape:
     if a.expert_bytes:
-        return Shape([a.expert_bytes] * trace.layers, trace.num_experts, a.top_k or trace.top_k)
+        return PoolShape([a.expert_bytes] * trace.layers, trace.num_experts,
+                         a.top_k or trace.top_k)
     if a.expert_dir:
         from ..core.format import load_meta
 
-        return Shape.from_meta(load_meta(a.expert_dir))
+        return PoolShape.from_meta(load_meta(a.expert_dir))
     from ..core.discovery import find_expert_sites
-    from ..prep.split_experts import layer_layout, load_lazy, resolve_model_path
+    from ..prep.hub import load_lazy, resolve_model_path
+    from ..prep.split_experts import layer_layout
 
     model, config = load_lazy(resolve_model_path(a.model))
     sites = find_expert_sites(model, config)
     sizes = [sum(p.nbytes for p in layer_layout(s, "x").parts) for s in sites]
-    return Shape(sizes, sites[0].num_experts, next(s.top_k for s in sites if s.top_k))
+    return PoolShape(sizes, [s.num_experts for s in sites],
+                     next(s.top_k for s in sites if s.top_k), [s.layer for s in sites])
 
 
 def _bounds(a) -> tuple[float | None, float | None]:

@@ -8,8 +8,7 @@ from pathlib import Path
 
 from ..core.cache.policy import DEFAULT_POLICY, POLICIES
 from ..core.format import load_meta
-from ..model_builder import PROFILE_NAME, write_pool_profile
-from ..planning.planner import build_profile
+from ..planning.profiles import PROFILE_NAME, build_profile, write_pool_profile
 from ..planning.trace import RoutingTrace
 from ._args import positive_float, positive_int
 

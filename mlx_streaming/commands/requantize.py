@@ -31,7 +31,9 @@ def main(argv=None) -> None:
     a = setup_arg_parser().parse_args(argv)
     report = None
     if a.target_gb:
-        layer_bits, report = plan_bits(a.src, a.target_gb, a.model, a.group_size or 64)
+        from ..analysis.quality import choose_bits
+
+        layer_bits, report = choose_bits(a.src, a.target_gb, a.model, a.group_size or 64)
         a.layer_bits = layer_bits
     meta = requantize(a.src, a.out, a.bits, group_size=a.group_size, proj_bits=a.proj_bits,
                       layer_bits=a.layer_bits, model_out=a.model_out, model=a.model)
@@ -41,20 +43,6 @@ def main(argv=None) -> None:
     print(json.dumps({"expert_dir": a.out, "dims": meta["dims"],
                       "expert_bytes": lay["record_bytes"], "model_out": a.model_out},
                      indent=1))
-
-
-def plan_bits(src: str, target_gb: float, model: str | None, group_size: int) -> tuple:
-    """Measured-error allocation of bits under a byte target (see quality.allocate_bits)."""
-    from ..core.format import load_meta
-    from ..model_builder import load
-    from ..analysis.quality import QUALITY_TEXT, allocate_bits, capture_inputs, error_table
-
-    meta = load_meta(src)
-    streamed, tok, store = load(model or meta.source, src, slots=meta.num_experts)
-    inputs = capture_inputs(streamed, tok.encode(QUALITY_TEXT)[:256])
-    store.close()
-    table = error_table(meta, inputs, group_size=group_size)
-    return allocate_bits(meta, table, int(target_gb * 1e9), group_size)
 
 
 if __name__ == "__main__":

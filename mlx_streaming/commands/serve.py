@@ -6,7 +6,8 @@ import argparse
 import json
 import logging
 
-from ._args import add_store_args, nonneg_int, positive_int
+from ..config import PREFILL_CHUNK
+from ._args import add_store_args, load_kwargs, nonneg_int, positive_int
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -28,14 +29,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--max-tokens", type=positive_int, default=512)
-    p.add_argument("--prefill-step-size", type=positive_int, default=2048)
+    p.add_argument("--prefill-step-size", type=positive_int, default=PREFILL_CHUNK)
     p.add_argument("--prompt-cache-size", type=nonneg_int, default=10)
     p.add_argument("--prompt-cache-bytes", type=positive_int, default=None)
     p.add_argument("--kv-bits", type=int, default=None)
     p.add_argument("--kv-group-size", type=int, default=64)
     p.add_argument("--quantized-kv-start", type=int, default=5000)
     add_store_args(p)
-    p.add_argument("--prefetch", action="store_true")
     return p
 
 
@@ -55,15 +55,11 @@ def cli_args_for_mlx_lm(a: argparse.Namespace) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
-    from ..core.prefetch.patch import StreamOptions
     from ..serve.server import serve
 
     a = setup_arg_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, a.log_level), format="%(asctime)s %(message)s")
-    load_kwargs = dict(expert_dir=a.expert_dir, slots=a.slots, budget_gb=a.budget_gb,
-                       policy=a.policy, threads=a.threads, direct_io=a.direct_io,
-                       verify=a.verify, options=StreamOptions(prefetch=a.prefetch))
-    serve(a.host, a.port, cli_args_for_mlx_lm(a), load_kwargs)
+    serve(a.host, a.port, cli_args_for_mlx_lm(a), load_kwargs(a))
 
 
 if __name__ == "__main__":

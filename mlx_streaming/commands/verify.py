@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ._args import add_store_args, positive_int
+from ._args import add_store_args, load_kwargs, positive_int
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -29,12 +29,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     from ..analysis.layers import DEFAULT_PROMPT, verify_layers
     from ..model_builder import load
-    from ..prep.split_experts import load_lazy, resolve_model_path
+    from ..prep.hub import load_lazy, resolve_model_path
 
     a = setup_arg_parser().parse_args(argv)
-    model, tokenizer, store = load(a.model, a.expert_dir, slots=a.slots, budget_gb=a.budget_gb,
-                                   policy=a.policy, threads=a.threads, direct_io=a.direct_io,
-                                   verify=a.verify)
+    model, tokenizer, store = load(a.model, **load_kwargs(a))
     stock, _ = load_lazy(resolve_model_path(a.model))
     ids = tokenizer.encode(a.prompt or DEFAULT_PROMPT)
 

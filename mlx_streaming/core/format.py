@@ -166,9 +166,6 @@ class ExpertMeta:
     source: str = ""
     extra: dict = field(default_factory=dict)
 
-    def layout(self, layer: int) -> LayerLayout:
-        return self.layers[layer]
-
     def file(self, layer: int) -> Path:
         return self.root / self.layers[layer].file
 
@@ -193,6 +190,16 @@ class ExpertMeta:
             "layers": {str(k): v.to_json() for k, v in sorted(self.layers.items())},
             **self.extra,
         }
+
+
+def parts_of(layout: LayerLayout, record: np.ndarray) -> dict[str, mx.array]:
+    """The parts of one record's bytes as MLX arrays ``{part name: array}``."""
+    out = {}
+    for p in layout.parts:
+        np_dt, mx_dt = DTYPES[p.dtype]
+        a = mx.array(record[p.offset:p.offset + p.nbytes].view(np_dt).reshape(p.shape))
+        out[p.name] = a.view(mx_dt) if a.dtype != mx_dt else a
+    return out
 
 
 def summarize_dims(layouts: dict, hidden: int, moe_inter: int) -> dict:

@@ -1,39 +1,20 @@
-"""Turn a memory budget for expert pools into slots per layer."""
+"""Memory budgets: the one formula from a budget (or slot count) to slots per layer, and
+where a streamed model's memory goes."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..core.format import ExpertMeta
+from .allocate import climb
 
 
 def slot_bytes(meta: ExpertMeta, layer: int) -> int:
     """Device bytes one slot of ``layer`` takes (its parts, no record padding)."""
     return sum(p.nbytes for p in meta.layers[layer].parts)
-
-
-@dataclass
-class BudgetPlan:
-    budget_bytes: int
-    slots: dict[int, int]  # layer -> slots
-    slot_bytes: dict[int, int]  # layer -> bytes per slot
-    weights: dict[int, float] = field(default_factory=dict)
-    zero_slot: bool = True  # pools short of their layer's experts hold one zero slot
-    num_experts: dict[int, int] = field(default_factory=dict)  # layer -> experts
-
-    @property
-    def pool_bytes(self) -> int:
-        return sum(pool_slots(self.slots[li], self.num_experts.get(li, 0), self.zero_slot)
-                   * self.slot_bytes[li] for li in self.slots)
-
-    @property
-    def default_slots(self) -> int:
-        return min(self.slots.values())
-
-    def to_json(self) -> dict:
-        return {"budget_bytes": self.budget_bytes, "pool_bytes": self.pool_bytes,
-                "slots": {str(k): v for k, v in sorted(self.slots.items())}}
 
 
 def pool_slots(slots: int, num_experts: int, zero_slot: bool) -> int:
@@ -42,13 +23,66 @@ def pool_slots(slots: int, num_experts: int, zero_slot: bool) -> int:
     return slots + int(zero_slot and slots < num_experts)
 
 
-def plan_budget(meta: ExpertMeta, budget_gb: float, weights: dict[int, float] | None = None,
+def default_zero_slot() -> bool:
+    """Whether pools get a zero slot here (GPU backends, where rows are masked)."""
+    from ..core.cache.pool import default_zero_slot as pool_default
+
+    return pool_default()
+
+
+@dataclass
+class PoolShape:
+    """What budgets need of a model: each MoE layer's bytes per slot and expert count,
+    and top-k. ``layers`` are the model's layer indices (the keys of the plan)."""
+
+    slot_bytes: list[int]
+    num_experts: list[int]
+    top_k: int
+    layers: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if isinstance(self.num_experts, int):
+            self.num_experts = [self.num_experts] * len(self.slot_bytes)
+        if not self.layers:
+            self.layers = list(range(len(self.slot_bytes)))
+
+    @classmethod
+    def from_meta(cls, meta: ExpertMeta) -> PoolShape:
+        layers = sorted(meta.layers)
+        return cls([slot_bytes(meta, li) for li in layers],
+                   [meta.layers[li].num_experts for li in layers], meta.top_k, layers)
+
+    def pool_bytes(self, slots: dict[int, int], zero_slot: bool) -> int:
+        """Bytes of pools of ``slots`` (model layer -> slots)."""
+        return sum(pool_slots(slots[li], e, zero_slot) * b for li, e, b in
+                   zip(self.layers, self.num_experts, self.slot_bytes) if li in slots)
+
+
+@dataclass
+class BudgetPlan:
+    budget_bytes: int
+    slots: dict[int, int]  # model layer -> slots
+    pool_bytes: int
+    zero_slot: bool
+
+    @property
+    def default_slots(self) -> int:
+        return min(self.slots.values())
+
+    def to_json(self) -> dict:
+        return {"budget_bytes": self.budget_bytes, "pool_bytes": self.pool_bytes,
+                "zero_slot": self.zero_slot,
+                "slots": {str(k): v for k, v in sorted(self.slots.items())}}
+
+
+def plan_budget(shape: PoolShape | ExpertMeta, budget_gb: float,
                 zero_slot: bool | None = None) -> BudgetPlan:
     """Slots per layer so that all pools together fit ``budget_gb`` (10**9 bytes).
 
-    ``weights`` (per layer, e.g. how diverse its routing is) shares the slots above the
-    top-k minimum out unevenly; without them every layer gets the same share.
-    ``zero_slot``: count each pool's zero slot (default: as ``FileExpertStore`` does).
+    Every layer gets top-k slots; the rest of the budget goes out in equal shares, the
+    remainder a slot at a time to the layers holding the fewest. A layer's zero slot
+    (``zero_slot``, default: as ``FileExpertStore`` makes pools here) is counted while
+    the layer is short of its experts. (Per-layer shares from routing: ``profiles``.)
 
     Raises:
         ValueError: the budget is not a positive number, or cannot hold one token's
@@ -56,45 +90,45 @@ def plan_budget(meta: ExpertMeta, budget_gb: float, weights: dict[int, float] | 
     """
     if not isinstance(budget_gb, (int, float)) or not math.isfinite(budget_gb) or budget_gb <= 0:
         raise ValueError(f"budget_gb must be a positive number of GB, got {budget_gb!r}")
-    budget = int(budget_gb * 1e9)
-    layers = sorted(meta.layers)
-    sb = {li: slot_bytes(meta, li) for li in layers}
-    if zero_slot is None:
-        from ..core.cache.pool import default_zero_slot
-
-        zero_slot = default_zero_slot()
-    k = meta.top_k
-    ne = {li: meta.layers[li].num_experts for li in layers}
-    floor = sum(pool_slots(k, ne[li], zero_slot) * sb[li] for li in layers)
+    shape = PoolShape.from_meta(shape) if isinstance(shape, ExpertMeta) else shape
+    zero = default_zero_slot() if zero_slot is None else bool(zero_slot)
+    budget, k = int(budget_gb * 1e9), shape.top_k
+    sb, ne, L = shape.slot_bytes, shape.num_experts, len(shape.layers)
+    floor = sum(pool_slots(k, ne[i], zero) * sb[i] for i in range(L))
     if budget < floor:
         raise ValueError(
-            f"budget {budget_gb} GB is below the {floor / 1e9:.3f} GB that one token's "
-            f"{k} experts in each of {len(layers)} MoE layers need; raise --budget-gb to at "
-            f"least {math.ceil(floor / 1e7) / 100:.2f}"
-        )
-    slots = {li: k for li in layers}
-    w = {li: float((weights or {}).get(li, 1.0)) for li in layers}
-    left = budget - floor
-    if weights is None:  # uniform: whole rounds at once, the remainder greedily below
-        rounds = min(left // sum(sb.values()), min(ne.values()) - k - 1)
-        if rounds > 0:
-            for li in layers:
-                slots[li] += rounds
-            left -= rounds * sum(sb.values())
+            f"budget {budget_gb} GB is below the {floor / 1e9:.4g} GB that one token's "
+            f"{k} experts in each of {L} MoE layers need; raise --budget-gb to at least "
+            f"{floor / 1e9:.4g}")
+    rounds = min((budget - floor) // sum(sb), min(ne) - k - 1)  # whole rounds at once
+    start = [max(0, rounds)] * L
 
-    def cost(li):  # the last slot of a layer also drops its zero slot
-        n = slots[li] + 1
-        return (pool_slots(n, ne[li], zero_slot) - pool_slots(slots[li], ne[li], zero_slot)) \
-            * sb[li]
-    # Greedy: give a slot to the layer with the most weight per slot held, while it fits.
-    while True:
-        cands = [li for li in layers if slots[li] < ne[li] and cost(li) <= left]
-        if not cands:
-            break
-        li = max(cands, key=lambda i: (w[i] / slots[i], -i))
-        left -= cost(li)
-        slots[li] += 1
-    return BudgetPlan(budget, slots, sb, w, bool(zero_slot), ne)
+    def cost(i, a):
+        return pool_slots(k + a, ne[i], zero) * sb[i]
+
+    harmonic = np.concatenate([[0.0], np.cumsum(1.0 / np.arange(1, max(ne) + 1))])
+
+    def value(i, a):  # a slot is worth less the more slots its layer holds
+        return harmonic[k + a] - harmonic[k]
+
+    at = climb([e - k + 1 for e in ne], cost, value, budget, start)
+    slots = {li: k + a for li, a in zip(shape.layers, at)}
+    return BudgetPlan(budget, slots, shape.pool_bytes(slots, zero), zero)
+
+
+def store_slots(meta: ExpertMeta, slots: int | None = None, budget_gb: float | None = None,
+                layer_caps: dict[int, int] | None = None) -> tuple[int, dict | None]:
+    """``(capacity, layer_caps)`` for a ``FileExpertStore``: from ``budget_gb`` through
+    ``plan_budget``, else ``slots`` (default: half the experts, at least top-k) with a
+    pool profile's ``layer_caps``."""
+    if slots is not None and budget_gb is not None:
+        raise ValueError("give either slots or budget_gb, not both")
+    if budget_gb is not None:
+        plan = plan_budget(meta, budget_gb)
+        return plan.default_slots, plan.slots
+    if slots is None:
+        slots = max(meta.top_k, meta.num_experts // 2)
+    return slots, layer_caps
 
 
 @dataclass

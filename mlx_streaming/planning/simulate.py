@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.cache.policy import Belady, make_policy
+from ..core.cache.recording import hottest
 from ..core.cache.slots import SlotCache
 from .trace import RoutingTrace
 
@@ -79,15 +80,19 @@ def simulate(trace: RoutingTrace, policy: str, slots, layers=None, start: int = 
     return res
 
 
+def routing_counts(trace: RoutingTrace, start: int = 0, tokens: int | None = None
+                   ) -> np.ndarray:
+    """How often each expert of each trace layer was routed to over a span: [L, E]."""
+    end = trace.tokens if tokens is None else min(trace.tokens, start + tokens)
+    return np.stack([np.bincount(trace.experts[start:end, li].reshape(-1),
+                                 minlength=trace.num_experts) for li in range(trace.layers)])
+
+
 def static_hot(trace: RoutingTrace, n: int, start: int = 0, tokens: int | None = None
                ) -> dict[int, list[int]]:
     """Each layer's ``n`` most used experts over a span (for pinning)."""
-    end = trace.tokens if tokens is None else start + tokens
-    out = {}
-    for li in range(trace.layers):
-        c = np.bincount(trace.experts[start:end, li].reshape(-1), minlength=trace.num_experts)
-        out[li] = np.argsort(-c, kind="stable")[:n].tolist()
-    return out
+    hot = hottest(routing_counts(trace, start, tokens), n)
+    return {li: hot[li].tolist() for li in range(trace.layers)}
 
 
 def fit_predictive(trace: RoutingTrace, layers=None, tokens: int = 20000, horizon: int = 8,
@@ -113,7 +118,7 @@ def fit_predictive(trace: RoutingTrace, layers=None, tokens: int = 20000, horizo
         pol = Predictive(E)
         for t, need in enumerate(seq[:-horizon]):
             if t % 4 == 0 and t > 64:  # a sample of the steps is plenty
-                Xs.append(pol._features(need))
+                Xs.append(pol.features(need))
                 ys.append(target[t])
             pol.access(need)
     X, y = np.concatenate(Xs), np.concatenate(ys)

@@ -27,12 +27,15 @@ from ..core.format import (
     Quant,
     load_meta,
     mx_dtype_name,
+    parts_of,
     plan_layout,
     summarize_dims,
     write_json_atomic,
 )
 from ..core.io.reader import RecordReader, aligned_buffer
-from .split_experts import _prepare_out, _write_layer, resolve_model_path, split_model
+from .hub import resolve_model_path
+from .split_experts import split_model
+from .writer import prepare_out_dir, write_layer_file
 
 
 def parse_proj_bits(spec: str | dict | None) -> dict[str, int] | None:
@@ -68,15 +71,6 @@ def _targets(layout: LayerLayout, bits, group_size, proj_bits, layer_bits, mode)
                              "(use 2, 3, 4, 5, 6 or 8)")
         want[proj] = Quant(int(b), int(gs), mode)
     return want
-
-
-def _parts_of(layout: LayerLayout, record: np.ndarray) -> dict[str, mx.array]:
-    out = {}
-    for p in layout.parts:
-        np_dt, mx_dt = DTYPES[p.dtype]
-        a = mx.array(record[p.offset:p.offset + p.nbytes].view(np_dt).reshape(p.shape))
-        out[p.name] = a.view(mx_dt) if a.dtype != mx_dt else a
-    return out
 
 
 def requantize_expert(layout: LayerLayout, parts: dict, target: dict) -> dict[str, mx.array]:
@@ -120,7 +114,7 @@ class _RequantSource:
         self.reader.read(self.layer, list(range(e0, e1)), buf)
         rows = {p.name: [] for p in self.dst.parts}
         for i in range(e1 - e0):
-            new = requantize_expert(self.src, _parts_of(self.src, buf[i]), self.target)
+            new = requantize_expert(self.src, parts_of(self.src, buf[i]), self.target)
             mx.eval(new)
             for name, a in new.items():
                 a = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
@@ -178,7 +172,7 @@ def requantize(src: str | Path, out: str | Path, bits: int = 4, *, group_size: i
     if out.resolve() == Path(src).resolve():
         raise ValueError("requantize writes a new expert directory: choose --out apart from "
                          "the source")
-    _prepare_out(out)
+    prepare_out_dir(out)
     reader = RecordReader(threads=1)
     layouts = {}
     for li in tqdm(sorted(meta.layers), desc="requantize", unit="layer",
@@ -187,7 +181,7 @@ def requantize(src: str | Path, out: str | Path, bits: int = 4, *, group_size: i
         reader.open(li, meta.file(li), lay.stride)
         target = _targets(lay, bits, group_size, proj_bits, layer_bits, mode)
         dst = _dst_layout(lay, target)
-        sums = _write_layer(out / dst.file, _RequantSource(reader, li, lay, dst, target), dst)
+        sums = write_layer_file(out / dst.file, _RequantSource(reader, li, lay, dst, target), dst)
         layouts[li] = LayerLayout(**{**dst.__dict__, "checksums": tuple(sums)})
     reader.close()
     dims = summarize_dims(layouts, meta.dims["hidden"], meta.dims["moe_inter"])

@@ -4,16 +4,13 @@ The checkpoint is read tensor by tensor (safetensors byte ranges, a block of exp
 time), so a split never holds more than a block of one layer's experts in memory. Each
 layer's file is written under a temporary name, fsync'd and renamed, with a sidecar that
 records its layout and checksums; ``_split_meta.json`` is written last, atomically. An
-interrupted split resumes from the layers that are complete; a complete directory is a
-no-op.
+interrupted split resumes from the layers that are complete; a complete directory
+returns at once.
 """
 
 from __future__ import annotations
 
-import errno
 import json
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +21,6 @@ from ..core.discovery import (
     expert_dims,
     find_expert_sites,
     fingerprint,
-    fingerprint_mismatch,
     projections,
 )
 from ..core.format import (
@@ -37,39 +33,12 @@ from ..core.format import (
     load_meta,
     mx_dtype_name,
     plan_layout,
-    record_checksum,
     summarize_dims,
     write_json_atomic,
 )
 from ..core.io.safetensors import SafetensorsIndex
-
-BLOCK_BYTES = 64 << 20  # experts read per block, per layer
-
-
-def resolve_model_path(path_or_repo: str | Path) -> Path:
-    """A local model directory, or a Hugging Face repo id downloaded to its cache."""
-    p = Path(path_or_repo).expanduser()
-    if p.exists():
-        if not (p / "config.json").is_file():
-            raise FileNotFoundError(f"{p} has no config.json; is it an MLX model directory?")
-        return p
-    if str(path_or_repo).count("/") != 1 or str(path_or_repo).startswith((".", "/", "~")):
-        raise FileNotFoundError(f"model {path_or_repo} not found: give a local MLX model "
-                                "directory or a Hugging Face repo id (org/name)")
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(
-        str(path_or_repo),
-        allow_patterns=["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken",
-                        "*.txt", "*.jinja"],
-    ))
-
-
-def load_lazy(model_dir: Path):
-    """The mlx-lm model with lazily loaded weights (nothing read yet), and its config."""
-    from mlx_lm.utils import load_model
-
-    return load_model(model_dir, lazy=True)
+from .hub import load_lazy, resolve_model_path
+from .writer import prepare_out_dir, write_layer_file
 
 
 def _quant_of(proj) -> Quant | None:
@@ -120,38 +89,6 @@ class _ExpertSource:
         return self._evaluated[part.name][e0:e1]
 
 
-def _write_layer(path: Path, source: _ExpertSource, layout: LayerLayout) -> list[str]:
-    tmp = path.with_name(path.name + ".partial")
-    per_block = max(1, BLOCK_BYTES // layout.stride)
-    sums = []
-    try:
-        with open(tmp, "wb") as f:
-            for e0 in range(0, layout.num_experts, per_block):
-                e1 = min(layout.num_experts, e0 + per_block)
-                block = np.zeros((e1 - e0, layout.stride), dtype=np.uint8)
-                for part in layout.parts:
-                    rows = source.rows(part, e0, e1).view(np.uint8)
-                    block[:, part.offset:part.offset + part.nbytes] = rows
-                for r in block:
-                    sums.append(record_checksum(memoryview(r)[:layout.record_bytes]))
-                f.write(block.data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-            free = shutil.disk_usage(path.parent).free
-            raise ExpertDirError(
-                f"no space left writing {path} ({e.strerror}; needs "
-                f"{layout.num_experts * layout.stride} bytes, {free} free); free some space "
-                "or choose another expert directory, then split again: completed layers "
-                "are kept"
-            ) from e
-        raise
-    return sums
-
-
 def _sidecar(path: Path) -> Path:
     return path.with_suffix(".json")
 
@@ -176,20 +113,12 @@ def _done_layer(path: Path, layout: LayerLayout, fp: dict) -> tuple[str, ...] | 
     return None
 
 
-def _prepare_out(out: Path) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ExpertDirError(f"cannot write the expert directory {out} ({e.strerror}); choose a "
-                             "writable location with enough space for the experts") from e
-
-
 def split_model(model_path: str | Path, out_dir: str | Path, *, progress: bool | None = None
                 ) -> dict:
     """Split every MoE layer's experts of a checkpoint into ``out_dir``.
+
+    A complete directory returns at once (its meta, read without loading the model); an
+    interrupted split resumes from the layers that are complete.
 
     Args:
         model_path: MLX model directory or Hugging Face repo id.
@@ -200,26 +129,24 @@ def split_model(model_path: str | Path, out_dir: str | Path, *, progress: bool |
         The meta dict, as written to ``out_dir/_split_meta.json``.
 
     Raises:
-        ExpertDirError: ``out_dir`` holds another model's experts, cannot be written, or
-            the disk filled up.
+        ExpertDirError: ``out_dir`` holds another model's layer files, cannot be written,
+            or the disk filled up.
         UnsupportedModelError: the architecture keeps no experts in SwitchGLU/SwitchMLP.
     """
-    model_dir = resolve_model_path(model_path)
+    return ensure_split(model_path, out_dir, progress=progress).to_json()
+
+
+def ensure_split(model_path: str | Path, out_dir: str | Path, *,
+                 progress: bool | None = None) -> ExpertMeta:
+    """``split_model``, returning the parsed meta (``load`` parses it once this way)."""
     out = Path(out_dir)
+    if (out / META_NAME).exists():
+        return load_meta(out)
+    model_dir = resolve_model_path(model_path)
     model, config = load_lazy(model_dir)
     sites = find_expert_sites(model, config)
     fp = fingerprint(model, sites, config)
-
-    if (out / META_NAME).exists():
-        meta = load_meta(out)
-        bad = fingerprint_mismatch(meta.fingerprint, fp)
-        if bad:
-            raise ExpertDirError(
-                f"{out} already holds the experts of another model (fingerprint differs in "
-                f"{', '.join(bad)}); choose another expert directory or delete it"
-            )
-        return meta.to_json()
-    _prepare_out(out)
+    prepare_out_dir(out)
 
     index = SafetensorsIndex(model_dir)
     layouts = {}
@@ -231,7 +158,7 @@ def split_model(model_path: str | Path, out_dir: str | Path, *, progress: bool |
         path = out / name
         sums = _done_layer(path, layout, fp)
         if sums is None:
-            sums = _write_layer(path, _ExpertSource(index, site, layout), layout)
+            sums = write_layer_file(path, _ExpertSource(index, site, layout), layout)
         layout = LayerLayout(**{**layout.__dict__, "checksums": tuple(sums)})
         if not _sidecar(path).exists():
             write_json_atomic(_sidecar(path), {"fingerprint": fp, "layout": layout.to_json()})
@@ -251,8 +178,7 @@ def split_model(model_path: str | Path, out_dir: str | Path, *, progress: bool |
         moe_layers=tuple(sorted(layouts)), num_experts=max(s.num_experts for s in sites),
         top_k=top_k, dims=dims, layers=layouts, source=str(model_path),
     )
-    d = meta.to_json()
-    write_json_atomic(out / META_NAME, d)
+    write_json_atomic(out / META_NAME, meta.to_json())
     for layout in layouts.values():
         _sidecar(out / layout.file).unlink(missing_ok=True)
-    return d
+    return meta

@@ -17,28 +17,40 @@ from mlx_lm import server as mlx_server
 
 
 class StreamingModelProvider(mlx_server.ModelProvider):
-    """Loads the served model with its experts streamed from disk."""
+    """Loads the served model with its experts streamed from disk. Only that model is
+    served: its expert directory belongs to it."""
 
     def __init__(self, cli_args, load_kwargs: dict):
         super().__init__(cli_args)
-        self._load_kwargs = load_kwargs
+        self.load_kwargs = load_kwargs
         self.store = None
 
-    def _load(self, model_path, adapter_path=None, draft_model_path=None):
+    def load(self, model_path, adapter_path=None, draft_model_path=None):
+        """The served model and tokenizer (mlx-lm's server asks for them per request)."""
+        if model_path in ("default_model", None):
+            model_path = self.cli_args.model
+        if model_path != self.cli_args.model:
+            raise ValueError(f"this server streams {self.cli_args.model}; it cannot load "
+                             f"{model_path}")
+        if adapter_path is not None or draft_model_path not in (None, "default_model"):
+            raise ValueError("adapters and draft models are not supported with streamed experts")
+        if self.model is None:
+            self._load_streamed(model_path)
+        return self.model, self.tokenizer
+
+    def _load_streamed(self, model_path) -> None:
         from ..model_builder import load
 
-        if adapter_path is not None or draft_model_path is not None:
-            raise ValueError("adapters and draft models are not supported with streamed experts")
         if self.store is not None:
             self.store.close()
         self.reset()
         self.store = None
         gc.collect()
         mx.clear_cache()
-        model, tokenizer, store = load(model_path, **self._load_kwargs)
+        model, tokenizer, store = load(model_path, **self.load_kwargs)
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
-        self.model_key = (model_path, adapter_path, draft_model_path)
+        self.model_key = (model_path, None, None)
         self.model, self.tokenizer, self.store = model, tokenizer, store
         self.processor = None
         self.draft_model = None
@@ -51,13 +63,10 @@ class StreamingAPIHandler(mlx_server.APIHandler):
     def _queue_depth(self) -> int:
         return self.response_generator.requests.qsize()
 
-    def _set_completion_headers(self, status_code: int = 200):
-        super()._set_completion_headers(status_code)
+    def end_headers(self):
+        """Every response reports the request queue's depth."""
         self.send_header("X-Queue-Depth", str(self._queue_depth()))
-
-    def _set_stream_headers(self, status_code: int = 200):
-        super()._set_stream_headers(status_code)
-        self.send_header("X-Queue-Depth", str(self._queue_depth()))
+        super().end_headers()
 
     def handle_models_request(self):
         """The served model (mlx-lm's version also scans the Hugging Face cache, and
@@ -69,10 +78,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         ids = [str(p.resolve()) if p.exists() else model, "default_model"]
         body = {"object": "list", "data": [{"id": i, "object": "model",
                                             "created": self.created} for i in ids]}
-        self._set_completion_headers(200)
-        self.end_headers()
-        self.wfile.write(json.dumps(body).encode())
-        self.wfile.flush()
+        self._reply(200, body)
 
     def handle_health_check(self):
         healthy = self.response_generator.is_healthy
@@ -85,9 +91,16 @@ class StreamingAPIHandler(mlx_server.APIHandler):
             body["experts"] = {"hit_rate": round(store.hit_rate(), 4),
                                "bytes_read": t["bytes_read"], "pool_gb":
                                round(store.pool_bytes() / 1e9, 3)}
-        self._set_completion_headers(200 if healthy else 503)
+        self._reply(200 if healthy else 503, body)
+
+    def _reply(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        # mlx-lm's own JSON response start (status, content type, CORS): the one place
+        # this module leans on the handler's internals
+        self._set_completion_headers(status)
+        self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        self.wfile.write(json.dumps(body).encode())
+        self.wfile.write(data)
         self.wfile.flush()
 
 

@@ -1,32 +1,33 @@
 """``FileExpertStore``: per-layer pools of expert slots filled from an expert directory.
 
 The store joins parts that know nothing of each other: the slot tables and eviction
-policy (``slots``, ``policy``), the device arrays (``pool``) and the record reader
-(``io.reader``). A patched MoE layer asks it to make a group of experts resident: the
-store reserves slots, reads the misses on the reader's threads straight into them (or
-through staging), checks their checksums, and only then marks them resident. Loads can
-run in the background (``begin``/``Ticket.wait``, ``prefetch``) while the device works.
+policy (``slots``, ``policy``), the device arrays (``pool``), the staging rows
+(``staging``) and the record reader (``io.reader``). A patched MoE layer makes one call
+per layer call, ``request(layer, indices)``, and gets back a ``LayerCall`` holding the
+work: the slot ids to use, computed on the device where nothing can miss, or steps that
+make the call's experts resident (misses read on the reader's threads straight into
+their slots, or through staging, checksummed, and only then marked resident) and name
+the rows each step computes. ``LayerCall.done(y)`` completes it.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 import warnings
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 import numpy as np
 import xxhash
 
 from ..format import ExpertDirError, ExpertMeta, load_meta
-from ..io.reader import Done, RecordJob, RecordReader, aligned_buffer
+from ..io.reader import Done, RecordJob, RecordReader
 from .policy import DEFAULT_POLICY, make_policy
 from .pool import LayerPool, default_mode, default_zero_slot
+from .recording import RoutingCounts
 from .slots import SlotCache
-
-STAGING_BYTES = 256 << 20  # largest staging batch (mlx mode, O_DIRECT)
-
+from .staging import Staging
+from .stats import LayerStats, ResidentSet, stat_names, summarize
 
 TRACK_EVAL_BYTES = 1 << 20  # outputs larger than this are evaluated, not held
 
@@ -35,98 +36,59 @@ class ExpertChecksumError(ExpertDirError):
     """A record read from disk does not match its checksum."""
 
 
-@dataclass
-class LayerStats:
-    """Per-layer I/O and dispatch counters (hits and misses live in ``SlotCache.stats``)."""
-
-    bytes_read: int = 0
-    records_read: int = 0
-    read_s: float = 0.0  # time the caller waited for demand reads
-    device_calls: int = 0  # calls that read no routing on the host (layer complete)
-    host_calls: int = 0  # calls that read the routing on the host (one sync each)
-    fastpath: int = 0  # calls with every expert resident
-    fallback: int = 0  # calls that loaded misses
-    prefetched: int = 0  # experts read ahead
-    prefetch_used: int = 0  # ... that a later call needed (misses avoided)
-    prefetch_on_time: int = 0  # ... that had arrived before they were needed
-    prefetch_bytes: int = 0
-
-
-class ResidentSet:
-    """The device pools of every layer, with the dispatch counters the seed script reads
-    as ``store._resident.gpu_fastpath`` / ``gpu_fallback``."""
-
-    def __init__(self, pools: dict[int, LayerPool], stats: dict[int, LayerStats]):
-        self.pools = pools
-        self._stats = stats
-
-    @property
-    def gpu_fastpath(self) -> int:
-        """MoE layer calls whose experts were all resident (pure device path)."""
-        return sum(s.fastpath for s in self._stats.values())
-
-    @property
-    def gpu_fallback(self) -> int:
-        """MoE layer calls that needed host work to load misses."""
-        return sum(s.fallback for s in self._stats.values())
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.pools.values())
-
-
-class _Staging:
-    """Page-aligned rows for records on their way to the pool (pinned in cuda mode)."""
-
-    def __init__(self, stride: int, pin: bool):
-        self.stride, self.pin = stride, pin
-        self._free: list[np.ndarray] = []
-        self._lock = threading.Lock()
-        self._keep = []
-
-    def take(self, n: int) -> list[np.ndarray]:
-        with self._lock:
-            if len(self._free) < n:
-                k = max(n - len(self._free), 8)
-                if self.pin:
-                    from ..io import cuda
-
-                    block = cuda.pinned(k * self.stride)  # page-aligned too
-                else:
-                    block = aligned_buffer(k * self.stride)
-                self._keep.append(block)
-                self._free += list(block.reshape(k, self.stride))
-            rows, self._free = self._free[:n], self._free[n:]
-            return rows
-
-    def give(self, rows: list[np.ndarray]) -> None:
-        with self._lock:
-            self._free += rows
-
-
 class Ticket:
     """A load in flight: slots reserved, reads issued. ``wait`` finishes it."""
 
-    def __init__(self, store, layer, experts, misses, placed, future, rows, prefetch=False):
-        self.store, self.layer = store, layer
-        self.experts, self.misses, self.placed = experts, misses, placed
+    def __init__(self, layer, experts, misses, placed, future, rows, prefetch,
+                 finish: Callable[[Ticket], None]):
+        self.layer, self.experts, self.misses, self.placed = layer, experts, misses, placed
         self.future, self.rows, self.prefetch = future, rows, prefetch
         self.t0 = time.perf_counter()
         self.done = False
+        self._finish = finish
 
     def wait(self) -> int:
         """Finish the load (commit, or abort and raise); returns the misses loaded."""
         if not self.done:
             self.done = True
-            self.store._finish(self)
+            self._finish(self)
         return len(self.misses)
+
+
+class LayerCall:
+    """The expert work of one MoE layer call, as the store planned it.
+
+    ``slots``: device-side slot ids for every row, when no host work is needed.
+    Otherwise ``host_ids`` is the routing read on the host and ``steps()`` yields
+    ``(rows, slots)`` once each step's experts are resident: ``rows`` a boolean mask
+    shaped like the routing (None: every row), ``slots`` the slot of every row. With
+    ``settle``, each step's output must be evaluated before the next step (it reuses
+    slots).
+    """
+
+    def __init__(self, layer: int, complete: Callable, slots: mx.array | None = None,
+                 host_ids: np.ndarray | None = None, settle: bool = False):
+        self.layer, self.slots, self.host_ids = layer, slots, host_ids
+        self.settle = settle
+        self.misses = 0  # experts this call loaded
+        self.plan: Iterator | None = None  # the steps, set by the store
+        self.also: np.ndarray | None = None  # request(also=...) read on the host
+        self._complete = complete
+
+    def steps(self) -> Iterator[tuple[np.ndarray | None, np.ndarray]]:
+        return self.plan if self.plan is not None else iter(())
+
+    def done(self, y: mx.array) -> mx.array:
+        """Complete the call with its output; returns it."""
+        return self._complete(self, y)
 
 
 class FileExpertStore:
     """Bounded per-layer pools of experts, loaded on demand from an expert directory.
 
     Args:
-        expert_dir: A directory written by ``split_model`` (or ``requantize``).
+        expert_dir: A directory written by ``split_model`` (or ``requantize``), or its
+            already parsed ``ExpertMeta``.
         capacity: Slots per MoE layer (clipped to the layer's expert count).
         layer_caps: ``{layer: slots}`` overriding ``capacity`` for some layers.
         clear_on_evict: After a call that evicted experts, release MLX's buffer cache
@@ -147,37 +109,36 @@ class FileExpertStore:
         ExpertDirError: missing or invalid directory, or a capacity below top-k.
     """
 
-    def __init__(self, expert_dir, capacity: int = 8, layer_caps: dict | None = None,
-                 clear_on_evict: bool = False, record: bool = False, *,
-                 policy: str = DEFAULT_POLICY, threads: int = 4, direct_io: bool = False,
-                 verify: bool = True, pool_mode: str | None = None,
+    def __init__(self, expert_dir: str | ExpertMeta, capacity: int = 8,
+                 layer_caps: dict | None = None, clear_on_evict: bool = False,
+                 record: bool = False, *, policy: str = DEFAULT_POLICY, threads: int = 4,
+                 direct_io: bool = False, verify: bool = True, pool_mode: str | None = None,
                  zero_slot: bool | None = None):
-        self.meta: ExpertMeta = load_meta(expert_dir)
-        self.expert_dir = self.meta.root
-        self.top_k = self.meta.top_k
+        meta = expert_dir if isinstance(expert_dir, ExpertMeta) else load_meta(expert_dir)
+        self.meta: ExpertMeta = meta
+        self.expert_dir = meta.root
+        self.top_k = meta.top_k
         self.clear_on_evict = clear_on_evict
-        self.record = record
         self.verify = verify
         self.policy_name = policy
         caps = self._capacities(capacity, layer_caps)
-        self.caches = {
-            li: SlotCache(self.meta.layers[li].num_experts, c,
-                          make_policy(policy, self.meta.layers[li].num_experts, c))
-            for li, c in caps.items()}
+        self.caches = {li: SlotCache(meta.layers[li].num_experts, c,
+                                     make_policy(policy, meta.layers[li].num_experts, c))
+                       for li, c in caps.items()}
         self.stats = {li: LayerStats() for li in caps}
         self.zero_slot = default_zero_slot() if zero_slot is None else bool(zero_slot)
         self._resident = ResidentSet(self._make_pools(caps, pool_mode), self.stats)
         self.pool_mode = next(iter(self._resident.pools.values())).mode
         self.reader = RecordReader(threads=threads, direct=direct_io)
         for li in caps:
-            self.reader.open(li, self.meta.file(li), self.meta.layers[li].stride)
-        self._staging = {}
-        self._counts = {li: np.zeros(self.meta.layers[li].num_experts, np.int64) for li in caps}
+            self.reader.open(li, meta.file(li), meta.layers[li].stride)
+        self.routing = RoutingCounts({li: meta.layers[li].num_experts for li in caps})
+        self.routing.on = record
+        self.observers: list[Callable] = []  # callables(layer, host_ids) seeing the routing
+        self._staging: dict[int, Staging] = {}
         self._pending_hits: list = []  # lazy device counts of device-path lookups
-        self._inflight: dict[int, list[Ticket]] = {li: [] for li in caps}  # prefetches
+        self._inflight: dict[int, list[Ticket]] = {li: [] for li in caps}  # read-aheads
         self._readers: dict[int, list] = {li: [] for li in caps}  # lazy outputs per layer
-        self.observers: list = []  # callables(layer, host_ids) seeing host-read routing
-        self.prefetcher = None  # set by patch_model_filebacked when prefetch is on
 
     # ------------------------------------------------------------ set-up
     def _capacities(self, capacity, layer_caps) -> dict[int, int]:
@@ -206,11 +167,12 @@ class FileExpertStore:
         auto = mode is None
         mode = mode or default_mode()
 
-        def zero(li, c):  # a layer with every expert's slot never masks rows
-            return self.zero_slot and c < self.meta.layers[li].num_experts
+        def make(m):  # a layer with every expert's slot never masks rows
+            return {li: LayerPool(self.meta.layers[li], c, m,
+                                  self.zero_slot and c < self.meta.layers[li].num_experts)
+                    for li, c in caps.items()}
         try:
-            pools = {li: LayerPool(self.meta.layers[li], c, mode, zero(li, c))
-                     for li, c in caps.items()}
+            pools = make(mode)
             if mode == "cuda":
                 _cuda_self_test(next(iter(pools.values())))
             return pools
@@ -219,8 +181,7 @@ class FileExpertStore:
                 raise
             warnings.warn(f"CUDA slot copies unavailable ({e}); using MLX updates",
                           stacklevel=3)
-            return {li: LayerPool(self.meta.layers[li], c, "mlx", zero(li, c))
-                    for li, c in caps.items()}
+            return make("mlx")
 
     @property
     def layers(self) -> list[int]:
@@ -232,18 +193,100 @@ class FileExpertStore:
     def pool(self, layer: int) -> LayerPool:
         return self._resident.pools[layer]
 
-    def _stage(self, layer: int) -> _Staging:
+    @property
+    def record(self) -> bool:
+        """Whether routing counts are gathered (the seed turns it off after calibration)."""
+        return self.routing.on
+
+    @record.setter
+    def record(self, on: bool) -> None:
+        self.routing.on = bool(on)
+
+    def _stage(self, layer: int) -> Staging:
         stride = self.meta.layers[layer].stride
         if stride not in self._staging:
-            self._staging[stride] = _Staging(stride, pin=self.pool_mode == "cuda")
+            self._staging[stride] = Staging(stride, pinned=self.pool_mode == "cuda")
         return self._staging[stride]
 
-    # ------------------------------------------------------------ runtime
-    def device_path(self, layer: int) -> bool:
-        """True when a call needs no host routing: every expert resident, not recording."""
-        return self.caches[layer].complete and not self.record and not self.observers
+    # ------------------------------------------------------------ the layer call
+    def request(self, layer: int, indices: mx.array, overlap: bool = True,
+                also: mx.array | None = None) -> LayerCall:
+        """Plan one call of ``layer`` with routing ``indices`` (expert ids).
 
-    def note_device_call(self, layer: int, indices: mx.array) -> None:
+        Where every expert of the layer is resident (and nothing records the routing),
+        the ids are remapped on the device and nothing waits. Otherwise the routing is
+        read on the host (one sync, which also brings ``also``, e.g. a predictor's
+        guess, to ``call.also``) and the misses start loading at once; with ``overlap``
+        the resident experts' rows form a first step that needs no wait.
+        """
+        t0 = time.perf_counter()
+        cache, st = self.caches[layer], self.stats[layer]
+        if cache.complete and not self.routing.on and not self.observers:
+            self._note_device_call(layer, indices)
+            call = LayerCall(layer, self._complete, slots=self.pool(layer).lut[indices])
+            st.host_s += time.perf_counter() - t0
+            return call
+        if also is not None:
+            mx.eval(indices, also)
+        host = np.array(indices)  # the one host synchronisation of this layer call
+        st.host_calls += 1
+        for obs in self.observers:
+            obs(layer, host)
+        experts, counts = np.unique(host, return_counts=True)
+        if self.routing.on:
+            self.routing.add(layer, experts, counts)
+        self.settle(layer, experts)
+        groups = cache.groups(experts, counts)
+        call = LayerCall(layer, self._complete, host_ids=host, settle=len(groups) > 1)
+        call.also = None if also is None else np.array(also)
+        if len(groups) == 1:
+            call.plan = self._one_group(call, groups[0], overlap)
+        else:
+            call.plan = self._expert_major(call, groups)
+        st.host_s += time.perf_counter() - t0
+        return call
+
+    def _one_group(self, call: LayerCall, experts: np.ndarray, overlap: bool) -> Iterator:
+        """Start the misses' reads now; the steps wait for them."""
+        pool, host = self.pool(call.layer), call.host_ids
+        ticket = self.begin(call.layer, experts)
+        call.misses = len(ticket.misses)
+        split = call.misses and overlap and call.misses < len(experts)
+
+        def steps():
+            if split:
+                miss = np.isin(host, ticket.misses)
+                yield ~miss, pool.slots_of(host)  # resident rows: nothing to wait for
+                ticket.wait()
+                yield miss, pool.slots_of(host)
+            else:
+                ticket.wait()
+                yield None, pool.slots_of(host)
+        return steps()
+
+    def _expert_major(self, call: LayerCall, groups: list[np.ndarray]):
+        """More distinct experts than slots: one group at a time, each expert read at
+        most once per call; rows computed exactly as in one shot."""
+        pool, host = self.pool(call.layer), call.host_ids
+        for g in groups:
+            call.misses += self.fetch(call.layer, g)
+            yield np.isin(host, g), pool.slots_of(host)
+
+    def _complete(self, call: LayerCall, y: mx.array) -> mx.array:
+        if call.slots is not None:
+            return y
+        t0 = time.perf_counter()
+        st = self.stats[call.layer]
+        if call.misses:
+            st.fallback += 1
+        else:
+            st.fastpath += 1
+        mx.async_eval(y)  # the device starts on it while the next layer is built
+        self._track_output(call.layer, y)
+        st.host_s += time.perf_counter() - t0
+        return y
+
+    def _note_device_call(self, layer: int, indices: mx.array) -> None:
         """Count a call served without reading the routing (all hits)."""
         st, cache = self.stats[layer], self.caches[layer]
         st.device_calls += 1
@@ -264,17 +307,26 @@ class FileExpertStore:
                 self.caches[li].stats.hits += int(v.item())
             self._pending_hits.clear()
 
-    def plan(self, layer: int, host_ids: np.ndarray) -> list[np.ndarray]:
-        """Distinct experts of one call's routing, in groups that each fit the pool."""
-        self.stats[layer].host_calls += 1
-        for obs in self.observers:
-            obs(layer, host_ids)
-        experts, counts = np.unique(host_ids, return_counts=True)
-        if self.record:
-            self._counts[layer][experts] += counts
-        self.settle(layer, experts)
-        return self.caches[layer].groups(experts, counts)
+    def _track_output(self, layer: int, y: mx.array) -> None:
+        """Remember a lazy output that reads ``layer``'s pool: it is evaluated before the
+        pool is next written behind MLX's back (host and cuda modes)."""
+        if self.pool_mode == "mlx":
+            return
+        if y.nbytes > TRACK_EVAL_BYTES:  # a long prompt's output: settle it now rather
+            mx.eval(y)  # than hold its buffer until the pool is next written
+            return
+        readers = self._readers[layer]
+        readers.append(y)
+        if len(readers) > 8:  # calls that wrote nothing: settle the older ones
+            mx.eval(readers[:-1])
+            del readers[:-1]
 
+    def _guard(self, layer: int) -> None:
+        if self._readers[layer]:
+            mx.eval(self._readers[layer])  # already evaluated in the usual flow: free
+            self._readers[layer].clear()
+
+    # ------------------------------------------------------------ loading
     def begin(self, layer: int, experts: np.ndarray) -> Ticket:
         """Start making distinct ``experts`` resident (they must fit): reserve slots and
         issue the reads. ``Ticket.wait()`` finishes; until then only the experts that
@@ -311,6 +363,13 @@ class FileExpertStore:
         st.prefetch_bytes += len(placed) * self.meta.layers[layer].record_bytes
         return len(placed)
 
+    def note_prediction(self, layer: int, predicted: np.ndarray, routed: np.ndarray) -> None:
+        """Score a predictor's guess for ``layer`` against the experts it was routed to."""
+        st = self.stats[layer]
+        st.predicted += len(predicted)
+        st.routed_after_prediction += len(routed)
+        st.predicted_right += len(np.intersect1d(predicted, routed))
+
     def settle(self, layer: int, needed: np.ndarray | None = None) -> None:
         """Finish this layer's read-aheads; count those ``needed`` now."""
         tickets, self._inflight[layer] = self._inflight[layer], []
@@ -326,56 +385,28 @@ class FileExpertStore:
             st.prefetch_used += len(used)
             st.prefetch_on_time += len(used) if on_time else 0
 
-    def end_call(self, layer: int, misses: int) -> None:
-        """Count a host-path call as fast (all resident) or fallback (loaded misses)."""
-        if misses:
-            self.stats[layer].fallback += 1
-        else:
-            self.stats[layer].fastpath += 1
-
-    def track_output(self, layer: int, y: mx.array) -> mx.array:
-        """Remember a lazy output that reads ``layer``'s pool: it is evaluated before the
-        pool is next written behind MLX's back (host and cuda modes)."""
-        if self.pool_mode != "mlx":
-            if y.nbytes > TRACK_EVAL_BYTES:  # a long prompt's output: settle it now rather
-                mx.eval(y)  # than hold its buffer until the pool is next written
-                return y
-            readers = self._readers[layer]
-            readers.append(y)
-            if len(readers) > 8:  # calls that wrote nothing: settle the older ones
-                mx.eval(readers[:-1])
-                del readers[:-1]
-        return y
-
-    def _guard(self, layer: int) -> None:
-        if self._readers[layer]:
-            mx.eval(self._readers[layer])  # already evaluated in the usual flow: free
-            self._readers[layer].clear()
-
-    # ------------------------------------------------------------ loading
     def _issue(self, layer, experts, misses, placed, prefetch) -> Ticket:
         pool, lay = self.pool(layer), self.meta.layers[layer]
-        if placed:
-            self._guard(layer)
         if not placed:
-            return Ticket(self, layer, experts, misses, placed, Done(0), None, prefetch)
-        ids = [e for e, _, _ in placed]
-        slots = [s for _, s, _ in placed]
+            return Ticket(layer, experts, misses, placed, Done(0), None, prefetch, self._finish)
+        self._guard(layer)
         direct = pool.mode == "host" and not self.reader.aligned
-        rows = None if direct else self._stage(layer).take(len(ids))
+        rows = None if direct else self._stage(layer).take(len(placed))
         jobs = []
-        for i, (e, s) in enumerate(zip(ids, slots)):
+        for i, (e, s, _) in enumerate(placed):
             if direct:
                 bufs = pool.record_bufs(s)
             else:
                 bufs = [rows[i] if self.reader.aligned else rows[i][: lay.record_bytes]]
             copy = (lambda a, b, s=s, r=rows[i]: pool.copy_range(s, r, a, b)) \
                 if pool.mode == "cuda" else None
-            jobs.append(RecordJob(e, bufs, self._after(layer, pool, e, s, bufs, rows, i), copy))
+            after = self._after(layer, e, bufs, (lambda s=s, r=rows[i]: pool.place(s, r))
+                                if pool.mode == "host" and rows is not None else None)
+            jobs.append(RecordJob(e, bufs, after, copy))
         fut = self.reader.submit(layer, jobs)
-        return Ticket(self, layer, experts, misses, placed, fut, rows, prefetch)
+        return Ticket(layer, experts, misses, placed, fut, rows, prefetch, self._finish)
 
-    def _after(self, layer, pool, expert, slot, bufs, rows, i):
+    def _after(self, layer, expert, bufs, place):
         """Work done on the reader thread once a record has landed."""
         want = self.meta.layers[layer].checksums
         nbytes = self.meta.layers[layer].record_bytes
@@ -393,26 +424,24 @@ class FileExpertStore:
                         f"expert {expert} of layer {layer} in {self.meta.file(layer)} fails its "
                         f"checksum ({h.hexdigest()} != {want[expert]}): the file is corrupt; "
                         "split the model again")
-            if pool.mode == "host" and rows is not None:  # O_DIRECT: staging -> slot
-                for p in pool.layout.parts:
-                    pool._rows[p.name][slot] = rows[i][p.offset:p.offset + p.nbytes]
+            if place is not None:  # O_DIRECT: staging -> slot
+                place()
         return after
 
     def _finish(self, t: Ticket) -> None:
-        layer, cache, pool, st = t.layer, self.caches[t.layer], self.pool(t.layer), \
-            self.stats[t.layer]
+        cache, pool, st = self.caches[t.layer], self.pool(t.layer), self.stats[t.layer]
         try:
             nbytes = t.future.result()
             if t.placed and pool.mode == "mlx":
-                ids = [e for e, _, _ in t.placed]
-                pool.write(ids, [s for _, s, _ in t.placed], np.stack(t.rows))
+                pool.write([e for e, _, _ in t.placed], [s for _, s, _ in t.placed],
+                           np.stack(t.rows))
                 mx.eval(pool.state())  # staging rows are reused next
         except BaseException:
             cache.abort(t.placed)  # no slot stays marked resident with bad or partial data
             raise
         finally:
             if t.rows is not None:
-                self._stage(layer).give(t.rows)
+                self._stage(t.layer).give(t.rows)
         if t.placed:
             pool.set_lut([e for e, _, _ in t.placed], [s for _, s, _ in t.placed])
         cache.commit(t.placed)
@@ -445,21 +474,12 @@ class FileExpertStore:
         self._issue(layer, ids, misses, placed, prefetch=True).wait()
         cache.pinned |= set(ids.tolist())
 
-    def unpin(self, layer: int, ids=None) -> None:
-        cache = self.caches[layer]
-        cache.pinned = set() if ids is None else cache.pinned - set(ids)
-
     def hot(self, layer: int, n: int) -> list[int]:
         """The ``n`` experts of ``layer`` routed to most often while ``record`` was on."""
-        c = self._counts[layer]
-        order = np.argsort(-c, kind="stable")
-        return [int(e) for e in order[:n] if c[e] > 0]
+        return self.routing.hot(layer, n)
 
     def recorded_layers(self) -> list[int]:
-        return [li for li, c in sorted(self._counts.items()) if c.any()]
-
-    def routing_counts(self, layer: int) -> np.ndarray:
-        return self._counts[layer].copy()
+        return self.routing.layers()
 
     # ------------------------------------------------------------ statistics
     def reset_stats(self) -> None:
@@ -467,8 +487,7 @@ class FileExpertStore:
         self._pending_hits.clear()
         for li in self.caches:
             self.caches[li].stats.__init__()
-            self.stats[li] = LayerStats()
-        self._resident._stats = self.stats
+            self.stats[li].__init__()
 
     @property
     def hits(self) -> int:
@@ -507,15 +526,19 @@ class FileExpertStore:
         out = {}
         for li in self.layers:
             c = self.caches[li]
-            d = {f.name: getattr(self.stats[li], f.name) for f in fields(LayerStats)}
+            d = {k: getattr(self.stats[li], k) for k in stat_names()}
             d.update(hits=c.stats.hits, misses=c.stats.misses, evictions=c.stats.evictions,
                      slots=c.capacity, resident=c.resident, pinned=len(c.pinned))
             out[li] = d
         return out
 
     def totals(self) -> dict:
-        rep = list(self.layer_report().values())
-        return {k: sum(r[k] for r in rep) for k in rep[0] if k not in ("slots",)}
+        """Counters summed over layers, with hit rate, host µs per call, read-ahead and
+        prediction precision, and the reader's bandwidth."""
+        t = summarize(self.layer_report())
+        t["read_gbps"] = self.reader.stats.gbps()
+        t["pool_bytes"] = self.pool_bytes()
+        return t
 
     def close(self) -> None:
         """Finish read-aheads and close the files."""

@@ -139,7 +139,7 @@ class LFU(_Scored):
 
 # Weights of the predictive score, fitted by least squares on the first half of the
 # DeepSeek-V2-Lite trace (target: discounted use over the next 8 lookups); features in
-# the order of Predictive._features. Re-fit with `mlx_streaming.planning.simulate.fit_predictive`.
+# the order of Predictive.features. Re-fit with `mlx_streaming.planning.simulate.fit_predictive`.
 PREDICTIVE_WEIGHTS = (0.00541, -0.01885, -0.00014, 0.0169, 0.44336, 0.11748)
 
 
@@ -182,7 +182,8 @@ class Predictive(_Scored):
         self.aged[idx] = self.aged[idx] * self.AGE ** (self.t - self.aged_at[idx]) + 1
         self.aged_at[idx] = self.t
 
-    def _features(self, current: np.ndarray) -> np.ndarray:
+    def features(self, current: np.ndarray) -> np.ndarray:
+        """Per expert: log recency, windowed counts, transition score, aged count."""
         rec = np.where(self.last >= 0, self.t - self.last, 10 ** 6).astype(np.float64)
         if len(current):
             tr = (self.trans[current] / np.maximum(self.row[current], 1)[:, None]).sum(0)
@@ -192,7 +193,7 @@ class Predictive(_Scored):
         return np.stack([np.log1p(rec), *self.win, tr, aged], axis=-1)
 
     def scores(self):
-        return self._features(self._now) @ self.w
+        return self.features(self._now) @ self.w
 
     def victims(self, n, protect):
         # the call being served is what the next one will most likely follow

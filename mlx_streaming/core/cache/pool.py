@@ -181,7 +181,17 @@ class LayerPool:
                 arr[idx] = src
             self.write_ops += 1
 
+    def place(self, slot: int, record: np.ndarray) -> None:
+        """Copy one staged record's parts into ``slot`` (host mode, O_DIRECT staging)."""
+        for p in self.layout.parts:
+            self._rows[p.name][slot] = record[p.offset:p.offset + p.nbytes]
+
     # ---------------------------------------------------------------- all modes
+    def slots_of(self, experts: np.ndarray) -> np.ndarray:
+        """The slot of each expert id in ``experts`` (host copy of the lookup table;
+        valid for resident experts)."""
+        return self._lut_host[experts]
+
     def set_lut(self, experts, slots) -> None:
         """Point ``lut[experts]`` at ``slots``."""
         e = np.asarray(experts, dtype=np.int64)

@@ -1,16 +1,11 @@
 """Swap a model's stacked experts for file-backed ones.
 
 Each MoE layer's ``SwitchGLU`` / ``SwitchMLP`` keeps its class, activation and code; only
-its projections change, to the same mlx-lm classes sized to the layer's pool of slots and
-backed by the pool's arrays. ``StreamedExperts`` wraps it: it maps routed expert ids to
-slots, loading misses first, and calls the wrapped module with slot ids. Every row is the
-same matmul on the same bytes as in stock mlx-lm, so outputs are bit-identical.
-
-Per call: a layer whose experts are all resident needs no host work at all (the ids are
-remapped on the device). Otherwise the routing is read once (one host sync, together
-with the next layer's predicted experts when prefetch is on), the misses are read on the
-reader's threads while the resident experts' rows already compute, and the next layer's
-predicted experts are read ahead.
+its projections change, to mlx-lm's classes sized to the layer's pool of slots, backed by
+the pool's arrays and calling the kernel stock's call would take (``dispatch``).
+``StreamedExperts`` wraps it: per call it asks the store for the call's work (one
+``request``), runs the wrapped module on slot ids, and completes the call. Every row is
+the same matmul on the same bytes as in stock mlx-lm, so outputs are bit-identical.
 """
 
 from __future__ import annotations
@@ -33,10 +28,8 @@ from ..discovery import (
 )
 from ..dispatch import PoolQuantizedSwitchLinear, PoolSwitchLinear, backend
 from ..format import ExpertDirError, LayerLayout, mx_dtype_name
-from ..selftest import cases_for, ensure_kernel_parity
+from ..selftest import SORT_ROWS, cases_for, ensure_kernel_parity
 from .predictor import Prefetcher, RouterPredictor
-
-SORT_ROWS = 64  # mlx-lm's SwitchGLU/SwitchMLP sort the rows of calls with this many or more
 
 
 @dataclass(frozen=True)
@@ -81,97 +74,58 @@ class StreamedExperts(nn.Module):
         super().__init__()
         self.experts = experts  # the layer's SwitchGLU / SwitchMLP over pool slots
         self.layer, self.pos = layer, pos
-        self._store, self._overlap, self._prefetcher = store, overlap, prefetcher
+        self._store, self._prefetcher = store, prefetcher
         self._masked = masked
+        # a partial (masked) call points the other rows at the pool's zero slot
+        self._overlap = overlap and (not masked or store.pool(layer).dummy is not None)
 
     @property
     def num_experts(self) -> int:
         return self._store.caches[self.layer].num_experts
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        store, layer = self._store, self.layer
-        pool = store.pool(layer)
-        if store.device_path(layer):  # nothing can miss: no host sync at all
-            store.note_device_call(layer, indices)
-            return self.experts(x, pool.lut[indices])
         pf = self._prefetcher
         guess = pf.lazy(self.pos, x, indices) if pf else None
-        if guess is not None:
-            mx.eval(indices, guess)
-        host = np.array(indices)  # the one host synchronisation of this layer
-        groups = store.plan(layer, host)
-        if len(groups) > 1:
-            y = self._expert_major(x, indices, host, groups)
-            if pf:
-                pf.step(self.pos, host, None)
-            return store.track_output(layer, y)
-        ticket = store.begin(layer, groups[0])
-        ahead = (lambda: pf.step(self.pos, host, None if guess is None else np.array(guess))) \
-            if pf else None
-        partial = self._overlap and (not self._masked or pool.dummy is not None)
-        if len(ticket.misses) and partial and len(ticket.misses) < len(groups[0]):
-            y = self._overlapped(x, indices, host, ticket, ahead)
-        else:
-            if ahead:
-                ahead()
-            ticket.wait()
-            y = self.experts(x, pool.lut[indices])
-        store.end_call(layer, len(ticket.misses))
-        mx.async_eval(y)  # the device starts on it while the next layer is built
-        return store.track_output(layer, y)
+        call = self._store.request(self.layer, indices, self._overlap, also=guess)
+        if call.slots is not None:  # nothing can miss: the ids were remapped on the device
+            return call.done(self.experts(x, call.slots))
+        if pf:
+            pf.step(self.pos, call.host_ids, call.also)
+        y = None
+        for rows, slots in call.steps():
+            y = self._rows(x, indices, rows, slots, y)
+            if call.settle:
+                mx.eval(y)  # the next step may reuse these slots
+        return call.done(y)
 
-    def _part(self, x, indices, host, keep, out):
-        """``out`` with the experts' outputs filled in on the rows where ``keep``
-        (a boolean array shaped like ``indices``); other rows are left as they were.
+    def _rows(self, x, indices, rows, slots, out):
+        """``out`` with the experts' outputs filled in on ``rows`` (a boolean mask shaped
+        like ``indices``; None: all), the rows' experts at ``slots``.
 
-        Masked: every row runs, the skipped ones against the pool's zero slot, so the
-        kernels get exactly stock mlx-lm's shapes. Subset: only the kept rows run; as
-        mlx-lm sorts calls of 64 or more rows (and then takes other kernels), a subset
-        of such a call is padded to 64 rows so it takes the same ones.
+        Masked: every row runs, the others against the pool's zero slot, so the kernels
+        get exactly stock mlx-lm's shapes. Subset: only the kept rows run; as mlx-lm sorts
+        calls of 64 or more rows (and then takes other kernels), a subset of such a call
+        is padded to 64 rows so it takes the same ones.
         """
-        pool = self._store.pool(self.layer)
+        if rows is None:
+            return self.experts(x, mx.array(slots.astype(np.int32)))
         if self._masked:
-            slots = np.where(keep, pool._lut_host[host], pool.dummy).astype(np.int32)
-            y = self.experts(x, mx.array(slots))
-            return y if out is None else mx.where(mx.array(keep)[..., None], y, out)
+            dummy = self._store.pool(self.layer).dummy
+            y = self.experts(x, mx.array(np.where(rows, slots, dummy).astype(np.int32)))
+            return y if out is None else mx.where(mx.array(rows)[..., None], y, out)
         k = indices.shape[-1]
-        xf, flat = x.reshape(-1, x.shape[-1]), host.reshape(-1)  # [T, D], [T*k]
-        rows = np.nonzero(keep.reshape(-1))[0]
-        n = len(rows)
+        xf, flat = x.reshape(-1, x.shape[-1]), slots.reshape(-1)  # [T, D], [T*k]
+        keep = np.nonzero(rows.reshape(-1))[0]
+        n = len(keep)
         if flat.size >= SORT_ROWS > n:
-            rows = np.concatenate([rows, np.full(SORT_ROWS - n, rows[-1])])
-        slots = pool.lut[mx.array(flat[rows])][:, None]  # [n, 1]
-        y = self.experts(xf[mx.array(rows // k)], slots)[:n, 0]  # [n, D]
+            keep = np.concatenate([keep, np.full(SORT_ROWS - n, keep[-1])])
+        y = self.experts(xf[mx.array(keep // k)],
+                         mx.array(flat[keep].astype(np.int32))[:, None])[:n, 0]  # [n, D]
         if out is None:
             out = mx.zeros((*indices.shape, y.shape[-1]), dtype=y.dtype)
         flat_out = out.reshape(-1, y.shape[-1])
-        flat_out[mx.array(rows[:n])] = y
+        flat_out[mx.array(keep[:n])] = y
         return flat_out.reshape(out.shape)
-
-    def _overlapped(self, x, indices, host, ticket, ahead=None) -> mx.array:
-        """Resident experts' rows compute while the misses are read."""
-        miss = np.isin(host, ticket.misses)
-        y = self._part(x, indices, host, ~miss, None)
-        mx.async_eval(y)
-        if ahead:  # read ahead for the next layer once this layer's work is queued
-            ahead()
-        ticket.wait()
-        return self._part(x, indices, host, miss, y)
-
-    def _expert_major(self, x, indices, host, groups) -> mx.array:
-        """More distinct experts than slots: run the rows of one group at a time.
-
-        Each expert is read at most once per call; rows are computed exactly as in the
-        one-shot path and put back in their place.
-        """
-        store, layer = self._store, self.layer
-        out, misses = None, 0
-        for g in groups:
-            misses += store.fetch(layer, g)
-            out = self._part(x, indices, host, np.isin(host, g), out)
-            mx.eval(out)  # the next group may reuse these slots
-        store.end_call(layer, misses)
-        return out
 
 
 def _pool_projection(name: str, layout: LayerLayout, arrays: dict, device: str) -> nn.Module:
@@ -201,18 +155,9 @@ def _pool_projection(name: str, layout: LayerLayout, arrays: dict, device: str) 
     return new
 
 
-def _expected_bits(layer, layout, bits, proj_bits, layer_proj_bits) -> dict:
-    if layer_proj_bits and layer in layer_proj_bits:
-        want = dict(layer_proj_bits[layer])
-    elif proj_bits:
-        want = dict(proj_bits)
-    else:
-        want = {}
-    return {n: want.get(n, bits) for n in layout.quant}
-
-
-def _validate(store: FileExpertStore, sites: list[ExpertSite], model, hidden, moe_inter,
-              group_size, bits, proj_bits, layer_proj_bits) -> None:
+def _validate(store: FileExpertStore, sites: list[ExpertSite], model, given: dict) -> None:
+    """The model must be the one the directory was split from; quantization arguments,
+    where given, must agree with the meta (the authority)."""
     meta = store.meta
     where = f"expert directory {meta.root}"
     got_layers = [s.layer for s in sites]
@@ -229,66 +174,83 @@ def _validate(store: FileExpertStore, sites: list[ExpertSite], model, hidden, mo
             f"{', '.join(bad)}); split this model into a new directory with "
             "split_model(MODEL, NEW_DIR)"
         )
-    if (hidden, moe_inter) != (meta.dims["hidden"], meta.dims["moe_inter"]):
-        raise ExpertDirError(
-            f"hidden={hidden}, moe_inter={moe_inter} do not match the {where} "
-            f"(hidden={meta.dims['hidden']}, moe_inter={meta.dims['moe_inter']})"
-        )
+    dims = (meta.dims["hidden"], meta.dims["moe_inter"])
+    asked = (given["hidden"] or dims[0], given["moe_inter"] or dims[1])
+    if asked != dims:
+        raise ExpertDirError(f"hidden={asked[0]}, moe_inter={asked[1]} do not match the "
+                             f"{where} (hidden={dims[0]}, moe_inter={dims[1]})")
     for s in sites:
-        if expert_dims(s) != (hidden, moe_inter):
-            raise ExpertDirError(f"layer {s.layer}'s experts are {expert_dims(s)}, not "
-                                 f"(hidden, moe_inter)=({hidden}, {moe_inter})")
         lay = meta.layers[s.layer]
+        if expert_dims(s) != dims:
+            raise ExpertDirError(f"layer {s.layer}'s experts are {expert_dims(s)}, not "
+                                 f"(hidden, moe_inter)={dims}")
         if s.num_experts != lay.num_experts:
             raise ExpertDirError(f"layer {s.layer} has {s.num_experts} experts, the {where} "
                                  f"{lay.num_experts}")
-        want = _expected_bits(s.layer, lay, bits, proj_bits, layer_proj_bits)
-        for name, q in lay.quant.items():
-            have = q.bits if q else None
-            if want[name] != have or (q and group_size is not None and group_size != q.group_size):
-                raise ExpertDirError(
-                    f"layer {s.layer} {name}: asked for bits={want[name]}, "
-                    f"group_size={group_size} but the {where} stores bits={have}, "
-                    f"group_size={q.group_size if q else None} (its _split_meta.json is the "
-                    "authority): pass the meta's values (dims.bits, dims.group_size, "
-                    "proj_bits, per_layer_proj_bits)"
-                )
+        _validate_quant(s.layer, lay, given, where)
 
 
-def patch_model_filebacked(model: nn.Module, store: FileExpertStore, hidden: int,
-                           moe_inter: int, group_size: int | None, bits: int | None,
-                           proj_bits: dict | None = None,
+def _validate_quant(layer: int, lay: LayerLayout, given: dict, where: str) -> None:
+    lpb = given["layer_proj_bits"] or {}
+    for name, q in lay.quant.items():
+        if layer in lpb:
+            want = lpb[layer].get(name, given["bits"])
+        elif given["proj_bits"] and name in given["proj_bits"]:
+            want = given["proj_bits"][name]
+        else:
+            want = given["bits"]
+        have = q.bits if q else None
+        gs = given["group_size"]
+        if (want is not None and want != have) or (q and gs is not None and gs != q.group_size):
+            raise ExpertDirError(
+                f"layer {layer} {name}: asked for bits={want}, group_size={gs} but the "
+                f"{where} stores bits={have}, group_size={q.group_size if q else None} (its "
+                "_split_meta.json is the authority): pass the meta's values (dims.bits, "
+                "dims.group_size, proj_bits, per_layer_proj_bits) or none of them"
+            )
+
+
+def patch_model_filebacked(model: nn.Module, store: FileExpertStore, hidden: int | None = None,
+                           moe_inter: int | None = None, group_size: int | None = None,
+                           bits: int | None = None, proj_bits: dict | None = None,
                            layer_proj_bits: dict | None = None,
                            options: StreamOptions | None = None) -> int:
     """Swap every MoE layer's experts for file-backed ones served by ``store``.
 
     The stacked expert weights are dropped without being read, so a model loaded with
-    ``mlx_lm.load(path, lazy=True)`` never materializes its experts.
+    ``mlx_lm.load(path, lazy=True)`` never materializes its experts. The expert
+    directory's meta says how the experts are quantized; the optional arguments (the
+    seed script passes them) are checked against it.
 
     Args:
         model: An mlx-lm model (loaded lazily).
         store: The ``FileExpertStore`` over this model's expert directory.
-        hidden, moe_inter: Expert input and hidden widths.
-        group_size, bits: Expert quantization (``bits=None`` for float experts).
-        proj_bits: ``{projection: bits}`` when projections differ.
-        layer_proj_bits: ``{layer: {projection: bits}}`` when layers differ.
-        options: Dispatch options (overlap, prefetch); see ``StreamOptions``.
+        hidden, moe_inter: Expert input and hidden widths (checked).
+        group_size, bits: Expert quantization (checked; None: the meta's).
+        proj_bits: ``{projection: bits}`` when projections differ (checked).
+        layer_proj_bits: ``{layer: {projection: bits}}`` when layers differ (checked).
+        options: Dispatch options (overlap, prefetch, kernel check); see
+            ``StreamOptions``.
 
     Returns:
         The number of patched MoE layers.
 
     Raises:
         ExpertDirError: the directory does not belong to this model, or the arguments
-            disagree with its meta (which is the authority).
+            disagree with its meta.
         UnsupportedModelError: the model has no SwitchGLU/SwitchMLP experts.
+        KernelParityError: pool-shaped matmuls are not bit-identical to stock-shaped
+            ones on this device (the kernel check).
     """
     options = options or StreamOptions()
     sites = find_expert_sites(model)
     if any(s.streamed is not None for s in sites):
         raise ValueError("the model is already patched: load it again to patch it with "
                          "another store")
-    _validate(store, sites, model, hidden, moe_inter, group_size, bits, proj_bits,
-              layer_proj_bits)
+    _validate(store, sites, model, {"hidden": hidden, "moe_inter": moe_inter,
+                                    "group_size": group_size, "bits": bits,
+                                    "proj_bits": proj_bits,
+                                    "layer_proj_bits": _int_keys(layer_proj_bits)})
     prefetcher = None
     if options.prefetch:
         pred = options.predictor
@@ -296,7 +258,6 @@ def patch_model_filebacked(model: nn.Module, store: FileExpertStore, hidden: int
             pred = RouterPredictor([s.router for s in sites],
                                    store.top_k + options.prefetch_extra)
         prefetcher = Prefetcher(store, [s.layer for s in sites], pred)
-    store.prefetcher = prefetcher
     overlap = options.overlap if options.overlap is not None else store.pool_mode != "mlx"
     rows = options.rows or ("subset" if mx.default_device() == mx.cpu else "masked")
     if rows not in ("subset", "masked"):
@@ -317,6 +278,10 @@ def patch_model_filebacked(model: nn.Module, store: FileExpertStore, hidden: int
                                                          overlap, prefetcher,
                                                          rows == "masked")})
     return len(sites)
+
+
+def _int_keys(d: dict | None) -> dict | None:
+    return {int(k): v for k, v in d.items()} if d else None
 
 
 _CHECKED: set = set()  # kernel-parity cases found exact in this process

@@ -9,13 +9,11 @@ Two predictors:
   ``l`` and ``e'`` at ``l + 1`` for the same token), learned from a recorded trace. It
   needs no hidden state, so it also works when a trace replaces the routing.
 
-``Prefetcher`` turns predictions into ``FileExpertStore.prefetch`` calls and scores the
-predictor against the routing that follows (precision and recall).
+``Prefetcher`` turns predictions into ``FileExpertStore.prefetch`` calls; the store scores
+them against the routing that follows (precision and recall in its report).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -78,28 +76,13 @@ class TransitionPredictor:
         return np.sort(np.argpartition(-score, m - 1)[:m])
 
 
-@dataclass
-class PredictionStats:
-    predicted: int = 0
-    correct: int = 0  # predicted and then routed to
-    actual: int = 0  # experts routed to (where a prediction was made)
-
-    @property
-    def precision(self) -> float:
-        return self.correct / self.predicted if self.predicted else 0.0
-
-    @property
-    def recall(self) -> float:
-        return self.correct / self.actual if self.actual else 0.0
-
-
 class Prefetcher:
-    """Reads ahead the next MoE layer's predicted experts, scored as it goes."""
+    """Reads ahead the next MoE layer's predicted experts; the store scores each
+    prediction against the routing that follows (``FileExpertStore.note_prediction``)."""
 
     def __init__(self, store, layers: list[int], predictor, max_tokens: int = 4):
         self.store, self.layers, self.predictor = store, layers, predictor
         self.max_tokens = max_tokens
-        self.stats = PredictionStats()
         self._last: dict[int, np.ndarray] = {}  # layer position -> prediction for it
 
     def lazy(self, pos: int, x: mx.array, indices: mx.array) -> mx.array | None:
@@ -111,18 +94,10 @@ class Prefetcher:
         """Score the prediction made for this layer, then predict and read the next."""
         guess = self._last.pop(pos, None)
         if guess is not None:
-            actual = np.unique(host_ids)
-            self.stats.predicted += len(guess)
-            self.stats.actual += len(actual)
-            self.stats.correct += len(np.intersect1d(guess, actual))
+            self.store.note_prediction(self.layers[pos], guess, np.unique(host_ids))
         if host_ids.size // host_ids.shape[-1] > self.max_tokens or pos + 1 >= len(self.layers):
             return
         pred = self.predictor.predict(pos, host_ids, lazy)
         if len(pred):
             self._last[pos + 1] = pred
             self.store.prefetch(self.layers[pos + 1], pred)
-
-    def report(self) -> dict:
-        return {"predictor": self.predictor.name,
-                "prediction_precision": round(self.stats.precision, 4),
-                "prediction_recall": round(self.stats.recall, 4)}

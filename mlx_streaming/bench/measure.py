@@ -1,0 +1,99 @@
+"""What benchmarks measure beside tok/s: raw read bandwidth, a cold page cache, MLX's
+memory limits for a run, and the physical limit of decode.
+
+The limit: per token, ``miss_bytes`` must come from storage at bandwidth ``B`` while the
+model computes for ``t_compute`` (stock's time per token). Fully overlapped,
+``t >= max(t_compute, miss_bytes / B)``; serialised, the sum. ``efficiency`` is the
+overlap bound's time over the measured time per token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from ..core.io.reader import RecordReader, aligned_buffer
+
+
+@contextlib.contextmanager
+def memory_limits(wired_gb: float | None, cache_gb: float | None):
+    """Set MLX's wired and cache limits for the duration, restoring them after."""
+    old = {}
+    try:
+        if wired_gb is not None and hasattr(mx, "set_wired_limit"):
+            old["wired"] = mx.set_wired_limit(int(wired_gb * 1e9))
+        if cache_gb is not None:
+            old["cache"] = mx.set_cache_limit(int(cache_gb * 1e9))
+        yield
+    finally:
+        if "wired" in old:
+            mx.set_wired_limit(old["wired"])
+        if "cache" in old:
+            mx.set_cache_limit(old["cache"])
+
+
+def drop_page_cache(paths) -> None:
+    """Evict files from the OS page cache (POSIX_FADV_DONTNEED; no root needed).
+
+    Raises:
+        ValueError: the OS has no ``posix_fadvise`` (macOS).
+    """
+    if not hasattr(os, "posix_fadvise"):
+        raise ValueError(
+            f"cold runs need posix_fadvise, which {sys.platform} lacks; on macOS flush the "
+            "page cache with `sudo purge` before a warm-cache run instead, and use "
+            "--direct-io (F_NOCACHE) to keep expert reads out of the cache")
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def measure_read_gbps(meta, threads: int, direct: bool, records: int = 64,
+                      cold: bool = False) -> float:
+    """Bandwidth of random whole-record reads from the expert files through the store's
+    reader (GB/s)."""
+    rng = np.random.default_rng(1)
+    layers = list(meta.layers)
+    if cold:
+        drop_page_cache([meta.file(li) for li in layers])
+    reader = RecordReader(threads=threads, direct=direct)
+    try:
+        picks: dict[int, list[int]] = {}
+        for i in range(records):
+            li = layers[i % len(layers)]
+            picks.setdefault(li, []).append(int(rng.integers(meta.layers[li].num_experts)))
+        total, t0 = 0, time.perf_counter()
+        for li, ids in picks.items():
+            reader.open(li, meta.file(li), meta.layers[li].stride)
+            out = aligned_buffer(len(ids) * meta.layers[li].stride)
+            total += reader.read(li, ids, out.reshape(len(ids), -1))
+        return total / (time.perf_counter() - t0) / 1e9
+    finally:
+        reader.close()
+
+
+def bounds(t_compute: float | None, bytes_per_token: float, gbps: float | None,
+           decode_tps: float) -> dict:
+    """The overlap and serial bounds of decode and the efficiency against them."""
+    if not t_compute or not gbps:
+        return {}
+    io = bytes_per_token / (gbps * 1e9)
+    overlap, serial = max(t_compute, io), t_compute + io
+    actual = 1.0 / decode_tps if decode_tps else float("inf")
+    return {
+        "t_compute_ms": round(t_compute * 1e3, 3),
+        "t_io_ms": round(io * 1e3, 3),
+        "bound_tok_per_s": round(1 / overlap, 2),
+        "serial_bound_tok_per_s": round(1 / serial, 2),
+        "efficiency": round(overlap / actual, 4),
+        "efficiency_vs_serial": round(serial / actual, 4),
+    }

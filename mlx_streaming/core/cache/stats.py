@@ -1,0 +1,76 @@
+"""Counters of a store: per-layer I/O, dispatch, read-ahead and host time.
+
+Hits, misses and evictions live in each layer's ``SlotCache.stats`` (the bookkeeping
+shared with the trace simulator); everything the live store adds lives here. The seed
+script reads ``store._resident.gpu_fastpath`` / ``gpu_fallback``: ``ResidentSet`` keeps
+those names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass
+class LayerStats:
+    """Per-layer counters beside the slot table's hits and misses."""
+
+    bytes_read: int = 0
+    records_read: int = 0
+    read_s: float = 0.0  # time the caller waited for demand reads
+    device_calls: int = 0  # calls that read no routing on the host
+    host_calls: int = 0  # calls that read the routing on the host (one sync each)
+    fastpath: int = 0  # calls with every expert resident
+    fallback: int = 0  # calls that loaded misses
+    host_s: float = 0.0  # host time inside the store's request and completion
+    prefetched: int = 0  # experts read ahead
+    prefetch_used: int = 0  # ... that a later call needed (misses avoided)
+    prefetch_on_time: int = 0  # ... that had arrived before they were needed
+    prefetch_bytes: int = 0
+    predicted: int = 0  # experts a predictor named for this layer
+    predicted_right: int = 0  # ... that the layer was then routed to
+    routed_after_prediction: int = 0  # distinct experts routed where a prediction was made
+
+
+def stat_names() -> list[str]:
+    return [f.name for f in fields(LayerStats)]
+
+
+class ResidentSet:
+    """The device pools of every layer, with the dispatch counters the seed script reads
+    as ``store._resident.gpu_fastpath`` / ``gpu_fallback``."""
+
+    def __init__(self, pools: dict, stats: dict[int, LayerStats]):
+        self.pools = pools
+        self.stats = stats
+
+    @property
+    def gpu_fastpath(self) -> int:
+        """MoE layer calls whose experts were all resident (pure device path)."""
+        return sum(s.fastpath for s in self.stats.values())
+
+    @property
+    def gpu_fallback(self) -> int:
+        """MoE layer calls that needed host work to load misses."""
+        return sum(s.fallback for s in self.stats.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pools.values())
+
+
+def summarize(report: dict[int, dict]) -> dict:
+    """Totals over layers of a per-layer report, with the derived rates."""
+    rows = list(report.values())
+    tot = {k: sum(r[k] for r in rows) for k in rows[0] if k != "slots"}
+    calls = tot["device_calls"] + tot["host_calls"]
+    lookups = tot["hits"] + tot["misses"]
+    tot["hit_rate"] = tot["hits"] / lookups if lookups else 0.0
+    tot["host_us_per_call"] = 1e6 * tot["host_s"] / calls if calls else 0.0
+    tot["prefetch_precision"] = tot["prefetch_used"] / tot["prefetched"] \
+        if tot["prefetched"] else None
+    tot["prediction_precision"] = tot["predicted_right"] / tot["predicted"] \
+        if tot["predicted"] else None
+    tot["prediction_recall"] = tot["predicted_right"] / tot["routed_after_prediction"] \
+        if tot["routed_after_prediction"] else None
+    return tot
