@@ -186,7 +186,7 @@ def model_exactness(root: str) -> dict:
     from mlx_lm import load
 
     from mlx_streaming import FileExpertStore, patch_model_filebacked, split_model
-    from mlx_streaming.core.format import load_meta
+    from mlx_streaming.core.meta import load_meta
     from mlx_streaming.synthetic import make_checkpoint
     from mlx_streaming.analysis.verify import compare_traces, greedy_trace
 

@@ -68,7 +68,7 @@ def main():
     from mlx_lm import load
 
     from mlx_streaming.core.cache.expert_store import FileExpertStore, Ticket
-    from mlx_streaming.core.format import load_meta
+    from mlx_streaming.core.meta import load_meta
     from mlx_streaming.core.prefetch.patch import StreamedExperts, StreamOptions
     from mlx_streaming.prep.split_experts import split_model
     from mlx_streaming.synthetic import make_checkpoint

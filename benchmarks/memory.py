@@ -41,7 +41,7 @@ def _imports():
 
 def phase_split(model: str, experts: str) -> dict:
     _imports()
-    from mlx_streaming.core.format import load_meta
+    from mlx_streaming.core.meta import load_meta
     from mlx_streaming.core.mem import peak_rss_bytes, rss_bytes
     from mlx_streaming.prep.split_experts import split_model
 
@@ -72,7 +72,7 @@ def phase_run(model: str, experts: str, slots: int, tokens: int, stock: bool) ->
     from mlx_lm import load, stream_generate
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_streaming.core.format import load_meta
+    from mlx_streaming.core.meta import load_meta
     from mlx_streaming.core.mem import rss_bytes
 
     prompt = "Memory benchmark: streaming experts from disk keeps resident memory small. " * 4

@@ -30,7 +30,7 @@ def main():
     a = p.parse_args()
     from mlx_streaming.bench.run import BenchConfig, run_bench
     from mlx_streaming.commands.quality import quality
-    from mlx_streaming.core.format import load_meta
+    from mlx_streaming.core.meta import load_meta
     from mlx_streaming.prep.requantize import requantize
     from mlx_streaming.prep.split_experts import split_model
     from mlx_streaming.synthetic import make_checkpoint

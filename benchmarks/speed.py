@@ -51,7 +51,7 @@ def open_streamed(ck, ed, slots, trace, start, opts, store_kw):
     from mlx_lm import load
 
     from mlx_streaming import FileExpertStore, patch_model_filebacked
-    from mlx_streaming.core.format import load_meta
+    from mlx_streaming.core.meta import load_meta
     from mlx_streaming.planning.trace import apply_trace_routing
 
     model, _ = load(str(ck), lazy=True)
@@ -98,7 +98,7 @@ def main():
     from mlx_lm import load
 
     from mlx_streaming.bench.run import drop_page_cache, measure_read_gbps
-    from mlx_streaming.core.format import load_meta
+    from mlx_streaming.core.meta import load_meta
     from mlx_streaming.core.prefetch.patch import StreamOptions
     from mlx_streaming.core.prefetch.predictor import TransitionPredictor
     from mlx_streaming.prep.split_experts import split_model

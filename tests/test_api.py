@@ -12,7 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlx_streaming
 from mlx_streaming import config
 from mlx_streaming.core import mem
-from mlx_streaming.core.format import load_meta
+from mlx_streaming.core.meta import load_meta
 from mlx_streaming.model_builder import load_pool_profile
 from mlx_streaming.planning.profiles import write_pool_profile
 

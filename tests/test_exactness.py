@@ -12,7 +12,7 @@ from mlx_lm import load
 
 from mlx_streaming import FileExpertStore, patch_model_filebacked
 from mlx_streaming.analysis.verify import compare_traces, greedy_trace
-from mlx_streaming.core.format import load_meta
+from mlx_streaming.core.meta import load_meta
 from mlx_streaming.core.prefetch.patch import StreamOptions
 from mlx_streaming.synthetic import TINY_ARCHS
 

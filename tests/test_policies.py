@@ -84,7 +84,7 @@ def test_simulator_equals_live_store(models):
     from mlx_lm import load, stream_generate
 
     from mlx_streaming import FileExpertStore, patch_model_filebacked
-    from mlx_streaming.core.format import load_meta
+    from mlx_streaming.core.meta import load_meta
 
     ck, ed = models.experts("tiny-qwen3_moe")
     meta = load_meta(ed)
@@ -160,8 +160,7 @@ def test_plan_command_json(tmp_path, capsys):
 
 
 def test_profile_gives_diverse_layers_more_slots(models):
-    from mlx_streaming.core.format import load_meta
-
+    from mlx_streaming.core.meta import load_meta
     _, ed = models.experts("tiny-qwen3_moe")  # 3 MoE layers, 16 experts, top-4
     meta = load_meta(ed)
     trace = local_trace(T=800, L=3, E=16, k=4, concentrated=(0, 2))

@@ -14,7 +14,7 @@ from mlx_lm import load
 
 import mlx_streaming
 from mlx_streaming.analysis.verify import compare_traces, greedy_trace
-from mlx_streaming.core.format import load_meta
+from mlx_streaming.core.meta import load_meta
 from mlx_streaming.prep.requantize import requantize
 
 PROMPT = "Requantized experts take fewer bytes per token, and the cache holds more of them."

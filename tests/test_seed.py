@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_streaming.core.format import load_meta
+from mlx_streaming.core.meta import load_meta
 
 SEED = Path(os.environ.get(
     "MLX_STREAMING_SEED",

@@ -101,7 +101,7 @@ def test_models_health_and_queue(server):
 def test_failing_request_gets_an_error_and_the_server_keeps_serving(models, tmp_path):
     import shutil
 
-    from mlx_streaming.core.format import load_meta
+    from mlx_streaming.core.meta import load_meta
 
     ck, src = models.experts("tiny-qwen3_moe")
     ed = tmp_path / "experts"

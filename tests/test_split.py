@@ -12,7 +12,8 @@ import pytest
 
 import mlx_streaming.prep.split_experts as se
 from mlx_streaming import split_model
-from mlx_streaming.core.format import ALIGN, META_NAME, load_meta
+from mlx_streaming.core.format import ALIGN, META_NAME
+from mlx_streaming.core.meta import load_meta
 
 
 @pytest.mark.parametrize("arch", ["tiny-gpt_oss", "tiny-deepseek_v3"])

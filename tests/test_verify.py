@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mlx_streaming.cli import main
-from mlx_streaming.core.format import load_meta
+from mlx_streaming.core.meta import load_meta
 
 
 def test_verify_says_exact(models, tmp_path, capsys):

@@ -215,7 +215,7 @@ def quality_report(model: str, expert_dir: str, source_expert_dir: str | None = 
     against its source (stock ``model`` with its own experts)."""
     from mlx_lm import load as mlx_load
 
-    from ..core.format import load_meta
+    from ..core.meta import load_meta
     from ..model_builder import load
 
     new = load_meta(expert_dir)
@@ -239,7 +239,7 @@ def choose_bits(src: str, target_gb: float, model: str | None = None,
                 group_size: int = 64) -> tuple[dict, dict]:
     """Bits per layer and projection for ``requantize --target-gb``: the measured error of
     each width on real inputs, allocated under the byte target (``allocate_bits``)."""
-    from ..core.format import load_meta
+    from ..core.meta import load_meta
     from ..model_builder import load
 
     meta = load_meta(src)

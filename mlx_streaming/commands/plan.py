@@ -46,8 +46,7 @@ def _shape(a, trace: RoutingTrace) -> PoolShape:
         return PoolShape([a.expert_bytes] * trace.layers, trace.num_experts,
                          a.top_k or trace.top_k)
     if a.expert_dir:
-        from ..core.format import load_meta
-
+        from ..core.meta import load_meta
         return PoolShape.from_meta(load_meta(a.expert_dir))
     from ..core.discovery import find_expert_sites
     from ..prep.hub import load_lazy, resolve_model_path

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..core.cache.policy import DEFAULT_POLICY, POLICIES
-from ..core.format import load_meta
+from ..core.meta import load_meta
 from ..planning.profiles import PROFILE_NAME, build_profile, write_pool_profile
 from ..planning.trace import RoutingTrace
 from ._args import positive_float, positive_int

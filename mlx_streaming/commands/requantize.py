@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from ..prep.requantize import requantize
 from ._args import positive_int
@@ -35,8 +36,13 @@ def main(argv=None) -> None:
 
         layer_bits, report = choose_bits(a.src, a.target_gb, a.model, a.group_size or 64)
         a.layer_bits = layer_bits
+    from ..core.format import META_NAME
+    from ..model_builder import default_expert_dir
+
+    split_dir = None if (Path(a.src) / META_NAME).exists() else default_expert_dir(a.src)
     meta = requantize(a.src, a.out, a.bits, group_size=a.group_size, proj_bits=a.proj_bits,
-                      layer_bits=a.layer_bits, model_out=a.model_out, model=a.model)
+                      layer_bits=a.layer_bits, model_out=a.model_out, model=a.model,
+                      split_dir=split_dir)
     if report:
         print(json.dumps({"allocation": report}, indent=1))
     lay = next(iter(meta["layers"].values()))

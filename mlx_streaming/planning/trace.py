@@ -95,8 +95,8 @@ class RoutingTrace:
 
 
 class TraceRecorder:
-    """Collects the routing a model takes (fed by ``FileExpertStore.observers`` or by
-    ``RoutingTap`` modules) and writes it in the trace format."""
+    """Collects the routing a streamed model takes (fed by ``FileExpertStore.observers``)
+    and writes it in the trace format; ``new_sequence`` starts the next sequence."""
 
     def __init__(self, moe_layers: list[int], num_experts: int, model: str = ""):
         self.moe_layers = list(moe_layers)
@@ -128,19 +128,6 @@ class TraceRecorder:
 
     def save(self, path: str | Path) -> None:
         self.trace().save(path)
-
-
-class RoutingTap(nn.Module):
-    """Sits in front of an expert module and reports its routing (stock models)."""
-
-    def __init__(self, inner: nn.Module, layer: int, recorder: TraceRecorder):
-        super().__init__()
-        self.inner, self.layer = inner, layer
-        self._recorder = recorder
-
-    def __call__(self, x, indices):
-        self._recorder(self.layer, np.array(indices))
-        return self.inner(x, indices)
 
 
 class TraceRouting:

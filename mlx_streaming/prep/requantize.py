@@ -25,7 +25,6 @@ from ..core.format import (
     ExpertMeta,
     LayerLayout,
     Quant,
-    load_meta,
     mx_dtype_name,
     parts_of,
     plan_layout,
@@ -33,6 +32,7 @@ from ..core.format import (
     write_json_atomic,
 )
 from ..core.io.reader import RecordReader, aligned_buffer
+from ..core.meta import load_meta
 from .hub import resolve_model_path
 from .split_experts import split_model
 from .writer import prepare_out_dir, write_layer_file
@@ -140,7 +140,8 @@ def _dst_layout(src: LayerLayout, target: dict) -> LayerLayout:
 def requantize(src: str | Path, out: str | Path, bits: int = 4, *, group_size: int | None = None,
                proj_bits: dict | str | None = None, layer_bits: dict | str | Path | None = None,
                mode: str = "affine", model_out: str | Path | None = None,
-               model: str | Path | None = None, progress: bool | None = None) -> dict:
+               model: str | Path | None = None, split_dir: str | Path | None = None,
+               progress: bool | None = None) -> dict:
     """Requantize the experts of ``src`` (an expert directory, or a model to split first).
 
     Args:
@@ -153,16 +154,19 @@ def requantize(src: str | Path, out: str | Path, bits: int = 4, *, group_size: i
         mode: MLX quantization mode.
         model_out: Also write a standard MLX model with these experts stacked.
         model: The source model (for ``model_out``; default: the one ``src`` was split from).
+        split_dir: Where to split ``src`` when it is a model (``load``'s default expert
+            directory when called from the command line).
 
     Returns:
         The new meta dict.
     """
     src = Path(src)
     if not (src / META_NAME).exists():
-        from ..model_builder import default_expert_dir
-
+        if split_dir is None:
+            raise ValueError(f"{src} is not an expert directory: give one, or pass split_dir "
+                             "to split the model there first")
         model = model or src
-        src = default_expert_dir(str(src))
+        src = Path(split_dir)
         split_model(resolve_model_path(model), src, progress=progress)
     meta = load_meta(src)
     if isinstance(layer_bits, (str, Path)):

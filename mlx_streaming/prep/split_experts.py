@@ -30,13 +30,13 @@ from ..core.format import (
     ExpertMeta,
     LayerLayout,
     Quant,
-    load_meta,
     mx_dtype_name,
     plan_layout,
     summarize_dims,
     write_json_atomic,
 )
 from ..core.io.safetensors import SafetensorsIndex
+from ..core.meta import load_meta
 from .hub import load_lazy, resolve_model_path
 from .writer import prepare_out_dir, write_layer_file
 

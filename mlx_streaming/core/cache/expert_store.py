@@ -18,69 +18,19 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 import numpy as np
-import xxhash
 
-from ..format import ExpertDirError, ExpertMeta, load_meta
-from ..io.reader import Done, RecordJob, RecordReader
+from ..format import ExpertDirError, ExpertMeta
+from ..io.reader import RecordReader
+from ..meta import load_meta
+from .calls import LayerCall
+from .loads import Loader
 from .policy import DEFAULT_POLICY, make_policy
-from .pool import LayerPool, default_mode, default_zero_slot
+from .pool import LayerPool, cuda_self_test, default_mode, default_zero_slot
 from .recording import RoutingCounts
 from .slots import SlotCache
-from .staging import Staging
 from .stats import LayerStats, ResidentSet, stat_names, summarize
 
 TRACK_EVAL_BYTES = 1 << 20  # outputs larger than this are evaluated, not held
-
-
-class ExpertChecksumError(ExpertDirError):
-    """A record read from disk does not match its checksum."""
-
-
-class Ticket:
-    """A load in flight: slots reserved, reads issued. ``wait`` finishes it."""
-
-    def __init__(self, layer, experts, misses, placed, future, rows, prefetch,
-                 finish: Callable[[Ticket], None]):
-        self.layer, self.experts, self.misses, self.placed = layer, experts, misses, placed
-        self.future, self.rows, self.prefetch = future, rows, prefetch
-        self.t0 = time.perf_counter()
-        self.done = False
-        self._finish = finish
-
-    def wait(self) -> int:
-        """Finish the load (commit, or abort and raise); returns the misses loaded."""
-        if not self.done:
-            self.done = True
-            self._finish(self)
-        return len(self.misses)
-
-
-class LayerCall:
-    """The expert work of one MoE layer call, as the store planned it.
-
-    ``slots``: device-side slot ids for every row, when no host work is needed.
-    Otherwise ``host_ids`` is the routing read on the host and ``steps()`` yields
-    ``(rows, slots)`` once each step's experts are resident: ``rows`` a boolean mask
-    shaped like the routing (None: every row), ``slots`` the slot of every row. With
-    ``settle``, each step's output must be evaluated before the next step (it reuses
-    slots).
-    """
-
-    def __init__(self, layer: int, complete: Callable, slots: mx.array | None = None,
-                 host_ids: np.ndarray | None = None, settle: bool = False):
-        self.layer, self.slots, self.host_ids = layer, slots, host_ids
-        self.settle = settle
-        self.misses = 0  # experts this call loaded
-        self.plan: Iterator | None = None  # the steps, set by the store
-        self.also: np.ndarray | None = None  # request(also=...) read on the host
-        self._complete = complete
-
-    def steps(self) -> Iterator[tuple[np.ndarray | None, np.ndarray]]:
-        return self.plan if self.plan is not None else iter(())
-
-    def done(self, y: mx.array) -> mx.array:
-        """Complete the call with its output; returns it."""
-        return self._complete(self, y)
 
 
 class FileExpertStore:
@@ -135,10 +85,10 @@ class FileExpertStore:
         self.routing = RoutingCounts({li: meta.layers[li].num_experts for li in caps})
         self.routing.on = record
         self.observers: list[Callable] = []  # callables(layer, host_ids) seeing the routing
-        self._staging: dict[int, Staging] = {}
         self._pending_hits: list = []  # lazy device counts of device-path lookups
-        self._inflight: dict[int, list[Ticket]] = {li: [] for li in caps}  # read-aheads
         self._readers: dict[int, list] = {li: [] for li in caps}  # lazy outputs per layer
+        self.loads = Loader(meta, self.caches, self._resident.pools, self.reader, self.stats,
+                            verify, clear_on_evict, self._guard)
 
     # ------------------------------------------------------------ set-up
     def _capacities(self, capacity, layer_caps) -> dict[int, int]:
@@ -174,7 +124,7 @@ class FileExpertStore:
         try:
             pools = make(mode)
             if mode == "cuda":
-                _cuda_self_test(next(iter(pools.values())))
+                cuda_self_test(next(iter(pools.values())))
             return pools
         except Exception as e:  # noqa: BLE001
             if not (auto and mode == "cuda"):
@@ -201,12 +151,6 @@ class FileExpertStore:
     @record.setter
     def record(self, on: bool) -> None:
         self.routing.on = bool(on)
-
-    def _stage(self, layer: int) -> Staging:
-        stride = self.meta.layers[layer].stride
-        if stride not in self._staging:
-            self._staging[stride] = Staging(stride, pinned=self.pool_mode == "cuda")
-        return self._staging[stride]
 
     # ------------------------------------------------------------ the layer call
     def request(self, layer: int, indices: mx.array, overlap: bool = True,
@@ -235,7 +179,7 @@ class FileExpertStore:
         experts, counts = np.unique(host, return_counts=True)
         if self.routing.on:
             self.routing.add(layer, experts, counts)
-        self.settle(layer, experts)
+        self.loads.settle(layer, experts)
         groups = cache.groups(experts, counts)
         call = LayerCall(layer, self._complete, host_ids=host, settle=len(groups) > 1)
         call.also = None if also is None else np.array(also)
@@ -249,7 +193,7 @@ class FileExpertStore:
     def _one_group(self, call: LayerCall, experts: np.ndarray, overlap: bool) -> Iterator:
         """Start the misses' reads now; the steps wait for them."""
         pool, host = self.pool(call.layer), call.host_ids
-        ticket = self.begin(call.layer, experts)
+        ticket = self.loads.begin(call.layer, experts)
         call.misses = len(ticket.misses)
         split = call.misses and overlap and call.misses < len(experts)
 
@@ -269,7 +213,7 @@ class FileExpertStore:
         most once per call; rows computed exactly as in one shot."""
         pool, host = self.pool(call.layer), call.host_ids
         for g in groups:
-            call.misses += self.fetch(call.layer, g)
+            call.misses += self.loads.fetch(call.layer, g)
             yield np.isin(host, g), pool.slots_of(host)
 
     def _complete(self, call: LayerCall, y: mx.array) -> mx.array:
@@ -327,41 +271,12 @@ class FileExpertStore:
             self._readers[layer].clear()
 
     # ------------------------------------------------------------ loading
-    def begin(self, layer: int, experts: np.ndarray) -> Ticket:
-        """Start making distinct ``experts`` resident (they must fit): reserve slots and
-        issue the reads. ``Ticket.wait()`` finishes; until then only the experts that
-        were already resident (``ticket.misses`` excluded) may be used."""
-        cache = self.caches[layer]
-        _, misses = cache.split(experts)
-        load = misses
-        if cache.capacity >= cache.num_experts:  # room for all: load the whole layer once
-            load = cache.split(np.arange(cache.num_experts))[1]
-        placed = cache.reserve(np.sort(load), protect=set(experts.tolist()))
-        return self._issue(layer, experts, misses, placed, prefetch=False)
-
-    def fetch(self, layer: int, experts: np.ndarray) -> int:
-        """Make distinct ``experts`` resident now; returns the number of misses loaded."""
-        return self.begin(layer, experts).wait()
-
+    # ------------------------------------------------------------ loading
     def prefetch(self, layer: int, experts, limit: int | None = None) -> int:
         """Read ahead experts a coming call of ``layer`` is expected to need, into free
         or evictable slots (never pinned ones, nor ``experts`` themselves). Best effort;
         the next call of the layer settles them. Returns how many were issued."""
-        cache = self.caches[layer]
-        experts = np.asarray(experts, dtype=np.int64)
-        todo = [int(e) for e in experts if cache.slot_of[e] < 0 and e not in cache.pending]
-        if not todo:
-            return 0
-        placed = cache.reserve(todo, protect=set(experts.tolist()), limit=limit)
-        if not placed:
-            return 0
-        t = self._issue(layer, experts, np.array([e for e, _, _ in placed]), placed,
-                        prefetch=True)
-        self._inflight[layer].append(t)
-        st = self.stats[layer]
-        st.prefetched += len(placed)
-        st.prefetch_bytes += len(placed) * self.meta.layers[layer].record_bytes
-        return len(placed)
+        return self.loads.prefetch(layer, experts, limit)
 
     def note_prediction(self, layer: int, predicted: np.ndarray, routed: np.ndarray) -> None:
         """Score a predictor's guess for ``layer`` against the experts it was routed to."""
@@ -369,89 +284,6 @@ class FileExpertStore:
         st.predicted += len(predicted)
         st.routed_after_prediction += len(routed)
         st.predicted_right += len(np.intersect1d(predicted, routed))
-
-    def settle(self, layer: int, needed: np.ndarray | None = None) -> None:
-        """Finish this layer's read-aheads; count those ``needed`` now."""
-        tickets, self._inflight[layer] = self._inflight[layer], []
-        need = set() if needed is None else set(needed.tolist())
-        st = self.stats[layer]
-        for t in tickets:
-            on_time = t.future.done()
-            try:
-                t.wait()
-            except Exception:  # noqa: BLE001 - a failed read-ahead is retried on demand
-                continue
-            used = need.intersection(t.misses.tolist())
-            st.prefetch_used += len(used)
-            st.prefetch_on_time += len(used) if on_time else 0
-
-    def _issue(self, layer, experts, misses, placed, prefetch) -> Ticket:
-        pool, lay = self.pool(layer), self.meta.layers[layer]
-        if not placed:
-            return Ticket(layer, experts, misses, placed, Done(0), None, prefetch, self._finish)
-        self._guard(layer)
-        direct = pool.mode == "host" and not self.reader.aligned
-        rows = None if direct else self._stage(layer).take(len(placed))
-        jobs = []
-        for i, (e, s, _) in enumerate(placed):
-            if direct:
-                bufs = pool.record_bufs(s)
-            else:
-                bufs = [rows[i] if self.reader.aligned else rows[i][: lay.record_bytes]]
-            copy = (lambda a, b, s=s, r=rows[i]: pool.copy_range(s, r, a, b)) \
-                if pool.mode == "cuda" else None
-            after = self._after(layer, e, bufs, (lambda s=s, r=rows[i]: pool.place(s, r))
-                                if pool.mode == "host" and rows is not None else None)
-            jobs.append(RecordJob(e, bufs, after, copy))
-        fut = self.reader.submit(layer, jobs)
-        return Ticket(layer, experts, misses, placed, fut, rows, prefetch, self._finish)
-
-    def _after(self, layer, expert, bufs, place):
-        """Work done on the reader thread once a record has landed."""
-        want = self.meta.layers[layer].checksums
-        nbytes = self.meta.layers[layer].record_bytes
-        check = self.verify and bool(want)
-
-        def after():
-            if check:
-                h = xxhash.xxh3_64()
-                left = nbytes
-                for b in bufs:
-                    h.update(b[:left])
-                    left -= min(left, b.nbytes)
-                if h.hexdigest() != want[expert]:
-                    raise ExpertChecksumError(
-                        f"expert {expert} of layer {layer} in {self.meta.file(layer)} fails its "
-                        f"checksum ({h.hexdigest()} != {want[expert]}): the file is corrupt; "
-                        "split the model again")
-            if place is not None:  # O_DIRECT: staging -> slot
-                place()
-        return after
-
-    def _finish(self, t: Ticket) -> None:
-        cache, pool, st = self.caches[t.layer], self.pool(t.layer), self.stats[t.layer]
-        try:
-            nbytes = t.future.result()
-            if t.placed and pool.mode == "mlx":
-                pool.write([e for e, _, _ in t.placed], [s for _, s, _ in t.placed],
-                           np.stack(t.rows))
-                mx.eval(pool.state())  # staging rows are reused next
-        except BaseException:
-            cache.abort(t.placed)  # no slot stays marked resident with bad or partial data
-            raise
-        finally:
-            if t.rows is not None:
-                self._stage(t.layer).give(t.rows)
-        if t.placed:
-            pool.set_lut([e for e, _, _ in t.placed], [s for _, s, _ in t.placed])
-        cache.commit(t.placed)
-        if not t.prefetch:
-            st.read_s += time.perf_counter() - t.t0
-            cache.access(t.experts, len(t.misses))
-            if any(v >= 0 for _, _, v in t.placed) and self.clear_on_evict:
-                mx.clear_cache()
-        st.bytes_read += nbytes
-        st.records_read += len(t.placed)
 
     # ------------------------------------------------------------ pinning / recording
     def pin(self, layer: int, ids) -> None:
@@ -468,10 +300,10 @@ class FileExpertStore:
                 f"{self.top_k} of its {cache.capacity} slots free; pin at most "
                 f"{cache.capacity - self.top_k} or raise the capacity"
             )
-        self.settle(layer)
+        self.loads.settle(layer)
         _, misses = cache.split(ids)
         placed = cache.reserve(misses, protect=set(ids.tolist()) | cache.pinned)
-        self._issue(layer, ids, misses, placed, prefetch=True).wait()
+        self.loads.issue(layer, ids, misses, placed, prefetch=True).wait()
         cache.pinned |= set(ids.tolist())
 
     def hot(self, layer: int, n: int) -> list[int]:
@@ -543,24 +375,8 @@ class FileExpertStore:
     def close(self) -> None:
         """Finish read-aheads and close the files."""
         for li in self.caches:
-            self.settle(li)
+            self.loads.settle(li)
         self.reader.close()
-
-
-def _cuda_self_test(pool: LayerPool) -> None:
-    """Copy a pattern into slot 0 with the CUDA path and read it back through MLX."""
-    from ..io import cuda
-
-    lay = pool.layout
-    row = cuda.pinned(lay.stride)
-    row[:] = np.arange(lay.stride, dtype=np.uint64).astype(np.uint8)
-    half = lay.record_bytes // 2 + 1  # two pieces, the cut inside a part
-    pool.copy_range(0, row, 0, half)
-    pool.copy_range(0, row, half, lay.record_bytes)
-    for p in lay.parts:
-        got = np.array(pool.arrays[p.name][0].view(mx.uint8)).reshape(-1)
-        if not np.array_equal(got, row[p.offset:p.offset + p.nbytes]):
-            raise RuntimeError(f"read back wrong bytes for {p.name}")
 
 
 def _check_count(what: str, v) -> None:

@@ -212,3 +212,17 @@ class LayerPool:
         """Address of each part array's buffer (to show that writes are in place)."""
         return {k: np.array(v if v.dtype != mx.bfloat16 else v.view(mx.uint16),
                             copy=False).ctypes.data for k, v in self.arrays.items()}
+
+
+def cuda_self_test(pool: LayerPool) -> None:
+    """Copy a pattern into slot 0 with the CUDA path and read it back through MLX."""
+    lay = pool.layout
+    row = cuda.pinned(lay.stride)
+    row[:] = np.arange(lay.stride, dtype=np.uint64).astype(np.uint8)
+    half = lay.record_bytes // 2 + 1  # two pieces, the cut inside a part
+    pool.copy_range(0, row, 0, half)
+    pool.copy_range(0, row, half, lay.record_bytes)
+    for p in lay.parts:
+        got = np.array(pool.arrays[p.name][0].view(mx.uint8)).reshape(-1)
+        if not np.array_equal(got, row[p.offset:p.offset + p.nbytes]):
+            raise RuntimeError(f"read back wrong bytes for {p.name}")

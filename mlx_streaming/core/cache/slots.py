@@ -55,9 +55,6 @@ class SlotCache:
         """Every expert is resident: no lookup can miss."""
         return self.resident == self.num_experts
 
-    def resident_experts(self) -> np.ndarray:
-        return np.nonzero(self.slot_of >= 0)[0]
-
     def split(self, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(resident, not resident) among distinct ``experts``."""
         r = self.slot_of[experts] >= 0

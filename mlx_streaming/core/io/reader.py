@@ -135,9 +135,6 @@ class RecordReader:
         if len(self._sink) < stride:
             self._sink = memoryview(bytearray(stride))
 
-    def stride(self, key) -> int:
-        return self._files[key][1]
-
     def _runs(self, stride: int, jobs: list[RecordJob]) -> list[list[RecordJob]]:
         """Adjacent records whose reads can be one preadv (padding goes to a sink)."""
         runs: list[list[RecordJob]] = []
