@@ -10,9 +10,7 @@ RSS and queue depth throughout.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -20,41 +18,27 @@ import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
+from harness import build, finish, parser
 
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS"):
-                return int(line.split()[1]) * 1024
-    return 0
+from mlx_streaming.core.mem import rss_bytes as rss
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="demo")
-    p.add_argument("--workdir", default="scratch/load")
+    p = parser(__doc__, preset="demo", trace=False, workdir="scratch/load")
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--requests", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--slots", type=int, default=16)
-    p.add_argument("--json", dest="json_out")
     a = p.parse_args()
     import openai
 
-    from mlx_streaming.prep.split_experts import split_model
-    from mlx_streaming.synthetic import make_checkpoint
-
-    root = Path(a.workdir)
-    ck = make_checkpoint(root / a.preset, a.preset)
-    split_model(ck, root / "experts")
+    ck, ed, _ = build(a)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "mlx_streaming", "serve", "--model", str(ck),
-                             "--expert-dir", str(root / "experts"), "--slots", str(a.slots),
+                             "--expert-dir", str(ed), "--slots", str(a.slots),
                              "--port", str(port), "--log-level", "WARNING"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
@@ -101,6 +85,7 @@ def main():
         while not stop.is_set():
             samples.append((time.perf_counter(), rss(proc.pid), health()["queue_depth"]))
             time.sleep(0.5)
+    samples.append((time.perf_counter(), rss(proc.pid), health()["queue_depth"]))
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     results, latencies, errors = {}, [], []
@@ -129,10 +114,7 @@ def main():
                for i in range(a.clients * a.requests))
     rs = [s[1] for s in samples]
     q = len(rs) // 4 or 1
-    out = {
-        "benchmark": "load", "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{os.uname().sysname} {os.uname().machine}, {os.cpu_count()} cores",
-        "command": "python benchmarks/load.py " + " ".join(sys.argv[1:]),
+    finish(a, "load", {
         "model": a.preset, "slots": a.slots, "clients": a.clients,
         "requests_per_client": a.requests, "distinct_requests": len(kinds),
         "completed": len(results), "errors": errors[:5], "error_count": len(errors),
@@ -146,10 +128,7 @@ def main():
         "server_rss_mb_first_quarter": round(statistics.mean(rs[:q]) / 1e6, 1),
         "server_rss_mb_last_quarter": round(statistics.mean(rs[-q:]) / 1e6, 1),
         "server_rss_drift": round(statistics.mean(rs[-q:]) / statistics.mean(rs[:q]) - 1, 4),
-    }
-    print(json.dumps(out, indent=1))
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps(out, indent=1) + "\n")
+    })
 
 
 if __name__ == "__main__":

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from harness import finish, parser
 
 from mlx_streaming.core.mem import MemorySampler
 
@@ -41,8 +42,8 @@ def _imports():
 
 def phase_split(model: str, experts: str) -> dict:
     _imports()
-    from mlx_streaming.core.meta import load_meta
     from mlx_streaming.core.mem import peak_rss_bytes, rss_bytes
+    from mlx_streaming.core.meta import load_meta
     from mlx_streaming.prep.split_experts import split_model
 
     base = rss_bytes()
@@ -72,7 +73,6 @@ def phase_run(model: str, experts: str, slots: int, tokens: int, stock: bool) ->
     from mlx_lm import load, stream_generate
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_streaming.core.meta import load_meta
     from mlx_streaming.core.mem import rss_bytes
 
     prompt = "Memory benchmark: streaming experts from disk keeps resident memory small. " * 4
@@ -84,13 +84,10 @@ def phase_run(model: str, experts: str, slots: int, tokens: int, stock: bool) ->
             m, tok = load(model)
             store = None
         else:
-            from mlx_streaming import FileExpertStore, patch_model_filebacked
+            import mlx_streaming
 
-            m, tok = load(model, lazy=True)
-            store = FileExpertStore(experts, capacity=slots)
-            d = load_meta(experts).dims
-            patch_model_filebacked(m, store, d["hidden"], d["moe_inter"], d["group_size"],
-                                   d["bits"])
+            m, tok, store = mlx_streaming.load(model, experts, slots=slots, cache_limit_gb=0,
+                                               progress=False)
         cache = make_prompt_cache(m)
         n = 0
         for r in stream_generate(m, tok, prompt, max_tokens=tokens, prompt_cache=cache):
@@ -136,7 +133,7 @@ def phase_budget(model: str, experts: str, budget_gb: float, tokens: int) -> dic
         for r in stream_generate(m, tok, "Write a long story about experts on a disk.",
                                  max_tokens=tokens, prompt_cache=cache):
             n = r.generation_tokens
-    plan = store.memory_plan
+    plan = mlx_streaming.memory_plan(m, store)
     kv = _kv_bytes(cache)
     peak = max(s.peak_rss, peak_rss_bytes())
     expected = plan.trunk_bytes + int(budget_gb * 1e9) + kv
@@ -157,9 +154,7 @@ def _sub(args: list[str]) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workdir", default="scratch/memory-bench")
+    p = parser(__doc__, preset=None, trace=False, workdir="scratch/memory-bench")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--experts", type=int, default=64)
@@ -167,7 +162,6 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--no-stock", action="store_true")
-    p.add_argument("--json", dest="json_out")
     p.add_argument("--budget-gb", type=float, default=0.0,
                    help="also run load(budget_gb=...) and generate --budget-tokens tokens")
     p.add_argument("--budget-tokens", type=int, default=512)
@@ -212,11 +206,7 @@ def main() -> None:
         if a.budget_gb else None
     expert_bytes = stock["param_bytes"] - stream["trunk_bytes"] if stock else None
     expected = stream["trunk_bytes"] + stream["pool_bytes"] + stream["kv_bytes"]
-    result = {
-        "benchmark": "memory",
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{os.uname().sysname} {os.uname().machine}, {os.cpu_count()} cores",
-        "command": "python benchmarks/memory.py " + " ".join(sys.argv[1:]),
+    finish(a, "memory", {
         "checkpoint_gb": round(checkpoint_bytes(model) / 1e9, 3),
         "build_s": round(build_s, 1),
         "layers": a.layers, "experts": a.experts, "top_k": a.top_k, "slots": a.slots,
@@ -244,12 +234,7 @@ def main() -> None:
             "mlx_peak_mb": round(budget["mlx_peak"] / 1e6, 1),
             "within_10pct": budget["peak_rss_delta"] <= 1.10 * budget["expected"]
             and budget["mlx_peak"] <= 1.10 * budget["expected"]},
-    }
-    text = json.dumps(result, indent=1)
-    print(json.dumps({k: v for k, v in result.items() if k != "stream_rss_series"}, indent=1))
-    if a.json_out:
-        Path(a.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json_out).write_text(text + "\n")
+    }, quiet=("stream_rss_series",))
 
 
 if __name__ == "__main__":

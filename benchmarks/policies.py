@@ -13,14 +13,12 @@ more than the past).
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from collections import OrderedDict
-from pathlib import Path
 
 import numpy as np
+from harness import finish, log, parser
 
 from mlx_streaming.core.cache.policy import POLICIES
 from mlx_streaming.core.cache.slots import SlotCache
@@ -85,20 +83,14 @@ def e128(t):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trace", default=str(Path(__file__).resolve().parents[2] / "shared"
-                                          / "traces" / "deepseek-v2-lite.npz"))
+    p = parser(__doc__, preset=None)
     p.add_argument("--tokens", type=int, default=20000)
-    p.add_argument("--json", dest="json_out")
     a = p.parse_args()
     t0 = time.perf_counter()
     trace = RoutingTrace.load(a.trace)
     fit, held = trace.split(0.5)
     names = [*POLICIES, "belady"]
-    out = {"benchmark": "policies", "date": time.strftime("%Y-%m-%d"),
-           "command": "python benchmarks/policies.py " + " ".join(sys.argv[1:]),
-           "trace": a.trace, "held_out_tokens": a.tokens, "variants": {}}
+    out = {"trace": a.trace, "held_out_tokens": a.tokens, "variants": {}}
     for name, tr, sizes in (("deepseek-v2-lite", held, (8, 16, 32)),
                             ("top-1", top1(held), (4, 8, 16)),
                             ("128-experts", e128(held), (16, 32, 64))):
@@ -111,13 +103,13 @@ def main():
             rows[s] = {"hit_rate": {n: round(r, 4) for n, r in rates.items()},
                        "gap_closed": {n: round((rates[n] - rates["lru"]) / gap, 3)
                                       for n in POLICIES if gap > 0}}
-            print(name, s, json.dumps(rows[s]), file=sys.stderr, flush=True)
+            log(name, s, json.dumps(rows[s]))
         out["variants"][name] = {"layers": layers, "slots": rows}
     layers = sorted({round(i * (held.layers - 1) / 5) for i in range(6)})
     out["lookahead_lru"] = {
         str(s): {f"h{h}": round(lookahead(held, s, layers, a.tokens, h), 4) for h in (1, 2, 4)}
         for s in (8, 16)}
-    print("lookahead", json.dumps(out["lookahead_lru"]), file=sys.stderr, flush=True)
+    log("lookahead", json.dumps(out["lookahead_lru"]))
     pins = {}
     for s in (8, 16, 32):
         pins[s] = {}
@@ -130,11 +122,8 @@ def main():
         pins[s]["static_hottest_only"] = round(np.mean([
             np.isin(held.experts[:a.tokens, li], hot[li]).mean() for li in layers]), 4)
     out["pinning"] = pins
-    print("pinning", json.dumps(pins), file=sys.stderr, flush=True)
-    out["wall_s"] = round(time.perf_counter() - t0, 1)
-    print(json.dumps(out, indent=1))
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps(out, indent=1) + "\n")
+    log("pinning", json.dumps(pins))
+    finish(a, "policies", out, t0)
 
 
 if __name__ == "__main__":

@@ -11,35 +11,23 @@ distributions, relative output error per projection). Random weights: a relative
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-import time
 from pathlib import Path
+
+from harness import build, finish, log, parser
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="demo")
-    p.add_argument("--workdir", default="scratch/requant")
+    p = parser(__doc__, preset="demo", trace=False, workdir="scratch/requant")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--json", dest="json_out")
     a = p.parse_args()
+    from mlx_streaming.analysis.quality import quality_report
     from mlx_streaming.bench.run import BenchConfig, run_bench
-    from mlx_streaming.commands.quality import quality
     from mlx_streaming.core.meta import load_meta
     from mlx_streaming.prep.requantize import requantize
-    from mlx_streaming.prep.split_experts import split_model
-    from mlx_streaming.synthetic import make_checkpoint
 
     root = Path(a.workdir)
-    ck = make_checkpoint(root / f"{a.preset}-8bit", a.preset, bits=8)
-    src = root / "experts-8bit"
-    split_model(ck, src)
-    meta = load_meta(src)
+    ck, src, meta = build(a, bits=8)
     formats = {"8-bit": {"bits": 8}, "4-bit": {"bits": 4}, "3-bit": {"bits": 3},
                "2-bit": {"bits": 2}, "mixed gate=2,up=2,down=3": {
                    "bits": 4, "proj_bits": "gate=2,up=2,down=3"}}
@@ -47,7 +35,7 @@ def main():
     for name, spec in formats.items():
         ed = root / f"experts-{name.split()[0]}{'-mixed' if 'mixed' in name else ''}"
         requantize(src, ed, model_out=root / f"model-{ed.name}", model=ck, **spec)
-        q = quality(str(ck), str(ed), tokens=128)
+        q = quality_report(str(ck), str(ed), tokens=128)
         b = run_bench(BenchConfig(model=str(root / f"model-{ed.name}"), expert_dir=str(ed),
                                   slots=meta.num_experts // 2, max_tokens=a.tokens,
                                   repeat=a.repeat, compare_stock=True,
@@ -61,17 +49,12 @@ def main():
                "hit_rate": b["expert_hit_rate"],
                "bytes_read_per_token": b["bytes_read_per_token"],
                "exact_vs_stock_on_requantized_model": b["exact_vs_stock"]}
-        print(json.dumps(row), file=sys.stderr, flush=True)
+        log(row)
         rows.append(row)
-    out = {"benchmark": "requant", "date": time.strftime("%Y-%m-%d"),
-           "machine": f"{os.uname().sysname} {os.uname().machine}, {os.cpu_count()} cores",
-           "command": "python benchmarks/requant.py " + " ".join(sys.argv[1:]),
-           "model": f"synthetic {a.preset}, 8-bit source", "slots": meta.num_experts // 2,
-           "note": "random weights: quality figures are a relative guide only",
-           "formats": rows}
-    print(json.dumps(out, indent=1))
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps(out, indent=1) + "\n")
+    finish(a, "requant", {"model": f"synthetic {a.preset}, 8-bit source",
+                          "slots": meta.num_experts // 2,
+                          "note": "random weights: quality figures are a relative guide only",
+                          "formats": rows})
 
 
 if __name__ == "__main__":

@@ -7,15 +7,11 @@ given with it subtracted.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import mlx.core as mx
+from harness import build, finish, parser
 
 
 def kv_bytes(cache) -> int:
@@ -27,16 +23,12 @@ def kv_bytes(cache) -> int:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="demo")
-    p.add_argument("--workdir", default="scratch/soak")
+    p = parser(__doc__, preset="demo", trace=False, workdir="scratch/soak")
     p.add_argument("--tokens", type=int, default=5000)
     p.add_argument("--slots", type=int, default=16)
     p.add_argument("--stock", action="store_true",
                    help="the same generation with stock mlx-lm (all experts resident), "
                         "to tell the library's drift from MLX's and the allocator's")
-    p.add_argument("--json", dest="json_out")
     a = p.parse_args()
     from mlx_lm import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
@@ -44,15 +36,13 @@ def main():
 
     import mlx_streaming
     from mlx_streaming.core.mem import rss_bytes
-    from mlx_streaming.synthetic import make_checkpoint
 
-    root = Path(a.workdir)
-    ck = make_checkpoint(root / a.preset, a.preset)
-    model, tok, store = mlx_streaming.load(ck, root / "experts", slots=a.slots)
+    ck, ed, _ = build(a)
+    model, tok, store = mlx_streaming.load(ck, ed, slots=a.slots)
+    limit = mlx_streaming.memory_plan(model, store).cache_limit_bytes
     if a.stock:
         from mlx_lm import load
 
-        limit = store.memory_plan.cache_limit_bytes
         store.close()
         del model
         model, tok = load(str(ck))
@@ -84,10 +74,7 @@ def main():
         f = statistics.mean(v(s) for s in first)
         lst = statistics.mean(v(s) for s in last)
         return round(lst / f - 1, 4)
-    out = {
-        "benchmark": "soak", "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{os.uname().sysname} {os.uname().machine}, {os.cpu_count()} cores",
-        "command": "python benchmarks/soak.py " + " ".join(sys.argv[1:]),
+    finish(a, "soak", {
         "model": a.preset, "slots": a.slots, "generated": n, "wall_s": round(wall, 1),
         "tok_per_s": round(n / wall, 2), "hit_rate": None if a.stock else round(store.hit_rate(), 4),
         "stock": a.stock,
@@ -98,15 +85,12 @@ def main():
         "rss_drift_minus_kv": drift(1, True), "mlx_active_drift_minus_kv": drift(2, True),
         # MLX keeps freed buffers (the KV cache's old, shorter copies) up to its cache
         # limit, set by load(); RSS holds them too
-        "mlx_cache_limit_mb": round(store.memory_plan.cache_limit_bytes / 1e6, 1),
+        "mlx_cache_limit_mb": round(limit / 1e6, 1),
         "mlx_cache_mb_last": round(last[-1][4] / 1e6, 2),
         "rss_drift_minus_kv_and_mlx_cache": drift(1, True, True),
         "flat_within_2pct": abs(drift(1, True, True)) < 0.02 and abs(drift(2, True)) < 0.02,
         "samples": samples[:: max(1, len(samples) // 100)],
-    }
-    print(json.dumps({k: v for k, v in out.items() if k != "samples"}, indent=1))
-    if a.json_out:
-        Path(a.json_out).write_text(json.dumps(out, indent=1) + "\n")
+    }, quiet=("samples",))
 
 
 if __name__ == "__main__":

@@ -19,16 +19,18 @@ class MemSnapshot:
     mlx_cache_bytes: int
 
 
-def rss_bytes() -> int:
-    """Current resident set size of this process."""
+def rss_bytes(pid: int | None = None) -> int:
+    """Current resident set size of this process (or of process ``pid``)."""
     if sys.platform.startswith("linux"):
-        with open("/proc/self/statm") as f:
+        with open(f"/proc/{pid or 'self'}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    try:  # macOS: no /proc; psutil when available
+    try:  # macOS: no /proc; psutil (a dependency there)
         import psutil
 
-        return psutil.Process().memory_info().rss
+        return psutil.Process(pid).memory_info().rss
     except ImportError:
+        if pid is not None:
+            raise
         return peak_rss_bytes()
 
 

@@ -170,9 +170,13 @@ class FileExpertStore:
             call = LayerCall(layer, self._complete, slots=self.pool(layer).lut[indices])
             st.host_s += time.perf_counter() - t0
             return call
+        t_sync = time.perf_counter()
         if also is not None:
             mx.eval(indices, also)
         host = np.array(indices)  # the one host synchronisation of this layer call
+        waited = time.perf_counter() - t_sync
+        st.sync_s += waited
+        t0 += waited  # host time counts the store's own work, not the wait
         st.host_calls += 1
         for obs in self.observers:
             obs(layer, host)

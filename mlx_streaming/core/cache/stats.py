@@ -22,7 +22,8 @@ class LayerStats:
     host_calls: int = 0  # calls that read the routing on the host (one sync each)
     fastpath: int = 0  # calls with every expert resident
     fallback: int = 0  # calls that loaded misses
-    host_s: float = 0.0  # host time inside the store's request and completion
+    host_s: float = 0.0  # host time of the store's own work per call (bookkeeping)
+    sync_s: float = 0.0  # host time waiting for the routing to reach the host
     prefetched: int = 0  # experts read ahead
     prefetch_used: int = 0  # ... that a later call needed (misses avoided)
     prefetch_on_time: int = 0  # ... that had arrived before they were needed
@@ -67,6 +68,9 @@ def summarize(report: dict[int, dict]) -> dict:
     lookups = tot["hits"] + tot["misses"]
     tot["hit_rate"] = tot["hits"] / lookups if lookups else 0.0
     tot["host_us_per_call"] = 1e6 * tot["host_s"] / calls if calls else 0.0
+    # the host blocked inside a step: for the routing, then for demand reads
+    tot["host_wait_us_per_call"] = 1e6 * (tot["sync_s"] + tot["read_s"]) / calls \
+        if calls else 0.0
     tot["prefetch_precision"] = tot["prefetch_used"] / tot["prefetched"] \
         if tot["prefetched"] else None
     tot["prediction_precision"] = tot["predicted_right"] / tot["predicted"] \

@@ -1,0 +1,128 @@
+"""The set-up every benchmark shares: flags, a synthetic checkpoint and its experts, the
+real routing trace, stock and streamed models side by side, timed generations, and the
+result record (machine, command, date) printed and written as JSON.
+
+Benchmarks are scripts, not tests: they print figures measured side by side in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT.parent / "shared" / "traces" / "deepseek-v2-lite.npz"  # DeepSeek-V2-Lite routing
+PROMPT = "Explain how a mixture of experts model routes tokens, briefly."
+
+
+def log(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def parser(doc: str, preset: str | None = "dsv2-lite-cpu", trace: bool = True,
+           workdir: str = "scratch/bench") -> argparse.ArgumentParser:
+    """Flags every benchmark has: the checkpoint (--preset, --num-layers, --workdir), the
+    routing trace (--trace, 'none' for the model's own routing) and --json."""
+    p = argparse.ArgumentParser(description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    if preset is not None:
+        p.add_argument("--preset", default=preset, help="synthetic checkpoint preset")
+        p.add_argument("--num-layers", type=int, help="override the preset's layer count")
+    p.add_argument("--workdir", default=workdir, help="checkpoints and expert directories")
+    if trace:
+        p.add_argument("--trace", default=str(TRACE), help="routing trace to replay, or none")
+    p.add_argument("--json", dest="json_out", help="write the result here")
+    return p
+
+
+def build(a, **make_kw):
+    """The preset's checkpoint and its expert directory (built once, reused):
+    ``(checkpoint, expert_dir, meta)``."""
+    from mlx_streaming.prep.split_experts import ensure_split
+    from mlx_streaming.synthetic import make_checkpoint
+
+    root = Path(a.workdir)
+    tag = a.preset + (f"-{a.num_layers}l" if getattr(a, "num_layers", None) else "")
+    tag += "".join(f"-{k}{v}" for k, v in sorted(make_kw.items()))
+    ck = make_checkpoint(root / tag, a.preset, num_layers=getattr(a, "num_layers", None),
+                         **make_kw)
+    ed = root / f"{tag}-experts"
+    return ck, ed, ensure_split(ck, ed)
+
+
+def routing_trace(a):
+    """``(trace, start)``: the trace and its held-out half's first token, or (None, 0)."""
+    if getattr(a, "trace", "none") in (None, "none"):
+        return None, 0
+    from mlx_streaming.planning.trace import RoutingTrace
+
+    trace = RoutingTrace.load(a.trace)
+    return trace, trace.split(0.5)[0].tokens
+
+
+def stock(ck, trace=None, start: int = 0):
+    """Stock mlx-lm, every expert resident: ``(model, tokenizer, routing)``."""
+    from mlx_lm import load
+
+    model, tok = load(str(ck))
+    return model, tok, _route(model, trace, start)
+
+
+def streamed(ck, ed, trace=None, start: int = 0, **load_kw):
+    """``mlx_streaming.load`` with ``load_kw``: ``(model, tokenizer, store, routing)``."""
+    import mlx_streaming
+
+    model, tok, store = mlx_streaming.load(ck, ed, progress=False, **load_kw)
+    return model, tok, store, _route(model, trace, start)
+
+
+def _route(model, trace, start):
+    if trace is None:
+        return None
+    from mlx_streaming.planning.trace import apply_trace_routing
+
+    return apply_trace_routing(model, trace, start)
+
+
+def rewind(start: int, *routings) -> None:
+    """Make trace-routed models replay from the same token."""
+    for r in routings:
+        if r is not None:
+            r.cursor = start
+
+
+def decode_run(model, tok, ids, tokens: int, prefill: int = 2048):
+    """One ``stream_generate``: (decode tok/s, prefill tok/s, generated tokens)."""
+    from mlx_lm import stream_generate
+
+    *_, last = stream_generate(model, tok, ids, max_tokens=tokens, prefill_step_size=prefill)
+    return last.generation_tps, last.prompt_tps, last.generation_tokens
+
+
+def machine() -> str:
+    u = os.uname()
+    dev = mx.device_info().get("device_name", str(mx.default_device()))
+    return (f"{u.sysname} {u.machine}, {os.cpu_count()} cores, MLX {mx.__version__} on "
+            f"{mx.default_device()} ({dev})")
+
+
+def finish(a, name: str, result: dict, t0: float | None = None, quiet=()) -> dict:
+    """Stamp ``result`` with the benchmark, date, machine and command, print it (without
+    the ``quiet`` keys) and write it to ``--json``."""
+    out = {"benchmark": name, "date": time.strftime("%Y-%m-%d"), "machine": machine(),
+           "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+           **result}
+    if t0 is not None:
+        out["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps({k: v for k, v in out.items() if k not in quiet}, indent=1,
+                     ensure_ascii=False))
+    if a.json_out:
+        Path(a.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json_out).write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
+    return out

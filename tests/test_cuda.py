@@ -1,0 +1,51 @@
+"""On MLX's CUDA backend (skipped elsewhere): the pool modes, the start-up kernel
+self-test and the verify command, on small synthetic models in bf16, the dtype of real
+checkpoints. Run on a GPU machine with ``python -m pytest -m cuda``."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+
+import mlx_streaming
+from mlx_streaming.analysis.verify import compare_traces, greedy_trace
+from mlx_streaming.core.dispatch import backend
+from mlx_streaming.core.meta import load_meta
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend"),
+]
+
+TEXT = "A mixture of experts routes each token to a few experts out of many. " * 3
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3_next", "tiny-mixtral", "thresholds-qwen3_moe"])
+@pytest.mark.parametrize("mode", ["cuda", "mlx"])
+def test_streamed_equals_stock_on_cuda(models, tmp_path, preset, mode):
+    ck, ed = models.experts(preset, dtype="bfloat16")
+    ref, tok = load(str(ck))
+    ids = tok.encode(TEXT)
+    want = {c: greedy_trace(ref, ids, 12, c) for c in (8, 64)}
+    meta = load_meta(ed)
+    for slots in (meta.top_k, meta.num_experts // 2, meta.num_experts):
+        model, _, store = mlx_streaming.load(ck, ed, slots=slots, pool_mode=mode,
+                                             options=mlx_streaming.StreamOptions(
+                                                 kernel_check=True,
+                                                 kernel_cache=tmp_path / "k.json"))
+        assert store.pool_mode == mode
+        for chunk, ref_trace in want.items():
+            cmp = compare_traces(ref_trace, greedy_trace(model, ids, 12, chunk))
+            assert cmp.exact, (slots, chunk, cmp.to_json())
+        store.close()
+
+
+def test_verify_on_cuda(models, capsys):
+    from mlx_streaming.cli import main
+
+    ck, ed = models.experts("thresholds-qwen3_moe", dtype="bfloat16")
+    main(["verify", "--model", str(ck), "--expert-dir", str(ed), "--slots", "16",
+          "--max-tokens-per-call", "128"])
+    assert capsys.readouterr().out.strip().endswith("exact")
+    assert mx.default_device() != mx.cpu
