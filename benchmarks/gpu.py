@@ -60,6 +60,7 @@ def probe(record_mb: float, file_gb: float, path: str) -> dict:
         def copy():
             cuda.copy_to_device(ptr, src.ctypes.data, n)
             cuda.synchronize()
+
         out["h2d_pinned_copy_gbps"] = round(n / _median(copy) / 1e9, 2)
     x, w = mx.random.normal((1, 2048)), mx.random.normal((2048, 512))
     mx.eval(x, w)
@@ -71,6 +72,7 @@ def probe(record_mb: float, file_gb: float, path: str) -> dict:
             if sync:
                 np.array(mx.argmax(y, axis=-1))
         mx.eval(y)
+
     chain(True)
     out["48_layers_no_sync_ms"] = round(_median(lambda: chain(False)) * 1e3, 3)
     out["48_layers_sync_each_ms"] = round(_median(lambda: chain(True)) * 1e3, 3)
@@ -99,6 +101,7 @@ def read_bandwidth(file_gb: float, record_mb: float, path: str) -> dict:
 
             def one(j, ids=ids, bufs=bufs, threads=threads, fd=fd):
                 return os.preadv(fd, [memoryview(bufs[j % threads])], int(ids[j]) * rec)
+
             if not direct:  # warm the page cache for these records first
                 for j in range(len(ids)):
                     one(j)
@@ -112,13 +115,16 @@ def read_bandwidth(file_gb: float, record_mb: float, path: str) -> dict:
 
 
 def profile(a, ck, ed, meta, trace, start) -> list[dict]:
-    configs = [("resident", 1.0, {}), ("resident+host sync", 1.0, {"record": True}),
-               ("50%", 0.5, {}), ("25%", 0.25, {})]
+    configs = [
+        ("resident", 1.0, {}),
+        ("resident+host sync", 1.0, {"record": True}),
+        ("50%", 0.5, {}),
+        ("25%", 0.25, {}),
+    ]
     out = []
     for name, r, kw in configs:
         slots = max(meta.top_k, round(r * meta.num_experts))
-        model, tok, store, _ = streamed(ck, ed, trace, start, slots=slots,
-                                        threads=a.threads, **kw)
+        model, tok, store, _ = streamed(ck, ed, trace, start, slots=slots, threads=a.threads, **kw)
         ids = tok.encode(PROMPT)
         decode_run(model, tok, ids, a.tokens)
         runs = []
@@ -127,13 +133,17 @@ def profile(a, ck, ed, meta, trace, start) -> list[dict]:
             runs.append(decode_run(model, tok, ids, a.tokens))
         t = store.totals()
         n = runs[-1][2] + len(ids)
-        rec = {"config": name, "slots": slots, "pool_mode": store.pool_mode,
-               "tok_per_s": round(statistics.median(r[0] for r in runs), 2),
-               "hit_rate": round(t["hit_rate"], 4),
-               "host_us_per_layer_call": round(t["host_us_per_call"], 1),
-               "read_wait_ms_per_token": round(1e3 * t["read_s"] / n, 3),
-               "host_syncs_per_token": round(t["host_calls"] / n, 2),
-               "misses_per_token": round(t["misses"] / n, 2)}
+        rec = {
+            "config": name,
+            "slots": slots,
+            "pool_mode": store.pool_mode,
+            "tok_per_s": round(statistics.median(r[0] for r in runs), 2),
+            "hit_rate": round(t["hit_rate"], 4),
+            "host_us_per_layer_call": round(t["host_us_per_call"], 1),
+            "read_wait_ms_per_token": round(1e3 * t["read_s"] / n, 3),
+            "host_syncs_per_token": round(t["host_calls"] / n, 2),
+            "misses_per_token": round(t["misses"] / n, 2),
+        }
         log(rec)
         out.append(rec)
         store.close()

@@ -25,12 +25,17 @@ def log(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
-def parser(doc: str, preset: str | None = "dsv2-lite-cpu", trace: bool = True,
-           workdir: str = "scratch/bench") -> argparse.ArgumentParser:
+def parser(
+    doc: str,
+    preset: str | None = "dsv2-lite-cpu",
+    trace: bool = True,
+    workdir: str = "scratch/bench",
+) -> argparse.ArgumentParser:
     """Flags every benchmark has: the checkpoint (--preset, --num-layers, --workdir), the
     routing trace (--trace, 'none' for the model's own routing) and --json."""
-    p = argparse.ArgumentParser(description=doc,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     if preset is not None:
         p.add_argument("--preset", default=preset, help="synthetic checkpoint preset")
         p.add_argument("--num-layers", type=int, help="override the preset's layer count")
@@ -50,8 +55,7 @@ def build(a, **make_kw):
     root = Path(a.workdir)
     tag = a.preset + (f"-{a.num_layers}l" if getattr(a, "num_layers", None) else "")
     tag += "".join(f"-{k}{v}" for k, v in sorted(make_kw.items()))
-    ck = make_checkpoint(root / tag, a.preset, num_layers=getattr(a, "num_layers", None),
-                         **make_kw)
+    ck = make_checkpoint(root / tag, a.preset, num_layers=getattr(a, "num_layers", None), **make_kw)
     ed = root / f"{tag}-experts"
     return ck, ed, ensure_split(ck, ed)
 
@@ -108,20 +112,27 @@ def decode_run(model, tok, ids, tokens: int, prefill: int = 2048):
 def machine() -> str:
     u = os.uname()
     dev = mx.device_info().get("device_name", str(mx.default_device()))
-    return (f"{u.sysname} {u.machine}, {os.cpu_count()} cores, MLX {mx.__version__} on "
-            f"{mx.default_device()} ({dev})")
+    return (
+        f"{u.sysname} {u.machine}, {os.cpu_count()} cores, MLX {mx.__version__} on "
+        f"{mx.default_device()} ({dev})"
+    )
 
 
 def finish(a, name: str, result: dict, t0: float | None = None, quiet=()) -> dict:
     """Stamp ``result`` with the benchmark, date, machine and command, print it (without
     the ``quiet`` keys) and write it to ``--json``."""
-    out = {"benchmark": name, "date": time.strftime("%Y-%m-%d"), "machine": machine(),
-           "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-           **result}
+    out = {
+        "benchmark": name,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine(),
+        "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        **result,
+    }
     if t0 is not None:
         out["wall_s"] = round(time.perf_counter() - t0, 1)
-    print(json.dumps({k: v for k, v in out.items() if k not in quiet}, indent=1,
-                     ensure_ascii=False))
+    print(
+        json.dumps({k: v for k, v in out.items() if k not in quiet}, indent=1, ensure_ascii=False)
+    )
     if a.json_out:
         Path(a.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json_out).write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")

@@ -28,12 +28,16 @@ def main():
     ck, _, _ = build(a)
     out = hot_cold_study(ck, routing_trace(a)[0], budget_fraction=a.budget_fraction)
     out = finish(a, "hotcold", out, t0, quiet=("rows",))
-    log(f"{'config':<34} {'bytes/expert':>12} {'vs 4-bit':>8} {'KL':>9} {'top-1':>6} "
-          f"{'hit rate':>8} {'MB/token':>9}")
+    log(
+        f"{'config':<34} {'bytes/expert':>12} {'vs 4-bit':>8} {'KL':>9} {'top-1':>6} "
+        f"{'hit rate':>8} {'MB/token':>9}"
+    )
     for r in out["rows"]:
-        log(f"{r['config']:<34} {r['mean_expert_bytes']:>12} {r['bytes_vs_hot']:>8} "
-              f"{r['kl']:>9.5f} {r['top1_agreement']:>6.3f} {r['hit_rate']:>8.3f} "
-              f"{r['bytes_loaded_per_token'] / 1e6:>9.2f}")
+        log(
+            f"{r['config']:<34} {r['mean_expert_bytes']:>12} {r['bytes_vs_hot']:>8} "
+            f"{r['kl']:>9.5f} {r['top1_agreement']:>6.3f} {r['hit_rate']:>8.3f} "
+            f"{r['bytes_loaded_per_token'] / 1e6:>9.2f}"
+        )
 
 
 if __name__ == "__main__":

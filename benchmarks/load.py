@@ -37,15 +37,32 @@ def main():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "mlx_streaming", "serve", "--model", str(ck),
-                             "--expert-dir", str(ed), "--slots", str(a.slots),
-                             "--port", str(port), "--log-level", "WARNING"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlx_streaming",
+            "serve",
+            "--model",
+            str(ck),
+            "--expert-dir",
+            str(ed),
+            "--slots",
+            str(a.slots),
+            "--port",
+            str(port),
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     base = f"http://127.0.0.1:{port}"
 
     def health():
         with urllib.request.urlopen(base + "/health", timeout=10) as r:
             return json.loads(r.read())
+
     for _ in range(240):
         try:
             health()
@@ -57,15 +74,22 @@ def main():
     def request(i: int) -> str:
         stream = i % 2 == 1
         if i % 4 < 2:
-            kw = dict(model="default_model", max_tokens=a.max_tokens, temperature=0.0,
-                      messages=[{"role": "user", "content": f"Question {i % 7}: what is "
-                                 "an expert?"}])
+            kw = dict(
+                model="default_model",
+                max_tokens=a.max_tokens,
+                temperature=0.0,
+                messages=[{"role": "user", "content": f"Question {i % 7}: what is an expert?"}],
+            )
             r = client.chat.completions.create(stream=stream, **kw)
             if stream:
                 return "".join(c.choices[0].delta.content or "" for c in r if c.choices)
             return r.choices[0].message.content
-        kw = dict(model="default_model", max_tokens=a.max_tokens, temperature=0.0,
-                  prompt=f"Prompt {i % 5}: the pool holds")
+        kw = dict(
+            model="default_model",
+            max_tokens=a.max_tokens,
+            temperature=0.0,
+            prompt=f"Prompt {i % 5}: the pool holds",
+        )
         r = client.completions.create(stream=stream, **kw)
         if stream:
             return "".join(c.choices[0].text for c in r if c.choices)
@@ -85,6 +109,7 @@ def main():
         while not stop.is_set():
             samples.append((time.perf_counter(), rss(proc.pid), health()["queue_depth"]))
             time.sleep(0.5)
+
     samples.append((time.perf_counter(), rss(proc.pid), health()["queue_depth"]))
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -99,6 +124,7 @@ def main():
             except Exception as e:  # noqa: BLE001
                 errors.append(repr(e))
             latencies.append(time.perf_counter() - t)
+
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client_thread, args=(c,)) for c in range(a.clients)]
     for t in threads:
@@ -110,25 +136,37 @@ def main():
     sampler.join()
     proc.terminate()
     proc.wait(timeout=60)
-    mism = sum(results.get(i) != alone[(i % 4, i % 7, i % 5)]
-               for i in range(a.clients * a.requests))
+    mism = sum(
+        results.get(i) != alone[(i % 4, i % 7, i % 5)] for i in range(a.clients * a.requests)
+    )
     rs = [s[1] for s in samples]
     q = len(rs) // 4 or 1
-    finish(a, "load", {
-        "model": a.preset, "slots": a.slots, "clients": a.clients,
-        "requests_per_client": a.requests, "distinct_requests": len(kinds),
-        "completed": len(results), "errors": errors[:5], "error_count": len(errors),
-        "outputs_equal_sequential": mism == 0, "mismatches": mism,
-        "deadlock": any(t.is_alive() for t in threads),
-        "wall_s": round(wall, 1), "requests_per_s": round(len(results) / wall, 3),
-        "sequential_distinct_s": round(sequential_s, 1),
-        "latency_median_s": round(statistics.median(latencies), 2),
-        "latency_max_s": round(max(latencies), 2),
-        "max_queue_depth": max(s[2] for s in samples),
-        "server_rss_mb_first_quarter": round(statistics.mean(rs[:q]) / 1e6, 1),
-        "server_rss_mb_last_quarter": round(statistics.mean(rs[-q:]) / 1e6, 1),
-        "server_rss_drift": round(statistics.mean(rs[-q:]) / statistics.mean(rs[:q]) - 1, 4),
-    })
+    finish(
+        a,
+        "load",
+        {
+            "model": a.preset,
+            "slots": a.slots,
+            "clients": a.clients,
+            "requests_per_client": a.requests,
+            "distinct_requests": len(kinds),
+            "completed": len(results),
+            "errors": errors[:5],
+            "error_count": len(errors),
+            "outputs_equal_sequential": mism == 0,
+            "mismatches": mism,
+            "deadlock": any(t.is_alive() for t in threads),
+            "wall_s": round(wall, 1),
+            "requests_per_s": round(len(results) / wall, 3),
+            "sequential_distinct_s": round(sequential_s, 1),
+            "latency_median_s": round(statistics.median(latencies), 2),
+            "latency_max_s": round(max(latencies), 2),
+            "max_queue_depth": max(s[2] for s in samples),
+            "server_rss_mb_first_quarter": round(statistics.mean(rs[:q]) / 1e6, 1),
+            "server_rss_mb_last_quarter": round(statistics.mean(rs[-q:]) / 1e6, 1),
+            "server_rss_drift": round(statistics.mean(rs[-q:]) / statistics.mean(rs[:q]) - 1, 4),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -54,14 +54,17 @@ def phase_split(model: str, experts: str) -> dict:
     s.peak_rss = max(s.peak_rss, peak_rss_bytes())
     meta = load_meta(experts)
     lay = next(iter(meta.layers.values()))
-    return {"split_s": round(secs, 2), "split_peak_rss_delta": s.peak_rss - base,
-            "layer_expert_bytes": lay.num_experts * lay.record_bytes}
+    return {
+        "split_s": round(secs, 2),
+        "split_peak_rss_delta": s.peak_rss - base,
+        "layer_expert_bytes": lay.num_experts * lay.record_bytes,
+    }
 
 
 def _kv_bytes(cache) -> int:
     total = 0
     for c in cache:
-        for a in (c.state if isinstance(c.state, (list, tuple)) else [c.state]):
+        for a in c.state if isinstance(c.state, (list, tuple)) else [c.state]:
             total += getattr(a, "nbytes", 0) if a is not None else 0
     return total
 
@@ -86,8 +89,9 @@ def phase_run(model: str, experts: str, slots: int, tokens: int, stock: bool) ->
         else:
             import mlx_streaming
 
-            m, tok, store = mlx_streaming.load(model, experts, slots=slots, cache_limit_gb=0,
-                                               progress=False)
+            m, tok, store = mlx_streaming.load(
+                model, experts, slots=slots, cache_limit_gb=0, progress=False
+            )
         cache = make_prompt_cache(m)
         n = 0
         for r in stream_generate(m, tok, prompt, max_tokens=tokens, prompt_cache=cache):
@@ -130,20 +134,32 @@ def phase_budget(model: str, experts: str, budget_gb: float, tokens: int) -> dic
         m, tok, store = mlx_streaming.load(model, experts, budget_gb=budget_gb)
         cache = make_prompt_cache(m)
         n = 0
-        for r in stream_generate(m, tok, "Write a long story about experts on a disk.",
-                                 max_tokens=tokens, prompt_cache=cache):
+        for r in stream_generate(
+            m,
+            tok,
+            "Write a long story about experts on a disk.",
+            max_tokens=tokens,
+            prompt_cache=cache,
+        ):
             n = r.generation_tokens
     plan = mlx_streaming.memory_plan(m, store)
     kv = _kv_bytes(cache)
     peak = max(s.peak_rss, peak_rss_bytes())
     expected = plan.trunk_bytes + int(budget_gb * 1e9) + kv
-    return {"budget_gb": budget_gb, "generated": n, "plan": plan.to_json(),
-            "pool_bytes": plan.pool_bytes, "trunk_bytes": plan.trunk_bytes, "kv_bytes": kv,
-            "peak_rss_delta": peak - base, "mlx_peak": mx.get_peak_memory(),
-            "expected": expected,
-            "rss_over_expected": round((peak - base) / expected, 3),
-            "mlx_over_expected": round(mx.get_peak_memory() / expected, 3),
-            "hit_rate": round(store.hit_rate(), 4)}
+    return {
+        "budget_gb": budget_gb,
+        "generated": n,
+        "plan": plan.to_json(),
+        "pool_bytes": plan.pool_bytes,
+        "trunk_bytes": plan.trunk_bytes,
+        "kv_bytes": kv,
+        "peak_rss_delta": peak - base,
+        "mlx_peak": mx.get_peak_memory(),
+        "expected": expected,
+        "rss_over_expected": round((peak - base) / expected, 3),
+        "mlx_over_expected": round(mx.get_peak_memory() / expected, 3),
+        "hit_rate": round(store.hit_rate(), 4),
+    }
 
 
 def _sub(args: list[str]) -> dict:
@@ -162,11 +178,16 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--no-stock", action="store_true")
-    p.add_argument("--budget-gb", type=float, default=0.0,
-                   help="also run load(budget_gb=...) and generate --budget-tokens tokens")
+    p.add_argument(
+        "--budget-gb",
+        type=float,
+        default=0.0,
+        help="also run load(budget_gb=...) and generate --budget-tokens tokens",
+    )
     p.add_argument("--budget-tokens", type=int, default=512)
-    p.add_argument("--phase", choices=["split", "stream", "stock", "budget"],
-                   help=argparse.SUPPRESS)
+    p.add_argument(
+        "--phase", choices=["split", "stream", "stock", "budget"], help=argparse.SUPPRESS
+    )
     a = p.parse_args()
     root = Path(a.workdir)
     model, experts = root / "model", root / "experts"
@@ -177,19 +198,35 @@ def main() -> None:
         print(json.dumps(phase_budget(str(model), str(experts), a.budget_gb, a.budget_tokens)))
         return
     if a.phase in ("stream", "stock"):
-        print(json.dumps(phase_run(str(model), str(experts), a.slots, a.tokens,
-                                   a.phase == "stock")))
+        print(
+            json.dumps(phase_run(str(model), str(experts), a.slots, a.tokens, a.phase == "stock"))
+        )
         return
 
     from mlx_streaming.synthetic import Preset, checkpoint_bytes, make_checkpoint
 
-    preset = Preset("memory-bench", {
-        "model_type": "qwen3_moe", "hidden_size": a.hidden, "num_hidden_layers": a.layers,
-        "intermediate_size": 2 * a.hidden, "num_attention_heads": 8, "num_key_value_heads": 2,
-        "head_dim": a.hidden // 8, "num_experts": a.experts, "num_experts_per_tok": a.top_k,
-        "decoder_sparse_step": 1, "mlp_only_layers": [], "moe_intermediate_size": a.hidden,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
-        "max_position_embeddings": 4096, "norm_topk_prob": True})
+    preset = Preset(
+        "memory-bench",
+        {
+            "model_type": "qwen3_moe",
+            "hidden_size": a.hidden,
+            "num_hidden_layers": a.layers,
+            "intermediate_size": 2 * a.hidden,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": a.hidden // 8,
+            "num_experts": a.experts,
+            "num_experts_per_tok": a.top_k,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": a.hidden,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": 4096,
+            "norm_topk_prob": True,
+        },
+    )
     t0 = time.perf_counter()
     make_checkpoint(model, preset)
     build_s = time.perf_counter() - t0
@@ -201,40 +238,72 @@ def main() -> None:
     common = ["--workdir", str(root), "--slots", str(a.slots), "--tokens", str(a.tokens)]
     stream = _sub([*common, "--phase", "stream"])
     stock = None if a.no_stock else _sub([*common, "--phase", "stock"])
-    budget = _sub(["--workdir", str(root), "--phase", "budget", "--budget-gb",
-                   str(a.budget_gb), "--budget-tokens", str(a.budget_tokens)]) \
-        if a.budget_gb else None
+    budget = (
+        _sub(
+            [
+                "--workdir",
+                str(root),
+                "--phase",
+                "budget",
+                "--budget-gb",
+                str(a.budget_gb),
+                "--budget-tokens",
+                str(a.budget_tokens),
+            ]
+        )
+        if a.budget_gb
+        else None
+    )
     expert_bytes = stock["param_bytes"] - stream["trunk_bytes"] if stock else None
     expected = stream["trunk_bytes"] + stream["pool_bytes"] + stream["kv_bytes"]
-    finish(a, "memory", {
-        "checkpoint_gb": round(checkpoint_bytes(model) / 1e9, 3),
-        "build_s": round(build_s, 1),
-        "layers": a.layers, "experts": a.experts, "top_k": a.top_k, "slots": a.slots,
-        "experts_over_pool": round(expert_bytes / stream["pool_bytes"], 2) if stock else None,
-        **{f"split_{k}" if not k.startswith("split") else k: v for k, v in split.items()},
-        "trunk_mb": round(stream["trunk_bytes"] / 1e6, 1),
-        "pool_mb": round(stream["pool_bytes"] / 1e6, 1),
-        "kv_mb": round(stream["kv_bytes"] / 1e6, 2),
-        "expected_mb": round(expected / 1e6, 1),
-        "stream_peak_rss_delta_mb": round(stream["peak_rss_delta"] / 1e6, 1),
-        "stream_mlx_peak_mb": round(stream["mlx_peak"] / 1e6, 1),
-        "stream_over_expected": round(stream["peak_rss_delta"] / expected, 3),
-        "within_25pct": stream["peak_rss_delta"] <= 1.25 * expected,
-        "stream_hit_rate": stream.get("hit_rate"),
-        "stream_generated": stream["generated"],
-        "stock_peak_rss_delta_mb": round(stock["peak_rss_delta"] / 1e6, 1) if stock else None,
-        "stock_mlx_peak_mb": round(stock["mlx_peak"] / 1e6, 1) if stock else None,
-        "stream_rss_series": stream["rss_series"],
-        "budget_run": budget and {
-            **{k: budget[k] for k in ("budget_gb", "generated", "plan", "hit_rate",
-                                      "rss_over_expected", "mlx_over_expected")},
-            "expected_mb": round(budget["expected"] / 1e6, 1),
-            "kv_mb": round(budget["kv_bytes"] / 1e6, 1),
-            "peak_rss_delta_mb": round(budget["peak_rss_delta"] / 1e6, 1),
-            "mlx_peak_mb": round(budget["mlx_peak"] / 1e6, 1),
-            "within_10pct": budget["peak_rss_delta"] <= 1.10 * budget["expected"]
-            and budget["mlx_peak"] <= 1.10 * budget["expected"]},
-    }, quiet=("stream_rss_series",))
+    finish(
+        a,
+        "memory",
+        {
+            "checkpoint_gb": round(checkpoint_bytes(model) / 1e9, 3),
+            "build_s": round(build_s, 1),
+            "layers": a.layers,
+            "experts": a.experts,
+            "top_k": a.top_k,
+            "slots": a.slots,
+            "experts_over_pool": round(expert_bytes / stream["pool_bytes"], 2) if stock else None,
+            **{f"split_{k}" if not k.startswith("split") else k: v for k, v in split.items()},
+            "trunk_mb": round(stream["trunk_bytes"] / 1e6, 1),
+            "pool_mb": round(stream["pool_bytes"] / 1e6, 1),
+            "kv_mb": round(stream["kv_bytes"] / 1e6, 2),
+            "expected_mb": round(expected / 1e6, 1),
+            "stream_peak_rss_delta_mb": round(stream["peak_rss_delta"] / 1e6, 1),
+            "stream_mlx_peak_mb": round(stream["mlx_peak"] / 1e6, 1),
+            "stream_over_expected": round(stream["peak_rss_delta"] / expected, 3),
+            "within_25pct": stream["peak_rss_delta"] <= 1.25 * expected,
+            "stream_hit_rate": stream.get("hit_rate"),
+            "stream_generated": stream["generated"],
+            "stock_peak_rss_delta_mb": round(stock["peak_rss_delta"] / 1e6, 1) if stock else None,
+            "stock_mlx_peak_mb": round(stock["mlx_peak"] / 1e6, 1) if stock else None,
+            "stream_rss_series": stream["rss_series"],
+            "budget_run": budget
+            and {
+                **{
+                    k: budget[k]
+                    for k in (
+                        "budget_gb",
+                        "generated",
+                        "plan",
+                        "hit_rate",
+                        "rss_over_expected",
+                        "mlx_over_expected",
+                    )
+                },
+                "expected_mb": round(budget["expected"] / 1e6, 1),
+                "kv_mb": round(budget["kv_bytes"] / 1e6, 1),
+                "peak_rss_delta_mb": round(budget["peak_rss_delta"] / 1e6, 1),
+                "mlx_peak_mb": round(budget["mlx_peak"] / 1e6, 1),
+                "within_10pct": budget["peak_rss_delta"] <= 1.10 * budget["expected"]
+                and budget["mlx_peak"] <= 1.10 * budget["expected"],
+            },
+        },
+        quiet=("stream_rss_series",),
+    )
 
 
 if __name__ == "__main__":

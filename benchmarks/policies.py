@@ -77,9 +77,10 @@ def e128(t):
     """128 experts, top-12: layer l's experts beside layer l + L/2's, shifted by 64."""
     ex = t.experts.astype(np.int64)
     half = ex.shape[1] // 2
-    merged = np.concatenate([ex[:, :half], ex[:, half:2 * half] + t.num_experts], axis=2)
-    return RoutingTrace(merged.astype(np.uint8), t.offsets, 2 * t.num_experts,
-                        t.model + " 128-expert")
+    merged = np.concatenate([ex[:, :half], ex[:, half : 2 * half] + t.num_experts], axis=2)
+    return RoutingTrace(
+        merged.astype(np.uint8), t.offsets, 2 * t.num_experts, t.model + " 128-expert"
+    )
 
 
 def main():
@@ -91,24 +92,29 @@ def main():
     fit, held = trace.split(0.5)
     names = [*POLICIES, "belady"]
     out = {"trace": a.trace, "held_out_tokens": a.tokens, "variants": {}}
-    for name, tr, sizes in (("deepseek-v2-lite", held, (8, 16, 32)),
-                            ("top-1", top1(held), (4, 8, 16)),
-                            ("128-experts", e128(held), (16, 32, 64))):
+    for name, tr, sizes in (
+        ("deepseek-v2-lite", held, (8, 16, 32)),
+        ("top-1", top1(held), (4, 8, 16)),
+        ("128-experts", e128(held), (16, 32, 64)),
+    ):
         layers = sorted({round(i * (tr.layers - 1) / 5) for i in range(6)})
         rows = {}
         for s in sizes:
-            rates = {n: simulate(tr, n, s, layers=layers, tokens=a.tokens).hit_rate
-                     for n in names}
+            rates = {n: simulate(tr, n, s, layers=layers, tokens=a.tokens).hit_rate for n in names}
             gap = rates["belady"] - rates["lru"]
-            rows[s] = {"hit_rate": {n: round(r, 4) for n, r in rates.items()},
-                       "gap_closed": {n: round((rates[n] - rates["lru"]) / gap, 3)
-                                      for n in POLICIES if gap > 0}}
+            rows[s] = {
+                "hit_rate": {n: round(r, 4) for n, r in rates.items()},
+                "gap_closed": {
+                    n: round((rates[n] - rates["lru"]) / gap, 3) for n in POLICIES if gap > 0
+                },
+            }
             log(name, s, json.dumps(rows[s]))
         out["variants"][name] = {"layers": layers, "slots": rows}
     layers = sorted({round(i * (held.layers - 1) / 5) for i in range(6)})
     out["lookahead_lru"] = {
         str(s): {f"h{h}": round(lookahead(held, s, layers, a.tokens, h), 4) for h in (1, 2, 4)}
-        for s in (8, 16)}
+        for s in (8, 16)
+    }
     log("lookahead", json.dumps(out["lookahead_lru"]))
     pins = {}
     for s in (8, 16, 32):
@@ -116,11 +122,13 @@ def main():
         for n in (0, 2):
             hot = static_hot(fit, n) if n else None
             for pol in ("lru", "predictive"):
-                pins[s][f"{pol}_pin{n}"] = round(simulate(held, pol, s, layers=layers,
-                                                          tokens=a.tokens, pins=hot).hit_rate, 4)
+                pins[s][f"{pol}_pin{n}"] = round(
+                    simulate(held, pol, s, layers=layers, tokens=a.tokens, pins=hot).hit_rate, 4
+                )
         hot = static_hot(fit, s)  # no cache policy at all: the hottest s, fixed
-        pins[s]["static_hottest_only"] = round(np.mean([
-            np.isin(held.experts[:a.tokens, li], hot[li]).mean() for li in layers]), 4)
+        pins[s]["static_hottest_only"] = round(
+            np.mean([np.isin(held.experts[: a.tokens, li], hot[li]).mean() for li in layers]), 4
+        )
     out["pinning"] = pins
     log("pinning", json.dumps(pins))
     finish(a, "policies", out, t0)

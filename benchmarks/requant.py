@@ -28,33 +28,54 @@ def main():
 
     root = Path(a.workdir)
     ck, src, meta = build(a, bits=8)
-    formats = {"8-bit": {"bits": 8}, "4-bit": {"bits": 4}, "3-bit": {"bits": 3},
-               "2-bit": {"bits": 2}, "mixed gate=2,up=2,down=3": {
-                   "bits": 4, "proj_bits": "gate=2,up=2,down=3"}}
+    formats = {
+        "8-bit": {"bits": 8},
+        "4-bit": {"bits": 4},
+        "3-bit": {"bits": 3},
+        "2-bit": {"bits": 2},
+        "mixed gate=2,up=2,down=3": {"bits": 4, "proj_bits": "gate=2,up=2,down=3"},
+    }
     rows = []
     for name, spec in formats.items():
         ed = root / f"experts-{name.split()[0]}{'-mixed' if 'mixed' in name else ''}"
         requantize(src, ed, model_out=root / f"model-{ed.name}", model=ck, **spec)
         q = quality_report(str(ck), str(ed), tokens=128)
-        b = run_bench(BenchConfig(model=str(root / f"model-{ed.name}"), expert_dir=str(ed),
-                                  slots=meta.num_experts // 2, max_tokens=a.tokens,
-                                  repeat=a.repeat, compare_stock=True,
-                                  prompt="Tell me how experts are stored on disk."))
-        row = {"format": name, "expert_bytes": load_meta(ed).expert_bytes(),
-               "bytes_vs_8bit": round(load_meta(ed).expert_bytes() / meta.expert_bytes(), 3),
-               "kl_vs_8bit": round(q["kl"], 5), "top1_agreement": round(q["top1_agreement"], 4),
-               "mean_projection_error": q["mean_projection_error"],
-               "decode_tok_per_s": b["decode_tok_per_s"],
-               "stock_decode_tok_per_s": b["stock_decode_tok_per_s"],
-               "hit_rate": b["expert_hit_rate"],
-               "bytes_read_per_token": b["bytes_read_per_token"],
-               "exact_vs_stock_on_requantized_model": b["exact_vs_stock"]}
+        b = run_bench(
+            BenchConfig(
+                model=str(root / f"model-{ed.name}"),
+                expert_dir=str(ed),
+                slots=meta.num_experts // 2,
+                max_tokens=a.tokens,
+                repeat=a.repeat,
+                compare_stock=True,
+                prompt="Tell me how experts are stored on disk.",
+            )
+        )
+        row = {
+            "format": name,
+            "expert_bytes": load_meta(ed).expert_bytes(),
+            "bytes_vs_8bit": round(load_meta(ed).expert_bytes() / meta.expert_bytes(), 3),
+            "kl_vs_8bit": round(q["kl"], 5),
+            "top1_agreement": round(q["top1_agreement"], 4),
+            "mean_projection_error": q["mean_projection_error"],
+            "decode_tok_per_s": b["decode_tok_per_s"],
+            "stock_decode_tok_per_s": b["stock_decode_tok_per_s"],
+            "hit_rate": b["expert_hit_rate"],
+            "bytes_read_per_token": b["bytes_read_per_token"],
+            "exact_vs_stock_on_requantized_model": b["exact_vs_stock"],
+        }
         log(row)
         rows.append(row)
-    finish(a, "requant", {"model": f"synthetic {a.preset}, 8-bit source",
-                          "slots": meta.num_experts // 2,
-                          "note": "random weights: quality figures are a relative guide only",
-                          "formats": rows})
+    finish(
+        a,
+        "requant",
+        {
+            "model": f"synthetic {a.preset}, 8-bit source",
+            "slots": meta.num_experts // 2,
+            "note": "random weights: quality figures are a relative guide only",
+            "formats": rows,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -26,9 +26,12 @@ def main():
     p = parser(__doc__, preset="demo", trace=False, workdir="scratch/soak")
     p.add_argument("--tokens", type=int, default=5000)
     p.add_argument("--slots", type=int, default=16)
-    p.add_argument("--stock", action="store_true",
-                   help="the same generation with stock mlx-lm (all experts resident), "
-                        "to tell the library's drift from MLX's and the allocator's")
+    p.add_argument(
+        "--stock",
+        action="store_true",
+        help="the same generation with stock mlx-lm (all experts resident), "
+        "to tell the library's drift from MLX's and the allocator's",
+    )
     a = p.parse_args()
     from mlx_lm import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
@@ -56,12 +59,25 @@ def main():
 
     samples = []
     t0 = time.perf_counter()
-    for r in stream_generate(model, tok, "Tell a very long story.", max_tokens=a.tokens,
-                             prompt_cache=cache, sampler=make_sampler(0.8, 0.95),
-                             logits_processors=[no_eos]):
+    for r in stream_generate(
+        model,
+        tok,
+        "Tell a very long story.",
+        max_tokens=a.tokens,
+        prompt_cache=cache,
+        sampler=make_sampler(0.8, 0.95),
+        logits_processors=[no_eos],
+    ):
         if r.generation_tokens % 100 == 0:
-            samples.append((r.generation_tokens, rss_bytes(), mx.get_active_memory(),
-                            kv_bytes(cache), mx.get_cache_memory()))
+            samples.append(
+                (
+                    r.generation_tokens,
+                    rss_bytes(),
+                    mx.get_active_memory(),
+                    kv_bytes(cache),
+                    mx.get_cache_memory(),
+                )
+            )
         n = r.generation_tokens
     wall = time.perf_counter() - t0
     warm = [s for s in samples if s[0] >= 500]  # after the pools have filled
@@ -71,26 +87,39 @@ def main():
     def drift(i, minus_kv=False, minus_cache=False):
         def v(s):
             return s[i] - (s[3] if minus_kv else 0) - (s[4] if minus_cache else 0)
+
         f = statistics.mean(v(s) for s in first)
         lst = statistics.mean(v(s) for s in last)
         return round(lst / f - 1, 4)
-    finish(a, "soak", {
-        "model": a.preset, "slots": a.slots, "generated": n, "wall_s": round(wall, 1),
-        "tok_per_s": round(n / wall, 2), "hit_rate": None if a.stock else round(store.hit_rate(), 4),
-        "stock": a.stock,
-        "rss_mb_first": round(statistics.mean(s[1] for s in first) / 1e6, 1),
-        "rss_mb_last": round(statistics.mean(s[1] for s in last) / 1e6, 1),
-        "kv_mb_last": round(last[-1][3] / 1e6, 2),
-        "rss_drift": drift(1), "mlx_active_drift": drift(2),
-        "rss_drift_minus_kv": drift(1, True), "mlx_active_drift_minus_kv": drift(2, True),
-        # MLX keeps freed buffers (the KV cache's old, shorter copies) up to its cache
-        # limit, set by load(); RSS holds them too
-        "mlx_cache_limit_mb": round(limit / 1e6, 1),
-        "mlx_cache_mb_last": round(last[-1][4] / 1e6, 2),
-        "rss_drift_minus_kv_and_mlx_cache": drift(1, True, True),
-        "flat_within_2pct": abs(drift(1, True, True)) < 0.02 and abs(drift(2, True)) < 0.02,
-        "samples": samples[:: max(1, len(samples) // 100)],
-    }, quiet=("samples",))
+
+    finish(
+        a,
+        "soak",
+        {
+            "model": a.preset,
+            "slots": a.slots,
+            "generated": n,
+            "wall_s": round(wall, 1),
+            "tok_per_s": round(n / wall, 2),
+            "hit_rate": None if a.stock else round(store.hit_rate(), 4),
+            "stock": a.stock,
+            "rss_mb_first": round(statistics.mean(s[1] for s in first) / 1e6, 1),
+            "rss_mb_last": round(statistics.mean(s[1] for s in last) / 1e6, 1),
+            "kv_mb_last": round(last[-1][3] / 1e6, 2),
+            "rss_drift": drift(1),
+            "mlx_active_drift": drift(2),
+            "rss_drift_minus_kv": drift(1, True),
+            "mlx_active_drift_minus_kv": drift(2, True),
+            # MLX keeps freed buffers (the KV cache's old, shorter copies) up to its cache
+            # limit, set by load(); RSS holds them too
+            "mlx_cache_limit_mb": round(limit / 1e6, 1),
+            "mlx_cache_mb_last": round(last[-1][4] / 1e6, 2),
+            "rss_drift_minus_kv_and_mlx_cache": drift(1, True, True),
+            "flat_within_2pct": abs(drift(1, True, True)) < 0.02 and abs(drift(2, True)) < 0.02,
+            "samples": samples[:: max(1, len(samples) // 100)],
+        },
+        quiet=("samples",),
+    )
 
 
 if __name__ == "__main__":

@@ -51,9 +51,13 @@ def main():
     p.add_argument("--prefill-residency", type=float, default=0.25)
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--prefetch", action="store_true")
-    p.add_argument("--limited-residency", type=float, default=0.0,
-                   help="also run streamed alone at this residency with MLX's memory "
-                        "limited to trunk + pool + 1 GB")
+    p.add_argument(
+        "--limited-residency",
+        type=float,
+        default=0.0,
+        help="also run streamed alone at this residency with MLX's memory "
+        "limited to trunk + pool + 1 GB",
+    )
     p.add_argument("--overlap", action="store_true", default=None)
     p.add_argument("--policy")
     p.add_argument("--pool-mode")
@@ -73,21 +77,33 @@ def main():
     ref, tok, ref_routing = stock(ck, trace, start)
     ids = tok.encode(PROMPT)
     opts = StreamOptions(
-        overlap=a.overlap, prefetch=a.prefetch,
+        overlap=a.overlap,
+        prefetch=a.prefetch,
         predictor=TransitionPredictor.from_trace(trace.split(0.5)[0], meta.top_k)
-        if a.prefetch and trace is not None else "router")
-    load_kw = {"threads": a.threads, "verify": not a.no_verify, "options": opts,
-               "pool_mode": a.pool_mode}
+        if a.prefetch and trace is not None
+        else "router",
+    )
+    load_kw = {
+        "threads": a.threads,
+        "verify": not a.no_verify,
+        "options": opts,
+        "pool_mode": a.pool_mode,
+    }
     if a.policy:
         load_kw["policy"] = a.policy
 
     decode_run(ref, tok, ids, a.tokens)  # warm up stock (compiles kernels)
-    gbps = {"warm": measure_read_gbps(meta, a.threads, False, cold=False),
-            "cold": measure_read_gbps(meta, a.threads, False, cold=True)}
+    gbps = {
+        "warm": measure_read_gbps(meta, a.threads, False, cold=False),
+        "cold": measure_read_gbps(meta, a.threads, False, cold=True),
+    }
     configs = []
     for r in [float(x) for x in a.residency.split(",")]:
-        temps = ["warm"] if r >= 1 else {"warm": ["warm"], "cold": ["cold"],
-                                         "both": ["warm", "cold"]}[a.cold]
+        temps = (
+            ["warm"]
+            if r >= 1
+            else {"warm": ["warm"], "cold": ["cold"], "both": ["warm", "cold"]}[a.cold]
+        )
         configs += [(r, t) for t in temps]
 
     out_cfgs = []
@@ -108,15 +124,29 @@ def main():
         want = greedy_trace(ref, ids, 16)
         rewind(start, ref_routing, routing)
         exact = compare_traces(want, greedy_trace(model, ids, 16)).exact
-        tot = {k: sum(x[k] for x in per_run) for k in ("bytes_read", "hits", "misses",
-                                                      "tokens", "prefetched", "prefetch_used",
-                                                      "prefetch_on_time", "host_s",
-                                                      "host_calls", "device_calls")}
+        tot = {
+            k: sum(x[k] for x in per_run)
+            for k in (
+                "bytes_read",
+                "hits",
+                "misses",
+                "tokens",
+                "prefetched",
+                "prefetch_used",
+                "prefetch_on_time",
+                "host_s",
+                "host_calls",
+                "device_calls",
+            )
+        }
         stock_tps, tps = statistics.median(k_runs), statistics.median(s_runs)
         bpt = tot["bytes_read"] / tot["tokens"]
         rec = {
-            "residency": r, "slots": slots, "page_cache": temp,
-            "tok_per_s": round(tps, 3), "decode_runs": [round(x, 3) for x in s_runs],
+            "residency": r,
+            "slots": slots,
+            "page_cache": temp,
+            "tok_per_s": round(tps, 3),
+            "decode_runs": [round(x, 3) for x in s_runs],
             "stock_tok_per_s": round(stock_tps, 3),
             "stock_runs": [round(x, 3) for x in k_runs],
             "ratio_vs_stock": round(tps / stock_tps, 4),
@@ -124,8 +154,9 @@ def main():
             "bytes_read_per_token": round(bpt),
             "read_gbps": round(per_run[-1]["read_gbps"], 3),
             "storage_gbps": round(gbps[temp], 3),
-            "host_us_per_layer_call": round(1e6 * tot["host_s"] / max(
-                1, tot["host_calls"] + tot["device_calls"]), 1),
+            "host_us_per_layer_call": round(
+                1e6 * tot["host_s"] / max(1, tot["host_calls"] + tot["device_calls"]), 1
+            ),
             **bounds(1 / stock_tps, bpt, gbps[temp], tps),
             "exact_vs_stock": exact,
             "pool_mode": store.pool_mode,
@@ -133,7 +164,8 @@ def main():
         if a.prefetch:
             rec["prefetch_precision"] = round(tot["prefetch_used"] / max(1, tot["prefetched"]), 4)
             rec["prefetch_on_time_share"] = round(
-                tot["prefetch_on_time"] / max(1, tot["prefetch_used"]), 4)
+                tot["prefetch_on_time"] / max(1, tot["prefetch_used"]), 4
+            )
         log(rec)
         out_cfgs.append(rec)
         store.close()
@@ -145,14 +177,32 @@ def main():
         ref, _, ref_routing = stock(ck, trace, start)
     if a.prefill_tokens:
         prefill = prefill_run(a, ck, ed, meta, trace, start, tok, ids, ref, ref_routing, load_kw)
-    finish(a, "speed", {
-        "preset": a.preset, "num_layers": a.num_layers, "checkpoint": str(ck),
-        "expert_mb": round(meta.expert_bytes() / 1e6, 3), "moe_layers": len(meta.moe_layers),
-        "num_experts": meta.num_experts, "top_k": meta.top_k, "trace": a.trace,
-        "trace_start": start, "tokens": a.tokens, "repeat": a.repeat, "threads": a.threads,
-        "prefetch": a.prefetch, "overlap": a.overlap,
-        "storage_gbps_warm": round(gbps["warm"], 3), "storage_gbps_cold": round(gbps["cold"], 3),
-        "configs": out_cfgs, "prefill": prefill, "memory_limited": limited}, t0)
+    finish(
+        a,
+        "speed",
+        {
+            "preset": a.preset,
+            "num_layers": a.num_layers,
+            "checkpoint": str(ck),
+            "expert_mb": round(meta.expert_bytes() / 1e6, 3),
+            "moe_layers": len(meta.moe_layers),
+            "num_experts": meta.num_experts,
+            "top_k": meta.top_k,
+            "trace": a.trace,
+            "trace_start": start,
+            "tokens": a.tokens,
+            "repeat": a.repeat,
+            "threads": a.threads,
+            "prefetch": a.prefetch,
+            "overlap": a.overlap,
+            "storage_gbps_warm": round(gbps["warm"], 3),
+            "storage_gbps_cold": round(gbps["cold"], 3),
+            "configs": out_cfgs,
+            "prefill": prefill,
+            "memory_limited": limited,
+        },
+        t0,
+    )
 
 
 def memory_limited(a, ck, ed, meta, trace, start, tok, ids, ref, load_kw) -> dict:
@@ -172,11 +222,15 @@ def memory_limited(a, ck, ed, meta, trace, start, tok, ids, ref, load_kw) -> dic
     mx.reset_peak_memory()
     decode_run(model, tok, ids, a.tokens)
     runs = [decode_run(model, tok, ids, a.tokens)[0] for _ in range(a.repeat)]
-    out = {"residency": a.limited_residency, "slots": slots,
-           "memory_limit_gb": round(limit / 1e9, 3), "whole_model_gb": round(whole / 1e9, 3),
-           "pool_gb": round(store.pool_bytes() / 1e9, 3),
-           "tok_per_s": round(statistics.median(runs), 3),
-           "mlx_peak_gb": round(mx.get_peak_memory() / 1e9, 3)}
+    out = {
+        "residency": a.limited_residency,
+        "slots": slots,
+        "memory_limit_gb": round(limit / 1e9, 3),
+        "whole_model_gb": round(whole / 1e9, 3),
+        "pool_gb": round(store.pool_bytes() / 1e9, 3),
+        "tok_per_s": round(statistics.median(runs), 3),
+        "mlx_peak_gb": round(mx.get_peak_memory() / 1e9, 3),
+    }
     mx.set_memory_limit(old_limit)
     log(out)
     store.close()
@@ -203,17 +257,26 @@ def prefill_run(a, ck, ed, meta, trace, start, tok, ids, ref, ref_routing, load_
             ideal = 0
             for c in range(0, len(long_ids), a.prefill_chunk):
                 for pos, li in enumerate(meta.moe_layers):
-                    ideal += len(np.unique(rows[c:c + a.prefill_chunk, pos])) \
+                    ideal += (
+                        len(np.unique(rows[c : c + a.prefill_chunk, pos]))
                         * meta.layers[li].record_bytes
+                    )
             ideal_runs.append(ideal)
     sb, kb = statistics.median(s_runs), statistics.median(k_runs)
-    out = {"prompt_tokens": len(long_ids), "residency": a.prefill_residency, "slots": slots,
-           "chunk": a.prefill_chunk, "prefill_tok_per_s": round(sb, 2),
-           "stock_prefill_tok_per_s": round(kb, 2), "ratio_vs_stock": round(sb / kb, 4),
-           "bytes_read": int(statistics.median(bytes_runs)),
-           "ideal_bytes": int(statistics.median(ideal_runs)) if ideal_runs else None,
-           "bytes_over_ideal": round(statistics.median(bytes_runs)
-                                     / statistics.median(ideal_runs), 4) if ideal_runs else None}
+    out = {
+        "prompt_tokens": len(long_ids),
+        "residency": a.prefill_residency,
+        "slots": slots,
+        "chunk": a.prefill_chunk,
+        "prefill_tok_per_s": round(sb, 2),
+        "stock_prefill_tok_per_s": round(kb, 2),
+        "ratio_vs_stock": round(sb / kb, 4),
+        "bytes_read": int(statistics.median(bytes_runs)),
+        "ideal_bytes": int(statistics.median(ideal_runs)) if ideal_runs else None,
+        "bytes_over_ideal": round(statistics.median(bytes_runs) / statistics.median(ideal_runs), 4)
+        if ideal_runs
+        else None,
+    }
     log(out)
     store.close()
     return out

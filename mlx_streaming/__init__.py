@@ -12,5 +12,13 @@ from .core.prefetch.patch import StreamOptions, patch_model_filebacked  # noqa: 
 from .model_builder import load, load_pool_profile, memory_plan  # noqa: E402
 from .prep.split_experts import split_model  # noqa: E402
 
-__all__ = ["FileExpertStore", "StreamOptions", "load", "load_pool_profile", "memory_plan",
-           "patch_model_filebacked", "split_model", "__version__"]
+__all__ = [
+    "FileExpertStore",
+    "StreamOptions",
+    "load",
+    "load_pool_profile",
+    "memory_plan",
+    "patch_model_filebacked",
+    "split_model",
+    "__version__",
+]

@@ -43,13 +43,28 @@ def main(argv: list[str] | None = None) -> None:
 def _command(name: str):
     def run() -> None:
         main([name, *sys.argv[1:]])
+
     run.__name__ = name
     return run
 
 
 split, generate, chat, serve, bench, plan, profile, requantize, verify, quality, demo, synth = (
-    _command(n) for n in ("split", "generate", "chat", "serve", "bench", "plan", "profile",
-                          "requantize", "verify", "quality", "demo", "synth"))
+    _command(n)
+    for n in (
+        "split",
+        "generate",
+        "chat",
+        "serve",
+        "bench",
+        "plan",
+        "profile",
+        "requantize",
+        "verify",
+        "quality",
+        "demo",
+        "synth",
+    )
+)
 
 if __name__ == "__main__":
     main()

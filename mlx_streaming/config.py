@@ -48,8 +48,9 @@ def settings() -> Settings:
     return Settings(
         prefill_chunk=_int_env("PREFILL_CHUNK", SEED_PREFILL_CHUNK),
         pool_profile=os.environ.get("EXPERT_POOL_PROFILE") or None,
-        cache_dir=Path(os.environ.get("MLX_STREAMING_CACHE", "~/.cache/mlx_streaming"))
-        .expanduser(),
+        cache_dir=Path(
+            os.environ.get("MLX_STREAMING_CACHE", "~/.cache/mlx_streaming")
+        ).expanduser(),
     )
 
 

@@ -46,13 +46,24 @@ def default_expert_dir(model: str | Path) -> Path:
     return env.settings().cache_dir / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
-def load(path_or_repo: str | Path, expert_dir: str | Path | None = None, *,
-         slots: int | None = None, budget_gb: float | None = None,
-         policy: str = DEFAULT_POLICY, pool_profile: str | Path | None | bool = True,
-         threads: int = 4, direct_io: bool = False, verify: bool = True,
-         pool_mode: str | None = None, record: bool = False, clear_on_evict: bool = False,
-         cache_limit_gb: float | None = None, options: StreamOptions | None = None,
-         progress: bool | None = None):
+def load(
+    path_or_repo: str | Path,
+    expert_dir: str | Path | None = None,
+    *,
+    slots: int | None = None,
+    budget_gb: float | None = None,
+    policy: str = DEFAULT_POLICY,
+    pool_profile: str | Path | None | bool = True,
+    threads: int = 4,
+    direct_io: bool = False,
+    verify: bool = True,
+    pool_mode: str | None = None,
+    record: bool = False,
+    clear_on_evict: bool = False,
+    cache_limit_gb: float | None = None,
+    options: StreamOptions | None = None,
+    progress: bool | None = None,
+):
     """Load a MoE model with its experts streamed from disk.
 
     Splits the experts on first use (into ``expert_dir``, by default a cache folder keyed
@@ -91,9 +102,18 @@ def load(path_or_repo: str | Path, expert_dir: str | Path | None = None, *,
         caps = None
     capacity, layer_caps = store_slots(meta, slots, budget_gb, caps)
     model, tokenizer = mlx_load(str(model_dir), lazy=True)
-    store = FileExpertStore(meta, capacity, layer_caps, clear_on_evict, record, policy=policy,
-                            threads=threads, direct_io=direct_io, verify=verify,
-                            pool_mode=pool_mode)
+    store = FileExpertStore(
+        meta,
+        capacity,
+        layer_caps,
+        clear_on_evict,
+        record,
+        policy=policy,
+        threads=threads,
+        direct_io=direct_io,
+        verify=verify,
+        pool_mode=pool_mode,
+    )
     options = options or StreamOptions()
     if options.kernel_cache is None:
         options = replace(options, kernel_cache=env.settings().kernel_cache_file)
@@ -118,13 +138,16 @@ def load_trunk(model, progress: bool | None = None) -> None:
         parts = name.split(".")
         key = ".".join(parts[:3]) if len(parts) > 3 and parts[2].isdigit() else parts[0]
         groups.setdefault(key, []).append(v)
-    for arrays in tqdm(groups.values(), desc="load trunk", unit="block",
-                       disable=None if progress is None else not progress):
+    for arrays in tqdm(
+        groups.values(),
+        desc="load trunk",
+        unit="block",
+        disable=None if progress is None else not progress,
+    ):
         mx.eval(arrays)
 
 
-def memory_plan(model, store: FileExpertStore, cache_limit_gb: float | None = None
-                ) -> MemoryPlan:
+def memory_plan(model, store: FileExpertStore, cache_limit_gb: float | None = None) -> MemoryPlan:
     """Trunk, pool and buffer-cache bytes of a patched model (nothing is evaluated);
     ``cache_limit_gb`` as given to ``load``."""
     from mlx.utils import tree_flatten

@@ -104,9 +104,25 @@ def test_bench_command_compare_stock(models, tmp_path, capsys):
 
     ck, ed = models.experts("tiny-qwen3_next")
     out = tmp_path / "r.json"
-    bench.main(["--model", str(ck), "--expert-dir", str(ed), "--slots", "6", "--max-tokens",
-                "12", "--repeat", "1", "--compare-stock", "--json", str(out), "--prompt",
-                PROMPT])
+    bench.main(
+        [
+            "--model",
+            str(ck),
+            "--expert-dir",
+            str(ed),
+            "--slots",
+            "6",
+            "--max-tokens",
+            "12",
+            "--repeat",
+            "1",
+            "--compare-stock",
+            "--json",
+            str(out),
+            "--prompt",
+            PROMPT,
+        ]
+    )
     r = json.loads(out.read_text())
     assert r["exact_vs_stock"] is True and r["exactness"]["max_abs_logit_diff"] == 0.0
     assert r["stock_tok_per_s"] > 0 and r["ratio_vs_stock"] > 0

@@ -33,6 +33,7 @@ def copy_of(models, tmp_path):
         dst = tmp_path / "experts"
         shutil.copytree(ed, dst)
         return ck, dst
+
     return make
 
 
@@ -62,8 +63,9 @@ def test_meta_from_another_model(models, copy_of):
     store = FileExpertStore(ed, capacity=4)
     d = load_meta(ed).dims
     with pytest.raises(ExpertDirError, match=r"split from another model.*fingerprint differs"):
-        patch_model_filebacked(model, store, d["hidden"], d["moe_inter"], d["group_size"],
-                               d["bits"])
+        patch_model_filebacked(
+            model, store, d["hidden"], d["moe_inter"], d["group_size"], d["bits"]
+        )
     # a complete directory is not re-checked by split (it returns at once); loading
     # another model over it is refused by the patch
     assert split_model(other, ed) == load_meta(ed).to_json()
@@ -101,7 +103,9 @@ def test_checksum_mismatch_detected_on_read(copy_of, mode):
             fh.seek(-1, 1)
             fh.write(bytes([b[0] ^ 0xFF]))
     model, tok, store = _patch(ck, ed, capacity=meta.top_k, pool_mode=mode)
-    with pytest.raises(ExpertChecksumError, match=rf"layer {layer} in .*layer_.*fails its checksum"):
+    with pytest.raises(
+        ExpertChecksumError, match=rf"layer {layer} in .*layer_.*fails its checksum"
+    ):
         greedy_trace(model, tok.encode("hello experts"), 2)
     cache = store.caches[layer]
     assert cache.resident == 0 and (cache.slot_of < 0).all()  # nothing bad marked resident

@@ -30,10 +30,15 @@ def test_streamed_equals_stock_on_cuda(models, tmp_path, preset, mode):
     want = {c: greedy_trace(ref, ids, 12, c) for c in (8, 64)}
     meta = load_meta(ed)
     for slots in (meta.top_k, meta.num_experts // 2, meta.num_experts):
-        model, _, store = mlx_streaming.load(ck, ed, slots=slots, pool_mode=mode,
-                                             options=mlx_streaming.StreamOptions(
-                                                 kernel_check=True,
-                                                 kernel_cache=tmp_path / "k.json"))
+        model, _, store = mlx_streaming.load(
+            ck,
+            ed,
+            slots=slots,
+            pool_mode=mode,
+            options=mlx_streaming.StreamOptions(
+                kernel_check=True, kernel_cache=tmp_path / "k.json"
+            ),
+        )
         assert store.pool_mode == mode
         for chunk, ref_trace in want.items():
             cmp = compare_traces(ref_trace, greedy_trace(model, ids, 12, chunk))
@@ -45,7 +50,18 @@ def test_verify_on_cuda(models, capsys):
     from mlx_streaming.cli import main
 
     ck, ed = models.experts("thresholds-qwen3_moe", dtype="bfloat16")
-    main(["verify", "--model", str(ck), "--expert-dir", str(ed), "--slots", "16",
-          "--max-tokens-per-call", "128"])
+    main(
+        [
+            "verify",
+            "--model",
+            str(ck),
+            "--expert-dir",
+            str(ed),
+            "--slots",
+            "16",
+            "--max-tokens-per-call",
+            "128",
+        ]
+    )
     assert capsys.readouterr().out.strip().endswith("exact")
     assert mx.default_device() != mx.cpu

@@ -33,18 +33,22 @@ def pool_experts(slots: int, experts: int, zero_slot: bool) -> int:
     return slots + int(zero_slot and slots < experts)
 
 
-GRID = list(itertools.product(
-    ("metal", "cuda", "cpu"), (True, False),  # backend, quantized
-    (64, 128, 512),  # experts
-    (2, 8, 10),  # top-k
-    (True, False),  # zero slot
-))
+GRID = list(
+    itertools.product(
+        ("metal", "cuda", "cpu"),
+        (True, False),  # backend, quantized
+        (64, 128, 512),  # experts
+        (2, 8, 10),  # top-k
+        (True, False),  # zero slot
+    )
+)
 
 
 @pytest.mark.parametrize("backend,quantized,experts,top_k,zero", GRID)
 def test_pool_takes_stocks_kernel(backend, quantized, experts, top_k, zero):
-    tokens = sorted({1, 2, 3, 7, 8, 9, 16, 25, 26, 27, 51, 52, 53, 64, 100, 204, 205, 206,
-                     256, 512, 1024, 2048})
+    tokens = sorted(
+        {1, 2, 3, 7, 8, 9, 16, 25, 26, 27, 51, 52, 53, 64, 100, 204, 205, 206, 256, 512, 1024, 2048}
+    )
     for slots in sorted({top_k, 2 * top_k, experts // 4, experts // 2, experts - 1, experts}):
         E = pool_experts(slots, experts, zero)
         for T in tokens:
@@ -52,8 +56,7 @@ def test_pool_takes_stocks_kernel(backend, quantized, experts, top_k, zero):
             stock_sorted = B >= SORT_ROWS
             want = kernel(GatherCall(backend, quantized, 1, B, experts, stock_sorted))
             flag = pool_sorted_flag(backend, quantized, 1, B, experts, E, stock_sorted)
-            assert kernel(GatherCall(backend, quantized, 1, B, E, flag)) == want, \
-                (slots, T, flag)
+            assert kernel(GatherCall(backend, quantized, 1, B, E, flag)) == want, (slots, T, flag)
 
 
 def test_the_rule_matters_on_metal():
@@ -61,9 +64,12 @@ def test_the_rule_matters_on_metal():
     per call the pool would take the rhs kernel that stock does not take; the rule
     turns the sort flag off there and keeps it on where stock takes rhs."""
     E, k, P = 512, 10, 65
-    naive = [T for T in range(1, 2049)
-             if kernel(GatherCall("metal", True, 1, T * k, P, T * k >= 64))
-             != kernel(GatherCall("metal", True, 1, T * k, E, T * k >= 64))]
+    naive = [
+        T
+        for T in range(1, 2049)
+        if kernel(GatherCall("metal", True, 1, T * k, P, T * k >= 64))
+        != kernel(GatherCall("metal", True, 1, T * k, E, T * k >= 64))
+    ]
     assert naive[0] == 26 and naive[-1] == 204
     assert pool_sorted_flag("metal", True, 1, 300, E, P, True) is False
     assert pool_sorted_flag("metal", True, 1, 2100, E, P, True) is True
@@ -84,8 +90,9 @@ def test_pool_projection_passes_the_rules_flag(monkeypatch):
         return real(*a, sorted_indices=sorted_indices, **kw)
 
     monkeypatch.setattr(mx, "gather_qmm", spy)
-    proj = PoolQuantizedSwitchLinear(64, 32, 5, bias=False, group_size=32, bits=4,
-                                     model_experts=64, backend="metal")
+    proj = PoolQuantizedSwitchLinear(
+        64, 32, 5, bias=False, group_size=32, bits=4, model_experts=64, backend="metal"
+    )
     for rows, want in ((64, False), (256, True)):  # 64 // 5 >= 4 but 64 // 64 < 4
         x = mx.zeros((rows, 1, 64))
         proj(x, mx.zeros((rows,), mx.uint32), sorted_indices=True)
@@ -119,9 +126,11 @@ def _metal_like(monkeypatch):
     def fake(x, w, *a, rhs_indices=None, sorted_indices=False, **kw):
         y = real(x, w, *a, rhs_indices=rhs_indices, sorted_indices=sorted_indices, **kw)
         B = math.prod(dispatch._broadcast(x.shape[:-2], rhs_indices.shape))
-        if kernel(GatherCall("metal", True, x.shape[-2], B, w.shape[0], sorted_indices)) \
-                == "gather_qmm_rhs":
-            return y * (1 + 2.0 ** -8)
+        if (
+            kernel(GatherCall("metal", True, x.shape[-2], B, w.shape[0], sorted_indices))
+            == "gather_qmm_rhs"
+        ):
+            return y * (1 + 2.0**-8)
         return y
 
     monkeypatch.setattr(mx, "gather_qmm", fake)
@@ -129,9 +138,19 @@ def _metal_like(monkeypatch):
 
 
 CASE = selftest.ProjectionCase(
-    "gate_proj", (("weight", (32, 16), "uint32"), ("scales", (32, 2), "float32"),
-                  ("biases", (32, 2), "float32")),
-    (4, 64, "affine"), "float32", 128, 16, True, 8)
+    "gate_proj",
+    (
+        ("weight", (32, 16), "uint32"),
+        ("scales", (32, 2), "float32"),
+        ("biases", (32, 2), "float32"),
+    ),
+    (4, 64, "affine"),
+    "float32",
+    128,
+    16,
+    True,
+    8,
+)
 
 
 def test_self_test_passes_with_the_rule(monkeypatch, tmp_path):
@@ -163,8 +182,15 @@ def test_patch_runs_the_self_test(models, tmp_path):
     model, _ = load(str(ck), lazy=True)
     store = FileExpertStore(ed, capacity=6, zero_slot=True)
     cache = tmp_path / "k.json"
-    patch_model_filebacked(model, store, 128, 64, 64, 4, options=StreamOptions(
-        rows="masked", kernel_check=True, kernel_cache=cache))
+    patch_model_filebacked(
+        model,
+        store,
+        128,
+        64,
+        64,
+        4,
+        options=StreamOptions(rows="masked", kernel_check=True, kernel_cache=cache),
+    )
     assert len(json.loads(cache.read_text())) == 3  # gate, up and down projections
     store.close()
 
@@ -172,5 +198,9 @@ def test_patch_runs_the_self_test(models, tmp_path):
 def test_rule_unknown_backend():
     with pytest.raises(ValueError, match="unknown backend"):
         kernel(GatherCall("tpu", True, 1, 8, 8, False))
-    assert np.all([kernel(GatherCall("cpu", q, 1, b, 4, s)) == "cpu"
-                   for q, b, s in itertools.product((True, False), (1, 64, 999), (1, 0))])
+    assert np.all(
+        [
+            kernel(GatherCall("cpu", q, 1, b, 4, s)) == "cpu"
+            for q, b, s in itertools.product((True, False), (1, 64, 999), (1, 0))
+        ]
+    )

@@ -18,9 +18,12 @@ from mlx_streaming.synthetic import TINY_ARCHS
 
 NEW_TOKENS = 32
 PREFILL = 16  # the longest prompt spans several prefill chunks
-TEXTS = ["Hi", "Experts stream from disk when the pool is small.",
-         "A mixture of experts model routes each token to a few experts out of many; "
-         "the rest stay on disk until they are needed, and the cache keeps what was used."]
+TEXTS = [
+    "Hi",
+    "Experts stream from disk when the pool is small.",
+    "A mixture of experts model routes each token to a few experts out of many; "
+    "the rest stay on disk until they are needed, and the cache keeps what was used.",
+]
 
 
 def patched(ck, ed, options=None, **store_kw):
@@ -56,18 +59,23 @@ CONFIGS = {
     "slots=top_k": lambda m: {"capacity": m.top_k},
     "slots=2top_k": lambda m: {"capacity": 2 * m.top_k},
     "slots=all": lambda m: {"capacity": m.num_experts},
-    "layer_caps": lambda m: {"capacity": m.top_k,
-                             "layer_caps": {m.moe_layers[0]: m.num_experts,
-                                            m.moe_layers[-1]: m.top_k + 1}},
+    "layer_caps": lambda m: {
+        "capacity": m.top_k,
+        "layer_caps": {m.moe_layers[0]: m.num_experts, m.moe_layers[-1]: m.top_k + 1},
+    },
     "clear_on_evict": lambda m: {"capacity": m.top_k + 1, "clear_on_evict": True},
     "mlx_pool": lambda m: {"capacity": m.top_k + 1, "pool_mode": "mlx"},
     "direct_io": lambda m: {"capacity": m.top_k + 1, "direct_io": True},
-    "no_overlap": lambda m: {"capacity": m.top_k + 1,
-                             "options": StreamOptions(overlap=False)},
-    "masked_rows": lambda m: {"capacity": m.top_k + 1, "zero_slot": True,
-                              "options": StreamOptions(rows="masked")},
-    "prefetch": lambda m: {"capacity": 2 * m.top_k,
-                           "options": StreamOptions(prefetch=True, prefetch_extra=1)},
+    "no_overlap": lambda m: {"capacity": m.top_k + 1, "options": StreamOptions(overlap=False)},
+    "masked_rows": lambda m: {
+        "capacity": m.top_k + 1,
+        "zero_slot": True,
+        "options": StreamOptions(rows="masked"),
+    },
+    "prefetch": lambda m: {
+        "capacity": 2 * m.top_k,
+        "options": StreamOptions(prefetch=True, prefetch_extra=1),
+    },
 }
 
 
@@ -153,8 +161,9 @@ def test_pool_updates_in_place(models):
     store.close()
 
 
-@pytest.mark.parametrize("kw", [{"bits": 8}, {"bits": None}, {"dtype": "bfloat16"},
-                                {"bits": 8, "group_size": 32}])
+@pytest.mark.parametrize(
+    "kw", [{"bits": 8}, {"bits": None}, {"dtype": "bfloat16"}, {"bits": 8, "group_size": 32}]
+)
 def test_other_precisions(models, kw):
     """8-bit, unquantized (float experts) and bf16 checkpoints stream exactly too."""
     ck, ed = models.experts("tiny-qwen3_moe", **kw)
@@ -222,8 +231,13 @@ def test_kernel_thresholds(models, rows):
     ids = tok.encode(" ".join(TEXTS * 3))[:150]
     want = {c: greedy_trace(ref, ids, 8, c) for c in (8, 16, 32, 64)}
     for cap in (meta.top_k, 2 * meta.top_k, meta.num_experts // 2, meta.num_experts):
-        model, store = patched(ck, ed, capacity=cap, zero_slot=rows == "masked",
-                               options=StreamOptions(rows=rows, kernel_check=True))
+        model, store = patched(
+            ck,
+            ed,
+            capacity=cap,
+            zero_slot=rows == "masked",
+            options=StreamOptions(rows=rows, kernel_check=True),
+        )
         for chunk, ref_trace in want.items():
             cmp = compare_traces(ref_trace, greedy_trace(model, ids, 8, chunk))
             assert cmp.exact, (cap, chunk, cmp.to_json())

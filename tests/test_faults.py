@@ -27,21 +27,39 @@ from mlx_streaming.core.format import META_NAME, ExpertDirError
 from mlx_streaming.core.meta import load_meta, meta_from_json
 from mlx_streaming.synthetic import Preset, make_checkpoint
 
-SPLIT = ("import sys; from mlx_streaming import split_model; "
-         "split_model(sys.argv[1], sys.argv[2], progress=False)")
+SPLIT = (
+    "import sys; from mlx_streaming import split_model; "
+    "split_model(sys.argv[1], sys.argv[2], progress=False)"
+)
 
 
 @pytest.fixture(scope="module")
 def bigger(tmp_path_factory):
     """A checkpoint whose split takes a moment (for killing it midway)."""
     root = tmp_path_factory.mktemp("bigger")
-    preset = Preset("faults", {
-        "model_type": "qwen3_moe", "hidden_size": 256, "num_hidden_layers": 8,
-        "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 64, "num_experts": 64, "num_experts_per_tok": 4, "decoder_sparse_step": 1,
-        "mlp_only_layers": [], "moe_intermediate_size": 256, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "tie_word_embeddings": False, "max_position_embeddings": 4096,
-        "norm_topk_prob": True}, popularity=0.0)
+    preset = Preset(
+        "faults",
+        {
+            "model_type": "qwen3_moe",
+            "hidden_size": 256,
+            "num_hidden_layers": 8,
+            "intermediate_size": 256,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "num_experts": 64,
+            "num_experts_per_tok": 4,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": 256,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+            "max_position_embeddings": 4096,
+            "norm_topk_prob": True,
+        },
+        popularity=0.0,
+    )
     ck = make_checkpoint(root / "model", preset)
     ref = root / "ref"
     split_model(ck, ref)
@@ -83,10 +101,13 @@ def test_split_killed_at_random_points_resumes_identically(bigger, tmp_path):
 def test_full_disk_gives_clear_error_and_no_meta(bigger, tmp_path):
     ck, _ = bigger
     out = tmp_path / "experts"
-    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
-            "resource.setrlimit(resource.RLIMIT_FSIZE, (300000, 300000)); " + SPLIT)
-    r = subprocess.run([sys.executable, "-c", code, str(ck), str(out)], capture_output=True,
-                       text=True)
+    code = (
+        "import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (300000, 300000)); " + SPLIT
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(ck), str(out)], capture_output=True, text=True
+    )
     assert r.returncode != 0
     assert "no space left writing" in r.stderr and "completed layers are kept" in r.stderr
     assert not (out / META_NAME).exists()
@@ -168,8 +189,11 @@ def test_symlink_out_of_the_directory_is_refused(models, tmp_path):
         load_meta(ed)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                   HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(data=st.data())
 def test_meta_loader_fuzz(models, data, tmp_path_factory):
     """Mutated metas are refused with ExpertDirError (or accepted if still valid), never
@@ -177,14 +201,21 @@ def test_meta_loader_fuzz(models, data, tmp_path_factory):
     _, ed = models.experts("tiny-olmoe")
     base = json.loads((ed / META_NAME).read_text())
     d = json.loads(json.dumps(base))
-    scalars = st.one_of(st.none(), st.booleans(), st.integers(-5, 10 ** 9), st.floats(),
-                        st.text(max_size=8), st.lists(st.integers(-3, 3), max_size=3))
+    scalars = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-5, 10**9),
+        st.floats(),
+        st.text(max_size=8),
+        st.lists(st.integers(-3, 3), max_size=3),
+    )
     for _ in range(data.draw(st.integers(1, 4))):
         node = d
         path = []
         while isinstance(node, (dict, list)) and node and data.draw(st.booleans()):
-            key = data.draw(st.sampled_from(sorted(node) if isinstance(node, dict)
-                                            else list(range(len(node)))))
+            key = data.draw(
+                st.sampled_from(sorted(node) if isinstance(node, dict) else list(range(len(node))))
+            )
             path.append(key)
             parent, node = node, node[key]
         if path:

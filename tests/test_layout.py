@@ -18,10 +18,16 @@ RANKS = {
     "core": 0,
     "prep": 1,
     "planning": 2,
-    "config": 3, "model_builder": 3,
-    "analysis": 4, "synthetic": 4,
-    "bench": 5, "serve": 5,
-    "commands": 6, "cli": 6, "__main__": 6, "__init__": 6,
+    "config": 3,
+    "model_builder": 3,
+    "analysis": 4,
+    "synthetic": 4,
+    "bench": 5,
+    "serve": 5,
+    "commands": 6,
+    "cli": 6,
+    "__main__": 6,
+    "__init__": 6,
 }
 MAX_LINES = 400
 
@@ -54,16 +60,20 @@ def _imports(f: Path, parts: tuple) -> list[tuple[str, ...]]:
             else:
                 out.append(tuple(mod) if mod else ("__init__",))
         elif isinstance(node, ast.Import):
-            out += [tuple(a.name.split(".")[1:]) for a in node.names
-                    if a.name.startswith("mlx_streaming.")]
+            out += [
+                tuple(a.name.split(".")[1:])
+                for a in node.names
+                if a.name.startswith("mlx_streaming.")
+            ]
     return [m for m in out if m]
 
 
 @pytest.mark.parametrize("f,parts", list(_modules()), ids=lambda v: str(v))
 def test_imports_run_down_the_layers(f, parts):
     for target in _imports(f, parts):
-        assert _rank(target) <= _rank(parts), \
+        assert _rank(target) <= _rank(parts), (
             f"{'/'.join(parts)} imports {'.'.join(target)}, a higher layer"
+        )
 
 
 def test_core_reads_no_environment():
@@ -72,15 +82,30 @@ def test_core_reads_no_environment():
 
 
 def test_modules_stay_small():
-    big = {str(f.relative_to(PKG)): n for f, _ in _modules()
-           if (n := len(f.read_text().splitlines())) > MAX_LINES}
+    big = {
+        str(f.relative_to(PKG)): n
+        for f, _ in _modules()
+        if (n := len(f.read_text().splitlines())) > MAX_LINES
+    }
     assert not big, f"modules over {MAX_LINES} lines: {big}"
 
 
 def test_no_private_reach_through():
-    r = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "SLF001",
-                        "--output-format", "concise", str(PKG)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ruff",
+            "check",
+            "--select",
+            "SLF001",
+            "--output-format",
+            "concise",
+            str(PKG),
+        ],
+        capture_output=True,
+        text=True,
+    )
     hits = [line for line in r.stdout.splitlines() if "SLF001" in line]
     allowed = [h for h in hits if "`_resident`" in h and "bench/" in h]
     assert hits == allowed, "\n".join(hits)

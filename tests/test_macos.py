@@ -58,8 +58,12 @@ SCRIPT = textwrap.dedent("""
 def test_darwin_paths(models, tmp_path):
     ck, ed = models.experts("tiny-qwen3_moe")
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(ck), str(ed), str(out)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(ck), str(ed), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "cold exit 2" in r.stdout
     assert "posix_fadvise, which darwin lacks" in r.stderr

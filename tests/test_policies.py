@@ -37,8 +37,12 @@ def local_trace(T=600, L=3, E=32, k=4, seed=0, concentrated=()):
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 10_000), cap=st.integers(4, 12), pins=st.integers(0, 2),
-       policy=st.sampled_from(ALL))
+@given(
+    seed=st.integers(0, 10_000),
+    cap=st.integers(4, 12),
+    pins=st.integers(0, 2),
+    policy=st.sampled_from(ALL),
+)
 def test_invariants(seed, cap, pins, policy):
     rng = np.random.default_rng(seed)
     E, k, T = 16, 4, 80
@@ -92,19 +96,24 @@ def test_simulator_equals_live_store(models):
         model, tok = load(str(ck), lazy=True)
         store = FileExpertStore(ed, capacity=meta.top_k + 2, policy=policy)
         d = meta.dims
-        patch_model_filebacked(model, store, d["hidden"], d["moe_inter"], d["group_size"],
-                               d["bits"])
+        patch_model_filebacked(
+            model, store, d["hidden"], d["moe_inter"], d["group_size"], d["bits"]
+        )
         rec = TraceRecorder(store.layers, meta.num_experts)
         store.observers.append(rec)
-        for _ in stream_generate(model, tok, "How do experts stream from disk?", max_tokens=24,
-                                 prefill_step_size=1):  # one token per call, as simulated
+        for _ in stream_generate(
+            model, tok, "How do experts stream from disk?", max_tokens=24, prefill_step_size=1
+        ):  # one token per call, as simulated
             pass
         trace = rec.trace()
         sim = simulate(trace, policy, meta.top_k + 2)
         for pos, li in enumerate(store.layers):
             c = store.caches[li].stats
-            assert (c.hits, c.misses, c.evictions) == \
-                (sim.hits[pos], sim.misses[pos], sim.evictions[pos]), (policy, li)
+            assert (c.hits, c.misses, c.evictions) == (
+                sim.hits[pos],
+                sim.misses[pos],
+                sim.evictions[pos],
+            ), (policy, li)
         store.close()
 
 
@@ -113,12 +122,17 @@ def test_trace_roundtrip_and_validation(tmp_path):
     t.save(tmp_path / "t.npz")
     back = RoutingTrace.load(tmp_path / "t.npz")
     assert np.array_equal(back.experts, t.experts) and back.num_experts == 32
-    np.savez(tmp_path / "bad.npz", experts=t.experts, offsets=np.array([0, 7]),
-             num_experts=np.int64(32))
+    np.savez(
+        tmp_path / "bad.npz", experts=t.experts, offsets=np.array([0, 7]), num_experts=np.int64(32)
+    )
     with pytest.raises(TraceError, match="offsets"):
         RoutingTrace.load(tmp_path / "bad.npz")
-    np.savez(tmp_path / "obj.npz", experts=np.array([object()]), offsets=np.array([0]),
-             num_experts=np.int64(1))
+    np.savez(
+        tmp_path / "obj.npz",
+        experts=np.array([object()]),
+        offsets=np.array([0]),
+        num_experts=np.int64(1),
+    )
     with pytest.raises(TraceError, match="cannot read trace"):
         RoutingTrace.load(tmp_path / "obj.npz")  # pickled objects are refused
 
@@ -130,11 +144,22 @@ def test_plan_rows_and_budget_arithmetic():
     assert plan_budget(shape, 4 * 1000 * 9 / 1e9, zero_slot=True).slots == {i: 8 for i in range(4)}
     assert plan_budget(shape, 4 * 1000 * 9 / 1e9, zero_slot=False).slots == {i: 9 for i in range(4)}
     # a layer's last slot drops its zero slot: 32 slots cost what 31 + zero do
-    assert plan_budget(shape, 4 * 1000 * 32 / 1e9, zero_slot=True).slots == {i: 32 for i in range(4)}
-    rows = plan(trace, shape, slots=[6, 12], policies=["lru", "predictive", "belady"],
-                t_compute_s=0.01, read_gbps=1.0, tokens=200, layer_sample=None)
-    assert {(r.policy, r.slots) for r in rows} == {(p, s) for p in ("lru", "predictive",
-                                                                    "belady") for s in (6, 12)}
+    assert plan_budget(shape, 4 * 1000 * 32 / 1e9, zero_slot=True).slots == {
+        i: 32 for i in range(4)
+    }
+    rows = plan(
+        trace,
+        shape,
+        slots=[6, 12],
+        policies=["lru", "predictive", "belady"],
+        t_compute_s=0.01,
+        read_gbps=1.0,
+        tokens=200,
+        layer_sample=None,
+    )
+    assert {(r.policy, r.slots) for r in rows} == {
+        (p, s) for p in ("lru", "predictive", "belady") for s in (6, 12)
+    }
     for r in rows:
         assert 0 <= r.hit_rate <= 1 and r.miss_bytes_per_token >= 0
         assert r.predicted_tok_per_s >= r.serial_tok_per_s > 0
@@ -151,8 +176,23 @@ def test_plan_command_json(tmp_path, capsys):
     from mlx_streaming.commands import plan as cmd
 
     local_trace(T=300).save(tmp_path / "t.npz")
-    cmd.main(["--trace", str(tmp_path / "t.npz"), "--expert-bytes", "4096", "--slots", "8",
-              "--policy", "lfu", "--tokens", "150", "--json", "--plot", str(tmp_path / "p.png")])
+    cmd.main(
+        [
+            "--trace",
+            str(tmp_path / "t.npz"),
+            "--expert-bytes",
+            "4096",
+            "--slots",
+            "8",
+            "--policy",
+            "lfu",
+            "--tokens",
+            "150",
+            "--json",
+            "--plot",
+            str(tmp_path / "p.png"),
+        ]
+    )
     rows = json.loads(capsys.readouterr().out)
     assert {r["policy"] for r in rows} == {"lfu", "lru", "belady"}
     assert all({"policy", "slots", "hit_rate"} <= set(r) for r in rows)
@@ -161,6 +201,7 @@ def test_plan_command_json(tmp_path, capsys):
 
 def test_profile_gives_diverse_layers_more_slots(models):
     from mlx_streaming.core.meta import load_meta
+
     _, ed = models.experts("tiny-qwen3_moe")  # 3 MoE layers, 16 experts, top-4
     meta = load_meta(ed)
     trace = local_trace(T=800, L=3, E=16, k=4, concentrated=(0, 2))

@@ -64,8 +64,9 @@ def test_study_rows(models):
     ck = models.checkpoint("tiny-deepseek_v2")
     sites = find_expert_sites(load(str(ck), lazy=True)[0])
     trace = local_trace(T=600, L=len(sites), E=sites[0].num_experts, k=sites[0].top_k)
-    out = hot_cold_study(ck, trace, fractions=(0.25,), budget_fraction=0.5,
-                         quality_tokens=32, sim_tokens=300)
+    out = hot_cold_study(
+        ck, trace, fractions=(0.25,), budget_fraction=0.5, quality_tokens=32, sim_tokens=300
+    )
     rows = {r["config"]: r for r in out["rows"]}
     u4, u2 = rows["uniform 4-bit"], rows["uniform 2-bit"]
     mix = rows["hot 25% at 4-bit, rest 2-bit"]

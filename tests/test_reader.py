@@ -20,12 +20,18 @@ def test_pieces_land_every_byte_once(tmp_path, direct, piece_bytes):
     outs = {i: aligned_buffer(STRIDE) for i in (0, 1, 2, 4)}
     landed = {i: [] for i in outs}
     done = []
-    jobs = [RecordJob(i, [outs[i][: rec // 3], outs[i][rec // 3: rec]],
-                      after=lambda i=i: done.append(i),
-                      piece=lambda a, b, i=i: landed[i].append((a, b))) for i in outs]
+    jobs = [
+        RecordJob(
+            i,
+            [outs[i][: rec // 3], outs[i][rec // 3 : rec]],
+            after=lambda i=i: done.append(i),
+            piece=lambda a, b, i=i: landed[i].append((a, b)),
+        )
+        for i in outs
+    ]
     assert r.submit(0, jobs).result() == rec * len(outs)
     for i, out in outs.items():
-        assert np.array_equal(out[:rec], data[i * STRIDE: i * STRIDE + rec])
+        assert np.array_equal(out[:rec], data[i * STRIDE : i * STRIDE + rec])
         spans = sorted(landed[i])  # the pieces tile the record exactly
         assert spans[0][0] == 0 and spans[-1][1] == rec
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))

@@ -33,8 +33,14 @@ def test_same_format_gives_identical_bytes(models, tmp_path):
     assert out["dims"]["bits"] == 4 and "proj_bits" not in out["dims"]
 
 
-@pytest.mark.parametrize("spec", [{"bits": 3}, {"bits": 4, "proj_bits": "gate=2,up=2,down=3"},
-                                  {"bits": 2, "layer_bits": {"2": 8, "3": {"down_proj": 3}}}])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"bits": 3},
+        {"bits": 4, "proj_bits": "gate=2,up=2,down=3"},
+        {"bits": 2, "layer_bits": {"2": 8, "3": {"down_proj": 3}}},
+    ],
+)
 def test_requantized_streams_exactly(models, tmp_path, spec):
     ck, ed = models.experts("tiny-qwen3_moe")
     out = tmp_path / "rq"
@@ -44,8 +50,7 @@ def test_requantized_streams_exactly(models, tmp_path, spec):
         assert m.dims["proj_bits"] == {"down_proj": 3, "gate_proj": 2, "up_proj": 2}
         assert all(lay.proj_bits() == m.dims["proj_bits"] for lay in m.layers.values())
     if "layer_bits" in spec:
-        assert m.dims["per_layer_proj_bits"]["2"] == {"down_proj": 8, "gate_proj": 8,
-                                                      "up_proj": 8}
+        assert m.dims["per_layer_proj_bits"]["2"] == {"down_proj": 8, "gate_proj": 8, "up_proj": 8}
         assert m.layers[3].proj_bits() == {"down_proj": 3, "gate_proj": 2, "up_proj": 2}
     assert m.expert_bytes() < load_meta(ed).expert_bytes() or "layer_bits" in spec
     assert meta["fingerprint"] == load_meta(ed).to_json()["fingerprint"]
@@ -66,8 +71,9 @@ def test_seed_runs_on_requantized_directory(models, tmp_path):
         pytest.skip("seed script not found")
     ck, ed = models.experts("tiny-qwen3_moe")
     requantize(ed, tmp_path / "rq", 4, proj_bits="gate=2,up=2,down=3")
-    r = run_seed({"MODEL": str(ck), "EXPERT_DIR": str(tmp_path / "rq"), "MAXTOK": "8",
-                  "REPEAT": "1"})
+    r = run_seed(
+        {"MODEL": str(ck), "EXPERT_DIR": str(tmp_path / "rq"), "MAXTOK": "8", "REPEAT": "1"}
+    )
     assert r["proj_bits"] == {"down_proj": 3, "gate_proj": 2, "up_proj": 2}
     assert r["tok_per_s"] > 0 and r["expert_misses"] > 0
 
@@ -91,9 +97,22 @@ def test_quality_metrics(models, tmp_path):
 
 def test_requantize_command_and_errors(models, tmp_path):
     ck, ed = models.experts("tiny-mixtral")
-    r = subprocess.run([sys.executable, "-m", "mlx_streaming", "requantize", "--src", str(ed),
-                        "--out", str(tmp_path / "x"), "--bits", "7"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mlx_streaming",
+            "requantize",
+            "--src",
+            str(ed),
+            "--out",
+            str(tmp_path / "x"),
+            "--bits",
+            "7",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and "bits 7" in r.stderr and "Traceback" not in r.stderr
     with pytest.raises(ValueError, match="gate=2"):
         requantize(ed, tmp_path / "y", 4, proj_bits="gate2")
@@ -107,8 +126,11 @@ def test_target_gb_allocation_beats_uniform(models, tmp_path):
     meta = load_meta(ed)
     from mlx_streaming.analysis.quality import proj_bytes
 
-    three = sum(proj_bytes(lay, p, 3, 64) * lay.num_experts
-                for lay in meta.layers.values() for p in lay.quant)
+    three = sum(
+        proj_bytes(lay, p, 3, 64) * lay.num_experts
+        for lay in meta.layers.values()
+        for p in lay.quant
+    )
     layer_bits, rep = choose_bits(str(ed), three * 1.05 / 1e9, str(ck), 64)
     assert rep["bytes"] <= rep["target_bytes"] and rep["uniform_bits"] == 3
     assert rep["mean_error"] <= rep["uniform_mean_error"]

@@ -12,17 +12,25 @@ import pytest
 
 from mlx_streaming.core.meta import load_meta
 
-SEED = Path(os.environ.get(
-    "MLX_STREAMING_SEED",
-    Path(__file__).resolve().parents[1].parent / "shared" / "seed" / "bench_streaming.py"))
+SEED = Path(
+    os.environ.get(
+        "MLX_STREAMING_SEED",
+        Path(__file__).resolve().parents[1].parent / "shared" / "seed" / "bench_streaming.py",
+    )
+)
 
 
 def run_seed(env: dict) -> dict:
-    proc = subprocess.run([sys.executable, str(SEED)], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(SEED)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    return json.loads(out[out.index("{\n"):])
+    return json.loads(out[out.index("{\n") :])
 
 
 @pytest.mark.skipif(not SEED.exists(), reason=f"seed script not found at {SEED}")
@@ -30,8 +38,16 @@ def run_seed(env: dict) -> dict:
 def test_seed_script_unmodified(models, tmp_path, pin_hot):
     ck = models.checkpoint("tiny-qwen3_next")
     ed = tmp_path / "experts"
-    r = run_seed({"MODEL": str(ck), "EXPERT_DIR": str(ed), "MAXTOK": "16", "REPEAT": "3",
-                  "PIN_HOT": str(pin_hot), "CAL_TOK": "8"})
+    r = run_seed(
+        {
+            "MODEL": str(ck),
+            "EXPERT_DIR": str(ed),
+            "MAXTOK": "16",
+            "REPEAT": "3",
+            "PIN_HOT": str(pin_hot),
+            "CAL_TOK": "8",
+        }
+    )
     meta = load_meta(ed)  # the script split the model itself
     n_layers = len(meta.moe_layers)
     assert r["mode"] == "streaming_filebacked" and r["model"] == str(ck)
@@ -63,7 +79,14 @@ def test_seed_script_unmodified(models, tmp_path, pin_hot):
 @pytest.mark.skipif(not SEED.exists(), reason=f"seed script not found at {SEED}")
 def test_seed_all_resident_takes_the_device_path(models, tmp_path):
     ck, ed = models.experts("tiny-qwen3_next")
-    r = run_seed({"MODEL": str(ck), "EXPERT_DIR": str(ed), "MAXTOK": "8", "REPEAT": "1",
-                  "EXPERT_SLOTS": "16"})
+    r = run_seed(
+        {
+            "MODEL": str(ck),
+            "EXPERT_DIR": str(ed),
+            "MAXTOK": "8",
+            "REPEAT": "1",
+            "EXPERT_SLOTS": "16",
+        }
+    )
     assert r["expert_misses"] == 0 and r["expert_hit_rate"] == 1.0
     assert r["gpu_fallback"] == 0 and r["gpu_fastpath"] > 0

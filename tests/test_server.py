@@ -37,10 +37,27 @@ def server(models):
     ck, ed = models.experts("tiny-qwen3_next")
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlx_streaming", "serve", "--model", str(ck), "--expert-dir",
-         str(ed), "--slots", "6", "--port", str(port), "--log-level", "WARNING"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        [
+            sys.executable,
+            "-m",
+            "mlx_streaming",
+            "serve",
+            "--model",
+            str(ck),
+            "--expert-dir",
+            str(ed),
+            "--slots",
+            "6",
+            "--port",
+            str(port),
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )
     base = f"http://127.0.0.1:{port}"
     for _ in range(120):
         try:
@@ -64,14 +81,20 @@ def test_chat_completions(server):
     ck, base, _ = server
     client = openai.OpenAI(base_url=base + "/v1", api_key="none")
     _, tok = load(str(ck))
-    want = offline(ck, tok.apply_chat_template(MESSAGES, add_generation_prompt=True,
-                                               tokenize=False))
-    r = client.chat.completions.create(model="default_model", messages=MESSAGES,
-                                       max_tokens=MAX_TOKENS, temperature=0.0)
+    want = offline(
+        ck, tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    )
+    r = client.chat.completions.create(
+        model="default_model", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0.0
+    )
     assert r.choices[0].message.content == want
-    chunks = client.chat.completions.create(model="default_model", messages=MESSAGES,
-                                            max_tokens=MAX_TOKENS, temperature=0.0,
-                                            stream=True)
+    chunks = client.chat.completions.create(
+        model="default_model",
+        messages=MESSAGES,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        stream=True,
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
 
 
@@ -79,11 +102,13 @@ def test_completions(server):
     ck, base, _ = server
     client = openai.OpenAI(base_url=base + "/v1", api_key="none")
     want = offline(ck, PROMPT)
-    r = client.completions.create(model="default_model", prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                  temperature=0.0)
+    r = client.completions.create(
+        model="default_model", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0
+    )
     assert r.choices[0].text == want
-    chunks = client.completions.create(model="default_model", prompt=PROMPT,
-                                       max_tokens=MAX_TOKENS, temperature=0.0, stream=True)
+    chunks = client.completions.create(
+        model="default_model", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, stream=True
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
 
 
@@ -109,9 +134,25 @@ def test_failing_request_gets_an_error_and_the_server_keeps_serving(models, tmp_
     meta = load_meta(ed)
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlx_streaming", "serve", "--model", str(ck), "--expert-dir",
-         str(ed), "--slots", "4", "--port", str(port), "--log-level", "WARNING"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "mlx_streaming",
+            "serve",
+            "--model",
+            str(ck),
+            "--expert-dir",
+            str(ed),
+            "--slots",
+            "4",
+            "--port",
+            str(port),
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         for _ in range(120):
@@ -132,8 +173,9 @@ def test_failing_request_gets_an_error_and_the_server_keeps_serving(models, tmp_
         assert get(base + "/health")[2]["status"] == "ok"
         for li in meta.layers:  # repaired: the next request is served normally
             meta.file(li).write_bytes(originals[li])
-        r = client.completions.create(model="default_model", prompt=PROMPT,
-                                      max_tokens=MAX_TOKENS, temperature=0.0)
+        r = client.completions.create(
+            model="default_model", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0
+        )
         assert r.choices[0].text == offline(ck, PROMPT)
     finally:
         proc.terminate()

@@ -28,13 +28,13 @@ def test_records_hold_the_experts(models, arch):
         data = np.fromfile(meta.file(li), dtype=np.uint8)
         assert data.size == lay.num_experts * lay.stride
         for e in (0, lay.num_experts - 1):
-            rec = data[e * lay.stride:(e + 1) * lay.stride]
+            rec = data[e * lay.stride : (e + 1) * lay.stride]
             for p in lay.parts:
                 w = weights[f"{lay.module}.{p.name}"][e]
                 if w.dtype == mx.bfloat16:
                     w = w.view(mx.uint16)
                 want = np.array(w).tobytes()
-                assert rec[p.offset:p.offset + p.nbytes].tobytes() == want, p.name
+                assert rec[p.offset : p.offset + p.nbytes].tobytes() == want, p.name
 
 
 def test_meta_describes_dims(models):

@@ -15,8 +15,21 @@ from mlx_streaming.core.meta import load_meta
 def test_verify_says_exact(models, tmp_path, capsys):
     ck, ed = models.experts("thresholds-qwen3_moe")
     out = tmp_path / "r.json"
-    main(["verify", "--model", str(ck), "--expert-dir", str(ed), "--slots", "16",
-          "--max-tokens-per-call", "80", "--json", str(out)])
+    main(
+        [
+            "verify",
+            "--model",
+            str(ck),
+            "--expert-dir",
+            str(ed),
+            "--slots",
+            "16",
+            "--max-tokens-per-call",
+            "80",
+            "--json",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert text.strip().endswith("exact") and "DIFFERS" not in text
     rep = json.loads(out.read_text())
@@ -37,8 +50,22 @@ def test_verify_finds_the_first_differing_layer(models, tmp_path, capsys):
         data[e * lay.stride + lay.part("down_proj.weight").offset] ^= 0x11
     data.tofile(meta.file(2))
     with pytest.raises(SystemExit) as exit_:
-        main(["verify", "--model", str(ck), "--expert-dir", str(ed), "--no-verify",
-              "--layers", "1", "2", "3", "--max-tokens-per-call", "32"])
+        main(
+            [
+                "verify",
+                "--model",
+                str(ck),
+                "--expert-dir",
+                str(ed),
+                "--no-verify",
+                "--layers",
+                "1",
+                "2",
+                "3",
+                "--max-tokens-per-call",
+                "32",
+            ]
+        )
     assert exit_.value.code == 1
     text = capsys.readouterr().out
     assert "layer 1: exact" in text and "layer 2: DIFFERS" in text

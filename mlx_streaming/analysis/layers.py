@@ -22,8 +22,10 @@ from ..core.discovery import find_expert_sites, projections
 from ..core.selftest import token_counts
 from .capture import capture_inputs
 
-DEFAULT_PROMPT = ("Explain, in a few sentences, how a mixture-of-experts language model "
-                  "chooses which experts process each token.")
+DEFAULT_PROMPT = (
+    "Explain, in a few sentences, how a mixture-of-experts language model "
+    "chooses which experts process each token."
+)
 
 
 @dataclass
@@ -52,11 +54,20 @@ class VerifyReport:
 
     def to_json(self) -> dict:
         first = self.first_difference
-        return {"exact": self.exact,
-                "first_differing_layer": None if first is None else first.layer,
-                "layers": [{"layer": r.layer, "exact": r.exact, "tokens": r.tokens,
-                            "differ_at_tokens": r.differ_at,
-                            "max_abs_diff": r.max_abs_diff} for r in self.layers]}
+        return {
+            "exact": self.exact,
+            "first_differing_layer": None if first is None else first.layer,
+            "layers": [
+                {
+                    "layer": r.layer,
+                    "exact": r.exact,
+                    "tokens": r.tokens,
+                    "differ_at_tokens": r.differ_at,
+                    "max_abs_diff": r.max_abs_diff,
+                }
+                for r in self.layers
+            ],
+        }
 
 
 def _rows(x: mx.array, idx: mx.array, tokens: int) -> tuple[mx.array, mx.array]:
@@ -70,9 +81,14 @@ def _bits(a: mx.array) -> mx.array:
     return a.view({1: mx.uint8, 2: mx.uint16, 4: mx.uint32}[a.itemsize])
 
 
-def verify_layers(streamed: nn.Module, stock: nn.Module, prompt_ids: list[int],
-                  layers: list[int] | None = None, max_tokens: int = 2048,
-                  progress=None) -> VerifyReport:
+def verify_layers(
+    streamed: nn.Module,
+    stock: nn.Module,
+    prompt_ids: list[int],
+    layers: list[int] | None = None,
+    max_tokens: int = 2048,
+    progress=None,
+) -> VerifyReport:
     """Compare each MoE layer of ``streamed`` (patched) with the same layer of ``stock``
     (the model loaded lazily with mlx-lm: its experts are read one layer at a time).
 
@@ -92,8 +108,9 @@ def verify_layers(streamed: nn.Module, stock: nn.Module, prompt_ids: list[int],
     chosen = sorted(sites) if not layers else list(layers)
     unknown = [li for li in chosen if li not in sites]
     if unknown:
-        raise ValueError(f"layers {unknown} are not MoE layers of this model "
-                         f"(its MoE layers: {sorted(sites)})")
+        raise ValueError(
+            f"layers {unknown} are not MoE layers of this model (its MoE layers: {sorted(sites)})"
+        )
     inputs = capture_inputs(streamed, prompt_ids)
     report = VerifyReport()
     for li in chosen:
@@ -108,8 +125,9 @@ def verify_layers(streamed: nn.Module, stock: nn.Module, prompt_ids: list[int],
             want, got = ref(x, idx), s.streamed(x, idx)
             if not mx.array_equal(_bits(want), _bits(got)).item():
                 res.differ_at = t
-                res.max_abs_diff = float(mx.abs(want.astype(mx.float32)
-                                                - got.astype(mx.float32)).max().item())
+                res.max_abs_diff = float(
+                    mx.abs(want.astype(mx.float32) - got.astype(mx.float32)).max().item()
+                )
                 break
         # drop this layer's stock experts before the next layer's are read
         ref.update(tree_map(lambda a: mx.zeros((0,), a.dtype), ref.parameters()))

@@ -30,8 +30,9 @@ from ..planning.simulate import routing_counts
 from ..planning.trace import RoutingTrace
 
 
-def hot_experts(trace: RoutingTrace, fraction: float, start: int = 0,
-                tokens: int | None = None) -> list[np.ndarray]:
+def hot_experts(
+    trace: RoutingTrace, fraction: float, start: int = 0, tokens: int | None = None
+) -> list[np.ndarray]:
     """Per trace layer, the ``ceil(fraction * num_experts)`` most routed experts of the
     span ``[start, start + tokens)``."""
     if not 0 <= fraction <= 1:
@@ -40,15 +41,22 @@ def hot_experts(trace: RoutingTrace, fraction: float, start: int = 0,
     return [np.sort(h) for h in hottest(routing_counts(trace, start, tokens), n)]
 
 
-def byte_lru_hit_rate(trace: RoutingTrace, layer: int, sizes: np.ndarray, budget: int,
-                      start: int = 0, tokens: int | None = None) -> tuple[float, float]:
+def byte_lru_hit_rate(
+    trace: RoutingTrace,
+    layer: int,
+    sizes: np.ndarray,
+    budget: int,
+    start: int = 0,
+    tokens: int | None = None,
+) -> tuple[float, float]:
     """(hit rate, bytes loaded per token) of demand LRU at one trace layer with a pool of
     ``budget`` bytes, expert ``e`` taking ``sizes[e]`` bytes. A token's experts are
     never evicted to make room for each other."""
     end = trace.tokens if tokens is None else min(trace.tokens, start + tokens)
     if budget < max(sizes) * trace.top_k:
-        raise ValueError(f"a budget of {budget} bytes cannot hold one token's "
-                         f"{trace.top_k} experts")
+        raise ValueError(
+            f"a budget of {budget} bytes cannot hold one token's {trace.top_k} experts"
+        )
     lru: OrderedDict[int, int] = OrderedDict()
     used = hits = misses = loaded = 0
     for t in range(start, end):
@@ -88,13 +96,20 @@ def expert_bytes(module: nn.Module, bits: int, group_size: int) -> int:
 
 def _dequantized(proj: nn.Module) -> mx.array:
     if isinstance(proj, QuantizedSwitchLinear):
-        return mx.dequantize(proj.weight, proj.scales, proj.get("biases"),
-                             group_size=proj.group_size, bits=proj.bits, mode=proj.mode)
+        return mx.dequantize(
+            proj.weight,
+            proj.scales,
+            proj.get("biases"),
+            group_size=proj.group_size,
+            bits=proj.bits,
+            mode=proj.mode,
+        )
     return proj.weight
 
 
-def fake_quantized(model: nn.Module, bits: list[np.ndarray | None],
-                   group_size: int = 64) -> nn.Module:
+def fake_quantized(
+    model: nn.Module, bits: list[np.ndarray | None], group_size: int = 64
+) -> nn.Module:
     """Give ``model`` (in place) float experts holding, for MoE layer ``i``, expert
     ``e``'s source weights quantized at ``bits[i][e]`` bits and dequantized (``None``,
     or the source's own width: the source weights, dequantized). Returns the model."""
@@ -126,10 +141,19 @@ def fake_quantized(model: nn.Module, bits: list[np.ndarray | None],
     return model
 
 
-def hot_cold_study(model_path, trace: RoutingTrace, *, hot_bits: int = 4,
-                   cold_bits: int = 2, fractions=(0.125, 0.25, 0.5), uniform=(4, 3, 2),
-                   budget_fraction: float = 0.25, group_size: int = 64,
-                   quality_tokens: int = 128, sim_tokens: int = 20000) -> dict:
+def hot_cold_study(
+    model_path,
+    trace: RoutingTrace,
+    *,
+    hot_bits: int = 4,
+    cold_bits: int = 2,
+    fractions=(0.125, 0.25, 0.5),
+    uniform=(4, 3, 2),
+    budget_fraction: float = 0.25,
+    group_size: int = 64,
+    quality_tokens: int = 128,
+    sim_tokens: int = 20000,
+) -> dict:
     """Uniform widths and hot/cold mixes side by side: mean bytes per expert, KL and
     top-1 agreement against the source model's own experts (dequantized), and the LRU
     hit rate and bytes loaded per token with a pool of equal bytes in every row
@@ -147,8 +171,9 @@ def hot_cold_study(model_path, trace: RoutingTrace, *, hot_bits: int = 4,
     sites = find_expert_sites(ref)
     if len(sites) > trace.layers:
         raise ValueError(f"{model_path} has {len(sites)} MoE layers, the trace {trace.layers}")
-    size = {b: expert_bytes(sites[0].module, b, group_size)
-            for b in {hot_bits, cold_bits, *uniform}}
+    size = {
+        b: expert_bytes(sites[0].module, b, group_size) for b in {hot_bits, cold_bits, *uniform}
+    }
     E = trace.num_experts
     budget = int(budget_fraction * E * size[hot_bits])
     half = trace.tokens // 2
@@ -170,11 +195,15 @@ def hot_cold_study(model_path, trace: RoutingTrace, *, hot_bits: int = 4,
             hit.append(h)
             loaded.append(by)
         mean_bytes = float(np.mean([size[int(b)] for bl in bits_per_layer for b in bl]))
-        return {"config": name, "mean_expert_bytes": round(mean_bytes),
-                "bytes_vs_hot": round(mean_bytes / size[hot_bits], 3),
-                "kl": round(q["kl"], 6), "top1_agreement": round(q["top1_agreement"], 4),
-                "hit_rate": round(float(np.mean(hit)), 4),
-                "bytes_loaded_per_token": round(float(np.sum(loaded)))}
+        return {
+            "config": name,
+            "mean_expert_bytes": round(mean_bytes),
+            "bytes_vs_hot": round(mean_bytes / size[hot_bits], 3),
+            "kl": round(q["kl"], 6),
+            "top1_agreement": round(q["top1_agreement"], 4),
+            "hit_rate": round(float(np.mean(hit)), 4),
+            "bytes_loaded_per_token": round(float(np.sum(loaded))),
+        }
 
     rows = [row(f"uniform {b}-bit", [np.full(E, b) for _ in layers]) for b in uniform]
     for f in fractions:
@@ -185,10 +214,17 @@ def hot_cold_study(model_path, trace: RoutingTrace, *, hot_bits: int = 4,
             b[hot[li]] = hot_bits
             bits.append(b)
         rows.append(row(f"hot {f:.0%} at {hot_bits}-bit, rest {cold_bits}-bit", bits))
-    return {"model": str(model_path), "moe_layers": len(sites), "num_experts": E,
-            "budget_bytes_per_layer": budget, "budget_fraction": budget_fraction,
-            "expert_bytes": {str(b): s for b, s in sorted(size.items())},
-            "hot_set_tokens": half, "eval_start": half, "quality_positions": len(text),
-            "rows": rows,
-            "note": "random-weight model: KL and agreement are a relative guide; hit "
-                    "rates replay the real trace"}
+    return {
+        "model": str(model_path),
+        "moe_layers": len(sites),
+        "num_experts": E,
+        "budget_bytes_per_layer": budget,
+        "budget_fraction": budget_fraction,
+        "expert_bytes": {str(b): s for b, s in sorted(size.items())},
+        "hot_set_tokens": half,
+        "eval_start": half,
+        "quality_positions": len(text),
+        "rows": rows,
+        "note": "random-weight model: KL and agreement are a relative guide; hit "
+        "rates replay the real trace",
+    }

@@ -30,16 +30,24 @@ QUALITY_TEXT = (
 
 def capture_arrays(model, tokens: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """``capture_inputs`` as float32 / int NumPy arrays."""
-    return {li: (np.array(x.astype(mx.float32)), np.array(i))
-            for li, (x, i) in capture_inputs(model, tokens).items()}
+    return {
+        li: (np.array(x.astype(mx.float32)), np.array(i))
+        for li, (x, i) in capture_inputs(model, tokens).items()
+    }
 
 
 def _dense(parts: dict, layout, proj: str) -> mx.array:
     q = layout.quant[proj]
     w = parts[f"{proj}.weight"]
     if q is not None:
-        w = mx.dequantize(w, parts[f"{proj}.scales"], parts.get(f"{proj}.biases"),
-                          q.group_size, q.bits, mode=q.mode)
+        w = mx.dequantize(
+            w,
+            parts[f"{proj}.scales"],
+            parts.get(f"{proj}.biases"),
+            q.group_size,
+            q.bits,
+            mode=q.mode,
+        )
     return w.astype(mx.float32)
 
 
@@ -50,8 +58,9 @@ def _expert(meta: ExpertMeta, reader: RecordReader, layer: int, e: int) -> dict:
     return parts_of(lay, buf[0])
 
 
-def projection_errors(source: ExpertMeta, other: ExpertMeta, inputs: dict,
-                      experts_per_layer: int = 4) -> dict[int, dict[str, float]]:
+def projection_errors(
+    source: ExpertMeta, other: ExpertMeta, inputs: dict, experts_per_layer: int = 4
+) -> dict[int, dict[str, float]]:
     """Relative output error of each projection, per layer, over the most routed experts."""
     readers = []
     for meta in (source, other):
@@ -101,14 +110,22 @@ def compare_distributions(model_a, model_b, tokens: list[int]) -> dict:
     kl = (mx.exp(pa) * (pa - pb)).sum(-1)
     agree = mx.argmax(la, -1) == mx.argmax(lb, -1)
     mx.eval(kl, agree)
-    return {"kl": max(0.0, float(kl.mean().item())), "kl_max": float(kl.max().item()),
-            "top1_agreement": float(agree.astype(mx.float32).mean().item()),
-            "positions": len(tokens)}
+    return {
+        "kl": max(0.0, float(kl.mean().item())),
+        "kl_max": float(kl.max().item()),
+        "top1_agreement": float(agree.astype(mx.float32).mean().item()),
+        "positions": len(tokens),
+    }
 
 
-def error_table(source: ExpertMeta, inputs: dict, candidates=(2, 3, 4, 8),
-                experts_per_layer: int = 4, group_size: int | None = None,
-                progress: bool | None = None) -> dict:
+def error_table(
+    source: ExpertMeta,
+    inputs: dict,
+    candidates=(2, 3, 4, 8),
+    experts_per_layer: int = 4,
+    group_size: int | None = None,
+    progress: bool | None = None,
+) -> dict:
     """``{layer: {proj: {bits: relative error}}}`` of quantizing the source's most routed
     experts to each candidate bit width (in memory, nothing written); a progress bar on
     a terminal."""
@@ -121,8 +138,12 @@ def error_table(source: ExpertMeta, inputs: dict, candidates=(2, 3, 4, 8),
     for li in source.layers:
         reader.open(li, source.file(li), source.layers[li].stride)
     table = {}
-    for li, (x, ids) in tqdm(inputs.items(), desc="calibrate bits", unit="layer",
-                             disable=None if progress is None else not progress):
+    for li, (x, ids) in tqdm(
+        inputs.items(),
+        desc="calibrate bits",
+        unit="layer",
+        disable=None if progress is None else not progress,
+    ):
         if li not in source.layers:
             continue
         lay = source.layers[li]
@@ -135,8 +156,10 @@ def error_table(source: ExpertMeta, inputs: dict, candidates=(2, 3, 4, 8),
             xe = mx.array(x[rows])
             a = _expert(source, reader, li, int(e))
             for b in candidates:
-                tgt = {p: Quant(b, group_size or (q.group_size if q else 64))
-                       for p, q in lay.quant.items()}
+                tgt = {
+                    p: Quant(b, group_size or (q.group_size if q else 64))
+                    for p, q in lay.quant.items()
+                }
                 new = requantize_expert(lay, a, tgt)
                 for p in lay.quant:
                     wa = _dense(a, lay, p)
@@ -144,7 +167,8 @@ def error_table(source: ExpertMeta, inputs: dict, candidates=(2, 3, 4, 8),
                     xin = xe if wa.shape[-1] == xe.shape[-1] else None
                     if xin is None and "gate_proj" in lay.quant:
                         xin = nn.silu(xe @ _dense(a, lay, "gate_proj").T) * (
-                            xe @ _dense(a, lay, "up_proj").T)
+                            xe @ _dense(a, lay, "up_proj").T
+                        )
                     if xin is None:
                         continue
                     ya, yb = xin @ wa.T, xin @ wb.T
@@ -168,15 +192,17 @@ def proj_bytes(layout, proj: str, bits: int, group_size: int) -> int:
     return quantized_bytes(out_dims, in_dims, bits, group_size, scale_bytes)
 
 
-def quantized_bytes(out_dims: int, in_dims: int, bits: int, group_size: int,
-                    scale_bytes: int) -> int:
+def quantized_bytes(
+    out_dims: int, in_dims: int, bits: int, group_size: int, scale_bytes: int
+) -> int:
     """Bytes of an ``out_dims x in_dims`` matrix quantized at ``bits`` with affine
     groups: packed weights, then a scale and a bias per group."""
     return out_dims * in_dims * bits // 8 + 2 * out_dims * (in_dims // group_size) * scale_bytes
 
 
-def allocate_bits(source: ExpertMeta, table: dict, target_bytes: int, group_size: int = 64
-                  ) -> tuple[dict, dict]:
+def allocate_bits(
+    source: ExpertMeta, table: dict, target_bytes: int, group_size: int = 64
+) -> tuple[dict, dict]:
     """Bits per layer and projection minimising the summed error within ``target_bytes``
     of expert data (greedy upgrades by error saved per byte), and the uniform choice
     that fits the same bytes, for comparison: ``(layer_bits, report)``. Upgrades go
@@ -184,33 +210,48 @@ def allocate_bits(source: ExpertMeta, table: dict, target_bytes: int, group_size
     cands = sorted({b for d in table.values() for pd in d.values() for b in pd})
     E = source.num_experts
     keys = [(li, p) for li in sorted(table) for p in sorted(table[li])]
-    size = {(li, p, b): proj_bytes(source.layers[li], p, b, group_size) * E
-            for li, p in keys for b in cands}
+    size = {
+        (li, p, b): proj_bytes(source.layers[li], p, b, group_size) * E
+        for li, p in keys
+        for b in cands
+    }
     floor = sum(size[(*k, cands[0])] for k in keys)
     if floor > target_bytes:
-        raise ValueError(f"even {cands[0]}-bit experts need {floor / 1e9:.3f} GB; raise "
-                         "--target-gb")
-    at = climb([len(cands)] * len(keys), lambda i, a: size[(*keys[i], cands[a])],
-               lambda i, a: -table[keys[i][0]][keys[i][1]][cands[a]], target_bytes)
+        raise ValueError(
+            f"even {cands[0]}-bit experts need {floor / 1e9:.3f} GB; raise --target-gb"
+        )
+    at = climb(
+        [len(cands)] * len(keys),
+        lambda i, a: size[(*keys[i], cands[a])],
+        lambda i, a: -table[keys[i][0]][keys[i][1]][cands[a]],
+        target_bytes,
+    )
     choice = {k: cands[a] for k, a in zip(keys, at)}
     used = sum(size[(*k, b)] for k, b in choice.items())
-    uniform = max((b for b in cands if sum(size[(*k, b)] for k in keys) <= target_bytes),
-                  default=None)
+    uniform = max(
+        (b for b in cands if sum(size[(*k, b)] for k in keys) <= target_bytes), default=None
+    )
     err = float(np.mean([table[k[0]][k[1]][b] for k, b in choice.items()]))
     report = {"target_bytes": target_bytes, "bytes": used, "mean_error": err}
     if uniform is not None:
-        report.update(uniform_bits=uniform,
-                      uniform_bytes=sum(size[(*k, uniform)] for k in keys),
-                      uniform_mean_error=float(np.mean([table[k[0]][k[1]][uniform]
-                                                         for k in keys])))
+        report.update(
+            uniform_bits=uniform,
+            uniform_bytes=sum(size[(*k, uniform)] for k in keys),
+            uniform_mean_error=float(np.mean([table[k[0]][k[1]][uniform] for k in keys])),
+        )
     layer_bits: dict = {}
     for (li, p), b in choice.items():
         layer_bits.setdefault(str(li), {})[p] = b
     return layer_bits, report
 
 
-def quality_report(model: str, expert_dir: str, source_expert_dir: str | None = None,
-                   tokens: int = 256, text: str | None = None) -> dict:
+def quality_report(
+    model: str,
+    expert_dir: str,
+    source_expert_dir: str | None = None,
+    tokens: int = 256,
+    text: str | None = None,
+) -> dict:
     """Per-projection errors and end-to-end KL/top-1 of the requantized ``expert_dir``
     against its source (stock ``model`` with its own experts)."""
     from mlx_lm import load as mlx_load
@@ -226,17 +267,24 @@ def quality_report(model: str, expert_dir: str, source_expert_dir: str | None = 
     streamed, _, store = load(model, expert_dir, slots=new.num_experts)
     e2e = compare_distributions(stock, streamed, ids)
     store.close()
-    return {"expert_dir": expert_dir, "dims": new.dims,
-            "expert_bytes": new.expert_bytes(), "source_expert_bytes": src.expert_bytes(),
-            "projection_error": {str(k): v for k, v in errors.items()},
-            "mean_projection_error": {p: round(sum(v[p] for v in errors.values() if p in v)
-                                               / len(errors), 6)
-                                      for p in next(iter(errors.values()))},
-            **e2e, "note": "random-weight models: a relative guide only"}
+    return {
+        "expert_dir": expert_dir,
+        "dims": new.dims,
+        "expert_bytes": new.expert_bytes(),
+        "source_expert_bytes": src.expert_bytes(),
+        "projection_error": {str(k): v for k, v in errors.items()},
+        "mean_projection_error": {
+            p: round(sum(v[p] for v in errors.values() if p in v) / len(errors), 6)
+            for p in next(iter(errors.values()))
+        },
+        **e2e,
+        "note": "random-weight models: a relative guide only",
+    }
 
 
-def choose_bits(src: str, target_gb: float, model: str | None = None,
-                group_size: int = 64) -> tuple[dict, dict]:
+def choose_bits(
+    src: str, target_gb: float, model: str | None = None, group_size: int = 64
+) -> tuple[dict, dict]:
     """Bits per layer and projection for ``requantize --target-gb``: the measured error of
     each width on real inputs, allocated under the byte target (``allocate_bits``)."""
     from ..core.meta import load_meta

@@ -32,7 +32,7 @@ def greedy_trace(model, prompt, max_tokens: int, prefill_step_size: int = 2048) 
     i, n = 0, toks.shape[1]
     while n - i > 1:
         m = min(prefill_step_size, n - 1 - i)
-        model(toks[:, i:i + m], cache=cache)
+        model(toks[:, i : i + m], cache=cache)
         mx.eval([c.state for c in cache])
         i += m
     y = toks[:, i:]
@@ -62,22 +62,30 @@ class Comparison:
         return self.tokens_equal and self.logits_equal
 
     def to_json(self) -> dict:
-        return {"exact": self.exact, "tokens_equal": self.tokens_equal,
-                "logits_equal": self.logits_equal, "max_abs_logit_diff": self.max_abs_diff,
-                "first_token_diff": self.first_token_diff}
+        return {
+            "exact": self.exact,
+            "tokens_equal": self.tokens_equal,
+            "logits_equal": self.logits_equal,
+            "max_abs_logit_diff": self.max_abs_diff,
+            "first_token_diff": self.first_token_diff,
+        }
 
 
 def compare_traces(a: Trace, b: Trace) -> Comparison:
     first = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y), None)
     same_shape = a.logits.shape == b.logits.shape
     diff = float(np.abs(a.logits - b.logits).max()) if same_shape else float("inf")
-    return Comparison(a.tokens == b.tokens,
-                      same_shape and np.array_equal(a.logits, b.logits, equal_nan=True),
-                      diff, first)
+    return Comparison(
+        a.tokens == b.tokens,
+        same_shape and np.array_equal(a.logits, b.logits, equal_nan=True),
+        diff,
+        first,
+    )
 
 
-def compare(reference, candidate, prompt, max_tokens: int, prefill_step_size: int = 2048
-            ) -> Comparison:
+def compare(
+    reference, candidate, prompt, max_tokens: int, prefill_step_size: int = 2048
+) -> Comparison:
     """Run both models greedily on ``prompt`` and compare tokens and logits."""
     ref = greedy_trace(reference, prompt, max_tokens, prefill_step_size)
     got = greedy_trace(candidate, prompt, max_tokens, prefill_step_size)

@@ -47,7 +47,8 @@ def drop_page_cache(paths) -> None:
         raise ValueError(
             f"cold runs need posix_fadvise, which {sys.platform} lacks; on macOS flush the "
             "page cache with `sudo purge` before a warm-cache run instead, and use "
-            "--direct-io (F_NOCACHE) to keep expert reads out of the cache")
+            "--direct-io (F_NOCACHE) to keep expert reads out of the cache"
+        )
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
@@ -57,8 +58,9 @@ def drop_page_cache(paths) -> None:
             os.close(fd)
 
 
-def measure_read_gbps(meta, threads: int, direct: bool, records: int = 64,
-                      cold: bool = False) -> float:
+def measure_read_gbps(
+    meta, threads: int, direct: bool, records: int = 64, cold: bool = False
+) -> float:
     """Bandwidth of random whole-record reads from the expert files through the store's
     reader (GB/s)."""
     rng = np.random.default_rng(1)
@@ -81,8 +83,9 @@ def measure_read_gbps(meta, threads: int, direct: bool, records: int = 64,
         reader.close()
 
 
-def bounds(t_compute: float | None, bytes_per_token: float, gbps: float | None,
-           decode_tps: float) -> dict:
+def bounds(
+    t_compute: float | None, bytes_per_token: float, gbps: float | None, decode_tps: float
+) -> dict:
     """The overlap and serial bounds of decode and the efficiency against them."""
     if not t_compute or not gbps:
         return {}

@@ -32,8 +32,12 @@ def write_report(results: list[dict], out_dir: str | Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for r in results:
         layers = sorted(r["layers"], key=int)
-        ax.plot([int(li) for li in layers], [r["layers"][li]["hit_rate"] for li in layers],
-                marker=".", label=_label(r))
+        ax.plot(
+            [int(li) for li in layers],
+            [r["layers"][li]["hit_rate"] for li in layers],
+            marker=".",
+            label=_label(r),
+        )
     ax.set(xlabel="layer", ylabel="hit rate", ylim=(0, 1.02), title="hit rate per MoE layer")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -44,9 +48,12 @@ def write_report(results: list[dict], out_dir: str | Path) -> list[Path]:
     for i, r in enumerate(results):
         layers = sorted(r["layers"], key=int)
         tok = max(1, r["generated_tokens"] + r["prompt_tokens"])
-        ax.bar([int(li) + i * width for li in layers],
-               [r["layers"][li]["bytes_read"] / tok / 1e6 for li in layers], width=width,
-               label=_label(r))
+        ax.bar(
+            [int(li) + i * width for li in layers],
+            [r["layers"][li]["bytes_read"] / tok / 1e6 for li in layers],
+            width=width,
+            label=_label(r),
+        )
     ax.set(xlabel="layer", ylabel="MB read per token", title="bytes read per token, by layer")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
@@ -57,8 +64,12 @@ def write_report(results: list[dict], out_dir: str | Path) -> list[Path]:
         s = r.get("memory_series") or []
         if s:
             ax.plot([p[0] for p in s], [p[1] / 1e9 for p in s], label=f"RSS, {_label(r)}")
-            ax.plot([p[0] for p in s], [p[2] / 1e9 for p in s], linestyle="--",
-                    label=f"MLX active, {_label(r)}")
+            ax.plot(
+                [p[0] for p in s],
+                [p[2] / 1e9 for p in s],
+                linestyle="--",
+                label=f"MLX active, {_label(r)}",
+            )
     ax.set(xlabel="seconds (timed runs)", ylabel="GB", title="memory over time")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -69,11 +80,20 @@ def write_report(results: list[dict], out_dir: str | Path) -> list[Path]:
         xs = [r["pool_gb"] for r in results]
         ax.plot(xs, [r["tok_per_s"] for r in results], marker="o", label="streamed tok/s")
         if all("stock_tok_per_s" in r for r in results):
-            ax.axhline(results[0]["stock_tok_per_s"], color="gray", linestyle="--",
-                       label="stock mlx-lm (all resident)")
+            ax.axhline(
+                results[0]["stock_tok_per_s"],
+                color="gray",
+                linestyle="--",
+                label="stock mlx-lm (all resident)",
+            )
         ax2 = ax.twinx()
-        ax2.plot(xs, [r["expert_hit_rate"] for r in results], color="tab:green", marker="x",
-                 label="hit rate")
+        ax2.plot(
+            xs,
+            [r["expert_hit_rate"] for r in results],
+            color="tab:green",
+            marker="x",
+            label="hit rate",
+        )
         ax.set(xlabel="expert pools (GB)", ylabel="tok/s", title="speed against budget")
         ax2.set_ylabel("hit rate")
         ax.grid(alpha=0.3)
@@ -82,18 +102,24 @@ def write_report(results: list[dict], out_dir: str | Path) -> list[Path]:
         ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="lower right")
         files.append(_save(fig, out / "tok_per_s_vs_budget.png"))
 
-    lines = ["# mlx_streaming bench report", "",
-             f"Model `{results[0]['model']}`, {results[0]['patched_moe_layers']} MoE layers, "
-             f"{results[0]['num_experts']} experts (top-{results[0]['top_k']}), device "
-             f"{results[0]['device']}.", "",
-             "| pools | GB | tok/s | decode tok/s | hit rate | MB read/token | peak RSS GB "
-             "| vs stock | exact |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# mlx_streaming bench report",
+        "",
+        f"Model `{results[0]['model']}`, {results[0]['patched_moe_layers']} MoE layers, "
+        f"{results[0]['num_experts']} experts (top-{results[0]['top_k']}), device "
+        f"{results[0]['device']}.",
+        "",
+        "| pools | GB | tok/s | decode tok/s | hit rate | MB read/token | peak RSS GB "
+        "| vs stock | exact |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         lines.append(
             f"| {_label(r)} | {r['pool_gb']} | {r['tok_per_s']} | {r['decode_tok_per_s']} | "
             f"{r['expert_hit_rate']} | {r['bytes_read_per_token'] / 1e6:.2f} | "
             f"{r['peak_rss_gb']} | {r.get('ratio_vs_stock', '-')} | "
-            f"{r.get('exact_vs_stock', '-')} |")
+            f"{r.get('exact_vs_stock', '-')} |"
+        )
     lines += ["", "Plots: " + ", ".join(f"`{f.name}`" for f in files[1:]), ""]
     (out / "summary.md").write_text("\n".join(lines))
     files.append(out / "summary.md")

@@ -28,7 +28,7 @@ DEFAULT_PROMPT = "用三句话解释什么是混合专家模型。"
 MEMORY_SOURCES = {
     "rss_*": "the process's resident set size (OS); on macOS it leaves out Metal buffers",
     "mlx_*": "MLX's allocator: active = bytes in live arrays, peak = most since the "
-             "timed runs began; on Metal and CUDA this is the GPU's memory",
+    "timed runs began; on Metal and CUDA this is the GPU's memory",
 }
 
 
@@ -92,8 +92,9 @@ def generate_once(model, tokenizer, ids, max_tokens, cfg: BenchConfig, on_first=
     return time.perf_counter() - t0, last, text
 
 
-def _timed_runs(model, tokenizer, ids, cfg: BenchConfig, store=None, files=(),
-                recorder=None) -> dict:
+def _timed_runs(
+    model, tokenizer, ids, cfg: BenchConfig, store=None, files=(), recorder=None
+) -> dict:
     warm = cfg.max_tokens if cfg.warmup_tokens is None else cfg.warmup_tokens
     if warm > 0:
         generate_once(model, tokenizer, ids, warm, cfg)
@@ -108,11 +109,18 @@ def _timed_runs(model, tokenizer, ids, cfg: BenchConfig, store=None, files=(),
 
             def on_first():
                 first.update(store.totals())
+
         if recorder is not None:
             recorder.new_sequence()
         wall, last, text = generate_once(model, tokenizer, ids, cfg.max_tokens, cfg, on_first)
-        runs.append({"wall_s": wall, "tokens": last.generation_tokens,
-                     "prompt_tps": last.prompt_tps, "generation_tps": last.generation_tps})
+        runs.append(
+            {
+                "wall_s": wall,
+                "tokens": last.generation_tokens,
+                "prompt_tps": last.prompt_tps,
+                "generation_tps": last.generation_tps,
+            }
+        )
     tps = [round(r["tokens"] / r["wall_s"], 2) for r in runs]
     return {
         "tok_per_s": statistics.median(tps),
@@ -148,26 +156,38 @@ def open_model(cfg: BenchConfig):
         if not cfg.routing_trace:
             raise ValueError("the transition predictor learns from --routing-trace")
         trace, _, train = _trace(cfg)
-        options = replace(options, predictor=TransitionPredictor.from_trace(train,
-                                                                            trace.top_k))
-    profile = {"auto": True, "none": False, None: False}.get(cfg.pool_profile,
-                                                             cfg.pool_profile)
+        options = replace(options, predictor=TransitionPredictor.from_trace(train, trace.top_k))
+    profile = {"auto": True, "none": False, None: False}.get(cfg.pool_profile, cfg.pool_profile)
     model, tokenizer, store = load(
-        cfg.model, cfg.expert_dir, slots=cfg.slots if cfg.budget_gb is None else None,
-        budget_gb=cfg.budget_gb, policy=cfg.policy, pool_profile=profile,
-        threads=cfg.threads, direct_io=cfg.direct_io, verify=cfg.verify,
-        pool_mode=cfg.pool_mode, record=cfg.pin_hot > 0, clear_on_evict=cfg.clear_on_evict,
-        cache_limit_gb=cfg.cache_gb, options=options)
+        cfg.model,
+        cfg.expert_dir,
+        slots=cfg.slots if cfg.budget_gb is None else None,
+        budget_gb=cfg.budget_gb,
+        policy=cfg.policy,
+        pool_profile=profile,
+        threads=cfg.threads,
+        direct_io=cfg.direct_io,
+        verify=cfg.verify,
+        pool_mode=cfg.pool_mode,
+        record=cfg.pin_hot > 0,
+        clear_on_evict=cfg.clear_on_evict,
+        cache_limit_gb=cfg.cache_gb,
+        options=options,
+    )
     _check_bits(cfg, store.meta)
     return model, tokenizer, store
 
 
 def _check_bits(cfg: BenchConfig, meta) -> None:
-    for flag, have, want in (("--expert-bits", meta.dims.get("bits"), cfg.expert_bits),
-                             ("--expert-group", meta.dims.get("group_size"), cfg.expert_group)):
+    for flag, have, want in (
+        ("--expert-bits", meta.dims.get("bits"), cfg.expert_bits),
+        ("--expert-group", meta.dims.get("group_size"), cfg.expert_group),
+    ):
         if want is not None and want != have:
-            raise ValueError(f"{flag} {want} disagrees with {meta.root}'s meta ({have}), which "
-                             "is the authority on how its experts are stored: drop the flag")
+            raise ValueError(
+                f"{flag} {want} disagrees with {meta.root}'s meta ({have}), which "
+                "is the authority on how its experts are stored: drop the flag"
+            )
 
 
 def run_bench(cfg: BenchConfig) -> dict:
@@ -222,11 +242,17 @@ def _run(cfg: BenchConfig) -> dict:
     if cfg.compare_stock:
         out.update(_compare_stock(cfg, model, tokenizer, ids, out["tok_per_s"], routing))
         out["decode_ratio_vs_stock"] = round(
-            out["decode_tok_per_s"] / out["stock_decode_tok_per_s"], 4)
+            out["decode_tok_per_s"] / out["stock_decode_tok_per_s"], 4
+        )
     gbps = cfg.read_gbps or measure_read_gbps(meta, cfg.threads, cfg.direct_io, cold=cfg.cold)
     out["storage_gbps"] = round(gbps, 3)
-    t_compute = (cfg.t_compute_ms / 1e3 if cfg.t_compute_ms else
-                 1 / out["stock_decode_tok_per_s"] if out.get("stock_decode_tok_per_s") else None)
+    t_compute = (
+        cfg.t_compute_ms / 1e3
+        if cfg.t_compute_ms
+        else 1 / out["stock_decode_tok_per_s"]
+        if out.get("stock_decode_tok_per_s")
+        else None
+    )
     out.update(bounds(t_compute, out["bytes_read_per_token"], gbps, out["decode_tok_per_s"]))
     store.close()
     return out
@@ -275,9 +301,18 @@ def _summary(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, samp
         "pool_gb": round(store.pool_bytes() / 1e9, 4),
         "expert_mb": round(meta.expert_bytes() / 1e6, 3),
         "load_patch_s": round(load_s, 2),
-        **{k: timed[k] for k in ("tok_per_s", "tok_per_s_runs", "tok_per_s_minmax",
-                                 "decode_tok_per_s", "decode_tok_per_s_runs",
-                                 "prefill_tok_per_s", "generated_tokens")},
+        **{
+            k: timed[k]
+            for k in (
+                "tok_per_s",
+                "tok_per_s_runs",
+                "tok_per_s_minmax",
+                "decode_tok_per_s",
+                "decode_tok_per_s_runs",
+                "prefill_tok_per_s",
+                "generated_tokens",
+            )
+        },
         "prompt_tokens": len(ids),
         "memory_sources": MEMORY_SOURCES,
         "rss_gb_after_patch": round(after_patch.rss_bytes / 1e9, 3),
@@ -293,8 +328,9 @@ def _summary(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, samp
         "decode_hit_rate": round(decode_hits / decode_lookups, 4) if decode_lookups else None,
         "evictions": totals["evictions"],
         "bytes_read": totals["bytes_read"],
-        "bytes_read_per_token": round((totals["bytes_read"] - first["bytes_read"])
-                                      / max(1, gen - 1)),
+        "bytes_read_per_token": round(
+            (totals["bytes_read"] - first["bytes_read"]) / max(1, gen - 1)
+        ),
         "prefill_bytes_read": first.get("bytes_read", 0),
         "prefill_bytes_per_token": round(first.get("bytes_read", 0) / max(1, len(ids))),
         "read_wait_s": round(totals["read_s"], 4),
@@ -312,9 +348,11 @@ def _summary(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, samp
         "gpu_fastpath_frac": round(fast / max(1, fast + fall), 4),
         "device": str(mx.default_device()),
         "sample": timed["text"][:240],
-        "layers": {str(li): {k: r[k] for k in ("hits", "misses", "bytes_read", "slots")}
-                   | {"hit_rate": round(r["hits"] / max(1, r["hits"] + r["misses"]), 4)}
-                   for li, r in store.layer_report().items()},
+        "layers": {
+            str(li): {k: r[k] for k in ("hits", "misses", "bytes_read", "slots")}
+            | {"hit_rate": round(r["hits"] / max(1, r["hits"] + r["misses"]), 4)}
+            for li, r in store.layer_report().items()
+        },
     }
     if cfg.memory_series:
         out["memory_series"] = sampler.series[:: max(1, len(sampler.series) // 300)]

@@ -52,48 +52,99 @@ def add_store_args(p: argparse.ArgumentParser, several: bool = False) -> None:
     g.add_argument("--expert-dir", help="expert directory (split there on first use)")
     size = g.add_mutually_exclusive_group()
     n = "+" if several else None
-    size.add_argument("--slots", type=positive_int, nargs=n,
-                      help="expert slots per MoE layer (seed: EXPERT_SLOTS)")
-    size.add_argument("--budget-gb", type=positive_float, nargs=n,
-                      help="total GB for all expert pools, instead of --slots")
-    g.add_argument("--pool-profile", default="auto",
-                   help="auto (EXPERT_DIR/pool_profile.json or EXPERT_POOL_PROFILE), none, "
-                        "or a path")
-    g.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES),
-                   help=f"eviction policy (default: {DEFAULT_POLICY})")
+    size.add_argument(
+        "--slots",
+        type=positive_int,
+        nargs=n,
+        help="expert slots per MoE layer (seed: EXPERT_SLOTS)",
+    )
+    size.add_argument(
+        "--budget-gb",
+        type=positive_float,
+        nargs=n,
+        help="total GB for all expert pools, instead of --slots",
+    )
+    g.add_argument(
+        "--pool-profile",
+        default="auto",
+        help="auto (EXPERT_DIR/pool_profile.json or EXPERT_POOL_PROFILE), none, or a path",
+    )
+    g.add_argument(
+        "--policy",
+        default=DEFAULT_POLICY,
+        choices=sorted(POLICIES),
+        help=f"eviction policy (default: {DEFAULT_POLICY})",
+    )
     g.add_argument("--threads", type=positive_int, default=4, help="pread threads")
-    g.add_argument("--direct-io", action="store_true",
-                   help="bypass the page cache (O_DIRECT / F_NOCACHE)")
-    g.add_argument("--no-verify", dest="verify", action="store_false",
-                   help="skip record checksums (benchmarks of the raw read path)")
-    g.add_argument("--pool-mode", choices=["host", "cuda", "mlx"],
-                   help="how slots are written (default: by backend)")
-    g.add_argument("--clear-on-evict", action="store_true",
-                   help="release MLX's buffer cache after evictions (CLEAR_ON_EVICT=1)")
-    g.add_argument("--cache-limit-gb", type=float,
-                   help="cap on MLX's cache of freed buffers (default: 5%% of the pools)")
-    g.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
-                   help="compute resident experts while misses load (default: by pool mode)")
-    g.add_argument("--prefetch", action="store_true",
-                   help="read the next layer's predicted experts ahead")
-    g.add_argument("--rows", choices=["subset", "masked"],
-                   help="how partial calls run (default: subset on the CPU, masked on GPUs)")
-    g.add_argument("--no-kernel-check", dest="kernel_check", action="store_const",
-                   const=False, default=None,
-                   help="skip the start-up kernel self-test on GPUs (bit-exactness then "
-                        "rests on the kernel rule alone)")
+    g.add_argument(
+        "--direct-io", action="store_true", help="bypass the page cache (O_DIRECT / F_NOCACHE)"
+    )
+    g.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip record checksums (benchmarks of the raw read path)",
+    )
+    g.add_argument(
+        "--pool-mode",
+        choices=["host", "cuda", "mlx"],
+        help="how slots are written (default: by backend)",
+    )
+    g.add_argument(
+        "--clear-on-evict",
+        action="store_true",
+        help="release MLX's buffer cache after evictions (CLEAR_ON_EVICT=1)",
+    )
+    g.add_argument(
+        "--cache-limit-gb",
+        type=float,
+        help="cap on MLX's cache of freed buffers (default: 5%% of the pools)",
+    )
+    g.add_argument(
+        "--overlap",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compute resident experts while misses load (default: by pool mode)",
+    )
+    g.add_argument(
+        "--prefetch", action="store_true", help="read the next layer's predicted experts ahead"
+    )
+    g.add_argument(
+        "--rows",
+        choices=["subset", "masked"],
+        help="how partial calls run (default: subset on the CPU, masked on GPUs)",
+    )
+    g.add_argument(
+        "--no-kernel-check",
+        dest="kernel_check",
+        action="store_const",
+        const=False,
+        default=None,
+        help="skip the start-up kernel self-test on GPUs (bit-exactness then "
+        "rests on the kernel rule alone)",
+    )
 
 
 def stream_options(a: argparse.Namespace) -> StreamOptions:
-    return StreamOptions(overlap=a.overlap, prefetch=a.prefetch, rows=a.rows,
-                         kernel_check=a.kernel_check)
+    return StreamOptions(
+        overlap=a.overlap, prefetch=a.prefetch, rows=a.rows, kernel_check=a.kernel_check
+    )
 
 
 def load_kwargs(a: argparse.Namespace) -> dict:
     """``mlx_streaming.load``'s keyword arguments from the streaming flags."""
     profile = {"auto": True, "none": False}.get(a.pool_profile, a.pool_profile)
-    return dict(expert_dir=a.expert_dir, slots=a.slots, budget_gb=a.budget_gb,
-                pool_profile=profile, policy=a.policy, threads=a.threads,
-                direct_io=a.direct_io, verify=a.verify, pool_mode=a.pool_mode,
-                clear_on_evict=a.clear_on_evict, cache_limit_gb=a.cache_limit_gb,
-                options=stream_options(a))
+    return dict(
+        expert_dir=a.expert_dir,
+        slots=a.slots,
+        budget_gb=a.budget_gb,
+        pool_profile=profile,
+        policy=a.policy,
+        threads=a.threads,
+        direct_io=a.direct_io,
+        verify=a.verify,
+        pool_mode=a.pool_mode,
+        clear_on_evict=a.clear_on_evict,
+        cache_limit_gb=a.cache_limit_gb,
+        options=stream_options(a),
+    )

@@ -12,58 +12,117 @@ from ._args import add_store_args, nonneg_int, positive_float, positive_int, str
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mlx_streaming bench", description=(
-        "Benchmark a streamed MoE model: tok/s (median of --repeat), memory, hit rate, "
-        "bytes read, host time per layer call. Each flag names the seed script's "
-        "environment variable it replaces."))
+    p = argparse.ArgumentParser(
+        prog="mlx_streaming bench",
+        description=(
+            "Benchmark a streamed MoE model: tok/s (median of --repeat), memory, hit rate, "
+            "bytes read, host time per layer call. Each flag names the seed script's "
+            "environment variable it replaces."
+        ),
+    )
     p.add_argument("--model", required=True, help="MLX model directory or repo id (MODEL)")
     add_store_args(p, several=True)
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt (PROMPT)")
     p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens (MAXTOK)")
-    p.add_argument("--warmup-tokens", type=nonneg_int, default=None,
-                   help="warm-up tokens, default --max-tokens (WARMUP_TOK)")
+    p.add_argument(
+        "--warmup-tokens",
+        type=nonneg_int,
+        default=None,
+        help="warm-up tokens, default --max-tokens (WARMUP_TOK)",
+    )
     p.add_argument("--repeat", type=positive_int, default=3, help="timed runs (REPEAT)")
     p.add_argument("--wired-gb", type=positive_float, help="mx.set_wired_limit (WIRED_GB)")
     p.add_argument("--cache-gb", type=float, help="mx.set_cache_limit (CACHE_GB)")
-    p.add_argument("--pin-hot", type=nonneg_int, default=0,
-                   help="pin each layer's N hottest experts after calibration (PIN_HOT)")
+    p.add_argument(
+        "--pin-hot",
+        type=nonneg_int,
+        default=0,
+        help="pin each layer's N hottest experts after calibration (PIN_HOT)",
+    )
     p.add_argument("--cal-tokens", type=positive_int, default=32, help="(CAL_TOK)")
-    p.add_argument("--expert-bits", type=positive_int, help="checked against the meta "
-                   "(EXPERT_BITS)")
-    p.add_argument("--expert-group", type=positive_int, help="checked against the meta "
-                   "(EXPERT_GROUP)")
-    p.add_argument("--prefill-chunk", type=nonneg_int, default=PREFILL_CHUNK,
-                   help=f"prefill_step_size, default {PREFILL_CHUNK}; 0 = mlx-lm's default "
-                        "(PREFILL_CHUNK; the seed's default is 2)")
-    p.add_argument("--compare-stock", action="store_true",
-                   help="also run stock mlx-lm fully resident and check exactness")
+    p.add_argument(
+        "--expert-bits", type=positive_int, help="checked against the meta (EXPERT_BITS)"
+    )
+    p.add_argument(
+        "--expert-group", type=positive_int, help="checked against the meta (EXPERT_GROUP)"
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=nonneg_int,
+        default=PREFILL_CHUNK,
+        help=f"prefill_step_size, default {PREFILL_CHUNK}; 0 = mlx-lm's default "
+        "(PREFILL_CHUNK; the seed's default is 2)",
+    )
+    p.add_argument(
+        "--compare-stock",
+        action="store_true",
+        help="also run stock mlx-lm fully resident and check exactness",
+    )
     s = p.add_argument_group("speed")
-    s.add_argument("--predictor", choices=["router", "transition"], default="router",
-                   help="with --prefetch; router: next layer's router; transition: learned "
-                        "from the trace")
-    s.add_argument("--routing-trace", help="replay this routing trace (.npz) instead of the "
-                   "router's choices (the transition predictor learns from its first half; "
-                   "replay starts at its second half)")
+    s.add_argument(
+        "--predictor",
+        choices=["router", "transition"],
+        default="router",
+        help="with --prefetch; router: next layer's router; transition: learned from the trace",
+    )
+    s.add_argument(
+        "--routing-trace",
+        help="replay this routing trace (.npz) instead of the "
+        "router's choices (the transition predictor learns from its first half; "
+        "replay starts at its second half)",
+    )
     s.add_argument("--trace-start", type=nonneg_int, help="trace token to start replay at")
     s.add_argument("--record-trace", help="write the routing taken to this .npz")
-    s.add_argument("--cold", action="store_true",
-                   help="evict the expert files from the page cache before each timed run")
-    s.add_argument("--t-compute-ms", type=positive_float,
-                   help="resident time per token for the bound (default: stock's, with "
-                        "--compare-stock)")
-    s.add_argument("--read-gbps", type=positive_float,
-                   help="storage bandwidth for the bound (default: measured)")
+    s.add_argument(
+        "--cold",
+        action="store_true",
+        help="evict the expert files from the page cache before each timed run",
+    )
+    s.add_argument(
+        "--t-compute-ms",
+        type=positive_float,
+        help="resident time per token for the bound (default: stock's, with --compare-stock)",
+    )
+    s.add_argument(
+        "--read-gbps",
+        type=positive_float,
+        help="storage bandwidth for the bound (default: measured)",
+    )
     p.add_argument("--json", dest="json_out", help="also write the result JSON here")
     p.add_argument("--report", help="write results.json, PNG plots and summary.md here")
     return p
 
 
-CONFIG_FLAGS = ("model", "expert_dir", "prompt", "max_tokens", "warmup_tokens", "repeat",
-                "wired_gb", "cache_gb", "clear_on_evict", "pin_hot", "cal_tokens",
-                "expert_bits", "expert_group", "pool_profile", "prefill_chunk", "policy",
-                "threads", "direct_io", "verify", "pool_mode", "predictor", "routing_trace",
-                "trace_start", "record_trace", "cold", "compare_stock", "t_compute_ms",
-                "read_gbps")
+CONFIG_FLAGS = (
+    "model",
+    "expert_dir",
+    "prompt",
+    "max_tokens",
+    "warmup_tokens",
+    "repeat",
+    "wired_gb",
+    "cache_gb",
+    "clear_on_evict",
+    "pin_hot",
+    "cal_tokens",
+    "expert_bits",
+    "expert_group",
+    "pool_profile",
+    "prefill_chunk",
+    "policy",
+    "threads",
+    "direct_io",
+    "verify",
+    "pool_mode",
+    "predictor",
+    "routing_trace",
+    "trace_start",
+    "record_trace",
+    "cold",
+    "compare_stock",
+    "t_compute_ms",
+    "read_gbps",
+)
 
 
 def main(argv=None) -> None:
@@ -74,8 +133,9 @@ def main(argv=None) -> None:
     if kw["cache_gb"] is None:
         kw["cache_gb"] = a.cache_limit_gb
     kw.update(options=stream_options(a), memory_series=bool(a.report))
-    sizes = [{"slots": s, "budget_gb": None} for s in a.slots or []] + \
-        [{"slots": None, "budget_gb": g} for g in a.budget_gb or []]
+    sizes = [{"slots": s, "budget_gb": None} for s in a.slots or []] + [
+        {"slots": None, "budget_gb": g} for g in a.budget_gb or []
+    ]
     results = [run_bench(BenchConfig(**kw, **size)) for size in sizes or [{"slots": 8}]]
     out = results[0] if len(results) == 1 else results
     text = json.dumps(out, ensure_ascii=False, indent=2)

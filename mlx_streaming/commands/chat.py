@@ -50,17 +50,28 @@ def main(argv=None) -> None:
             messages.append({"role": "user", "content": query})
             prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             last = None
-            sampler = make_sampler(a.temp, a.top_p, xtc_threshold=a.xtc_threshold,
-                                   xtc_probability=a.xtc_probability,
-                                   xtc_special_tokens=(tokenizer.encode("\n")
-                                                       + list(tokenizer.eos_token_ids)))
-            for last in stream_generate(model, tokenizer, prompt, max_tokens=a.max_tokens,
-                                        sampler=sampler, prompt_cache=cache,
-                                        prefill_step_size=a.prefill_step_size):
+            sampler = make_sampler(
+                a.temp,
+                a.top_p,
+                xtc_threshold=a.xtc_threshold,
+                xtc_probability=a.xtc_probability,
+                xtc_special_tokens=(tokenizer.encode("\n") + list(tokenizer.eos_token_ids)),
+            )
+            for last in stream_generate(
+                model,
+                tokenizer,
+                prompt,
+                max_tokens=a.max_tokens,
+                sampler=sampler,
+                prompt_cache=cache,
+                prefill_step_size=a.prefill_step_size,
+            ):
                 ui.stream_token(last.text)
             ui.end_turn(last)
-            print(f"  experts: hit rate {store.hit_rate():.3f}, "
-                  f"{store.totals()['bytes_read'] / 1e6:.1f} MB read")
+            print(
+                f"  experts: hit rate {store.hit_rate():.3f}, "
+                f"{store.totals()['bytes_read'] / 1e6:.1f} MB read"
+            )
     store.close()
 
 

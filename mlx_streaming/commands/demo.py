@@ -16,12 +16,19 @@ from ..bench.run import BenchConfig, run_bench
 from ..synthetic import PRESETS, make_checkpoint
 from ._args import positive_int
 
-DEMO_PROMPT = ("Explain in three sentences what a mixture of experts model is, and why "
-               "streaming its experts from disk saves memory.")
+DEMO_PROMPT = (
+    "Explain in three sentences what a mixture of experts model is, and why "
+    "streaming its experts from disk saves memory."
+)
 
 
-def demo(workdir: str = "mlx_streaming_demo", preset: str = "demo", slots: int | None = None,
-         max_tokens: int = 64, repeat: int = 3) -> dict:
+def demo(
+    workdir: str = "mlx_streaming_demo",
+    preset: str = "demo",
+    slots: int | None = None,
+    max_tokens: int = 64,
+    repeat: int = 3,
+) -> dict:
     """Build, split, stream and compare; returns the benchmark result."""
     root = Path(workdir)
     model = make_checkpoint(root / f"model-{preset}", preset)
@@ -29,36 +36,52 @@ def demo(workdir: str = "mlx_streaming_demo", preset: str = "demo", slots: int |
     experts = cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg["num_local_experts"]
     top_k = cfg["num_experts_per_tok"]
     slots = slots or max(top_k, experts // 2)
-    result = run_bench(BenchConfig(
-        model=str(model), expert_dir=str(root / f"experts-{preset}"), slots=slots,
-        prompt=DEMO_PROMPT, max_tokens=max_tokens, repeat=repeat, compare_stock=True))
-    return {"demo": f"{preset}: {PRESETS[preset].description}; {slots} of {experts} experts "
-                    "per layer resident", **result}
+    result = run_bench(
+        BenchConfig(
+            model=str(model),
+            expert_dir=str(root / f"experts-{preset}"),
+            slots=slots,
+            prompt=DEMO_PROMPT,
+            max_tokens=max_tokens,
+            repeat=repeat,
+            compare_stock=True,
+        )
+    )
+    return {
+        "demo": f"{preset}: {PRESETS[preset].description}; {slots} of {experts} experts "
+        "per layer resident",
+        **result,
+    }
 
 
 def summary(r: dict) -> str:
     """A few lines a person reads."""
     e = r["exactness"]
-    return "\n".join([
-        f"mlx_streaming demo: {r['demo']}",
-        f"  model      {r['model']} ({r['patched_moe_layers']} MoE layers, device "
-        f"{r['device']})",
-        f"  experts    {r['expert_dir']} ({r['expert_mb']} MB each; pools {r['pool_gb']} GB)",
-        f"  speed      {r['tok_per_s']} tok/s streamed, {r['stock_tok_per_s']} tok/s stock "
-        f"mlx-lm ({r['ratio_vs_stock']:.2f}x)",
-        f"  experts    hit rate {r['expert_hit_rate']:.3f}, "
-        f"{r['bytes_read_per_token'] / 1e6:.2f} MB read per decoded token",
-        f"  memory     peak RSS {r['peak_rss_gb']} GB, MLX peak {r['mlx_peak_gb']} GB",
-        f"  exact      {r['exact_vs_stock']} (tokens equal: {e['tokens_equal']}, logits "
-        f"equal: {e['logits_equal']}, max |diff| {e['max_abs_logit_diff']})",
-        f"  sample     {r['sample'][:100]!r}",
-    ])
+    return "\n".join(
+        [
+            f"mlx_streaming demo: {r['demo']}",
+            f"  model      {r['model']} ({r['patched_moe_layers']} MoE layers, device "
+            f"{r['device']})",
+            f"  experts    {r['expert_dir']} ({r['expert_mb']} MB each; pools {r['pool_gb']} GB)",
+            f"  speed      {r['tok_per_s']} tok/s streamed, {r['stock_tok_per_s']} tok/s stock "
+            f"mlx-lm ({r['ratio_vs_stock']:.2f}x)",
+            f"  experts    hit rate {r['expert_hit_rate']:.3f}, "
+            f"{r['bytes_read_per_token'] / 1e6:.2f} MB read per decoded token",
+            f"  memory     peak RSS {r['peak_rss_gb']} GB, MLX peak {r['mlx_peak_gb']} GB",
+            f"  exact      {r['exact_vs_stock']} (tokens equal: {e['tokens_equal']}, logits "
+            f"equal: {e['logits_equal']}, max |diff| {e['max_abs_logit_diff']})",
+            f"  sample     {r['sample'][:100]!r}",
+        ]
+    )
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlx_streaming demo", description=__doc__)
-    p.add_argument("--workdir", default="mlx_streaming_demo",
-                   help="where the synthetic model and its experts go")
+    p.add_argument(
+        "--workdir",
+        default="mlx_streaming_demo",
+        help="where the synthetic model and its experts go",
+    )
     p.add_argument("--preset", default="demo", choices=sorted(PRESETS))
     p.add_argument("--slots", type=positive_int, help="slots per layer (default: half)")
     p.add_argument("--max-tokens", type=positive_int, default=64)

@@ -9,9 +9,13 @@ from ._args import add_store_args, load_kwargs, nonneg_int, positive_int
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mlx_streaming generate", description=(
-        "Generate text with a MoE model whose experts stream from disk. Flags as in "
-        "mlx_lm.generate, plus the streaming ones."))
+    p = argparse.ArgumentParser(
+        prog="mlx_streaming generate",
+        description=(
+            "Generate text with a MoE model whose experts stream from disk. Flags as in "
+            "mlx_lm.generate, plus the streaming ones."
+        ),
+    )
     p.add_argument("--model", required=True, help="MLX model directory or repo id")
     add_store_args(p)
     p.add_argument("--prompt", "-p", default="Hello", help="prompt ('-' reads stdin)")
@@ -21,8 +25,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-chat-template", action="store_true")
-    p.add_argument("--prefill-step-size", type=nonneg_int, default=PREFILL_CHUNK,
-                   help=f"prompt tokens per prefill step (default {PREFILL_CHUNK}; 0: the same)")
+    p.add_argument(
+        "--prefill-step-size",
+        type=nonneg_int,
+        default=PREFILL_CHUNK,
+        help=f"prompt tokens per prefill step (default {PREFILL_CHUNK}; 0: the same)",
+    )
     p.add_argument("--record-trace", help="write the routing taken to this .npz")
     p.add_argument("--verbose", action=argparse.BooleanOptionalAction, default=True)
     return p
@@ -49,20 +57,28 @@ def main(argv=None) -> None:
         store.observers.append(recorder)
     prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
     if not a.ignore_chat_template and tok.chat_template is not None:
-        msgs = ([{"role": "system", "content": a.system_prompt}] if a.system_prompt else [])
+        msgs = [{"role": "system", "content": a.system_prompt}] if a.system_prompt else []
         msgs.append({"role": "user", "content": prompt})
         prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    text = generate(model, tok, prompt, max_tokens=a.max_tokens, verbose=a.verbose,
-                    sampler=make_sampler(a.temp, a.top_p),
-                    prefill_step_size=a.prefill_step_size or PREFILL_CHUNK)
+    text = generate(
+        model,
+        tok,
+        prompt,
+        max_tokens=a.max_tokens,
+        verbose=a.verbose,
+        sampler=make_sampler(a.temp, a.top_p),
+        prefill_step_size=a.prefill_step_size or PREFILL_CHUNK,
+    )
     if recorder is not None:
         recorder.save(a.record_trace)
     if a.verbose:
         print("Memory plan:", memory_plan(model, store, a.cache_limit_gb).to_json())
         t = store.totals()
-        print(f"Experts: hit rate {store.hit_rate():.3f}, {t['bytes_read'] / 1e6:.1f} MB read "
-              f"in {t['read_s']:.2f} s, pools {store.pool_bytes() / 1e9:.3f} GB, "
-              f"peak memory {mx.get_peak_memory() / 1e9:.3f} GB")
+        print(
+            f"Experts: hit rate {store.hit_rate():.3f}, {t['bytes_read'] / 1e6:.1f} MB read "
+            f"in {t['read_s']:.2f} s, pools {store.pool_bytes() / 1e9:.3f} GB, "
+            f"peak memory {mx.get_peak_memory() / 1e9:.3f} GB"
+        )
     else:
         print(text)
     store.close()

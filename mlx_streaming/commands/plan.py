@@ -13,10 +13,14 @@ from ._args import nonneg_int, positive_float, positive_int
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mlx_streaming plan", description=(
-        "Replay a routing trace through the cache policies at each budget and predict hit "
-        "rate, miss bytes per token and tok/s (from a compute time and a read bandwidth, "
-        "measured by `bench`). The trace's second half is replayed."))
+    p = argparse.ArgumentParser(
+        prog="mlx_streaming plan",
+        description=(
+            "Replay a routing trace through the cache policies at each budget and predict hit "
+            "rate, miss bytes per token and tok/s (from a compute time and a read bandwidth, "
+            "measured by `bench`). The trace's second half is replayed."
+        ),
+    )
     p.add_argument("--trace", required=True, help="routing trace (.npz)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="model directory or repo id (its experts' sizes)")
@@ -26,13 +30,24 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--budget-gb", type=positive_float, nargs="+")
     size.add_argument("--slots", type=positive_int, nargs="+")
-    p.add_argument("--policy", default="auto", help="a policy, all, or auto (all, with the "
-                   "best marked); lru and belady are always shown")
+    p.add_argument(
+        "--policy",
+        default="auto",
+        help="a policy, all, or auto (all, with the best marked); lru and belady are always shown",
+    )
     p.add_argument("--tokens", type=positive_int, default=20000, help="trace tokens to replay")
-    p.add_argument("--layer-sample", type=nonneg_int, default=6,
-                   help="simulate this many layers, spread evenly (0: all)")
-    p.add_argument("--pin-hot", type=nonneg_int, default=0,
-                   help="pin each layer's N statically hottest experts (from the first half)")
+    p.add_argument(
+        "--layer-sample",
+        type=nonneg_int,
+        default=6,
+        help="simulate this many layers, spread evenly (0: all)",
+    )
+    p.add_argument(
+        "--pin-hot",
+        type=nonneg_int,
+        default=0,
+        help="pin each layer's N statically hottest experts (from the first half)",
+    )
     p.add_argument("--bench", help="a `bench --json` result: t_compute and read bandwidth")
     p.add_argument("--t-compute-ms", type=positive_float)
     p.add_argument("--read-gbps", type=positive_float)
@@ -43,10 +58,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 def _shape(a, trace: RoutingTrace) -> PoolShape:
     if a.expert_bytes:
-        return PoolShape([a.expert_bytes] * trace.layers, trace.num_experts,
-                         a.top_k or trace.top_k)
+        return PoolShape([a.expert_bytes] * trace.layers, trace.num_experts, a.top_k or trace.top_k)
     if a.expert_dir:
         from ..core.meta import load_meta
+
         return PoolShape.from_meta(load_meta(a.expert_dir))
     from ..core.discovery import find_expert_sites
     from ..prep.hub import load_lazy, resolve_model_path
@@ -55,8 +70,12 @@ def _shape(a, trace: RoutingTrace) -> PoolShape:
     model, config = load_lazy(resolve_model_path(a.model))
     sites = find_expert_sites(model, config)
     sizes = [sum(p.nbytes for p in layer_layout(s, "x").parts) for s in sites]
-    return PoolShape(sizes, [s.num_experts for s in sites],
-                     next(s.top_k for s in sites if s.top_k), [s.layer for s in sites])
+    return PoolShape(
+        sizes,
+        [s.num_experts for s in sites],
+        next(s.top_k for s in sites if s.top_k),
+        [s.layer for s in sites],
+    )
 
 
 def _bounds(a) -> tuple[float | None, float | None]:
@@ -96,9 +115,18 @@ def main(argv=None) -> None:
     trace = RoutingTrace.load(a.trace)
     shape = _shape(a, trace)
     t, b = _bounds(a)
-    rows = plan(trace, shape, budgets_gb=a.budget_gb or (), slots=a.slots or (),
-                policies=resolve_policies(a.policy), t_compute_s=t, read_gbps=b,
-                tokens=a.tokens, layer_sample=a.layer_sample or None, pin_hot=a.pin_hot)
+    rows = plan(
+        trace,
+        shape,
+        budgets_gb=a.budget_gb or (),
+        slots=a.slots or (),
+        policies=resolve_policies(a.policy),
+        t_compute_s=t,
+        read_gbps=b,
+        tokens=a.tokens,
+        layer_sample=a.layer_sample or None,
+        pin_hot=a.pin_hot,
+    )
     best = {}
     for r in rows:
         if r.policy != "belady" and (r.slots not in best or r.hit_rate > best[r.slots].hit_rate):
@@ -106,14 +134,18 @@ def main(argv=None) -> None:
     if a.json:
         print(json.dumps([{**r.to_json(), "best": best[r.slots] is r} for r in rows], indent=1))
     else:
-        print(f"{'policy':<11} {'slots':>5} {'GB':>8} {'hit':>6} {'MB miss/tok':>12} "
-              f"{'tok/s':>8} {'serial':>8}")
+        print(
+            f"{'policy':<11} {'slots':>5} {'GB':>8} {'hit':>6} {'MB miss/tok':>12} "
+            f"{'tok/s':>8} {'serial':>8}"
+        )
         for r in rows:
             tps = f"{r.predicted_tok_per_s:8.2f}" if r.predicted_tok_per_s else f"{'-':>8}"
             ser = f"{r.serial_tok_per_s:8.2f}" if r.serial_tok_per_s else f"{'-':>8}"
             mark = " *" if best[r.slots] is r and a.policy == "auto" else ""
-            print(f"{r.policy:<11} {r.slots:>5} {r.budget_gb:>8.3f} {r.hit_rate:6.3f} "
-                  f"{r.miss_bytes_per_token / 1e6:12.2f} {tps} {ser}{mark}")
+            print(
+                f"{r.policy:<11} {r.slots:>5} {r.budget_gb:>8.3f} {r.hit_rate:6.3f} "
+                f"{r.miss_bytes_per_token / 1e6:12.2f} {tps} {ser}{mark}"
+            )
         if t is None or b is None:
             print("(tok/s: give --bench, or --t-compute-ms and --read-gbps)", file=sys.stderr)
     if a.plot:

@@ -14,17 +14,22 @@ from ._args import positive_float, positive_int
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mlx_streaming profile", description=(
-        "Write pool_profile.json: slots per MoE layer, from a routing trace recorded with "
-        "`bench --record-trace` or `generate --record-trace` (first half: calibration; "
-        "second half: judged against uniform slots at equal bytes)."))
+    p = argparse.ArgumentParser(
+        prog="mlx_streaming profile",
+        description=(
+            "Write pool_profile.json: slots per MoE layer, from a routing trace recorded with "
+            "`bench --record-trace` or `generate --record-trace` (first half: calibration; "
+            "second half: judged against uniform slots at equal bytes)."
+        ),
+    )
     p.add_argument("--expert-dir", required=True)
     p.add_argument("--trace", required=True)
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--budget-gb", type=positive_float)
     size.add_argument("--slots", type=positive_int, help="the bytes of this many uniform slots")
-    size.add_argument("--lossless", action="store_true",
-                      help="cap each layer at the distinct experts it used")
+    size.add_argument(
+        "--lossless", action="store_true", help="cap each layer at the distinct experts it used"
+    )
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
     p.add_argument("--tokens", type=positive_int, default=10000)
     p.add_argument("--out", help=f"default: EXPERT_DIR/{PROFILE_NAME}")
@@ -34,13 +39,27 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     a = setup_arg_parser().parse_args(argv)
     meta = load_meta(a.expert_dir)
-    prof = build_profile(RoutingTrace.load(a.trace), meta, budget_gb=a.budget_gb,
-                         slots=a.slots, mode="lossless" if a.lossless else "budget",
-                         policy=a.policy, tokens=a.tokens)
+    prof = build_profile(
+        RoutingTrace.load(a.trace),
+        meta,
+        budget_gb=a.budget_gb,
+        slots=a.slots,
+        mode="lossless" if a.lossless else "budget",
+        policy=a.policy,
+        tokens=a.tokens,
+    )
     out = Path(a.out or Path(a.expert_dir) / PROFILE_NAME)
     write_pool_profile(out, prof.slots, **prof.info())
-    print(json.dumps({"profile": str(out), **prof.info(),
-                      "slots": {str(k): v for k, v in prof.slots.items()}}, indent=1))
+    print(
+        json.dumps(
+            {
+                "profile": str(out),
+                **prof.info(),
+                "slots": {str(k): v for k, v in prof.slots.items()},
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

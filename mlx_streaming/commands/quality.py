@@ -9,11 +9,15 @@ from ._args import positive_int
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mlx_streaming quality", description=(
-        "Compare requantized experts with their source: per layer and projection, the "
-        "relative output error on captured activations; end to end, KL divergence and "
-        "top-1 agreement of next-token distributions. On random-weight models these are "
-        "a relative guide only."))
+    p = argparse.ArgumentParser(
+        prog="mlx_streaming quality",
+        description=(
+            "Compare requantized experts with their source: per layer and projection, the "
+            "relative output error on captured activations; end to end, KL divergence and "
+            "top-1 agreement of next-token distributions. On random-weight models these are "
+            "a relative guide only."
+        ),
+    )
     p.add_argument("--model", required=True, help="the source model")
     p.add_argument("--expert-dir", required=True, help="requantized expert directory")
     p.add_argument("--source-expert-dir", help="the source's (default: recorded in the meta)")
@@ -27,8 +31,11 @@ def main(argv=None) -> None:
 
     a = setup_arg_parser().parse_args(argv)
     text = open(a.text).read() if a.text else None
-    print(json.dumps(quality_report(a.model, a.expert_dir, a.source_expert_dir, a.tokens,
-                                    text), indent=1))
+    print(
+        json.dumps(
+            quality_report(a.model, a.expert_dir, a.source_expert_dir, a.tokens, text), indent=1
+        )
+    )
 
 
 if __name__ == "__main__":

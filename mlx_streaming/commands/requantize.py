@@ -11,9 +11,13 @@ from ._args import positive_int
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mlx_streaming requantize", description=(
-        "Dequantize each expert and quantize it again with mx.quantize into a new expert "
-        "directory (a projection already in the target format is copied as is)."))
+    p = argparse.ArgumentParser(
+        prog="mlx_streaming requantize",
+        description=(
+            "Dequantize each expert and quantize it again with mx.quantize into a new expert "
+            "directory (a projection already in the target format is copied as is)."
+        ),
+    )
     p.add_argument("--src", required=True, help="expert directory, or a model to split first")
     p.add_argument("--out", required=True, help="new expert directory")
     p.add_argument("--bits", type=positive_int, default=4)
@@ -21,10 +25,17 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--proj-bits", help="per projection, e.g. gate=2,up=2,down=3")
     p.add_argument("--layer-bits", help="JSON file {layer: bits or {projection: bits}}")
     p.add_argument("--model-out", help="also write a standard MLX model with these experts")
-    p.add_argument("--model", help="source model (for --model-out and --target-gb; default: "
-                   "the one the experts were split from)")
-    p.add_argument("--target-gb", type=float, help="choose bits per layer and projection to "
-                   "minimise the measured error within this many GB of experts")
+    p.add_argument(
+        "--model",
+        help="source model (for --model-out and --target-gb; default: "
+        "the one the experts were split from)",
+    )
+    p.add_argument(
+        "--target-gb",
+        type=float,
+        help="choose bits per layer and projection to "
+        "minimise the measured error within this many GB of experts",
+    )
     return p
 
 
@@ -40,15 +51,31 @@ def main(argv=None) -> None:
     from ..model_builder import default_expert_dir
 
     split_dir = None if (Path(a.src) / META_NAME).exists() else default_expert_dir(a.src)
-    meta = requantize(a.src, a.out, a.bits, group_size=a.group_size, proj_bits=a.proj_bits,
-                      layer_bits=a.layer_bits, model_out=a.model_out, model=a.model,
-                      split_dir=split_dir)
+    meta = requantize(
+        a.src,
+        a.out,
+        a.bits,
+        group_size=a.group_size,
+        proj_bits=a.proj_bits,
+        layer_bits=a.layer_bits,
+        model_out=a.model_out,
+        model=a.model,
+        split_dir=split_dir,
+    )
     if report:
         print(json.dumps({"allocation": report}, indent=1))
     lay = next(iter(meta["layers"].values()))
-    print(json.dumps({"expert_dir": a.out, "dims": meta["dims"],
-                      "expert_bytes": lay["record_bytes"], "model_out": a.model_out},
-                     indent=1))
+    print(
+        json.dumps(
+            {
+                "expert_dir": a.out,
+                "dims": meta["dims"],
+                "expert_bytes": lay["record_bytes"],
+                "model_out": a.model_out,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -11,16 +11,21 @@ from ._args import add_store_args, load_kwargs, nonneg_int, positive_int
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mlx_streaming serve", description=(
-        "Serve /v1/chat/completions, /v1/completions and /v1/models (mlx-lm's server) with "
-        "the model's experts streamed from disk. Requests run one at a time; /health "
-        "reports the queue depth."))
+    p = argparse.ArgumentParser(
+        prog="mlx_streaming serve",
+        description=(
+            "Serve /v1/chat/completions, /v1/completions and /v1/models (mlx-lm's server) with "
+            "the model's experts streamed from disk. Requests run one at a time; /health "
+            "reports the queue depth."
+        ),
+    )
     p.add_argument("--model", required=True, help="MLX model directory or repo id")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
     p.add_argument("--port", type=positive_int, default=8080)
     p.add_argument("--allowed-origins", type=lambda s: s.split(","), default=["*"])
-    p.add_argument("--log-level", default="INFO",
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    p.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+    )
     p.add_argument("--chat-template", default="")
     p.add_argument("--use-default-chat-template", action="store_true")
     p.add_argument("--chat-template-args", type=json.loads, default={})
@@ -43,15 +48,30 @@ def cli_args_for_mlx_lm(a: argparse.Namespace) -> argparse.Namespace:
     """The namespace mlx-lm's server reads, from our flags (fixed values where streaming
     rules them: no adapters, no draft model, no batching, no distribution)."""
     return argparse.Namespace(
-        model=a.model, adapter_path=None, draft_model=None, num_draft_tokens=3,
-        trust_remote_code=False, allowed_origins=a.allowed_origins,
-        chat_template=a.chat_template, use_default_chat_template=a.use_default_chat_template,
-        chat_template_args=a.chat_template_args, temp=a.temp, top_p=a.top_p, top_k=a.top_k,
-        min_p=a.min_p, max_tokens=a.max_tokens, decode_concurrency=1, prompt_concurrency=1,
-        prefill_step_size=a.prefill_step_size, prompt_cache_size=a.prompt_cache_size,
-        prompt_cache_bytes=a.prompt_cache_bytes, kv_bits=a.kv_bits,
-        kv_group_size=a.kv_group_size, quantized_kv_start=a.quantized_kv_start,
-        pipeline=False)
+        model=a.model,
+        adapter_path=None,
+        draft_model=None,
+        num_draft_tokens=3,
+        trust_remote_code=False,
+        allowed_origins=a.allowed_origins,
+        chat_template=a.chat_template,
+        use_default_chat_template=a.use_default_chat_template,
+        chat_template_args=a.chat_template_args,
+        temp=a.temp,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        min_p=a.min_p,
+        max_tokens=a.max_tokens,
+        decode_concurrency=1,
+        prompt_concurrency=1,
+        prefill_step_size=a.prefill_step_size,
+        prompt_cache_size=a.prompt_cache_size,
+        prompt_cache_bytes=a.prompt_cache_bytes,
+        kv_bits=a.kv_bits,
+        kv_group_size=a.kv_group_size,
+        quantized_kv_start=a.quantized_kv_start,
+        pipeline=False,
+    )
 
 
 def main(argv=None) -> None:

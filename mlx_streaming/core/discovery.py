@@ -49,8 +49,7 @@ class ExpertSite:
 
 def projections(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The (name, SwitchLinear-like) children of an expert module, in a fixed order."""
-    return [(n, m) for n, m in sorted(module.children().items())
-            if isinstance(m, PROJECTION_TYPES)]
+    return [(n, m) for n, m in sorted(module.children().items()) if isinstance(m, PROJECTION_TYPES)]
 
 
 def _model_type(model) -> str:
@@ -98,10 +97,10 @@ def find_expert_sites(model: nn.Module, config: dict | None = None) -> list[Expe
     full_names = {id(m): n for n, m in model.named_modules()}
     sites = []
     for li, layer in enumerate(layers):
-        wrapped = [(n, m) for n, m in layer.named_modules()
-                   if getattr(m, "is_streamed_experts", False)]
-        found = wrapped or [(n, m) for n, m in layer.named_modules()
-                            if isinstance(m, EXPERT_TYPES)]
+        wrapped = [
+            (n, m) for n, m in layer.named_modules() if getattr(m, "is_streamed_experts", False)
+        ]
+        found = wrapped or [(n, m) for n, m in layer.named_modules() if isinstance(m, EXPERT_TYPES)]
         if len(found) > 1:
             raise UnsupportedModelError(
                 f"layer {li} of '{_model_type(model)}' has {len(found)} expert modules; "
@@ -122,16 +121,18 @@ def find_expert_sites(model: nn.Module, config: dict | None = None) -> list[Expe
             raise UnsupportedModelError(f"{rel} in layer {li} has no SwitchLinear projections")
         num_experts = streamed.num_experts if streamed is not None else projs[0][1].weight.shape[0]
         router = _router(parent, attr, num_experts)
-        sites.append(ExpertSite(
-            layer=li,
-            path=full_names.get(id(streamed or module), f"model.layers.{li}.{rel}"),
-            module=module,
-            parent=parent,
-            attr=attr,
-            router=router,
-            top_k=_top_k(parent, router, config),
-            streamed=streamed,
-        ))
+        sites.append(
+            ExpertSite(
+                layer=li,
+                path=full_names.get(id(streamed or module), f"model.layers.{li}.{rel}"),
+                module=module,
+                parent=parent,
+                attr=attr,
+                router=router,
+                top_k=_top_k(parent, router, config),
+                streamed=streamed,
+            )
+        )
     if not sites:
         raise UnsupportedModelError(
             f"model type '{_model_type(model)}' has no experts that mlx_streaming can stream: "
@@ -165,8 +166,7 @@ def fingerprint(model: nn.Module, sites: list[ExpertSite], config: dict | None =
     from .format import config_hash, shapes_hash
 
     prefixes = tuple(s.path + "." for s in sites)
-    shapes = {k: v.shape for k, v in tree_flatten(model.parameters())
-              if not k.startswith(prefixes)}
+    shapes = {k: v.shape for k, v in tree_flatten(model.parameters()) if not k.startswith(prefixes)}
     experts = [[s.layer, s.num_experts, *expert_dims(s)] for s in sites]
     fp = {"shapes": shapes_hash(shapes), "experts": shapes_hash({"e": experts})}
     router = next((s.router for s in sites if s.router is not None), None)

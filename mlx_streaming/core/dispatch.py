@@ -31,8 +31,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
-MLX_RULE_SOURCE = ("ml-explore/mlx 0.32 (main at 846d176, 2026-11), read against the "
-                   "installed mlx 0.32.4")
+MLX_RULE_SOURCE = (
+    "ml-explore/mlx 0.32 (main at 846d176, 2026-11), read against the installed mlx 0.32.4"
+)
 BACKENDS = ("cpu", "metal", "cuda")
 
 
@@ -82,8 +83,15 @@ def kernel(c: GatherCall) -> str:
     raise ValueError(f"unknown backend {c.backend!r} (one of {BACKENDS})")
 
 
-def pool_sorted_flag(backend: str, quantized: bool, M: int, B: int, model_experts: int,
-                     pool_experts: int, stock_sorted: bool) -> bool:
+def pool_sorted_flag(
+    backend: str,
+    quantized: bool,
+    M: int,
+    B: int,
+    model_experts: int,
+    pool_experts: int,
+    stock_sorted: bool,
+) -> bool:
     """The ``sorted_indices`` flag under which a pool of ``pool_experts`` slots takes the
     kernel that stock's call over ``model_experts`` takes.
 
@@ -97,7 +105,8 @@ def pool_sorted_flag(backend: str, quantized: bool, M: int, B: int, model_expert
     raise KernelParityError(
         f"on {backend}, a gather matmul of {B} rows over {pool_experts} pool slots cannot "
         f"take stock's kernel {want} (over {model_experts} experts); streaming this layer "
-        "would not be bit-exact: give the layer every expert's slot, or fewer")
+        "would not be bit-exact: give the layer every expert's slot, or fewer"
+    )
 
 
 def _batch(x: mx.array, indices: mx.array) -> tuple[int, int]:
@@ -116,16 +125,31 @@ def _flag(proj, x: mx.array, indices: mx.array, sorted_indices: bool) -> bool:
     if proj.backend == "cpu":
         return sorted_indices
     M, B = _batch(x, indices)
-    return pool_sorted_flag(proj.backend, isinstance(proj, QuantizedSwitchLinear), M, B,
-                            proj.model_experts, proj["weight"].shape[0], sorted_indices)
+    return pool_sorted_flag(
+        proj.backend,
+        isinstance(proj, QuantizedSwitchLinear),
+        M,
+        B,
+        proj.model_experts,
+        proj["weight"].shape[0],
+        sorted_indices,
+    )
 
 
 class PoolQuantizedSwitchLinear(QuantizedSwitchLinear):
     """mlx-lm's ``QuantizedSwitchLinear`` over pool slots, taking the kernel that stock's
     call over ``model_experts`` experts takes on ``backend``."""
 
-    def __init__(self, input_dims: int, output_dims: int, slots: int, *, model_experts: int,
-                 backend: str, **kw):
+    def __init__(
+        self,
+        input_dims: int,
+        output_dims: int,
+        slots: int,
+        *,
+        model_experts: int,
+        backend: str,
+        **kw,
+    ):
         super().__init__(input_dims, output_dims, slots, **kw)
         self.model_experts, self.backend = model_experts, backend
 
@@ -136,8 +160,16 @@ class PoolQuantizedSwitchLinear(QuantizedSwitchLinear):
 class PoolSwitchLinear(SwitchLinear):
     """mlx-lm's ``SwitchLinear`` over pool slots, taking stock's kernel."""
 
-    def __init__(self, input_dims: int, output_dims: int, slots: int, *, model_experts: int,
-                 backend: str, **kw):
+    def __init__(
+        self,
+        input_dims: int,
+        output_dims: int,
+        slots: int,
+        *,
+        model_experts: int,
+        backend: str,
+        **kw,
+    ):
         super().__init__(input_dims, output_dims, slots, **kw)
         self.model_experts, self.backend = model_experts, backend
 

@@ -137,8 +137,14 @@ class LayerLayout:
         }
 
 
-def plan_layout(layer: int, module: str, file: str, num_experts: int,
-                tensors: list[tuple[str, tuple[int, ...], str]], quant: dict) -> LayerLayout:
+def plan_layout(
+    layer: int,
+    module: str,
+    file: str,
+    num_experts: int,
+    tensors: list[tuple[str, tuple[int, ...], str]],
+    quant: dict,
+) -> LayerLayout:
     """Lay out one expert's tensors ``(name, per-expert shape, dtype)`` in a record."""
     parts, off = [], 0
     for name, shape, dtype in tensors:
@@ -146,8 +152,9 @@ def plan_layout(layer: int, module: str, file: str, num_experts: int,
         p = Part(name, off, tuple(int(s) for s in shape), dtype)
         parts.append(p)
         off += p.nbytes
-    return LayerLayout(layer, module, file, num_experts, off, align_up(off, ALIGN),
-                       tuple(parts), dict(quant))
+    return LayerLayout(
+        layer, module, file, num_experts, off, align_up(off, ALIGN), tuple(parts), dict(quant)
+    )
 
 
 @dataclass(frozen=True)
@@ -196,7 +203,7 @@ def parts_of(layout: LayerLayout, record: np.ndarray) -> dict[str, mx.array]:
     out = {}
     for p in layout.parts:
         np_dt, mx_dt = DTYPES[p.dtype]
-        a = mx.array(record[p.offset:p.offset + p.nbytes].view(np_dt).reshape(p.shape))
+        a = mx.array(record[p.offset : p.offset + p.nbytes].view(np_dt).reshape(p.shape))
         out[p.name] = a.view(mx_dt) if a.dtype != mx_dt else a
     return out
 
@@ -244,8 +251,9 @@ def write_json_atomic(path: Path, obj: dict) -> None:
 def config_hash(config: dict) -> str:
     """Hash of a model config, ignoring how its weights are quantized."""
     skip = {"quantization", "quantization_config", "_name_or_path"}
-    canon = json.dumps({k: v for k, v in config.items() if k not in skip}, sort_keys=True,
-                       default=str)
+    canon = json.dumps(
+        {k: v for k, v in config.items() if k not in skip}, sort_keys=True, default=str
+    )
     return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
 

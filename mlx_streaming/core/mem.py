@@ -42,8 +42,13 @@ def peak_rss_bytes() -> int:
 
 def snapshot() -> MemSnapshot:
     """Memory now: RSS, peak RSS, MLX active, peak and cache bytes."""
-    return MemSnapshot(rss_bytes(), peak_rss_bytes(), mx.get_active_memory(),
-                       mx.get_peak_memory(), mx.get_cache_memory())
+    return MemSnapshot(
+        rss_bytes(),
+        peak_rss_bytes(),
+        mx.get_active_memory(),
+        mx.get_peak_memory(),
+        mx.get_cache_memory(),
+    )
 
 
 def keep_wired_limit(nbytes: int):
@@ -55,9 +60,11 @@ def keep_wired_limit(nbytes: int):
     silently override a limit set beforehand; its first progress call comes inside that
     span, before any computation.
     """
+
     def callback(processed: int, total: int) -> None:
         if processed == 0 and hasattr(mx, "set_wired_limit"):
             mx.set_wired_limit(nbytes)
+
     return callback
 
 

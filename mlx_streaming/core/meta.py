@@ -73,11 +73,16 @@ def _layer_from_json(li: int, d: dict, where: str, root: Path) -> LayerLayout:
         shape = _req(p, "shape", list, pw)
         if not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape):
             raise ExpertDirError(f"{pw}: shape must be a list of positive ints, got {shape!r}")
-        part = Part(_req(p, "name", str, pw), _nonneg(_req(p, "offset", int, pw), "offset", pw),
-                    tuple(shape), dt)
+        part = Part(
+            _req(p, "name", str, pw),
+            _nonneg(_req(p, "offset", int, pw), "offset", pw),
+            tuple(shape),
+            dt,
+        )
         if part.offset + part.nbytes > rb:
-            raise ExpertDirError(f"{pw}: {part.name} ends at {part.offset + part.nbytes}, "
-                                 f"past record_bytes={rb}")
+            raise ExpertDirError(
+                f"{pw}: {part.name} ends at {part.offset + part.nbytes}, past record_bytes={rb}"
+            )
         parts.append(part)
     if not parts:
         raise ExpertDirError(f"{w}: no parts")
@@ -100,10 +105,14 @@ def _layer_from_json(li: int, d: dict, where: str, root: Path) -> LayerLayout:
         quant[name] = Quant(bits, gs, mode)
     projs = {p.projection for p in parts}
     if set(quant) != projs:
-        raise ExpertDirError(f"{w}: quant entries {sorted(quant)} do not match parts {sorted(projs)}")
+        raise ExpertDirError(
+            f"{w}: quant entries {sorted(quant)} do not match parts {sorted(projs)}"
+        )
     sums = d.get("checksums", [])
-    if not isinstance(sums, list) or len(sums) not in (0, ne) or not all(
-        isinstance(s, str) and re.fullmatch(r"[0-9a-f]{16}", s) for s in sums
+    if (
+        not isinstance(sums, list)
+        or len(sums) not in (0, ne)
+        or not all(isinstance(s, str) and re.fullmatch(r"[0-9a-f]{16}", s) for s in sums)
     ):
         raise ExpertDirError(f"{w}: checksums must be {ne} hex strings of 16 characters")
     module = _req(d, "module", str, w)
@@ -115,18 +124,23 @@ def meta_from_json(d: dict, root: Path, where: str = META_NAME) -> ExpertMeta:
     if not isinstance(d, dict):
         raise ExpertDirError(f"{where}: not a JSON object")
     if d.get("format") != FORMAT:
-        raise ExpertDirError(f"{where}: not an mlx_streaming expert directory meta "
-                             f"(format={d.get('format')!r}); split the model again")
+        raise ExpertDirError(
+            f"{where}: not an mlx_streaming expert directory meta "
+            f"(format={d.get('format')!r}); split the model again"
+        )
     version = _req(d, "version", int, where)
     if version != VERSION:
-        raise ExpertDirError(f"{where}: format version {version}, this mlx_streaming reads "
-                             f"version {VERSION}: split the model again or upgrade")
+        raise ExpertDirError(
+            f"{where}: format version {version}, this mlx_streaming reads "
+            f"version {VERSION}: split the model again or upgrade"
+        )
     if d.get("checksum", CHECKSUM) != CHECKSUM:
         raise ExpertDirError(f"{where}: unknown checksum {d.get('checksum')!r}")
     fp = _req(d, "fingerprint", dict, where)
     moe_layers = _req(d, "moe_layers", list, where)
-    if not moe_layers or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
-                                 for x in moe_layers):
+    if not moe_layers or not all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in moe_layers
+    ):
         raise ExpertDirError(f"{where}: moe_layers must be a non-empty list of layer indices")
     ne = _req(d, "num_experts", int, where)
     top_k = _req(d, "top_k", int, where)
@@ -145,11 +159,36 @@ def meta_from_json(d: dict, root: Path, where: str = META_NAME) -> ExpertMeta:
         layers[int(k)] = _layer_from_json(int(k), v, where, root)
     if sorted(layers) != sorted(moe_layers):
         raise ExpertDirError(f"{where}: layers {sorted(layers)} != moe_layers {sorted(moe_layers)}")
-    extra = {k: v for k, v in d.items() if k not in {
-        "format", "version", "checksum", "source", "model_type", "fingerprint", "moe_layers",
-        "num_experts", "top_k", "dims", "layers"}}
-    return ExpertMeta(root, fp, str(d.get("model_type", "")), tuple(moe_layers), ne, top_k,
-                      dims, layers, str(d.get("source", "")), extra)
+    extra = {
+        k: v
+        for k, v in d.items()
+        if k
+        not in {
+            "format",
+            "version",
+            "checksum",
+            "source",
+            "model_type",
+            "fingerprint",
+            "moe_layers",
+            "num_experts",
+            "top_k",
+            "dims",
+            "layers",
+        }
+    }
+    return ExpertMeta(
+        root,
+        fp,
+        str(d.get("model_type", "")),
+        tuple(moe_layers),
+        ne,
+        top_k,
+        dims,
+        layers,
+        str(d.get("source", "")),
+        extra,
+    )
 
 
 def load_meta(expert_dir: str | Path, check_files: bool = True) -> ExpertMeta:
@@ -161,12 +200,16 @@ def load_meta(expert_dir: str | Path, check_files: bool = True) -> ExpertMeta:
     """
     root = Path(expert_dir)
     if not root.is_dir():
-        raise ExpertDirError(f"expert directory {root} does not exist: split the model first "
-                             "(python -m mlx_streaming split MODEL --expert-dir DIR)")
+        raise ExpertDirError(
+            f"expert directory {root} does not exist: split the model first "
+            "(python -m mlx_streaming split MODEL --expert-dir DIR)"
+        )
     path = root / META_NAME
     if not path.is_file():
-        raise ExpertDirError(f"{path} is missing: {root} is not a complete expert directory "
-                             "(an interrupted split?); run the split again to finish it")
+        raise ExpertDirError(
+            f"{path} is missing: {root} is not a complete expert directory "
+            "(an interrupted split?); run the split again to finish it"
+        )
     try:
         with open(path) as f:
             d = json.load(f)

@@ -50,8 +50,9 @@ class ProjectionCase:
         return json.dumps([dev, mx.__version__, asdict(self)], sort_keys=True)
 
 
-def token_counts(top_k: int, model_experts: int, pool_experts: int,
-                 max_tokens: int = 2048) -> list[int]:
+def token_counts(
+    top_k: int, model_experts: int, pool_experts: int, max_tokens: int = 2048
+) -> list[int]:
     """Tokens per call to check: one, the largest chunk, and both sides of every row
     threshold of ``dispatch`` (8, 16, 64, 4 x experts of stock and of the pool)."""
     out = {1, max_tokens}
@@ -61,15 +62,29 @@ def token_counts(top_k: int, model_experts: int, pool_experts: int,
     return sorted(t for t in out if 1 <= t <= max_tokens)
 
 
-def cases_for(layout: LayerLayout, slots: int, zero_slot: bool, top_k: int,
-              x_dtype: str) -> list[ProjectionCase]:
+def cases_for(
+    layout: LayerLayout, slots: int, zero_slot: bool, top_k: int, x_dtype: str
+) -> list[ProjectionCase]:
     """The distinct projections of one layer's pool."""
     out = []
     for name, q in sorted(layout.quant.items()):
-        parts = tuple((p.param, p.shape, p.dtype) for p in layout.parts
-                      if p.projection == name and p.param != "bias")
-        out.append(ProjectionCase(name, parts, (q.bits, q.group_size, q.mode) if q else None,
-                                  x_dtype, layout.num_experts, slots, zero_slot, top_k))
+        parts = tuple(
+            (p.param, p.shape, p.dtype)
+            for p in layout.parts
+            if p.projection == name and p.param != "bias"
+        )
+        out.append(
+            ProjectionCase(
+                name,
+                parts,
+                (q.bits, q.group_size, q.mode) if q else None,
+                x_dtype,
+                layout.num_experts,
+                slots,
+                zero_slot,
+                top_k,
+            )
+        )
     return out
 
 
@@ -91,9 +106,16 @@ def _projection(case: ProjectionCase, arrays: dict, experts: int):
         proj = PoolSwitchLinear(w.shape[2], w.shape[1], experts, bias=False, **kw)
     else:
         bits, group, mode = case.quant
-        proj = PoolQuantizedSwitchLinear(arrays["scales"].shape[-1] * group, w.shape[1],
-                                         experts, bias=False, group_size=group, bits=bits,
-                                         mode=mode, **kw)
+        proj = PoolQuantizedSwitchLinear(
+            arrays["scales"].shape[-1] * group,
+            w.shape[1],
+            experts,
+            bias=False,
+            group_size=group,
+            bits=bits,
+            mode=mode,
+            **kw,
+        )
         proj.scales = arrays["scales"]
         proj.biases = arrays.get("biases")
     proj.weight = w
@@ -117,8 +139,7 @@ def check_case(case: ProjectionCase, tokens: list[int], seed: int = 0) -> list[s
     key = mx.random.key(seed)
     keys = mx.random.split(key, len(case.parts) + 3)
     E, S = case.model_experts, case.pool_slots
-    stock = {p: _random((E, *shape), dt, keys[i]) for i, (p, shape, dt) in
-             enumerate(case.parts)}
+    stock = {p: _random((E, *shape), dt, keys[i]) for i, (p, shape, dt) in enumerate(case.parts)}
     rng = np.random.default_rng(seed)
     held = np.sort(rng.choice(E, S, replace=False))  # the experts the pool holds
     slot_of = np.full(E, -1, np.int64)
@@ -158,8 +179,9 @@ def _bits(a: mx.array) -> mx.array:
     return a.view({2: mx.uint16, 4: mx.uint32}[a.itemsize])
 
 
-def ensure_kernel_parity(cases: list[ProjectionCase], tokens_max: int = 2048,
-                         cache_file: Path | None = None) -> None:
+def ensure_kernel_parity(
+    cases: list[ProjectionCase], tokens_max: int = 2048, cache_file: Path | None = None
+) -> None:
     """Check every case not yet known to be exact on this device and MLX version.
 
     Raises:
@@ -170,8 +192,9 @@ def ensure_kernel_parity(cases: list[ProjectionCase], tokens_max: int = 2048,
         key = case.key()
         if known.get(key) == "exact":
             continue
-        tokens = token_counts(case.top_k, case.model_experts,
-                              case.pool_slots + case.zero_slot, tokens_max)
+        tokens = token_counts(
+            case.top_k, case.model_experts, case.pool_slots + case.zero_slot, tokens_max
+        )
         bad = check_case(case, tokens)
         mx.clear_cache()
         if bad:
@@ -180,7 +203,8 @@ def ensure_kernel_parity(cases: list[ProjectionCase], tokens_max: int = 2048,
                 f"are not bit-identical to stock-shaped ones ({'; '.join(bad[:3])}) for "
                 f"{case.model_experts} experts in {case.pool_slots} slots. The kernel rule "
                 f"was read from {MLX_RULE_SOURCE}; this MLX chooses differently. Install "
-                "that MLX version, or run `python -m mlx_streaming verify` and report it")
+                "that MLX version, or run `python -m mlx_streaming verify` and report it"
+            )
         known[key] = "exact"
         _write(cache_file, known)
 

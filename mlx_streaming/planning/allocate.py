@@ -13,9 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 
-def climb(levels: Sequence[int], cost: Callable[[int, int], float],
-          value: Callable[[int, int], float], budget: float,
-          start: Sequence[int] | None = None) -> list[int]:
+def climb(
+    levels: Sequence[int],
+    cost: Callable[[int, int], float],
+    value: Callable[[int, int], float],
+    budget: float,
+    start: Sequence[int] | None = None,
+) -> list[int]:
     """Greedy levels for each item.
 
     Args:

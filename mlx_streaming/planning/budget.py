@@ -49,13 +49,20 @@ class PoolShape:
     @classmethod
     def from_meta(cls, meta: ExpertMeta) -> PoolShape:
         layers = sorted(meta.layers)
-        return cls([slot_bytes(meta, li) for li in layers],
-                   [meta.layers[li].num_experts for li in layers], meta.top_k, layers)
+        return cls(
+            [slot_bytes(meta, li) for li in layers],
+            [meta.layers[li].num_experts for li in layers],
+            meta.top_k,
+            layers,
+        )
 
     def pool_bytes(self, slots: dict[int, int], zero_slot: bool) -> int:
         """Bytes of pools of ``slots`` (model layer -> slots)."""
-        return sum(pool_slots(slots[li], e, zero_slot) * b for li, e, b in
-                   zip(self.layers, self.num_experts, self.slot_bytes) if li in slots)
+        return sum(
+            pool_slots(slots[li], e, zero_slot) * b
+            for li, e, b in zip(self.layers, self.num_experts, self.slot_bytes)
+            if li in slots
+        )
 
 
 @dataclass
@@ -70,13 +77,17 @@ class BudgetPlan:
         return min(self.slots.values())
 
     def to_json(self) -> dict:
-        return {"budget_bytes": self.budget_bytes, "pool_bytes": self.pool_bytes,
-                "zero_slot": self.zero_slot,
-                "slots": {str(k): v for k, v in sorted(self.slots.items())}}
+        return {
+            "budget_bytes": self.budget_bytes,
+            "pool_bytes": self.pool_bytes,
+            "zero_slot": self.zero_slot,
+            "slots": {str(k): v for k, v in sorted(self.slots.items())},
+        }
 
 
-def plan_budget(shape: PoolShape | ExpertMeta, budget_gb: float,
-                zero_slot: bool | None = None) -> BudgetPlan:
+def plan_budget(
+    shape: PoolShape | ExpertMeta, budget_gb: float, zero_slot: bool | None = None
+) -> BudgetPlan:
     """Slots per layer so that all pools together fit ``budget_gb`` (10**9 bytes).
 
     Every layer gets top-k slots; the rest of the budget goes out in equal shares, the
@@ -99,7 +110,8 @@ def plan_budget(shape: PoolShape | ExpertMeta, budget_gb: float,
         raise ValueError(
             f"budget {budget_gb} GB is below the {floor / 1e9:.4g} GB that one token's "
             f"{k} experts in each of {L} MoE layers need; raise --budget-gb to at least "
-            f"{floor / 1e9:.4g}")
+            f"{floor / 1e9:.4g}"
+        )
     rounds = min((budget - floor) // sum(sb), min(ne) - k - 1)  # whole rounds at once
     start = [max(0, rounds)] * L
 
@@ -116,8 +128,12 @@ def plan_budget(shape: PoolShape | ExpertMeta, budget_gb: float,
     return BudgetPlan(budget, slots, shape.pool_bytes(slots, zero), zero)
 
 
-def store_slots(meta: ExpertMeta, slots: int | None = None, budget_gb: float | None = None,
-                layer_caps: dict[int, int] | None = None) -> tuple[int, dict | None]:
+def store_slots(
+    meta: ExpertMeta,
+    slots: int | None = None,
+    budget_gb: float | None = None,
+    layer_caps: dict[int, int] | None = None,
+) -> tuple[int, dict | None]:
     """``(capacity, layer_caps)`` for a ``FileExpertStore``: from ``budget_gb`` through
     ``plan_budget``, else ``slots`` (default: half the experts, at least top-k) with a
     pool profile's ``layer_caps``."""
@@ -145,10 +161,12 @@ class MemoryPlan:
         return self.trunk_bytes + self.pool_bytes + self.cache_limit_bytes
 
     def to_json(self) -> dict:
-        return {"trunk_gb": round(self.trunk_bytes / 1e9, 3),
-                "pools_gb": round(self.pool_bytes / 1e9, 3),
-                "mlx_cache_limit_gb": round(self.cache_limit_bytes / 1e9, 3),
-                "total_gb_before_kv": round(self.total_bytes / 1e9, 3)}
+        return {
+            "trunk_gb": round(self.trunk_bytes / 1e9, 3),
+            "pools_gb": round(self.pool_bytes / 1e9, 3),
+            "mlx_cache_limit_gb": round(self.cache_limit_bytes / 1e9, 3),
+            "total_gb_before_kv": round(self.total_bytes / 1e9, 3),
+        }
 
 
 def default_cache_limit(pool_bytes: int) -> int:

@@ -35,10 +35,20 @@ class PlanRow:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
 
-def plan(trace: RoutingTrace, shape: PoolShape, *, budgets_gb=(), slots=(), policies=("lru",),
-         t_compute_s: float | None = None, read_gbps: float | None = None,
-         tokens: int = 20000, layer_sample: int | None = 6, pin_hot: int = 0,
-         held_out: bool = True) -> list[PlanRow]:
+def plan(
+    trace: RoutingTrace,
+    shape: PoolShape,
+    *,
+    budgets_gb=(),
+    slots=(),
+    policies=("lru",),
+    t_compute_s: float | None = None,
+    read_gbps: float | None = None,
+    tokens: int = 20000,
+    layer_sample: int | None = 6,
+    pin_hot: int = 0,
+    held_out: bool = True,
+) -> list[PlanRow]:
     """Predicted hit rate, miss bytes and tok/s of each policy at each budget or slot count.
 
     The trace's second half is replayed (``held_out``) so that policies or pins fitted on
@@ -52,21 +62,27 @@ def plan(trace: RoutingTrace, shape: PoolShape, *, budgets_gb=(), slots=(), poli
         layers = sorted({round(i * (L - 1) / (layer_sample - 1)) for i in range(layer_sample)})
     fit_part, test = trace.split(0.5) if held_out else (trace, trace)
     pins = static_hot(fit_part, pin_hot) if pin_hot else None
-    sizes = [(s, None) for s in slots] + [(plan_budget(shape, g).default_slots, g)
-                                          for g in budgets_gb]
+    sizes = [(s, None) for s in slots] + [
+        (plan_budget(shape, g).default_slots, g) for g in budgets_gb
+    ]
     zero = default_zero_slot()
     rows = []
     for s, g in sizes:
         if s < shape.top_k:
-            raise ValueError(f"{'budget ' + str(g) + ' GB' if g else str(s) + ' slots'} leaves "
-                             f"{s} slots per layer, below top_k={shape.top_k}")
+            raise ValueError(
+                f"{'budget ' + str(g) + ' GB' if g else str(s) + ' slots'} leaves "
+                f"{s} slots per layer, below top_k={shape.top_k}"
+            )
         for pol in policies:
             r = simulate(test, pol, s, layers=layers, tokens=tokens, pins=pins)
             # misses per token per sampled layer, extrapolated to every layer's bytes
             miss_rate = np.mean([r.misses[li] / max(1, r.tokens) for li in layers])
             miss_bytes = float(miss_rate * sum(shape.slot_bytes[:L]))
-            gb = g if g is not None else round(
-                shape.pool_bytes({li: s for li in shape.layers}, zero) / 1e9, 4)
+            gb = (
+                g
+                if g is not None
+                else round(shape.pool_bytes({li: s for li in shape.layers}, zero) / 1e9, 4)
+            )
             row = PlanRow(pol, s, gb, r.hit_rate, miss_bytes, pinned=pin_hot, layers=layers)
             if t_compute_s and read_gbps:
                 io = miss_bytes / (read_gbps * 1e9)

@@ -39,21 +39,32 @@ def read_pool_profile(path: str | Path) -> dict[int, int]:
         raise ValueError(f"pool profile {path} is not valid JSON ({e})") from e
     layers = d.get("layers") if isinstance(d, dict) else None
     if not isinstance(layers, dict) or not layers:
-        raise ValueError(f"pool profile {path} has no 'layers' object of {{layer: slots}}; "
-                         "write one with `python -m mlx_streaming profile`")
+        raise ValueError(
+            f"pool profile {path} has no 'layers' object of {{layer: slots}}; "
+            "write one with `python -m mlx_streaming profile`"
+        )
     out = {}
     for k, v in layers.items():
         if not str(k).isdigit() or isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"pool profile {path}: entry {k!r}: {v!r} must map a layer "
-                             "index to a positive slot count")
+            raise ValueError(
+                f"pool profile {path}: entry {k!r}: {v!r} must map a layer "
+                "index to a positive slot count"
+            )
         out[int(k)] = v
     return out
 
 
 def write_pool_profile(path: str | Path, caps: dict[int, int], **info) -> None:
     """Write ``{layer: slots}`` (plus descriptive ``info``) as a pool profile."""
-    write_json_atomic(Path(path), {"format": PROFILE_FORMAT, "version": 1, **info,
-                                   "layers": {str(k): int(v) for k, v in sorted(caps.items())}})
+    write_json_atomic(
+        Path(path),
+        {
+            "format": PROFILE_FORMAT,
+            "version": 1,
+            **info,
+            "layers": {str(k): int(v) for k, v in sorted(caps.items())},
+        },
+    )
 
 
 def hit_curves(trace: RoutingTrace, layers, grid, policy: str, tokens: int) -> np.ndarray:
@@ -84,10 +95,18 @@ class Profile:
         return d
 
 
-def build_profile(trace: RoutingTrace, meta, *, budget_gb: float | None = None,
-                  slots: int | None = None, mode: str = "budget", policy: str = "predictive",
-                  tokens: int = 10000, step: int | None = None,
-                  zero_slot: bool | None = None) -> Profile:
+def build_profile(
+    trace: RoutingTrace,
+    meta,
+    *,
+    budget_gb: float | None = None,
+    slots: int | None = None,
+    mode: str = "budget",
+    policy: str = "predictive",
+    tokens: int = 10000,
+    step: int | None = None,
+    zero_slot: bool | None = None,
+) -> Profile:
     """Per-layer slots for ``meta``'s MoE layers from the first half of ``trace``, judged
     on its second half against uniform slots at equal bytes.
 
@@ -104,8 +123,7 @@ def build_profile(trace: RoutingTrace, meta, *, budget_gb: float | None = None,
     calib, held = trace.split(0.5)
     k, ne = shape.top_k, shape.num_experts
     if mode == "lossless":
-        caps = [int(max(k, min(ne[i], len(np.unique(calib.experts[:tokens, i])))))
-                for i in layers]
+        caps = [int(max(k, min(ne[i], len(np.unique(calib.experts[:tokens, i]))))) for i in layers]
         mean = sum(c * b for c, b in zip(caps, shape.slot_bytes)) / sum(shape.slot_bytes)
         uniform = max(k, round(mean))
     elif mode == "budget":
@@ -120,15 +138,26 @@ def build_profile(trace: RoutingTrace, meta, *, budget_gb: float | None = None,
         grid = sorted(set(range(k, top + 1, step)) | {uniform, top})
         curves = hit_curves(calib, layers, grid, policy, tokens)
         budget = shape.pool_bytes({li: uniform for li in shape.layers}, zero)
-        at = climb([len(grid)] * L,
-                   lambda i, a: shape.pool_bytes({shape.layers[i]: grid[a]}, zero),
-                   lambda i, a: curves[i, a], budget)
+        at = climb(
+            [len(grid)] * L,
+            lambda i, a: shape.pool_bytes({shape.layers[i]: grid[a]}, zero),
+            lambda i, a: curves[i, a],
+            budget,
+        )
         caps = [int(grid[a]) for a in at]
     else:
         raise ValueError(f"profile mode must be 'budget' or 'lossless', got {mode!r}")
     prof = simulate(held, policy, dict(zip(layers, caps)), layers=layers, tokens=tokens)
     uni = simulate(held, policy, uniform, layers=layers, tokens=tokens)
     uniform_bytes = shape.pool_bytes({li: uniform for li in shape.layers}, zero)
-    return Profile(mode, dict(zip(shape.layers, caps)), policy, uniform_bytes, prof.hit_rate,
-                   uniform, uni.hit_rate, uniform_bytes=uniform_bytes,
-                   profile_bytes=shape.pool_bytes(dict(zip(shape.layers, caps)), zero))
+    return Profile(
+        mode,
+        dict(zip(shape.layers, caps)),
+        policy,
+        uniform_bytes,
+        prof.hit_rate,
+        uniform,
+        uni.hit_rate,
+        uniform_bytes=uniform_bytes,
+        profile_bytes=shape.pool_bytes(dict(zip(shape.layers, caps)), zero),
+    )

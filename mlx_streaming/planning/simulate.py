@@ -40,15 +40,24 @@ class SimResult:
         return sum(self.misses.values()) / max(1, self.tokens)
 
 
-def layer_lookups(trace: RoutingTrace, layer: int, start: int = 0, tokens: int | None = None
-                  ) -> list[np.ndarray]:
+def layer_lookups(
+    trace: RoutingTrace, layer: int, start: int = 0, tokens: int | None = None
+) -> list[np.ndarray]:
     """Distinct experts of each token at one trace layer."""
     end = trace.tokens if tokens is None else min(trace.tokens, start + tokens)
     return [np.unique(r) for r in trace.experts[start:end, layer].astype(np.int64)]
 
 
-def simulate(trace: RoutingTrace, policy: str, slots, layers=None, start: int = 0,
-             tokens: int | None = None, pins: dict | None = None, **policy_kw) -> SimResult:
+def simulate(
+    trace: RoutingTrace,
+    policy: str,
+    slots,
+    layers=None,
+    start: int = 0,
+    tokens: int | None = None,
+    pins: dict | None = None,
+    **policy_kw,
+) -> SimResult:
     """Hit/miss counts of ``policy`` with ``slots`` per layer (an int or {layer: slots}).
 
     Args:
@@ -80,23 +89,28 @@ def simulate(trace: RoutingTrace, policy: str, slots, layers=None, start: int = 
     return res
 
 
-def routing_counts(trace: RoutingTrace, start: int = 0, tokens: int | None = None
-                   ) -> np.ndarray:
+def routing_counts(trace: RoutingTrace, start: int = 0, tokens: int | None = None) -> np.ndarray:
     """How often each expert of each trace layer was routed to over a span: [L, E]."""
     end = trace.tokens if tokens is None else min(trace.tokens, start + tokens)
-    return np.stack([np.bincount(trace.experts[start:end, li].reshape(-1),
-                                 minlength=trace.num_experts) for li in range(trace.layers)])
+    return np.stack(
+        [
+            np.bincount(trace.experts[start:end, li].reshape(-1), minlength=trace.num_experts)
+            for li in range(trace.layers)
+        ]
+    )
 
 
-def static_hot(trace: RoutingTrace, n: int, start: int = 0, tokens: int | None = None
-               ) -> dict[int, list[int]]:
+def static_hot(
+    trace: RoutingTrace, n: int, start: int = 0, tokens: int | None = None
+) -> dict[int, list[int]]:
     """Each layer's ``n`` most used experts over a span (for pinning)."""
     hot = hottest(routing_counts(trace, start, tokens), n)
     return {li: hot[li].tolist() for li in range(trace.layers)}
 
 
-def fit_predictive(trace: RoutingTrace, layers=None, tokens: int = 20000, horizon: int = 8,
-                   discount: float = 0.8) -> tuple[float, ...]:
+def fit_predictive(
+    trace: RoutingTrace, layers=None, tokens: int = 20000, horizon: int = 8, discount: float = 0.8
+) -> tuple[float, ...]:
     """Least-squares weights for the ``predictive`` policy's score, from a trace.
 
     The target for each expert at each lookup is its discounted use over the next

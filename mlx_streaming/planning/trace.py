@@ -52,8 +52,10 @@ class RoutingTrace:
             with np.load(path, allow_pickle=False) as d:
                 missing = {"experts", "offsets", "num_experts"} - set(d.files)
                 if missing:
-                    raise TraceError(f"trace {path} lacks {sorted(missing)}; see the format "
-                                     "in mlx_streaming/trace.py")
+                    raise TraceError(
+                        f"trace {path} lacks {sorted(missing)}; see the format "
+                        "in mlx_streaming/trace.py"
+                    )
                 experts, offsets = d["experts"], d["offsets"]
                 ne = int(d["num_experts"])
                 model = str(d["model"]) if "model" in d.files else ""
@@ -68,8 +70,9 @@ class RoutingTrace:
     def validate(self, where: str = "trace") -> None:
         e, o = self.experts, self.offsets
         if e.ndim != 3 or e.dtype.kind not in "ui":
-            raise TraceError(f"{where}: experts must be an integer array [T, L, k], got "
-                             f"{e.dtype} {e.shape}")
+            raise TraceError(
+                f"{where}: experts must be an integer array [T, L, k], got {e.dtype} {e.shape}"
+            )
         if o.ndim != 1 or len(o) < 2 or o[0] != 0 or o[-1] != e.shape[0] or (np.diff(o) < 0).any():
             raise TraceError(f"{where}: offsets must rise from 0 to T={e.shape[0]}")
         if self.num_experts <= 0 or (e.size and int(e.max()) >= self.num_experts):
@@ -80,8 +83,13 @@ class RoutingTrace:
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp.npz")
         dtype = np.uint8 if self.num_experts <= 256 else np.uint16
-        np.savez(tmp, experts=self.experts.astype(dtype), offsets=self.offsets.astype(np.int64),
-                 num_experts=np.int64(self.num_experts), model=np.str_(self.model))
+        np.savez(
+            tmp,
+            experts=self.experts.astype(dtype),
+            offsets=self.offsets.astype(np.int64),
+            num_experts=np.int64(self.num_experts),
+            model=np.str_(self.model),
+        )
         tmp.replace(path)
 
     def split(self, fraction: float) -> tuple[RoutingTrace, RoutingTrace]:
@@ -89,7 +97,7 @@ class RoutingTrace:
         cut = int(np.searchsorted(self.offsets, fraction * self.tokens))
         cut = min(max(cut, 1), len(self.offsets) - 2)
         at = int(self.offsets[cut])
-        a = RoutingTrace(self.experts[:at], self.offsets[:cut + 1], self.num_experts, self.model)
+        a = RoutingTrace(self.experts[:at], self.offsets[: cut + 1], self.num_experts, self.model)
         b = RoutingTrace(self.experts[at:], self.offsets[cut:] - at, self.num_experts, self.model)
         return a, b
 
@@ -121,8 +129,13 @@ class TraceRecorder:
         if len(set(counts.values())) != 1:
             raise TraceError(f"recorded layers saw different token counts: {counts}")
         t = next(iter(counts.values()))
-        experts = np.stack([np.concatenate(self._rows[li]) if t else
-                            np.zeros((0, 1), np.int64) for li in self.moe_layers], axis=1)
+        experts = np.stack(
+            [
+                np.concatenate(self._rows[li]) if t else np.zeros((0, 1), np.int64)
+                for li in self.moe_layers
+            ],
+            axis=1,
+        )
         offsets = np.array(sorted(set(self._seq_starts + [t])), dtype=np.int64)
         return RoutingTrace(experts, offsets, self.num_experts, self.model)
 
@@ -180,7 +193,8 @@ def apply_trace_routing(model: nn.Module, trace: RoutingTrace, start: int = 0) -
             raise TraceError(
                 f"trace routes {trace.top_k} of {trace.num_experts} experts; layer {s.layer} "
                 f"has top-{s.top_k} of {s.num_experts}: use a model of the trace's shape "
-                "(e.g. the dsv2-lite presets for the DeepSeek-V2-Lite trace)")
+                "(e.g. the dsv2-lite presets for the DeepSeek-V2-Lite trace)"
+            )
     routing = TraceRouting(trace, start)
     for i, s in enumerate(sites):
         current = s.streamed if s.streamed is not None else s.module

@@ -13,15 +13,26 @@ def resolve_model_path(path_or_repo: str | Path) -> Path:
             raise FileNotFoundError(f"{p} has no config.json; is it an MLX model directory?")
         return p
     if str(path_or_repo).count("/") != 1 or str(path_or_repo).startswith((".", "/", "~")):
-        raise FileNotFoundError(f"model {path_or_repo} not found: give a local MLX model "
-                                "directory or a Hugging Face repo id (org/name)")
+        raise FileNotFoundError(
+            f"model {path_or_repo} not found: give a local MLX model "
+            "directory or a Hugging Face repo id (org/name)"
+        )
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(
-        str(path_or_repo),
-        allow_patterns=["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken",
-                        "*.txt", "*.jinja"],
-    ))
+    return Path(
+        snapshot_download(
+            str(path_or_repo),
+            allow_patterns=[
+                "*.json",
+                "*.safetensors",
+                "*.py",
+                "tokenizer.model",
+                "*.tiktoken",
+                "*.txt",
+                "*.jinja",
+            ],
+        )
+    )
 
 
 def load_lazy(model_dir: Path):

@@ -67,8 +67,10 @@ def _targets(layout: LayerLayout, bits, group_size, proj_bits, layer_bits, mode)
         src = layout.quant[proj]
         gs = group_size or (src.group_size if src else 64)
         if b not in (2, 3, 4, 5, 6, 8):
-            raise ValueError(f"bits {b} for layer {layout.layer} {proj} is not supported "
-                             "(use 2, 3, 4, 5, 6 or 8)")
+            raise ValueError(
+                f"bits {b} for layer {layout.layer} {proj} is not supported "
+                "(use 2, 3, 4, 5, 6 or 8)"
+            )
         want[proj] = Quant(int(b), int(gs), mode)
     return want
 
@@ -87,12 +89,19 @@ def requantize_expert(layout: LayerLayout, parts: dict, target: dict) -> dict[st
                     new[f"{proj}.{n}"] = parts[f"{proj}.{n}"]
             continue
         if q_src is not None:
-            w = mx.dequantize(w, parts[f"{proj}.scales"], parts.get(f"{proj}.biases"),
-                              q_src.group_size, q_src.bits, mode=q_src.mode)
+            w = mx.dequantize(
+                w,
+                parts[f"{proj}.scales"],
+                parts.get(f"{proj}.biases"),
+                q_src.group_size,
+                q_src.bits,
+                mode=q_src.mode,
+            )
         dtype = parts[f"{proj}.scales"].dtype if q_src is not None else w.dtype
         if w.shape[-1] % q.group_size:
-            raise ValueError(f"{proj} input width {w.shape[-1]} is not a multiple of "
-                             f"group size {q.group_size}")
+            raise ValueError(
+                f"{proj} input width {w.shape[-1]} is not a multiple of group size {q.group_size}"
+            )
         qw, scales, *biases = mx.quantize(w.astype(dtype), q.group_size, q.bits, mode=q.mode)
         new[f"{proj}.weight"], new[f"{proj}.scales"] = qw, scales.astype(dtype)
         if biases:
@@ -137,11 +146,20 @@ def _dst_layout(src: LayerLayout, target: dict) -> LayerLayout:
     return plan_layout(src.layer, src.module, src.file, src.num_experts, tensors, target)
 
 
-def requantize(src: str | Path, out: str | Path, bits: int = 4, *, group_size: int | None = None,
-               proj_bits: dict | str | None = None, layer_bits: dict | str | Path | None = None,
-               mode: str = "affine", model_out: str | Path | None = None,
-               model: str | Path | None = None, split_dir: str | Path | None = None,
-               progress: bool | None = None) -> dict:
+def requantize(
+    src: str | Path,
+    out: str | Path,
+    bits: int = 4,
+    *,
+    group_size: int | None = None,
+    proj_bits: dict | str | None = None,
+    layer_bits: dict | str | Path | None = None,
+    mode: str = "affine",
+    model_out: str | Path | None = None,
+    model: str | Path | None = None,
+    split_dir: str | Path | None = None,
+    progress: bool | None = None,
+) -> dict:
     """Requantize the experts of ``src`` (an expert directory, or a model to split first).
 
     Args:
@@ -163,8 +181,10 @@ def requantize(src: str | Path, out: str | Path, bits: int = 4, *, group_size: i
     src = Path(src)
     if not (src / META_NAME).exists():
         if split_dir is None:
-            raise ValueError(f"{src} is not an expert directory: give one, or pass split_dir "
-                             "to split the model there first")
+            raise ValueError(
+                f"{src} is not an expert directory: give one, or pass split_dir "
+                "to split the model there first"
+            )
         model = model or src
         src = Path(split_dir)
         split_model(resolve_model_path(model), src, progress=progress)
@@ -174,13 +194,18 @@ def requantize(src: str | Path, out: str | Path, bits: int = 4, *, group_size: i
     proj_bits = parse_proj_bits(proj_bits)
     out = Path(out)
     if out.resolve() == Path(src).resolve():
-        raise ValueError("requantize writes a new expert directory: choose --out apart from "
-                         "the source")
+        raise ValueError(
+            "requantize writes a new expert directory: choose --out apart from the source"
+        )
     prepare_out_dir(out)
     reader = RecordReader(threads=1)
     layouts = {}
-    for li in tqdm(sorted(meta.layers), desc="requantize", unit="layer",
-                   disable=None if progress is None else not progress):
+    for li in tqdm(
+        sorted(meta.layers),
+        desc="requantize",
+        unit="layer",
+        disable=None if progress is None else not progress,
+    ):
         lay = meta.layers[li]
         reader.open(li, meta.file(li), lay.stride)
         target = _targets(lay, bits, group_size, proj_bits, layer_bits, mode)
@@ -190,9 +215,18 @@ def requantize(src: str | Path, out: str | Path, bits: int = 4, *, group_size: i
     reader.close()
     dims = summarize_dims(layouts, meta.dims["hidden"], meta.dims["moe_inter"])
     dims["dtype"] = meta.dims.get("dtype")
-    new = ExpertMeta(out, meta.fingerprint, meta.model_type, meta.moe_layers, meta.num_experts,
-                     meta.top_k, dims, layouts, meta.source,
-                     {"requantized_from": str(src)})
+    new = ExpertMeta(
+        out,
+        meta.fingerprint,
+        meta.model_type,
+        meta.moe_layers,
+        meta.num_experts,
+        meta.top_k,
+        dims,
+        layouts,
+        meta.source,
+        {"requantized_from": str(src)},
+    )
     d = new.to_json()
     if model_out:
         write_model(model or meta.source, new, model_out)
@@ -217,13 +251,19 @@ def write_model(model: str | Path, meta: ExpertMeta, out: str | Path) -> Path:
         data = np.fromfile(meta.file(li), dtype=np.uint8).reshape(lay.num_experts, lay.stride)
         for p in lay.parts:
             np_dt, mx_dt = DTYPES[p.dtype]
-            a = mx.array(np.ascontiguousarray(data[:, p.offset:p.offset + p.nbytes])
-                         .view(np_dt).reshape(lay.num_experts, *p.shape))
+            a = mx.array(
+                np.ascontiguousarray(data[:, p.offset : p.offset + p.nbytes])
+                .view(np_dt)
+                .reshape(lay.num_experts, *p.shape)
+            )
             weights[f"{lay.module}.{p.name}"] = a.view(mx_dt) if a.dtype != mx_dt else a
         for proj, q in lay.quant.items():
             if q is not None:
-                quant[f"{lay.module}.{proj}"] = {"group_size": q.group_size, "bits": q.bits,
-                                                 "mode": q.mode}
+                quant[f"{lay.module}.{proj}"] = {
+                    "group_size": q.group_size,
+                    "bits": q.bits,
+                    "mode": q.mode,
+                }
     if quant:
         first = next(q for lay in meta.layers.values() for q in lay.quant.values() if q)
         quant.setdefault("group_size", first.group_size)  # mlx-lm reads the defaults
@@ -234,13 +274,19 @@ def write_model(model: str | Path, meta: ExpertMeta, out: str | Path) -> Path:
     tmp.mkdir(parents=True)
     shards = make_shards(weights)
     for i, shard in enumerate(shards):
-        name = "model.safetensors" if len(shards) == 1 else \
-            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        name = (
+            "model.safetensors"
+            if len(shards) == 1
+            else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
         mx.save_safetensors(str(tmp / name), shard, metadata={"format": "mlx"})
     save_config(config, tmp / "config.json")
     for f in model_dir.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (
-                "config.json", "model.safetensors.index.json"):
+        if (
+            f.is_file()
+            and not f.name.endswith(".safetensors")
+            and f.name not in ("config.json", "model.safetensors.index.json")
+        ):
             shutil.copy(f, tmp / f.name)
     if out.exists():
         shutil.rmtree(out)

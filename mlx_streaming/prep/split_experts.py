@@ -55,8 +55,9 @@ def layer_layout(site, file: str) -> LayerLayout:
     for name in sorted(params):
         arr = params[name]
         if arr.ndim == 0 or arr.shape[0] != e:
-            raise ExpertDirError(f"{site.path}.{name} has shape {arr.shape}; expected a "
-                                 f"leading expert axis of {e}")
+            raise ExpertDirError(
+                f"{site.path}.{name} has shape {arr.shape}; expected a leading expert axis of {e}"
+            )
         tensors.append((name, arr.shape[1:], mx_dtype_name(arr.dtype)))
     quant = {n: _quant_of(p) for n, p in projections(site.module)}
     return plan_layout(site.layer, site.path, file, e, tensors, quant)
@@ -105,16 +106,21 @@ def _done_layer(path: Path, layout: LayerLayout, fp: dict) -> tuple[str, ...] | 
     want = layout.to_json()
     got = d.get("layout", {})
     same = d.get("fingerprint") == fp and all(
-        got.get(k) == want[k] for k in want if k != "checksums")
+        got.get(k) == want[k] for k in want if k != "checksums"
+    )
     sums = got.get("checksums", [])
-    if same and len(sums) == layout.num_experts and \
-            path.stat().st_size == layout.num_experts * layout.stride:
+    if (
+        same
+        and len(sums) == layout.num_experts
+        and path.stat().st_size == layout.num_experts * layout.stride
+    ):
         return tuple(sums)
     return None
 
 
-def split_model(model_path: str | Path, out_dir: str | Path, *, progress: bool | None = None
-                ) -> dict:
+def split_model(
+    model_path: str | Path, out_dir: str | Path, *, progress: bool | None = None
+) -> dict:
     """Split every MoE layer's experts of a checkpoint into ``out_dir``.
 
     A complete directory returns at once (its meta, read without loading the model); an
@@ -136,8 +142,9 @@ def split_model(model_path: str | Path, out_dir: str | Path, *, progress: bool |
     return ensure_split(model_path, out_dir, progress=progress).to_json()
 
 
-def ensure_split(model_path: str | Path, out_dir: str | Path, *,
-                 progress: bool | None = None) -> ExpertMeta:
+def ensure_split(
+    model_path: str | Path, out_dir: str | Path, *, progress: bool | None = None
+) -> ExpertMeta:
     """``split_model``, returning the parsed meta (``load`` parses it once this way)."""
     out = Path(out_dir)
     if (out / META_NAME).exists():
@@ -150,8 +157,12 @@ def ensure_split(model_path: str | Path, out_dir: str | Path, *,
 
     index = SafetensorsIndex(model_dir)
     layouts = {}
-    bar = tqdm(sites, desc="split experts", unit="layer",
-               disable=(None if progress is None else not progress))
+    bar = tqdm(
+        sites,
+        desc="split experts",
+        unit="layer",
+        disable=(None if progress is None else not progress),
+    )
     for site in bar:
         name = f"layer_{site.layer:03d}.bin"
         layout = layer_layout(site, name)
@@ -166,17 +177,25 @@ def ensure_split(model_path: str | Path, out_dir: str | Path, *,
 
     top_k = next((s.top_k for s in sites if s.top_k), None)
     if top_k is None:
-        raise ExpertDirError(f"cannot tell how many experts each token uses in {model_dir}: "
-                             "set num_experts_per_tok in its config.json")
+        raise ExpertDirError(
+            f"cannot tell how many experts each token uses in {model_dir}: "
+            "set num_experts_per_tok in its config.json"
+        )
     hidden, moe_inter = expert_dims(sites[0])
     dims = summarize_dims(layouts, hidden, moe_inter)
     scales = [p for lay in layouts.values() for p in lay.parts if p.param == "scales"]
     weights = [p for lay in layouts.values() for p in lay.parts if p.param == "weight"]
     dims["dtype"] = (scales or weights)[0].dtype
     meta = ExpertMeta(
-        root=out, fingerprint=fp, model_type=str(config.get("model_type", "")),
-        moe_layers=tuple(sorted(layouts)), num_experts=max(s.num_experts for s in sites),
-        top_k=top_k, dims=dims, layers=layouts, source=str(model_path),
+        root=out,
+        fingerprint=fp,
+        model_type=str(config.get("model_type", "")),
+        moe_layers=tuple(sorted(layouts)),
+        num_experts=max(s.num_experts for s in sites),
+        top_k=top_k,
+        dims=dims,
+        layers=layouts,
+        source=str(model_path),
     )
     write_json_atomic(out / META_NAME, meta.to_json())
     for layout in layouts.values():

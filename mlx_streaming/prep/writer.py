@@ -28,9 +28,9 @@ def write_layer_file(path: Path, source, layout: LayerLayout) -> list[str]:
                 block = np.zeros((e1 - e0, layout.stride), dtype=np.uint8)
                 for part in layout.parts:
                     rows = source.rows(part, e0, e1).view(np.uint8)
-                    block[:, part.offset:part.offset + part.nbytes] = rows
+                    block[:, part.offset : part.offset + part.nbytes] = rows
                 for r in block:
-                    sums.append(record_checksum(memoryview(r)[:layout.record_bytes]))
+                    sums.append(record_checksum(memoryview(r)[: layout.record_bytes]))
                 f.write(block.data)
             f.flush()
             os.fsync(f.fileno())
@@ -57,5 +57,7 @@ def prepare_out_dir(out: Path) -> None:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise ExpertDirError(f"cannot write the expert directory {out} ({e.strerror}); choose a "
-                             "writable location with enough space for the experts") from e
+        raise ExpertDirError(
+            f"cannot write the expert directory {out} ({e.strerror}); choose a "
+            "writable location with enough space for the experts"
+        ) from e

@@ -30,8 +30,9 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         if model_path in ("default_model", None):
             model_path = self.cli_args.model
         if model_path != self.cli_args.model:
-            raise ValueError(f"this server streams {self.cli_args.model}; it cannot load "
-                             f"{model_path}")
+            raise ValueError(
+                f"this server streams {self.cli_args.model}; it cannot load {model_path}"
+            )
         if adapter_path is not None or draft_model_path not in (None, "default_model"):
             raise ValueError("adapters and draft models are not supported with streamed experts")
         if self.model is None:
@@ -76,21 +77,28 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         model = self.response_generator.cli_args.model
         p = Path(model)
         ids = [str(p.resolve()) if p.exists() else model, "default_model"]
-        body = {"object": "list", "data": [{"id": i, "object": "model",
-                                            "created": self.created} for i in ids]}
+        body = {
+            "object": "list",
+            "data": [{"id": i, "object": "model", "created": self.created} for i in ids],
+        }
         self._reply(200, body)
 
     def handle_health_check(self):
         healthy = self.response_generator.is_healthy
         provider = self.response_generator.model_provider
-        body = {"status": "ok" if healthy else "unavailable",
-                "queue_depth": self._queue_depth(), "concurrency": 1}
+        body = {
+            "status": "ok" if healthy else "unavailable",
+            "queue_depth": self._queue_depth(),
+            "concurrency": 1,
+        }
         store = getattr(provider, "store", None)
         if store is not None:
             t = store.totals()
-            body["experts"] = {"hit_rate": round(store.hit_rate(), 4),
-                               "bytes_read": t["bytes_read"], "pool_gb":
-                               round(store.pool_bytes() / 1e9, 3)}
+            body["experts"] = {
+                "hit_rate": round(store.hit_rate(), 4),
+                "bytes_read": t["bytes_read"],
+                "pool_gb": round(store.pool_bytes() / 1e9, 3),
+            }
         self._reply(200 if healthy else 503, body)
 
     def _reply(self, status: int, body: dict) -> None:
@@ -115,12 +123,13 @@ def serve(host: str, port: int, cli_args, load_kwargs: dict) -> None:
 
     provider = StreamingModelProvider(cli_args, load_kwargs)
     generator = mlx_server.ResponseGenerator(
-        provider, mlx_server.LRUPromptCache(cli_args.prompt_cache_size))
+        provider, mlx_server.LRUPromptCache(cli_args.prompt_cache_size)
+    )
     fingerprint = mlx_server.get_system_fingerprint()
     httpd = ThreadingHTTPServer(
         (host, port),
-        lambda *a, **kw: StreamingAPIHandler(generator, *a, system_fingerprint=fingerprint,
-                                             **kw))
+        lambda *a, **kw: StreamingAPIHandler(generator, *a, system_fingerprint=fingerprint, **kw),
+    )
     try:
         httpd.serve_forever()
     except KeyboardInterrupt:

@@ -4,5 +4,11 @@ benchmarks: no download needed."""
 from .build import build_tokenizer, checkpoint_bytes, make_checkpoint
 from .presets import PRESETS, TINY_ARCHS, Preset
 
-__all__ = ["PRESETS", "TINY_ARCHS", "Preset", "build_tokenizer", "checkpoint_bytes",
-           "make_checkpoint"]
+__all__ = [
+    "PRESETS",
+    "TINY_ARCHS",
+    "Preset",
+    "build_tokenizer",
+    "checkpoint_bytes",
+    "make_checkpoint",
+]

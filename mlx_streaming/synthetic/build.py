@@ -90,8 +90,11 @@ def _popularity(model: nn.Module, sites, tokenizer, seed: int, spread: float = 1
         x = inputs[s.layer][0].astype(mx.float32)
         m = x.sum(axis=0) / x.shape[0]
         norm2 = (m * m).sum()
-        if s.router is None or norm2.item() == 0 or any(
-                n in s.router for n in ("bias", "e_score_correction_bias")):
+        if (
+            s.router is None
+            or norm2.item() == 0
+            or any(n in s.router for n in ("bias", "e_score_correction_bias"))
+        ):
             continue
         k1, key = mx.random.split(key)
         b = mx.random.normal((s.num_experts, 1), key=k1) * spread
@@ -223,8 +226,18 @@ def make_checkpoint(
     save_config(config, tmp / "config.json")
     tokenizer.save_pretrained(str(tmp))
     with open(tmp / "synthetic.json", "w") as f:
-        json.dump({"preset": p.name, "bits": bits, "group_size": group_size,
-                   "dtype": dtype, "seed": seed, "description": p.description}, f, indent=2)
+        json.dump(
+            {
+                "preset": p.name,
+                "bits": bits,
+                "group_size": group_size,
+                "dtype": dtype,
+                "seed": seed,
+                "description": p.description,
+            },
+            f,
+            indent=2,
+        )
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

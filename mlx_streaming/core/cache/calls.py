@@ -19,8 +19,14 @@ class LayerCall:
     slots).
     """
 
-    def __init__(self, layer: int, complete: Callable, slots: mx.array | None = None,
-                 host_ids: np.ndarray | None = None, settle: bool = False):
+    def __init__(
+        self,
+        layer: int,
+        complete: Callable,
+        slots: mx.array | None = None,
+        host_ids: np.ndarray | None = None,
+        settle: bool = False,
+    ):
         self.layer, self.slots, self.host_ids = layer, slots, host_ids
         self.settle = settle
         self.misses = 0  # experts this call loaded

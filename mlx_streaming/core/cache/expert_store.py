@@ -59,11 +59,21 @@ class FileExpertStore:
         ExpertDirError: missing or invalid directory, or a capacity below top-k.
     """
 
-    def __init__(self, expert_dir: str | ExpertMeta, capacity: int = 8,
-                 layer_caps: dict | None = None, clear_on_evict: bool = False,
-                 record: bool = False, *, policy: str = DEFAULT_POLICY, threads: int = 4,
-                 direct_io: bool = False, verify: bool = True, pool_mode: str | None = None,
-                 zero_slot: bool | None = None):
+    def __init__(
+        self,
+        expert_dir: str | ExpertMeta,
+        capacity: int = 8,
+        layer_caps: dict | None = None,
+        clear_on_evict: bool = False,
+        record: bool = False,
+        *,
+        policy: str = DEFAULT_POLICY,
+        threads: int = 4,
+        direct_io: bool = False,
+        verify: bool = True,
+        pool_mode: str | None = None,
+        zero_slot: bool | None = None,
+    ):
         meta = expert_dir if isinstance(expert_dir, ExpertMeta) else load_meta(expert_dir)
         self.meta: ExpertMeta = meta
         self.expert_dir = meta.root
@@ -72,9 +82,12 @@ class FileExpertStore:
         self.verify = verify
         self.policy_name = policy
         caps = self._capacities(capacity, layer_caps)
-        self.caches = {li: SlotCache(meta.layers[li].num_experts, c,
-                                     make_policy(policy, meta.layers[li].num_experts, c))
-                       for li, c in caps.items()}
+        self.caches = {
+            li: SlotCache(
+                meta.layers[li].num_experts, c, make_policy(policy, meta.layers[li].num_experts, c)
+            )
+            for li, c in caps.items()
+        }
         self.stats = {li: LayerStats() for li in caps}
         self.zero_slot = default_zero_slot() if zero_slot is None else bool(zero_slot)
         self._resident = ResidentSet(self._make_pools(caps, pool_mode), self.stats)
@@ -87,8 +100,16 @@ class FileExpertStore:
         self.observers: list[Callable] = []  # callables(layer, host_ids) seeing the routing
         self._pending_hits: list = []  # lazy device counts of device-path lookups
         self._readers: dict[int, list] = {li: [] for li in caps}  # lazy outputs per layer
-        self.loads = Loader(meta, self.caches, self._resident.pools, self.reader, self.stats,
-                            verify, clear_on_evict, self._guard)
+        self.loads = Loader(
+            meta,
+            self.caches,
+            self._resident.pools,
+            self.reader,
+            self.stats,
+            verify,
+            clear_on_evict,
+            self._guard,
+        )
 
     # ------------------------------------------------------------ set-up
     def _capacities(self, capacity, layer_caps) -> dict[int, int]:
@@ -97,8 +118,10 @@ class FileExpertStore:
         layer_caps = {int(k): v for k, v in (layer_caps or {}).items()}
         unknown = sorted(set(layer_caps) - set(self.meta.layers))
         if unknown:
-            raise ExpertDirError(f"layer_caps names layers {unknown} that are not MoE layers of "
-                                 f"{self.expert_dir} (MoE layers: {list(self.meta.moe_layers)})")
+            raise ExpertDirError(
+                f"layer_caps names layers {unknown} that are not MoE layers of "
+                f"{self.expert_dir} (MoE layers: {list(self.meta.moe_layers)})"
+            )
         for li, lay in self.meta.layers.items():
             c = layer_caps.get(li, capacity)
             _check_count(f"slots for layer {li}", c)
@@ -118,9 +141,16 @@ class FileExpertStore:
         mode = mode or default_mode()
 
         def make(m):  # a layer with every expert's slot never masks rows
-            return {li: LayerPool(self.meta.layers[li], c, m,
-                                  self.zero_slot and c < self.meta.layers[li].num_experts)
-                    for li, c in caps.items()}
+            return {
+                li: LayerPool(
+                    self.meta.layers[li],
+                    c,
+                    m,
+                    self.zero_slot and c < self.meta.layers[li].num_experts,
+                )
+                for li, c in caps.items()
+            }
+
         try:
             pools = make(mode)
             if mode == "cuda":
@@ -129,8 +159,7 @@ class FileExpertStore:
         except Exception as e:  # noqa: BLE001
             if not (auto and mode == "cuda"):
                 raise
-            warnings.warn(f"CUDA slot copies unavailable ({e}); using MLX updates",
-                          stacklevel=3)
+            warnings.warn(f"CUDA slot copies unavailable ({e}); using MLX updates", stacklevel=3)
             return make("mlx")
 
     @property
@@ -153,8 +182,9 @@ class FileExpertStore:
         self.routing.on = bool(on)
 
     # ------------------------------------------------------------ the layer call
-    def request(self, layer: int, indices: mx.array, overlap: bool = True,
-                also: mx.array | None = None) -> LayerCall:
+    def request(
+        self, layer: int, indices: mx.array, overlap: bool = True, also: mx.array | None = None
+    ) -> LayerCall:
         """Plan one call of ``layer`` with routing ``indices`` (expert ids).
 
         Where every expert of the layer is resident (and nothing records the routing),
@@ -210,6 +240,7 @@ class FileExpertStore:
             else:
                 ticket.wait()
                 yield None, pool.slots_of(host)
+
         return steps()
 
     def _expert_major(self, call: LayerCall, groups: list[np.ndarray]):
@@ -295,8 +326,10 @@ class FileExpertStore:
         cache = self.caches[layer]
         ids = np.unique(np.asarray(list(ids), dtype=np.int64))
         if len(ids) and (ids.min() < 0 or ids.max() >= cache.num_experts):
-            raise ValueError(f"expert ids {ids.tolist()} out of range for layer {layer} "
-                             f"(0..{cache.num_experts - 1})")
+            raise ValueError(
+                f"expert ids {ids.tolist()} out of range for layer {layer} "
+                f"(0..{cache.num_experts - 1})"
+            )
         total = cache.pinned.union(ids.tolist())
         if len(total) != cache.num_experts and len(total) > cache.capacity - self.top_k:
             raise ValueError(
@@ -363,8 +396,14 @@ class FileExpertStore:
         for li in self.layers:
             c = self.caches[li]
             d = {k: getattr(self.stats[li], k) for k in stat_names()}
-            d.update(hits=c.stats.hits, misses=c.stats.misses, evictions=c.stats.evictions,
-                     slots=c.capacity, resident=c.resident, pinned=len(c.pinned))
+            d.update(
+                hits=c.stats.hits,
+                misses=c.stats.misses,
+                evictions=c.stats.evictions,
+                slots=c.capacity,
+                resident=c.resident,
+                pinned=len(c.pinned),
+            )
             out[li] = d
         return out
 

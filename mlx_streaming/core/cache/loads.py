@@ -32,8 +32,17 @@ class ExpertChecksumError(ExpertDirError):
 class Ticket:
     """A load in flight: slots reserved, reads issued. ``wait`` finishes it."""
 
-    def __init__(self, layer, experts, misses, placed, future, rows, prefetch,
-                 finish: Callable[[Ticket], None]):
+    def __init__(
+        self,
+        layer,
+        experts,
+        misses,
+        placed,
+        future,
+        rows,
+        prefetch,
+        finish: Callable[[Ticket], None],
+    ):
         self.layer, self.experts, self.misses, self.placed = layer, experts, misses, placed
         self.future, self.rows, self.prefetch = future, rows, prefetch
         self.t0 = time.perf_counter()
@@ -51,10 +60,17 @@ class Ticket:
 class Loader:
     """The loading half of a store, over its slot tables, pools and reader."""
 
-    def __init__(self, meta: ExpertMeta, caches: dict[int, SlotCache],
-                 pools: dict[int, LayerPool], reader: RecordReader,
-                 stats: dict[int, LayerStats], verify: bool, clear_on_evict: bool,
-                 before_write: Callable[[int], None]):
+    def __init__(
+        self,
+        meta: ExpertMeta,
+        caches: dict[int, SlotCache],
+        pools: dict[int, LayerPool],
+        reader: RecordReader,
+        stats: dict[int, LayerStats],
+        verify: bool,
+        clear_on_evict: bool,
+        before_write: Callable[[int], None],
+    ):
         self.meta, self.caches, self.pools, self.reader = meta, caches, pools, reader
         self.stats, self.verify, self.clear_on_evict = stats, verify, clear_on_evict
         self._before_write = before_write  # settles lazy work reading a layer's pool
@@ -96,8 +112,7 @@ class Loader:
         placed = cache.reserve(todo, protect=set(experts.tolist()), limit=limit)
         if not placed:
             return 0
-        t = self.issue(layer, experts, np.array([e for e, _, _ in placed]), placed,
-                        prefetch=True)
+        t = self.issue(layer, experts, np.array([e for e, _, _ in placed]), placed, prefetch=True)
         self._inflight[layer].append(t)
         st = self.stats[layer]
         st.prefetched += len(placed)
@@ -133,10 +148,19 @@ class Loader:
                 bufs = pool.record_bufs(s)
             else:
                 bufs = [rows[i] if self.reader.aligned else rows[i][: lay.record_bytes]]
-            copy = (lambda a, b, s=s, r=rows[i]: pool.copy_range(s, r, a, b)) \
-                if pool.mode == "cuda" else None
-            after = self._after(layer, e, bufs, (lambda s=s, r=rows[i]: pool.place(s, r))
-                                if pool.mode == "host" and rows is not None else None)
+            copy = (
+                (lambda a, b, s=s, r=rows[i]: pool.copy_range(s, r, a, b))
+                if pool.mode == "cuda"
+                else None
+            )
+            after = self._after(
+                layer,
+                e,
+                bufs,
+                (lambda s=s, r=rows[i]: pool.place(s, r))
+                if pool.mode == "host" and rows is not None
+                else None,
+            )
             jobs.append(RecordJob(e, bufs, after, copy))
         fut = self.reader.submit(layer, jobs)
         return Ticket(layer, experts, misses, placed, fut, rows, prefetch, self._finish)
@@ -158,9 +182,11 @@ class Loader:
                     raise ExpertChecksumError(
                         f"expert {expert} of layer {layer} in {self.meta.file(layer)} fails its "
                         f"checksum ({h.hexdigest()} != {want[expert]}): the file is corrupt; "
-                        "split the model again")
+                        "split the model again"
+                    )
             if place is not None:  # O_DIRECT: staging -> slot
                 place()
+
         return after
 
     def _finish(self, t: Ticket) -> None:
@@ -168,8 +194,9 @@ class Loader:
         try:
             nbytes = t.future.result()
             if t.placed and pool.mode == "mlx":
-                pool.write([e for e, _, _ in t.placed], [s for _, s, _ in t.placed],
-                           np.stack(t.rows))
+                pool.write(
+                    [e for e, _, _ in t.placed], [s for _, s, _ in t.placed], np.stack(t.rows)
+                )
                 mx.eval(pool.state())  # staging rows are reused next
         except BaseException:
             cache.abort(t.placed)  # no slot stays marked resident with bad or partial data

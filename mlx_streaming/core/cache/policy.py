@@ -154,8 +154,7 @@ class Predictive(_Scored):
     WINDOWS = (4, 16, 64)
     AGE = 0.9
 
-    def __init__(self, num_experts: int, capacity: int | None = None,
-                 weights=PREDICTIVE_WEIGHTS):
+    def __init__(self, num_experts: int, capacity: int | None = None, weights=PREDICTIVE_WEIGHTS):
         super().__init__(num_experts, capacity)
         self.w = np.asarray(weights, dtype=np.float64)
         E = num_experts
@@ -184,7 +183,7 @@ class Predictive(_Scored):
 
     def features(self, current: np.ndarray) -> np.ndarray:
         """Per expert: log recency, windowed counts, transition score, aged count."""
-        rec = np.where(self.last >= 0, self.t - self.last, 10 ** 6).astype(np.float64)
+        rec = np.where(self.last >= 0, self.t - self.last, 10**6).astype(np.float64)
         if len(current):
             tr = (self.trans[current] / np.maximum(self.row[current], 1)[:, None]).sum(0)
         else:
@@ -267,8 +266,7 @@ class S3FIFO(Policy):
 
     name = "s3fifo"
 
-    def __init__(self, num_experts: int = 0, capacity: int | None = None,
-                 small: float = 0.1):
+    def __init__(self, num_experts: int = 0, capacity: int | None = None, small: float = 0.1):
         super().__init__(num_experts, capacity)
         self.small_cap = max(1, round(small * self.c))
         self.small: OrderedDict[int, None] = OrderedDict()

@@ -78,8 +78,9 @@ class LayerPool:
     """Device arrays holding ``slots`` experts of one layer, plus with ``zero_slot`` one
     always-zero slot (``dummy``) that masked calls point their skipped rows at."""
 
-    def __init__(self, layout: LayerLayout, slots: int, mode: str | None = None,
-                 zero_slot: bool = True):
+    def __init__(
+        self, layout: LayerLayout, slots: int, mode: str | None = None, zero_slot: bool = True
+    ):
         self.layout = layout
         self.slots = slots
         self.dummy = slots if zero_slot else None
@@ -109,8 +110,9 @@ class LayerPool:
         if self.mode == "cuda":
             ptr = self._rows[layout.parts[0].name].ctypes.data
             if not cuda.is_managed(ptr):
-                raise ValueError("MLX's CUDA arrays are not in managed memory here; use "
-                                 "pool mode 'mlx'")
+                raise ValueError(
+                    "MLX's CUDA arrays are not in managed memory here; use pool mode 'mlx'"
+                )
             # the arrays were filled on the host: touch them on the device once so that
             # their pages live there before the first copy
             mx.eval([a.view(mx.uint8).sum() for a in self.arrays.values()])
@@ -142,7 +144,7 @@ class LayerPool:
         for p in self.layout.parts:
             if p.offset > pos:
                 n = p.offset - pos
-                out.append(memoryview(gaps[g:g + n]))
+                out.append(memoryview(gaps[g : g + n]))
                 g += n
             out.append(memoryview(self._rows[p.name][slot]).cast("B"))
             pos = p.offset + p.nbytes
@@ -171,12 +173,12 @@ class LayerPool:
         runs = _runs(list(slots))
         idx = mx.array(np.asarray(slots, dtype=np.int32)) if len(runs) > 1 else None
         for p in self.layout.parts:
-            src = rec[:, p.offset: p.offset + p.nbytes].view(DTYPES[p.dtype][1])
+            src = rec[:, p.offset : p.offset + p.nbytes].view(DTYPES[p.dtype][1])
             src = src.reshape(n, *p.shape)
             arr = self.arrays[p.name]
             if idx is None:  # one run of consecutive slots: a slice update
                 s0 = runs[0][0]
-                arr[s0: s0 + n] = src
+                arr[s0 : s0 + n] = src
             else:  # scattered slots: one scatter per part
                 arr[idx] = src
             self.write_ops += 1
@@ -184,7 +186,7 @@ class LayerPool:
     def place(self, slot: int, record: np.ndarray) -> None:
         """Copy one staged record's parts into ``slot`` (host mode, O_DIRECT staging)."""
         for p in self.layout.parts:
-            self._rows[p.name][slot] = record[p.offset:p.offset + p.nbytes]
+            self._rows[p.name][slot] = record[p.offset : p.offset + p.nbytes]
 
     # ---------------------------------------------------------------- all modes
     def slots_of(self, experts: np.ndarray) -> np.ndarray:
@@ -210,8 +212,10 @@ class LayerPool:
 
     def data_pointers(self) -> dict[str, int]:
         """Address of each part array's buffer (to show that writes are in place)."""
-        return {k: np.array(v if v.dtype != mx.bfloat16 else v.view(mx.uint16),
-                            copy=False).ctypes.data for k, v in self.arrays.items()}
+        return {
+            k: np.array(v if v.dtype != mx.bfloat16 else v.view(mx.uint16), copy=False).ctypes.data
+            for k, v in self.arrays.items()
+        }
 
 
 def cuda_self_test(pool: LayerPool) -> None:
@@ -224,5 +228,5 @@ def cuda_self_test(pool: LayerPool) -> None:
     pool.copy_range(0, row, half, lay.record_bytes)
     for p in lay.parts:
         got = np.array(pool.arrays[p.name][0].view(mx.uint8)).reshape(-1)
-        if not np.array_equal(got, row[p.offset:p.offset + p.nbytes]):
+        if not np.array_equal(got, row[p.offset : p.offset + p.nbytes]):
             raise RuntimeError(f"read back wrong bytes for {p.name}")

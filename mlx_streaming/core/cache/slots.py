@@ -82,7 +82,7 @@ class SlotCache:
         room = self.capacity - len(self.pinned)
         assert room > 0, "pins leave no slot for other experts"
         out = [np.concatenate([pins, rest[:room]])]
-        out += [rest[i:i + room] for i in range(room, len(rest), room)]
+        out += [rest[i : i + room] for i in range(room, len(rest), room)]
         return out
 
     def reserve(self, experts, protect: set[int], limit: int | None = None) -> list[Placement]:
@@ -98,7 +98,8 @@ class SlotCache:
             if len(victims) < n - len(slots) and limit is None:
                 raise RuntimeError(
                     f"cannot place {len(want)} experts: {self.capacity} slots, "
-                    f"{len(self.pinned)} pinned, {len(protect)} in use by this call")
+                    f"{len(self.pinned)} pinned, {len(protect)} in use by this call"
+                )
             slots += [(int(self.slot_of[v]), v) for v in victims]
         placed = [(e, s, v) for e, (s, v) in zip(want, slots)]
         for e, s, v in placed:

@@ -69,12 +69,16 @@ def summarize(report: dict[int, dict]) -> dict:
     tot["hit_rate"] = tot["hits"] / lookups if lookups else 0.0
     tot["host_us_per_call"] = 1e6 * tot["host_s"] / calls if calls else 0.0
     # the host blocked inside a step: for the routing, then for demand reads
-    tot["host_wait_us_per_call"] = 1e6 * (tot["sync_s"] + tot["read_s"]) / calls \
-        if calls else 0.0
-    tot["prefetch_precision"] = tot["prefetch_used"] / tot["prefetched"] \
-        if tot["prefetched"] else None
-    tot["prediction_precision"] = tot["predicted_right"] / tot["predicted"] \
-        if tot["predicted"] else None
-    tot["prediction_recall"] = tot["predicted_right"] / tot["routed_after_prediction"] \
-        if tot["routed_after_prediction"] else None
+    tot["host_wait_us_per_call"] = 1e6 * (tot["sync_s"] + tot["read_s"]) / calls if calls else 0.0
+    tot["prefetch_precision"] = (
+        tot["prefetch_used"] / tot["prefetched"] if tot["prefetched"] else None
+    )
+    tot["prediction_precision"] = (
+        tot["predicted_right"] / tot["predicted"] if tot["predicted"] else None
+    )
+    tot["prediction_recall"] = (
+        tot["predicted_right"] / tot["routed_after_prediction"]
+        if tot["routed_after_prediction"]
+        else None
+    )
     return tot

@@ -81,9 +81,13 @@ def _check(err: int, what: str) -> None:
 
 class _PointerAttributes(ctypes.Structure):
     # the documented fields, then room for any the runtime version adds
-    _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
-                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p),
-                ("reserved", ctypes.c_byte * 256)]
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("devicePointer", ctypes.c_void_p),
+        ("hostPointer", ctypes.c_void_p),
+        ("reserved", ctypes.c_byte * 256),
+    ]
 
 
 def is_managed(ptr: int) -> bool:
@@ -102,8 +106,9 @@ def pinned(nbytes: int):
     import numpy as np
 
     ptr = ctypes.c_void_p()
-    _check(lib().cudaHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(max(nbytes, 1)), 0),
-           "cudaHostAlloc")
+    _check(
+        lib().cudaHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(max(nbytes, 1)), 0), "cudaHostAlloc"
+    )
     raw = (ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr.value)
     arr = np.frombuffer(raw, dtype=np.uint8, count=nbytes)
     weakref.finalize(raw, lib().cudaFreeHost, ptr)
@@ -114,16 +119,22 @@ def _stream():
     s = getattr(_local, "stream", None)
     if s is None:
         s = ctypes.c_void_p()
-        _check(lib().cudaStreamCreateWithFlags(ctypes.byref(s), NON_BLOCKING),
-               "cudaStreamCreateWithFlags")
+        _check(
+            lib().cudaStreamCreateWithFlags(ctypes.byref(s), NON_BLOCKING),
+            "cudaStreamCreateWithFlags",
+        )
         _local.stream = s
     return s
 
 
 def copy_to_device(dst: int, src: int, nbytes: int) -> None:
     """Queue a host-to-device copy on this thread's stream."""
-    _check(lib().cudaMemcpyAsync(ctypes.c_void_p(dst), ctypes.c_void_p(src),
-                                 ctypes.c_size_t(nbytes), H2D, _stream()), "cudaMemcpyAsync")
+    _check(
+        lib().cudaMemcpyAsync(
+            ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes), H2D, _stream()
+        ),
+        "cudaMemcpyAsync",
+    )
 
 
 def synchronize() -> None:

@@ -55,8 +55,12 @@ class RecordJob:
     nbytes: int = field(init=False, default=0)
 
     def __post_init__(self):
-        self.bufs = [b if isinstance(b, memoryview) and b.format == "B" and b.ndim == 1
-                     else memoryview(b).cast("B") for b in self.bufs]
+        self.bufs = [
+            b
+            if isinstance(b, memoryview) and b.format == "B" and b.ndim == 1
+            else memoryview(b).cast("B")
+            for b in self.bufs
+        ]
         self.nbytes = sum(b.nbytes for b in self.bufs)
 
 
@@ -88,7 +92,7 @@ def _slice(vecs: list[memoryview], a: int, b: int) -> list[memoryview]:
     for v in vecs:
         end = pos + v.nbytes
         if end > a and pos < b:
-            out.append(v[max(a, pos) - pos: min(b, end) - pos])
+            out.append(v[max(a, pos) - pos : min(b, end) - pos])
         pos = end
         if pos >= b:
             break
@@ -98,8 +102,7 @@ def _slice(vecs: list[memoryview], a: int, b: int) -> list[memoryview]:
 class RecordReader:
     """Reads records ``id`` at ``id * stride`` of registered files."""
 
-    def __init__(self, threads: int = 4, direct: bool = False,
-                 piece_bytes: int = PIECE_BYTES):
+    def __init__(self, threads: int = 4, direct: bool = False, piece_bytes: int = PIECE_BYTES):
         self.threads = max(1, int(threads))
         self.direct = bool(direct)
         # O_DIRECT (Linux) needs page-aligned buffers taking whole records; macOS's
@@ -122,11 +125,15 @@ class RecordReader:
             fd = os.open(path, flags)
         except OSError as e:
             if self.direct and e.errno == 22:  # EINVAL: the filesystem refuses O_DIRECT
-                warnings.warn(f"{path}: O_DIRECT not supported here, reading through the "
-                              "page cache", stacklevel=2)
+                warnings.warn(
+                    f"{path}: O_DIRECT not supported here, reading through the page cache",
+                    stacklevel=2,
+                )
                 fd = os.open(path, os.O_RDONLY)
             else:
-                raise RecordReadError(e.errno, f"cannot open expert file {path}: {e.strerror}") from e
+                raise RecordReadError(
+                    e.errno, f"cannot open expert file {path}: {e.strerror}"
+                ) from e
         if self.direct and sys.platform == "darwin":
             import fcntl
 
@@ -140,9 +147,13 @@ class RecordReader:
         runs: list[list[RecordJob]] = []
         for j in sorted(jobs, key=lambda j: j.id):
             r = runs[-1] if runs else None
-            if (r and j.id == r[-1].id + 1 and (len(r) + 1) * stride <= MAX_RUN_BYTES
-                    and sum(len(x.bufs) + 1 for x in r) + len(j.bufs) <= IOV_MAX
-                    and not self.aligned):
+            if (
+                r
+                and j.id == r[-1].id + 1
+                and (len(r) + 1) * stride <= MAX_RUN_BYTES
+                and sum(len(x.bufs) + 1 for x in r) + len(j.bufs) <= IOV_MAX
+                and not self.aligned
+            ):
                 r.append(j)
             else:
                 runs.append([j])
@@ -168,9 +179,17 @@ class RecordReader:
             step = -(-step // PIECE_ALIGN) * PIECE_ALIGN
             for a in range(0, pos, step):
                 b = min(pos, a + step)
-                out.append(_Piece(offset + a, _slice(vecs, a, b),
-                                  [(j, max(a, s) - s, min(b, s + j.nbytes) - s)
-                                   for j, s in spans if s < b and s + j.nbytes > a]))
+                out.append(
+                    _Piece(
+                        offset + a,
+                        _slice(vecs, a, b),
+                        [
+                            (j, max(a, s) - s, min(b, s + j.nbytes) - s)
+                            for j, s in spans
+                            if s < b and s + j.nbytes > a
+                        ],
+                    )
+                )
         left = {}
         for pc in out:
             for j, lo, hi in pc.jobs:
@@ -209,8 +228,10 @@ class RecordReader:
                 k = os.preadv(fd, [v[start:]], offset + pos + start)
                 if k <= 0:
                     raise RecordReadError(
-                        5, f"short read of {path} at byte {offset + pos + start}: the expert "
-                        "file is truncated; split the model again")
+                        5,
+                        f"short read of {path} at byte {offset + pos + start}: the expert "
+                        "file is truncated; split the model again",
+                    )
                 start += k
             pos = end
 
@@ -237,8 +258,9 @@ class RecordReader:
                 return Done(finish(sum(self._read_piece(fd, path, pc, lock) for pc in pieces)))
             except Exception as e:  # noqa: BLE001 - handed to the caller through the future
                 return Done(error=e)
-        return _Gather([self._pool.submit(self._read_piece, fd, path, pc, lock)
-                        for pc in pieces], finish)
+        return _Gather(
+            [self._pool.submit(self._read_piece, fd, path, pc, lock) for pc in pieces], finish
+        )
 
     def read(self, key, ids, out: np.ndarray) -> int:
         """Read whole records ``ids`` into rows of ``out`` ([n, stride]); returns bytes."""

@@ -14,11 +14,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ST_DTYPES = {
-    "U32": "uint32", "U16": "uint16", "U8": "uint8", "I8": "int8", "I32": "int32",
-    "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "I8": "int8",
+    "I32": "int32",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
 }
-_ITEMSIZE = {"uint32": 4, "uint16": 2, "uint8": 1, "int8": 1, "int32": 4, "float32": 4,
-             "float16": 2, "bfloat16": 2}
+_ITEMSIZE = {
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "int8": 1,
+    "int32": 4,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+}
 
 
 class CheckpointError(ValueError):
@@ -58,7 +72,9 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
             continue
         dtype = ST_DTYPES.get(info.get("dtype"))
         if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {info.get('dtype')}")
+            raise CheckpointError(
+                f"{path}: tensor {name} has unsupported dtype {info.get('dtype')}"
+            )
         begin, end = info["data_offsets"]
         e = TensorEntry(path, base + begin, tuple(info["shape"]), dtype)
         if end - begin != e.nbytes or base + end > size:

@@ -69,8 +69,16 @@ class StreamedExperts(nn.Module):
 
     is_streamed_experts = True
 
-    def __init__(self, experts: nn.Module, store: FileExpertStore, layer: int, pos: int,
-                 overlap: bool, prefetcher: Prefetcher | None, masked: bool):
+    def __init__(
+        self,
+        experts: nn.Module,
+        store: FileExpertStore,
+        layer: int,
+        pos: int,
+        overlap: bool,
+        prefetcher: Prefetcher | None,
+        masked: bool,
+    ):
         super().__init__()
         self.experts = experts  # the layer's SwitchGLU / SwitchMLP over pool slots
         self.layer, self.pos = layer, pos
@@ -119,8 +127,9 @@ class StreamedExperts(nn.Module):
         n = len(keep)
         if flat.size >= SORT_ROWS > n:
             keep = np.concatenate([keep, np.full(SORT_ROWS - n, keep[-1])])
-        y = self.experts(xf[mx.array(keep // k)],
-                         mx.array(flat[keep].astype(np.int32))[:, None])[:n, 0]  # [n, D]
+        y = self.experts(xf[mx.array(keep // k)], mx.array(flat[keep].astype(np.int32))[:, None])[
+            :n, 0
+        ]  # [n, D]
         if out is None:
             out = mx.zeros((*indices.shape, y.shape[-1]), dtype=y.dtype)
         flat_out = out.reshape(-1, y.shape[-1])
@@ -140,9 +149,16 @@ def _pool_projection(name: str, layout: LayerLayout, arrays: dict, device: str) 
         new = PoolSwitchLinear(w.shape[2], out_dims, slots, bias=has_bias, **parity)
     else:
         in_dims = arrays[f"{name}.scales"].shape[-1] * q.group_size
-        new = PoolQuantizedSwitchLinear(in_dims, out_dims, slots, bias=has_bias,
-                                        group_size=q.group_size, bits=q.bits, mode=q.mode,
-                                        **parity)
+        new = PoolQuantizedSwitchLinear(
+            in_dims,
+            out_dims,
+            slots,
+            bias=has_bias,
+            group_size=q.group_size,
+            bits=q.bits,
+            mode=q.mode,
+            **parity,
+        )
         new.scales = arrays[f"{name}.scales"]
         new.biases = arrays.get(f"{name}.biases")
         if f"{name}.global_scale" in arrays:
@@ -177,16 +193,20 @@ def _validate(store: FileExpertStore, sites: list[ExpertSite], model, given: dic
     dims = (meta.dims["hidden"], meta.dims["moe_inter"])
     asked = (given["hidden"] or dims[0], given["moe_inter"] or dims[1])
     if asked != dims:
-        raise ExpertDirError(f"hidden={asked[0]}, moe_inter={asked[1]} do not match the "
-                             f"{where} (hidden={dims[0]}, moe_inter={dims[1]})")
+        raise ExpertDirError(
+            f"hidden={asked[0]}, moe_inter={asked[1]} do not match the "
+            f"{where} (hidden={dims[0]}, moe_inter={dims[1]})"
+        )
     for s in sites:
         lay = meta.layers[s.layer]
         if expert_dims(s) != dims:
-            raise ExpertDirError(f"layer {s.layer}'s experts are {expert_dims(s)}, not "
-                                 f"(hidden, moe_inter)={dims}")
+            raise ExpertDirError(
+                f"layer {s.layer}'s experts are {expert_dims(s)}, not (hidden, moe_inter)={dims}"
+            )
         if s.num_experts != lay.num_experts:
-            raise ExpertDirError(f"layer {s.layer} has {s.num_experts} experts, the {where} "
-                                 f"{lay.num_experts}")
+            raise ExpertDirError(
+                f"layer {s.layer} has {s.num_experts} experts, the {where} {lay.num_experts}"
+            )
         _validate_quant(s.layer, lay, given, where)
 
 
@@ -210,11 +230,17 @@ def _validate_quant(layer: int, lay: LayerLayout, given: dict, where: str) -> No
             )
 
 
-def patch_model_filebacked(model: nn.Module, store: FileExpertStore, hidden: int | None = None,
-                           moe_inter: int | None = None, group_size: int | None = None,
-                           bits: int | None = None, proj_bits: dict | None = None,
-                           layer_proj_bits: dict | None = None,
-                           options: StreamOptions | None = None) -> int:
+def patch_model_filebacked(
+    model: nn.Module,
+    store: FileExpertStore,
+    hidden: int | None = None,
+    moe_inter: int | None = None,
+    group_size: int | None = None,
+    bits: int | None = None,
+    proj_bits: dict | None = None,
+    layer_proj_bits: dict | None = None,
+    options: StreamOptions | None = None,
+) -> int:
     """Swap every MoE layer's experts for file-backed ones served by ``store``.
 
     The stacked expert weights are dropped without being read, so a model loaded with
@@ -245,38 +271,54 @@ def patch_model_filebacked(model: nn.Module, store: FileExpertStore, hidden: int
     options = options or StreamOptions()
     sites = find_expert_sites(model)
     if any(s.streamed is not None for s in sites):
-        raise ValueError("the model is already patched: load it again to patch it with "
-                         "another store")
-    _validate(store, sites, model, {"hidden": hidden, "moe_inter": moe_inter,
-                                    "group_size": group_size, "bits": bits,
-                                    "proj_bits": proj_bits,
-                                    "layer_proj_bits": _int_keys(layer_proj_bits)})
+        raise ValueError(
+            "the model is already patched: load it again to patch it with another store"
+        )
+    _validate(
+        store,
+        sites,
+        model,
+        {
+            "hidden": hidden,
+            "moe_inter": moe_inter,
+            "group_size": group_size,
+            "bits": bits,
+            "proj_bits": proj_bits,
+            "layer_proj_bits": _int_keys(layer_proj_bits),
+        },
+    )
     prefetcher = None
     if options.prefetch:
         pred = options.predictor
         if pred == "router":
-            pred = RouterPredictor([s.router for s in sites],
-                                   store.top_k + options.prefetch_extra)
+            pred = RouterPredictor([s.router for s in sites], store.top_k + options.prefetch_extra)
         prefetcher = Prefetcher(store, [s.layer for s in sites], pred)
     overlap = options.overlap if options.overlap is not None else store.pool_mode != "mlx"
     rows = options.rows or ("subset" if mx.default_device() == mx.cpu else "masked")
     if rows not in ("subset", "masked"):
         raise ValueError(f"rows must be 'subset' or 'masked', got {rows!r}")
     if rows == "masked" and not store.zero_slot:
-        raise ValueError("rows='masked' points skipped rows at a zero slot: create the store "
-                         "with FileExpertStore(..., zero_slot=True)")
+        raise ValueError(
+            "rows='masked' points skipped rows at a zero slot: create the store "
+            "with FileExpertStore(..., zero_slot=True)"
+        )
     device = backend()
     if options.kernel_check or (options.kernel_check is None and device != "cpu"):
         check_kernels(model, store, options.kernel_cache)
     for pos, s in enumerate(sites):
         arrays = store.pool(s.layer).arrays
         lay = store.meta.layers[s.layer]
-        new = {name: _pool_projection(name, lay, arrays, device)
-               for name, _ in projections(s.module)}
+        new = {
+            name: _pool_projection(name, lay, arrays, device) for name, _ in projections(s.module)
+        }
         s.module.update_modules(new)
-        s.parent.update_modules({s.attr: StreamedExperts(s.module, store, s.layer, pos,
-                                                         overlap, prefetcher,
-                                                         rows == "masked")})
+        s.parent.update_modules(
+            {
+                s.attr: StreamedExperts(
+                    s.module, store, s.layer, pos, overlap, prefetcher, rows == "masked"
+                )
+            }
+        )
     return len(sites)
 
 
@@ -296,13 +338,17 @@ def check_kernels(model: nn.Module, store: FileExpertStore, cache_file=None) -> 
     """
     from mlx.utils import tree_flatten
 
-    x_dtype = next(mx_dtype_name(v.dtype) for _, v in tree_flatten(model.parameters())
-                   if mx.issubdtype(v.dtype, mx.floating))
+    x_dtype = next(
+        mx_dtype_name(v.dtype)
+        for _, v in tree_flatten(model.parameters())
+        if mx.issubdtype(v.dtype, mx.floating)
+    )
     cases = []
     for li in store.layers:
         pool = store.pool(li)
-        cases += cases_for(store.meta.layers[li], pool.slots, pool.dummy is not None,
-                           store.top_k, x_dtype)
+        cases += cases_for(
+            store.meta.layers[li], pool.slots, pool.dummy is not None, store.top_k, x_dtype
+        )
     todo = [c for c in dict.fromkeys(cases) if c not in _CHECKED]
     ensure_kernel_parity(todo, cache_file=Path(cache_file) if cache_file else None)
     _CHECKED.update(todo)
