@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -23,14 +23,13 @@ from ..format import ExpertDirError, ExpertMeta
 from ..io.reader import RecordReader
 from ..meta import load_meta
 from .calls import LayerCall
+from .host_path import HostPath
 from .loads import Loader
 from .policy import DEFAULT_POLICY, make_policy
 from .pool import LayerPool, cuda_self_test, default_mode, default_zero_slot
 from .recording import RoutingCounts
 from .slots import SlotCache
 from .stats import LayerStats, ResidentSet, stat_names, summarize
-
-TRACK_EVAL_BYTES = 1 << 20  # outputs larger than this are evaluated, not held
 
 
 class FileExpertStore:
@@ -99,7 +98,14 @@ class FileExpertStore:
         self.routing.on = record
         self.observers: list[Callable] = []  # callables(layer, host_ids) seeing the routing
         self._pending_hits: list = []  # lazy device counts of device-path lookups
-        self._readers: dict[int, list] = {li: [] for li in caps}  # lazy outputs per layer
+        self.host = HostPath(
+            self.caches,
+            self._resident.pools,
+            self.stats,
+            self.routing,
+            self.observers,
+            self.pool_mode,
+        )
         self.loads = Loader(
             meta,
             self.caches,
@@ -108,8 +114,9 @@ class FileExpertStore:
             self.stats,
             verify,
             clear_on_evict,
-            self._guard,
+            self.host.guard,
         )
+        self.host.loads = self.loads
 
     # ------------------------------------------------------------ set-up
     def _capacities(self, capacity, layer_caps) -> dict[int, int]:
@@ -188,82 +195,18 @@ class FileExpertStore:
         """Plan one call of ``layer`` with routing ``indices`` (expert ids).
 
         Where every expert of the layer is resident (and nothing records the routing),
-        the ids are remapped on the device and nothing waits. Otherwise the routing is
-        read on the host (one sync, which also brings ``also``, e.g. a predictor's
-        guess, to ``call.also``) and the misses start loading at once; with ``overlap``
-        the resident experts' rows form a first step that needs no wait.
+        the ids are remapped on the device and nothing waits. Otherwise the host path
+        (``host_path``) reads the routing (one sync, which also brings ``also``, e.g. a
+        predictor's guess, to ``call.also``) and starts the misses' reads at once; with
+        ``overlap`` the resident experts' rows form a first step that needs no wait.
         """
-        t0 = time.perf_counter()
-        cache, st = self.caches[layer], self.stats[layer]
-        if cache.complete and not self.routing.on and not self.observers:
+        if self.caches[layer].complete and not self.routing.on and not self.observers:
+            t0 = time.perf_counter()
             self._note_device_call(layer, indices)
-            call = LayerCall(layer, self._complete, slots=self.pool(layer).lut[indices])
-            st.host_s += time.perf_counter() - t0
+            call = LayerCall(layer, lambda c, y: y, slots=self.pool(layer).lut[indices])
+            self.stats[layer].host_s += time.perf_counter() - t0
             return call
-        t_sync = time.perf_counter()
-        if also is not None:
-            mx.eval(indices, also)
-        host = np.array(indices)  # the one host synchronisation of this layer call
-        waited = time.perf_counter() - t_sync
-        st.sync_s += waited
-        t0 += waited  # host time counts the store's own work, not the wait
-        st.host_calls += 1
-        for obs in self.observers:
-            obs(layer, host)
-        experts, counts = np.unique(host, return_counts=True)
-        if self.routing.on:
-            self.routing.add(layer, experts, counts)
-        self.loads.settle(layer, experts)
-        groups = cache.groups(experts, counts)
-        call = LayerCall(layer, self._complete, host_ids=host, settle=len(groups) > 1)
-        call.also = None if also is None else np.array(also)
-        if len(groups) == 1:
-            call.plan = self._one_group(call, groups[0], overlap)
-        else:
-            call.plan = self._expert_major(call, groups)
-        st.host_s += time.perf_counter() - t0
-        return call
-
-    def _one_group(self, call: LayerCall, experts: np.ndarray, overlap: bool) -> Iterator:
-        """Start the misses' reads now; the steps wait for them."""
-        pool, host = self.pool(call.layer), call.host_ids
-        ticket = self.loads.begin(call.layer, experts)
-        call.misses = len(ticket.misses)
-        split = call.misses and overlap and call.misses < len(experts)
-
-        def steps():
-            if split:
-                miss = np.isin(host, ticket.misses)
-                yield ~miss, pool.slots_of(host)  # resident rows: nothing to wait for
-                ticket.wait()
-                yield miss, pool.slots_of(host)
-            else:
-                ticket.wait()
-                yield None, pool.slots_of(host)
-
-        return steps()
-
-    def _expert_major(self, call: LayerCall, groups: list[np.ndarray]):
-        """More distinct experts than slots: one group at a time, each expert read at
-        most once per call; rows computed exactly as in one shot."""
-        pool, host = self.pool(call.layer), call.host_ids
-        for g in groups:
-            call.misses += self.loads.fetch(call.layer, g)
-            yield np.isin(host, g), pool.slots_of(host)
-
-    def _complete(self, call: LayerCall, y: mx.array) -> mx.array:
-        if call.slots is not None:
-            return y
-        t0 = time.perf_counter()
-        st = self.stats[call.layer]
-        if call.misses:
-            st.fallback += 1
-        else:
-            st.fastpath += 1
-        mx.async_eval(y)  # the device starts on it while the next layer is built
-        self._track_output(call.layer, y)
-        st.host_s += time.perf_counter() - t0
-        return y
+        return self.host.call(layer, indices, overlap, also)
 
     def _note_device_call(self, layer: int, indices: mx.array) -> None:
         """Count a call served without reading the routing (all hits)."""
@@ -285,25 +228,6 @@ class FileExpertStore:
             for (li, _), v in zip(self._pending_hits, vals):
                 self.caches[li].stats.hits += int(v.item())
             self._pending_hits.clear()
-
-    def _track_output(self, layer: int, y: mx.array) -> None:
-        """Remember a lazy output that reads ``layer``'s pool: it is evaluated before the
-        pool is next written behind MLX's back (host and cuda modes)."""
-        if self.pool_mode == "mlx":
-            return
-        if y.nbytes > TRACK_EVAL_BYTES:  # a long prompt's output: settle it now rather
-            mx.eval(y)  # than hold its buffer until the pool is next written
-            return
-        readers = self._readers[layer]
-        readers.append(y)
-        if len(readers) > 8:  # calls that wrote nothing: settle the older ones
-            mx.eval(readers[:-1])
-            del readers[:-1]
-
-    def _guard(self, layer: int) -> None:
-        if self._readers[layer]:
-            mx.eval(self._readers[layer])  # already evaluated in the usual flow: free
-            self._readers[layer].clear()
 
     # ------------------------------------------------------------ loading
     # ------------------------------------------------------------ loading

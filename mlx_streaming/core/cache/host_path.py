@@ -1,0 +1,134 @@
+"""The host path of a layer call: the routing read on the host, the misses loaded by
+the store's ``Loader``, the rows computed in steps.
+
+One host synchronisation per call reads the routing; the misses start loading at once
+(on the reader's threads); with overlap, the resident experts' rows form a first step
+that needs no wait. A call with more distinct experts than slots runs expert-major:
+one group of experts at a time, each read at most once per call. Outputs that read a
+pool written behind MLX's back (host and cuda modes) are tracked and evaluated before
+the pool is next written.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import mlx.core as mx
+import numpy as np
+
+from .calls import LayerCall
+from .loads import Loader
+from .pool import LayerPool
+from .recording import RoutingCounts
+from .slots import SlotCache
+from .stats import LayerStats
+
+TRACK_EVAL_BYTES = 1 << 20  # outputs larger than this are evaluated, not held
+
+
+class HostPath:
+    """Serves layer calls whose routing the host must read."""
+
+    def __init__(
+        self,
+        caches: dict[int, SlotCache],
+        pools: dict[int, LayerPool],
+        stats: dict[int, LayerStats],
+        routing: RoutingCounts,
+        observers: list[Callable],
+        mode: str,
+    ):
+        self.caches, self.pools, self.stats = caches, pools, stats
+        self.routing, self.observers, self.mode = routing, observers, mode
+        self.loads: Loader | None = None  # set by the store (the loader guards with us)
+        self._readers: dict[int, list] = {li: [] for li in caches}  # lazy outputs per layer
+
+    def call(
+        self, layer: int, indices: mx.array, overlap: bool = True, also: mx.array | None = None
+    ) -> LayerCall:
+        """Read the routing (with ``also``), start the misses' reads, plan the steps."""
+        t0 = time.perf_counter()
+        cache, st = self.caches[layer], self.stats[layer]
+        if also is not None:
+            mx.eval(indices, also)
+        host = np.array(indices)  # the one host synchronisation of this layer call
+        waited = time.perf_counter() - t0
+        st.sync_s += waited
+        t0 += waited  # host time counts the store's own work, not the wait
+        st.host_calls += 1
+        for obs in self.observers:
+            obs(layer, host)
+        experts, counts = np.unique(host, return_counts=True)
+        if self.routing.on:
+            self.routing.add(layer, experts, counts)
+        self.loads.settle(layer, experts)
+        groups = cache.groups(experts, counts)
+        call = LayerCall(layer, self.complete, host_ids=host, settle=len(groups) > 1)
+        call.also = None if also is None else np.array(also)
+        if len(groups) == 1:
+            call.plan = self._one_group(call, groups[0], overlap)
+        else:
+            call.plan = self._expert_major(call, groups)
+        st.host_s += time.perf_counter() - t0
+        return call
+
+    def _one_group(self, call: LayerCall, experts: np.ndarray, overlap: bool) -> Iterator:
+        """Start the misses' reads now; the steps wait for them."""
+        pool, host = self.pools[call.layer], call.host_ids
+        ticket = self.loads.begin(call.layer, experts)
+        call.misses = len(ticket.misses)
+        split = call.misses and overlap and call.misses < len(experts)
+
+        def steps():
+            if split:
+                miss = np.isin(host, ticket.misses)
+                yield ~miss, pool.slots_of(host)  # resident rows: nothing to wait for
+                ticket.wait()
+                yield miss, pool.slots_of(host)
+            else:
+                ticket.wait()
+                yield None, pool.slots_of(host)
+
+        return steps()
+
+    def _expert_major(self, call: LayerCall, groups: list[np.ndarray]):
+        """More distinct experts than slots: one group at a time, each expert read at
+        most once per call; rows computed exactly as in one shot."""
+        pool, host = self.pools[call.layer], call.host_ids
+        for g in groups:
+            call.misses += self.loads.fetch(call.layer, g)
+            yield np.isin(host, g), pool.slots_of(host)
+
+    def complete(self, call: LayerCall, y: mx.array) -> mx.array:
+        """Count the call, start its output on the device, track it."""
+        t0 = time.perf_counter()
+        st = self.stats[call.layer]
+        if call.misses:
+            st.fallback += 1
+        else:
+            st.fastpath += 1
+        mx.async_eval(y)  # the device starts on it while the next layer is built
+        self._track_output(call.layer, y)
+        st.host_s += time.perf_counter() - t0
+        return y
+
+    def _track_output(self, layer: int, y: mx.array) -> None:
+        """Remember a lazy output that reads ``layer``'s pool: it is evaluated before the
+        pool is next written behind MLX's back (host and cuda modes)."""
+        if self.mode == "mlx":
+            return
+        if y.nbytes > TRACK_EVAL_BYTES:  # a long prompt's output: settle it now rather
+            mx.eval(y)  # than hold its buffer until the pool is next written
+            return
+        readers = self._readers[layer]
+        readers.append(y)
+        if len(readers) > 8:  # calls that wrote nothing: settle the older ones
+            mx.eval(readers[:-1])
+            del readers[:-1]
+
+    def guard(self, layer: int) -> None:
+        """Evaluate the outputs still reading ``layer``'s pool (before it is written)."""
+        if self._readers[layer]:
+            mx.eval(self._readers[layer])  # already evaluated in the usual flow: free
+            self._readers[layer].clear()
