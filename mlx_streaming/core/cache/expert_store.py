@@ -12,8 +12,8 @@ the rows each step computes. ``LayerCall.done(y)`` completes it.
 
 from __future__ import annotations
 
+import threading
 import time
-import warnings
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -26,7 +26,7 @@ from .calls import LayerCall
 from .host_path import HostPath
 from .loads import Loader
 from .policy import DEFAULT_POLICY, make_policy
-from .pool import LayerPool, cuda_self_test, default_mode, default_zero_slot
+from .pool import LayerPool, capacities, default_zero_slot, make_pools
 from .recording import RoutingCounts
 from .slots import SlotCache
 from .stats import LayerStats, ResidentSet, stat_names, summarize
@@ -72,6 +72,8 @@ class FileExpertStore:
         verify: bool = True,
         pool_mode: str | None = None,
         zero_slot: bool | None = None,
+        device_wait: bool | None = None,
+        wait_timeout_s: float = 10.0,
     ):
         meta = expert_dir if isinstance(expert_dir, ExpertMeta) else load_meta(expert_dir)
         self.meta: ExpertMeta = meta
@@ -80,7 +82,7 @@ class FileExpertStore:
         self.clear_on_evict = clear_on_evict
         self.verify = verify
         self.policy_name = policy
-        caps = self._capacities(capacity, layer_caps)
+        caps = capacities(meta, capacity, layer_caps)
         self.caches = {
             li: SlotCache(
                 meta.layers[li].num_experts, c, make_policy(policy, meta.layers[li].num_experts, c)
@@ -89,7 +91,7 @@ class FileExpertStore:
         }
         self.stats = {li: LayerStats() for li in caps}
         self.zero_slot = default_zero_slot() if zero_slot is None else bool(zero_slot)
-        self._resident = ResidentSet(self._make_pools(caps, pool_mode), self.stats)
+        self._resident = ResidentSet(make_pools(meta, caps, pool_mode, self.zero_slot), self.stats)
         self.pool_mode = next(iter(self._resident.pools.values())).mode
         self.reader = RecordReader(threads=threads, direct=direct_io)
         for li in caps:
@@ -98,6 +100,7 @@ class FileExpertStore:
         self.routing.on = record
         self.observers: list[Callable] = []  # callables(layer, host_ids) seeing the routing
         self._pending_hits: list = []  # lazy device counts of device-path lookups
+        self.lock = threading.RLock()  # the tables and policies, against the policy thread
         self.host = HostPath(
             self.caches,
             self._resident.pools,
@@ -115,59 +118,35 @@ class FileExpertStore:
             verify,
             clear_on_evict,
             self.host.guard,
+            self.lock,
         )
         self.host.loads = self.loads
+        self.device = self._device_wait(device_wait, threads, wait_timeout_s)
+        if self.device is not None:
+            self.loads.engine = (self.device.engine, self.device.pos)
 
     # ------------------------------------------------------------ set-up
-    def _capacities(self, capacity, layer_caps) -> dict[int, int]:
-        _check_count("capacity", capacity)
-        caps = {}
-        layer_caps = {int(k): v for k, v in (layer_caps or {}).items()}
-        unknown = sorted(set(layer_caps) - set(self.meta.layers))
-        if unknown:
-            raise ExpertDirError(
-                f"layer_caps names layers {unknown} that are not MoE layers of "
-                f"{self.expert_dir} (MoE layers: {list(self.meta.moe_layers)})"
-            )
-        for li, lay in self.meta.layers.items():
-            c = layer_caps.get(li, capacity)
-            _check_count(f"slots for layer {li}", c)
-            if c < self.top_k:
-                src = "layer_caps" if li in layer_caps else "capacity"
+    def _device_wait(self, want: bool | None, threads: int, timeout_s: float):
+        """The device-wait path where it can run: CUDA pools and the native engine."""
+        if want is False:
+            return None
+        from ..io.native import engine_library, why_unavailable
+
+        ok = self.pool_mode == "cuda" and engine_library() is not None
+        if not ok:
+            if want:
+                why = (
+                    f"pool mode is {self.pool_mode!r}, not 'cuda'"
+                    if self.pool_mode != "cuda"
+                    else f"the native engine is unavailable ({why_unavailable()})"
+                )
                 raise ExpertDirError(
-                    f"{src} of {c} slots for layer {li} is below top_k={self.top_k}: each token "
-                    f"needs {self.top_k} experts resident at once; use at least {self.top_k}"
+                    f"device_wait=True needs MLX's CUDA backend and the native engine: {why}"
                 )
-            caps[li] = min(int(c), lay.num_experts)
-        return caps
+            return None
+        from .device_wait import DeviceWait
 
-    def _make_pools(self, caps: dict, mode: str | None) -> dict[int, LayerPool]:
-        """The layers' pools; an automatic ``cuda`` choice that fails its self-test
-        (a record copied in and read back through MLX) falls back to ``mlx``."""
-        auto = mode is None
-        mode = mode or default_mode()
-
-        def make(m):  # a layer with every expert's slot never masks rows
-            return {
-                li: LayerPool(
-                    self.meta.layers[li],
-                    c,
-                    m,
-                    self.zero_slot and c < self.meta.layers[li].num_experts,
-                )
-                for li, c in caps.items()
-            }
-
-        try:
-            pools = make(mode)
-            if mode == "cuda":
-                cuda_self_test(next(iter(pools.values())))
-            return pools
-        except Exception as e:  # noqa: BLE001
-            if not (auto and mode == "cuda"):
-                raise
-            warnings.warn(f"CUDA slot copies unavailable ({e}); using MLX updates", stacklevel=3)
-            return make("mlx")
+        return DeviceWait(self, threads=max(threads, 2), timeout_s=timeout_s, lock=self.lock)
 
     @property
     def layers(self) -> list[int]:
@@ -200,13 +179,21 @@ class FileExpertStore:
         predictor's guess, to ``call.also``) and starts the misses' reads at once; with
         ``overlap`` the resident experts' rows form a first step that needs no wait.
         """
-        if self.caches[layer].complete and not self.routing.on and not self.observers:
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        dev, free = self.device, not self.routing.on and not self.observers
+        if dev is not None:
+            dev.check()  # a failure inside an earlier token is raised here
+        if self.caches[layer].complete and free:
             self._note_device_call(layer, indices)
-            call = LayerCall(layer, lambda c, y: y, slots=self.pool(layer).lut[indices])
-            self.stats[layer].host_s += time.perf_counter() - t0
-            return call
-        return self.host.call(layer, indices, overlap, also)
+            call = LayerCall(layer, _as_is, slots=self.pool(layer).lut[indices])
+        elif dev is not None and free and dev.serves(layer, indices):
+            call = LayerCall(layer, _as_is, slots=dev.call(layer, indices))
+        else:
+            if dev is not None:
+                dev.sync()  # the policies see every device-served call first
+            return self.host.call(layer, indices, overlap, also)
+        self.stats[layer].host_s += time.perf_counter() - t0
+        return call
 
     def _note_device_call(self, layer: int, indices: mx.array) -> None:
         """Count a call served without reading the routing (all hits)."""
@@ -262,8 +249,11 @@ class FileExpertStore:
                 f"{cache.capacity - self.top_k} or raise the capacity"
             )
         self.loads.settle(layer)
+        if self.device is not None:
+            self.device.sync()
         _, misses = cache.split(ids)
-        placed = cache.reserve(misses, protect=set(ids.tolist()) | cache.pinned)
+        with self.lock:
+            placed = cache.reserve(misses, protect=set(ids.tolist()) | cache.pinned)
         self.loads.issue(layer, ids, misses, placed, prefetch=True).wait()
         cache.pinned |= set(ids.tolist())
 
@@ -278,6 +268,9 @@ class FileExpertStore:
     def reset_stats(self) -> None:
         """Zero hit/miss and I/O counters (residency, pins and recordings stay)."""
         self._pending_hits.clear()
+        if self.device is not None:
+            self.device.sync()
+            self.device.reset()
         for li in self.caches:
             self.caches[li].stats.__init__()
             self.stats[li].__init__()
@@ -316,6 +309,8 @@ class FileExpertStore:
     def layer_report(self) -> dict[int, dict]:
         """Per-layer counters: hits, misses, evictions, bytes and time read, calls."""
         self._settle_hits()
+        if self.device is not None:
+            self.device.sync()
         out = {}
         for li in self.layers:
             c = self.caches[li]
@@ -327,6 +322,7 @@ class FileExpertStore:
                 slots=c.capacity,
                 resident=c.resident,
                 pinned=len(c.pinned),
+                engine_s=self.device.engine_seconds(li) if self.device is not None else 0.0,
             )
             out[li] = d
         return out
@@ -340,12 +336,15 @@ class FileExpertStore:
         return t
 
     def close(self) -> None:
-        """Finish read-aheads and close the files."""
+        """Finish read-aheads, stop the engine, close the files."""
         for li in self.caches:
             self.loads.settle(li)
+        if self.device is not None:
+            self.device.close()
+            self.device = None
+        self.loads.close()
         self.reader.close()
 
 
-def _check_count(what: str, v) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
-        raise ExpertDirError(f"{what} must be a positive integer, got {v!r}")
+def _as_is(call: LayerCall, y: mx.array) -> mx.array:
+    return y

@@ -10,6 +10,7 @@ are in place and checked.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -18,7 +19,8 @@ import numpy as np
 import xxhash
 
 from ..format import ExpertDirError, ExpertMeta
-from ..io.reader import Done, RecordJob, RecordReader
+from ..io.native import STATUS
+from ..io.reader import Done, RecordJob, RecordReader, RecordReadError
 from .pool import LayerPool
 from .slots import SlotCache
 from .staging import Staging
@@ -70,12 +72,20 @@ class Loader:
         verify: bool,
         clear_on_evict: bool,
         before_write: Callable[[int], None],
+        lock=None,
     ):
         self.meta, self.caches, self.pools, self.reader = meta, caches, pools, reader
         self.stats, self.verify, self.clear_on_evict = stats, verify, clear_on_evict
         self._before_write = before_write  # settles lazy work reading a layer's pool
+        self._lock = lock or contextlib.nullcontext()
         self._staging: dict[int, Staging] = {}
         self._inflight: dict[int, list[Ticket]] = {li: [] for li in caches}  # read-aheads
+        self.engine = None  # (native engine, layer -> position): reads cuda pools natively
+        self._engine_calls = None
+
+    def close(self) -> None:
+        if self._engine_calls is not None:
+            self._engine_calls.shutdown(wait=True)
 
     def _stage(self, layer: int) -> Staging:
         stride = self.meta.layers[layer].stride
@@ -93,7 +103,8 @@ class Loader:
         load = misses
         if cache.capacity >= cache.num_experts:  # room for all: load the whole layer once
             load = cache.split(np.arange(cache.num_experts))[1]
-        placed = cache.reserve(np.sort(load), protect=set(experts.tolist()))
+        with self._lock:  # the policy picks victims; its thread may be folding calls
+            placed = cache.reserve(np.sort(load), protect=set(experts.tolist()))
         return self.issue(layer, experts, misses, placed, prefetch=False)
 
     def fetch(self, layer: int, experts: np.ndarray) -> int:
@@ -109,7 +120,8 @@ class Loader:
         todo = [int(e) for e in experts if cache.slot_of[e] < 0 and e not in cache.pending]
         if not todo:
             return 0
-        placed = cache.reserve(todo, protect=set(experts.tolist()), limit=limit)
+        with self._lock:
+            placed = cache.reserve(todo, protect=set(experts.tolist()), limit=limit)
         if not placed:
             return 0
         t = self.issue(layer, experts, np.array([e for e, _, _ in placed]), placed, prefetch=True)
@@ -140,6 +152,9 @@ class Loader:
         if not placed:
             return Ticket(layer, experts, misses, placed, Done(0), None, prefetch, self._finish)
         self._before_write(layer)
+        if self.engine is not None and pool.mode == "cuda":
+            fut = self._engine_read(layer, placed)
+            return Ticket(layer, experts, misses, placed, fut, None, prefetch, self._finish)
         direct = pool.mode == "host" and not self.reader.aligned
         rows = None if direct else self._stage(layer).take(len(placed))
         jobs = []
@@ -164,6 +179,32 @@ class Loader:
             jobs.append(RecordJob(e, bufs, after, copy))
         fut = self.reader.submit(layer, jobs)
         return Ticket(layer, experts, misses, placed, fut, rows, prefetch, self._finish)
+
+    def _engine_read(self, layer, placed):
+        """The native engine reads and copies (no GIL), on one helper thread so that the
+        caller can compute resident rows meanwhile."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        engine, pos = self.engine
+        if self._engine_calls is None:
+            self._engine_calls = ThreadPoolExecutor(1, thread_name_prefix="mlxs-engine")
+        experts = [e for e, _, _ in placed]
+        slots = [s for _, s, _ in placed]
+        lay = self.meta.layers[layer]
+
+        def run() -> int:
+            status = engine.read(pos[layer], experts, slots)
+            bad = [(e, int(st)) for e, st in zip(experts, status) if st]
+            if bad:
+                e, st = bad[0]
+                cls = ExpertChecksumError if st == 2 else RecordReadError
+                raise cls(
+                    f"expert {e} of layer {layer} in {self.meta.file(layer)}: "
+                    f"{STATUS[st]} ({engine.error()}); split the model again"
+                )
+            return len(placed) * lay.record_bytes
+
+        return self._engine_calls.submit(run)
 
     def _after(self, layer, expert, bufs, place):
         """Work done on the reader thread once a record has landed."""
@@ -190,6 +231,10 @@ class Loader:
         return after
 
     def _finish(self, t: Ticket) -> None:
+        with self._lock:
+            self._finish_locked(t)
+
+    def _finish_locked(self, t: Ticket) -> None:
         cache, pool, st = self.caches[t.layer], self.pools[t.layer], self.stats[t.layer]
         try:
             nbytes = t.future.result()

@@ -20,10 +20,12 @@ once every computation that read it has been evaluated (``StreamedExperts`` does
 
 from __future__ import annotations
 
+import warnings
+
 import mlx.core as mx
 import numpy as np
 
-from ..format import DTYPES, LayerLayout
+from ..format import DTYPES, ExpertDirError, LayerLayout
 from ..io import cuda
 
 MODES = ("host", "cuda", "mlx")
@@ -130,6 +132,23 @@ class LayerPool:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
 
+    def row_pointers(self) -> list[tuple[int, int]]:
+        """``(address, bytes per slot)`` of each part's slot rows, in layout order (host
+        and cuda modes: the arrays' own memory, written behind MLX's back)."""
+        return [
+            (self._rows[p.name].ctypes.data, self._rows[p.name].shape[1]) for p in self.layout.parts
+        ]
+
+    @property
+    def lut_host(self) -> np.ndarray:
+        """The host copy of the lookup table (the table itself in host mode)."""
+        return self._lut_host
+
+    @property
+    def lut_device(self) -> int:
+        """Address of the device lookup table the host copy is copied to (cuda mode)."""
+        return self._lut_dev if self.mode == "cuda" else 0
+
     # ---------------------------------------------------------------- host mode
     def record_bufs(self, slot: int) -> list[memoryview]:
         """Buffers one record's bytes fill in order: each part's slot row, with the
@@ -230,3 +249,63 @@ def cuda_self_test(pool: LayerPool) -> None:
         got = np.array(pool.arrays[p.name][0].view(mx.uint8)).reshape(-1)
         if not np.array_equal(got, row[p.offset : p.offset + p.nbytes]):
             raise RuntimeError(f"read back wrong bytes for {p.name}")
+
+
+def capacities(meta, capacity: int, layer_caps: dict | None) -> dict[int, int]:
+    """Slots per MoE layer: ``capacity``, or ``layer_caps``'s, clipped to each layer's
+    experts.
+
+    Raises:
+        ExpertDirError: a count that is not a positive integer, below top-k, or for a
+            layer that is not a MoE layer.
+    """
+    _check_count("capacity", capacity)
+    caps = {}
+    layer_caps = {int(k): v for k, v in (layer_caps or {}).items()}
+    unknown = sorted(set(layer_caps) - set(meta.layers))
+    if unknown:
+        raise ExpertDirError(
+            f"layer_caps names layers {unknown} that are not MoE layers of "
+            f"{meta.root} (MoE layers: {list(meta.moe_layers)})"
+        )
+    for li, lay in meta.layers.items():
+        c = layer_caps.get(li, capacity)
+        _check_count(f"slots for layer {li}", c)
+        if c < meta.top_k:
+            src = "layer_caps" if li in layer_caps else "capacity"
+            raise ExpertDirError(
+                f"{src} of {c} slots for layer {li} is below top_k={meta.top_k}: each token "
+                f"needs {meta.top_k} experts resident at once; use at least {meta.top_k}"
+            )
+        caps[li] = min(int(c), lay.num_experts)
+    return caps
+
+
+def make_pools(meta, caps: dict, mode: str | None, zero_slot: bool) -> dict[int, LayerPool]:
+    """The layers' pools (a layer with every expert's slot gets no zero slot); an
+    automatic ``cuda`` choice that fails its self-test (a record copied in and read back
+    through MLX) falls back to ``mlx``."""
+    auto = mode is None
+    mode = mode or default_mode()
+
+    def make(m):
+        return {
+            li: LayerPool(meta.layers[li], c, m, zero_slot and c < meta.layers[li].num_experts)
+            for li, c in caps.items()
+        }
+
+    try:
+        pools = make(mode)
+        if mode == "cuda":
+            cuda_self_test(next(iter(pools.values())))
+        return pools
+    except Exception as e:  # noqa: BLE001
+        if not (auto and mode == "cuda"):
+            raise
+        warnings.warn(f"CUDA slot copies unavailable ({e}); using MLX updates", stacklevel=3)
+        return make("mlx")
+
+
+def _check_count(what: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v <= 0:
+        raise ExpertDirError(f"{what} must be a positive integer, got {v!r}")

@@ -39,16 +39,27 @@ class SlotCache:
         self.num_experts = num_experts
         self.capacity = capacity
         self.policy = policy
+        # the tables are arrays (the native engine may fill slots in them too): a slot
+        # is free when it holds no expert and none is being loaded into it
         self.slot_of = np.full(num_experts, -1, dtype=np.int32)
         self.expert_in = np.full(capacity, -1, dtype=np.int32)
-        self._free = list(range(capacity - 1, -1, -1))
+        self.pinned_mask = np.zeros(num_experts, dtype=np.uint8)
         self.pending: dict[int, int] = {}  # expert -> slot being loaded
-        self.pinned: set[int] = set()
         self.stats = CacheStats()
 
     @property
+    def pinned(self) -> set[int]:
+        """Experts never evicted."""
+        return set(np.flatnonzero(self.pinned_mask).tolist())
+
+    @pinned.setter
+    def pinned(self, experts) -> None:
+        self.pinned_mask[:] = 0
+        self.pinned_mask[list(experts)] = 1
+
+    @property
     def resident(self) -> int:
-        return self.capacity - len(self._free) - len(self.pending)
+        return int((self.expert_in >= 0).sum()) - len(self.pending)
 
     @property
     def complete(self) -> bool:
@@ -92,7 +103,7 @@ class SlotCache:
         many (best effort, for prefetch); otherwise all or raise."""
         want = [int(e) for e in experts]
         n = len(want) if limit is None else min(len(want), limit)
-        slots = [(s, -1) for s in self._free[::-1][:n]]
+        slots = [(int(s), -1) for s in np.flatnonzero(self.expert_in < 0)[:n]]
         if len(slots) < n:
             victims = self.policy.victims(n - len(slots), protect | self.pinned)
             if len(victims) < n - len(slots) and limit is None:
@@ -107,8 +118,6 @@ class SlotCache:
                 self.slot_of[v] = -1
                 self.policy.remove(v)
                 self.stats.evictions += 1
-            else:
-                self._free.remove(s)
             self.expert_in[s] = e
             self.pending[e] = s
         return placed
@@ -125,7 +134,6 @@ class SlotCache:
         for e, s, _ in placements:
             if self.pending.pop(e, None) is not None:
                 self.expert_in[s] = -1
-                self._free.append(s)
 
     def access(self, experts: np.ndarray, n_misses: int) -> None:
         """Count one lookup of distinct ``experts`` of which ``n_misses`` missed."""

@@ -18,7 +18,8 @@ class LayerStats:
     bytes_read: int = 0
     records_read: int = 0
     read_s: float = 0.0  # time the caller waited for demand reads
-    device_calls: int = 0  # calls that read no routing on the host
+    device_calls: int = 0  # calls of a complete layer: ids remapped on the device
+    wait_calls: int = 0  # calls the GPU waited on while the engine loaded (no host sync)
     host_calls: int = 0  # calls that read the routing on the host (one sync each)
     fastpath: int = 0  # calls with every expert resident
     fallback: int = 0  # calls that loaded misses
@@ -64,7 +65,7 @@ def summarize(report: dict[int, dict]) -> dict:
     """Totals over layers of a per-layer report, with the derived rates."""
     rows = list(report.values())
     tot = {k: sum(r[k] for r in rows) for k in rows[0] if k != "slots"}
-    calls = tot["device_calls"] + tot["host_calls"]
+    calls = tot["device_calls"] + tot["wait_calls"] + tot["host_calls"]
     lookups = tot["hits"] + tot["misses"]
     tot["hit_rate"] = tot["hits"] / lookups if lookups else 0.0
     tot["host_us_per_call"] = 1e6 * tot["host_s"] / calls if calls else 0.0

@@ -115,6 +115,42 @@ def pinned(nbytes: int):
     return arr
 
 
+def mapped(nbytes: int):
+    """Page-locked host memory mapped into the device's address space
+    (``cudaHostAllocMapped``): ``(uint8 host array, device address)``. Kernels read and
+    write it over the bus; host writes become visible to a running kernel."""
+    import weakref
+
+    import numpy as np
+
+    ptr = ctypes.c_void_p()
+    _check(
+        lib().cudaHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(max(nbytes, 1)), 2),
+        "cudaHostAlloc(mapped)",
+    )
+    dev = ctypes.c_void_p()
+    _check(lib().cudaHostGetDevicePointer(ctypes.byref(dev), ptr, 0), "cudaHostGetDevicePointer")
+    raw = (ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr.value)
+    arr = np.frombuffer(raw, dtype=np.uint8, count=nbytes)
+    arr[:] = 0
+    weakref.finalize(raw, lib().cudaFreeHost, ptr)
+    return arr, dev.value
+
+
+def new_stream() -> int:
+    """A non-blocking CUDA stream (for a native thread's copies)."""
+    s = ctypes.c_void_p()
+    _check(
+        lib().cudaStreamCreateWithFlags(ctypes.byref(s), NON_BLOCKING), "cudaStreamCreateWithFlags"
+    )
+    return s.value
+
+
+def function(name: str) -> int:
+    """The address of a CUDA runtime function, for native code to call."""
+    return ctypes.cast(getattr(lib(), name), ctypes.c_void_p).value
+
+
 def _stream():
     s = getattr(_local, "stream", None)
     if s is None:

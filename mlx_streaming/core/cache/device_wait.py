@@ -1,0 +1,241 @@
+"""The device-wait path (CUDA): the host never blocks inside a decode step.
+
+Per MoE layer call, one CUDA kernel (``mx.fast.cuda_kernel``) writes the routed ids into
+a mailbox in page-locked host memory mapped into the GPU, then waits, on the GPU, until
+the native engine (``io.native``, a thread that needs no GIL) has made those experts
+resident and answered with their slots; the expert matmul then runs on the slots. The
+host queues whole tokens as stock mlx-lm does and reads nothing back. The wait is
+bounded: past the timeout the kernel gives up, flags the mailbox, and the store's next
+call raises ``StreamingError``.
+
+The engine logs each call. A Python thread folds the log into the layer's policy and
+counters and hands the policy's eviction order back to the engine as a victim queue:
+policy bookkeeping is off the critical path (the engine never waits for it; a stale
+queue only means a worse victim).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from ..io import cuda
+from ..io.native import Engine, EngineLayer
+
+MAX_ROWS = 256  # routed rows per call the mailbox carries (decode of 25 sequences, top-10)
+IDS = 16  # mailbox word where the ids start (see engine.c)
+
+KERNEL = """
+    int* box = reinterpret_cast<int*>(mb[0]);
+    volatile int* vbox = box;
+    __shared__ int seq;
+    __shared__ int ok;
+    const int t = threadIdx.x;
+    if (t == 0) {
+        seq = vbox[3] + 1;
+        ok = 1;
+    }
+    __syncthreads();
+    for (int r = t; r < R; r += blockDim.x) vbox[16 + r] = (int)ids[r];
+    __threadfence_system();
+    __syncthreads();
+    if (t == 0) {
+        vbox[1] = layer[0];
+        vbox[2] = R;
+        __threadfence_system();
+        vbox[0] = seq;
+        __threadfence_system();
+        unsigned long long start, now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+        while (vbox[3] != seq) {
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+            if (now - start > (unsigned long long)TIMEOUT_MS * 1000000ULL) {
+                ok = 0;
+                vbox[5] = seq;
+                break;
+            }
+            __nanosleep(128);
+        }
+        __threadfence_system();
+        if (ok && vbox[4] != 0) ok = 0;
+    }
+    __syncthreads();
+    for (int r = t; r < R; r += blockDim.x) slots[r] = ok ? vbox[16 + MAXR + r] : 0;
+"""
+
+
+class StreamingError(RuntimeError):
+    """Streaming failed inside a token (a read, a checksum, or a GPU wait that timed out)."""
+
+
+class DeviceWait:
+    """Serves decode calls of a store's layers through the mailbox and the engine."""
+
+    def __init__(
+        self,
+        store,
+        threads: int = 8,
+        timeout_s: float = 10.0,
+        queue: int = 64,
+        lock: threading.RLock | None = None,
+    ):
+        self.store, self.timeout_ms = store, int(timeout_s * 1000)
+        self.lock = lock or threading.RLock()
+        self.pos = {li: i for i, li in enumerate(store.layers)}
+        self._fds = []
+        layers = []
+        for li in store.layers:
+            lay, cache, pool = store.meta.layers[li], store.caches[li], store.pool(li)
+            flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if store.reader.aligned else 0)
+            fd = os.open(store.meta.file(li), flags)
+            self._fds.append(fd)
+            rows = pool.row_pointers()
+            sums = (
+                np.array([int(c, 16) for c in lay.checksums], np.uint64)
+                if store.verify and lay.checksums
+                else None
+            )
+            el = EngineLayer(
+                fd,
+                lay,
+                cache.capacity,
+                cache.slot_of,
+                cache.expert_in,
+                [a for a, _ in rows],
+                [b for _, b in rows],
+                pool.lut_host,
+                pool.lut_device,
+                sums,
+                queue,
+                owner=pool,
+            )
+            el.pinned = cache.pinned_mask  # shared: pins made later reach the engine
+            layers.append(el)
+        self.engine = Engine(layers, threads=threads, max_rows=MAX_ROWS, cuda=cuda)
+        box, dev = cuda.mapped(4 * (IDS + 2 * MAX_ROWS))
+        self.box = box.view(np.int32)
+        self.engine.start(self.box.ctypes.data)
+        self._mb = mx.array(np.array([dev], np.uint64))
+        self._layer = {li: mx.array(np.array([p], np.int32)) for li, p in self.pos.items()}
+        self._kernel = mx.fast.cuda_kernel(
+            name="mlxs_wait_for_slots",
+            input_names=["ids", "mb", "layer"],
+            output_names=["slots"],
+            source=KERNEL,
+        )
+        for li in store.layers:
+            self._queue(li)
+        self._stop = threading.Event()
+        self._seen = 0
+        self._thread = threading.Thread(target=self._fold_loop, name="mlxs-policy", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ the call
+    def serves(self, layer: int, indices: mx.array) -> bool:
+        """Whether this call can be served on the device: few enough rows, all fitting
+        in the pool beside its pins."""
+        cache = self.store.caches[layer]
+        return indices.size <= min(MAX_ROWS, cache.capacity - int(cache.pinned_mask.sum()))
+
+    def call(self, layer: int, indices: mx.array) -> mx.array:
+        """The slots of ``indices``, as a lazy array the GPU fills once they are resident."""
+        self.check()
+        n = indices.size
+        threads = min(1024, max(32, -(-n // 32) * 32))
+        out = self._kernel(
+            inputs=[indices.reshape(-1), self._mb, self._layer[layer]],
+            template=[("R", n), ("MAXR", MAX_ROWS), ("TIMEOUT_MS", self.timeout_ms)],
+            grid=(threads, 1, 1),
+            threadgroup=(threads, 1, 1),
+            output_shapes=[(n,)],
+            output_dtypes=[mx.int32],
+        )[0]
+        return out.reshape(indices.shape)
+
+    def check(self) -> None:
+        """Raise what went wrong inside earlier tokens, if anything did."""
+        err = self.engine.error()
+        if self.box[5]:
+            err = (
+                f"a GPU wait for expert slots timed out after {self.timeout_ms} ms (call "
+                f"{int(self.box[5])}): the engine stopped answering{': ' + err if err else ''}"
+            )
+        if err:
+            raise StreamingError(
+                f"expert streaming failed: {err}; the tokens generated "
+                "since then are not to be trusted: reload the model"
+            )
+
+    # ------------------------------------------------------------ the policy, off the path
+    def _fold_loop(self) -> None:
+        while not self._stop.is_set():
+            if self.engine.wait_log(self._seen, 20000):
+                self.sync()
+
+    def sync(self) -> None:
+        """Fold the engine's log into the policies and counters, and refresh the victim
+        queues of the layers it touched."""
+        with self.lock:
+            calls, dropped = self.engine.drain()
+            self._seen = int(self.engine.log_state[0])
+            touched = set()
+            layers = self.store.layers
+            for pos, used, placed, nbytes in calls:
+                li = layers[pos]
+                cache, st = self.store.caches[li], self.store.stats[li]
+                for e, _, v in placed.tolist():
+                    if v >= 0:
+                        cache.policy.remove(v)
+                        cache.stats.evictions += 1
+                    if e >= 0:
+                        cache.policy.insert(e)
+                cache.access(used, len(placed))
+                st.wait_calls += 1
+                st.bytes_read += nbytes
+                st.records_read += nbytes // self.store.meta.layers[li].record_bytes
+                if len(placed):
+                    st.fallback += 1
+                else:
+                    st.fastpath += 1
+                touched.add(li)
+            if dropped:  # the ring overflowed: rebuild the policies from the tables
+                self.engine.log_state[2] = 0
+                for li in layers:
+                    self._rebuild(li)
+                touched = set(layers)
+            for li in touched:
+                self._queue(li)
+
+    def _queue(self, layer: int) -> None:
+        cache = self.store.caches[layer]
+        order = cache.policy.victims(len(self.engine.layers[0].victims), cache.pinned)
+        self.engine.layers[self.pos[layer]].queue_victims(order)
+
+    def _rebuild(self, layer: int) -> None:
+        from .policy import make_policy
+
+        cache = self.store.caches[layer]
+        cache.policy = make_policy(self.store.policy_name, cache.num_experts, cache.capacity)
+        for e in np.flatnonzero(cache.slot_of >= 0):
+            cache.policy.insert(int(e))
+
+    def engine_seconds(self, layer: int) -> float:
+        """Time the engine spent serving ``layer``'s calls (the GPU waited as long)."""
+        return float(self.engine.layers[self.pos[layer]].counters[6]) / 1e9
+
+    def reset(self) -> None:
+        for lay in self.engine.layers:
+            lay.counters[:] = 0
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.engine.close()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        time.sleep(0)
