@@ -60,6 +60,7 @@ def load(
     pool_mode: str | None = None,
     record: bool = False,
     clear_on_evict: bool = False,
+    device_wait: bool | str | None = None,
     cache_limit_gb: float | None = None,
     options: StreamOptions | None = None,
     progress: bool | None = None,
@@ -79,8 +80,8 @@ def load(
         policy: Eviction policy.
         pool_profile: True: use ``expert_dir/pool_profile.json`` when present (or
             ``EXPERT_POOL_PROFILE``); a path: that profile; None/False: no profile.
-        threads, direct_io, verify, pool_mode, record, clear_on_evict: Store options
-            (see ``FileExpertStore``).
+        threads, direct_io, verify, pool_mode, record, clear_on_evict, device_wait:
+            Store options (see ``FileExpertStore``).
         cache_limit_gb: Cap on MLX's cache of freed buffers (default: 5% of the pools,
             at least 32 MB; ``mx.set_cache_limit``); see ``memory_plan``.
         options: ``StreamOptions`` (overlap, prefetch, rows, kernel check...).
@@ -113,6 +114,7 @@ def load(
         direct_io=direct_io,
         verify=verify,
         pool_mode=pool_mode,
+        device_wait=device_wait,
     )
     options = options or StreamOptions()
     if options.kernel_cache is None:

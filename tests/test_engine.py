@@ -32,11 +32,18 @@ def make(meta, capacity, checksums=True, threads=3, **kw):
         pool = HostPool(lay, capacity)
         fd = os.open(meta.file(li), os.O_RDONLY)
         sums = np.array([int(c, 16) for c in lay.checksums], np.uint64) if checksums else None
-        layers.append(EngineLayer(
-            fd, lay, capacity, np.full(lay.num_experts, -1, np.int32),
-            np.full(capacity, -1, np.int32),
-            [pool.parts[p.name].ctypes.data for p in lay.parts],
-            [pool.parts[p.name].shape[1] for p in lay.parts], checksums=sums))
+        layers.append(
+            EngineLayer(
+                fd,
+                lay,
+                capacity,
+                np.full(lay.num_experts, -1, np.int32),
+                np.full(capacity, -1, np.int32),
+                [pool.parts[p.name].ctypes.data for p in lay.parts],
+                [pool.parts[p.name].shape[1] for p in lay.parts],
+                checksums=sums,
+            )
+        )
         pools.append(pool)
         fds.append(fd)
     return Engine(layers, threads=threads, max_rows=MAX_ROWS, **kw), pools, fds
@@ -57,7 +64,7 @@ def check_slots(meta, eng, pools, pos):
         assert L.expert_in[s] == e
         rec = record(meta, li, e)
         for p in lay.parts:
-            assert np.array_equal(pools[pos].parts[p.name][s], rec[p.offset:p.offset + p.nbytes])
+            assert np.array_equal(pools[pos].parts[p.name][s], rec[p.offset : p.offset + p.nbytes])
 
 
 def test_serve_reads_evicts_and_logs(models):
@@ -128,19 +135,20 @@ def test_mailbox_loop_answers_a_kernel_like_caller(models):
         for seq in range(1, 41):
             pos = seq % len(meta.layers)
             ids = rng.choice(meta.num_experts, meta.top_k, replace=False)
-            box[16:16 + len(ids)] = ids
+            box[16 : 16 + len(ids)] = ids
             box[1], box[2] = pos, len(ids)
             box[0] = seq
             while box[3] != seq:
                 pass
-            answers.append((pos, ids, box[16 + MAX_ROWS:16 + MAX_ROWS + len(ids)].copy(),
-                            int(box[4])))
+            answers.append(
+                (pos, ids, box[16 + MAX_ROWS : 16 + MAX_ROWS + len(ids)].copy(), int(box[4]))
+            )
 
     t = threading.Thread(target=gpu)
     t.start()
     t.join(timeout=60)
     assert not t.is_alive() and len(answers) == 40
-    for pos, ids, slots, status in answers[-len(meta.layers):]:
+    for pos, ids, slots, status in answers[-len(meta.layers) :]:
         assert status == 0
         assert np.array_equal(slots, eng.layers[pos].slot_of[ids])
     for pos in range(len(meta.layers)):

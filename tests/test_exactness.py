@@ -72,6 +72,13 @@ CONFIGS = {
         "zero_slot": True,
         "options": StreamOptions(rows="masked"),
     },
+    "engine_host": lambda m: {"capacity": m.top_k + 1, "device_wait": "host"},
+    "engine_host_masked": lambda m: {
+        "capacity": 2 * m.top_k,
+        "device_wait": "host",
+        "zero_slot": True,
+        "options": StreamOptions(rows="masked"),
+    },
     "prefetch": lambda m: {
         "capacity": 2 * m.top_k,
         "options": StreamOptions(prefetch=True, prefetch_extra=1),

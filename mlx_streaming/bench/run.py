@@ -58,6 +58,7 @@ class BenchConfig:
     direct_io: bool = False
     verify: bool = True
     pool_mode: str | None = None
+    device_wait: bool | str | None = None  # the engine-served path (None: auto)
     options: StreamOptions = field(default_factory=StreamOptions)
     predictor: str = "router"  # or "transition" (learned from the routing trace)
     routing_trace: str | None = None
@@ -171,6 +172,7 @@ def open_model(cfg: BenchConfig):
         pool_mode=cfg.pool_mode,
         record=cfg.pin_hot > 0,
         clear_on_evict=cfg.clear_on_evict,
+        device_wait=cfg.device_wait,
         cache_limit_gb=cfg.cache_gb,
         options=options,
     )

@@ -123,6 +123,14 @@ def add_store_args(p: argparse.ArgumentParser, several: bool = False) -> None:
         help="skip the start-up kernel self-test on GPUs (bit-exactness then "
         "rests on the kernel rule alone)",
     )
+    g.add_argument(
+        "--device-wait",
+        choices=["auto", "kernel", "host", "off"],
+        default="auto",
+        help="serve decode calls with the native engine: kernel (CUDA: the GPU waits, the "
+        "host never blocks), host (the host reads the routing, the engine serves), off "
+        "(the Python host path); auto: kernel on CUDA",
+    )
 
 
 def stream_options(a: argparse.Namespace) -> StreamOptions:
@@ -146,5 +154,10 @@ def load_kwargs(a: argparse.Namespace) -> dict:
         pool_mode=a.pool_mode,
         clear_on_evict=a.clear_on_evict,
         cache_limit_gb=a.cache_limit_gb,
+        device_wait=device_wait(a),
         options=stream_options(a),
     )
+
+
+def device_wait(a: argparse.Namespace) -> bool | str | None:
+    return {"auto": None, "off": False}.get(a.device_wait, a.device_wait)

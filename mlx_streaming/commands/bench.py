@@ -8,7 +8,14 @@ import sys
 
 from ..bench.run import DEFAULT_PROMPT, BenchConfig, run_bench
 from ..config import PREFILL_CHUNK
-from ._args import add_store_args, nonneg_int, positive_float, positive_int, stream_options
+from ._args import (
+    add_store_args,
+    device_wait,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    stream_options,
+)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -132,7 +139,7 @@ def main(argv=None) -> None:
     kw = {k: getattr(a, k) for k in CONFIG_FLAGS}
     if kw["cache_gb"] is None:
         kw["cache_gb"] = a.cache_limit_gb
-    kw.update(options=stream_options(a), memory_series=bool(a.report))
+    kw.update(options=stream_options(a), memory_series=bool(a.report), device_wait=device_wait(a))
     sizes = [{"slots": s, "budget_gb": None} for s in a.slots or []] + [
         {"slots": None, "budget_gb": g} for g in a.budget_gb or []
     ]

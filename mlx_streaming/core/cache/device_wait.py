@@ -1,12 +1,17 @@
-"""The device-wait path (CUDA): the host never blocks inside a decode step.
+"""Layer calls served by the native engine: the device-wait path and its host twin.
 
-Per MoE layer call, one CUDA kernel (``mx.fast.cuda_kernel``) writes the routed ids into
-a mailbox in page-locked host memory mapped into the GPU, then waits, on the GPU, until
-the native engine (``io.native``, a thread that needs no GIL) has made those experts
-resident and answered with their slots; the expert matmul then runs on the slots. The
-host queues whole tokens as stock mlx-lm does and reads nothing back. The wait is
-bounded: past the timeout the kernel gives up, flags the mailbox, and the store's next
-call raises ``StreamingError``.
+``kernel`` transport (CUDA): the host never blocks inside a decode step. Per MoE layer
+call, one CUDA kernel (``mx.fast.cuda_kernel``) writes the routed ids into a mailbox in
+page-locked host memory mapped into the GPU, then waits, on the GPU, until the native
+engine (``io.native``, a thread that needs no GIL) has made those experts resident and
+answered with their slots; the expert matmul then runs on the slots. The host queues
+whole tokens as stock mlx-lm does and reads nothing back. The wait is bounded: past the
+timeout the kernel gives up, flags the mailbox, and the store's next call raises
+``StreamingError``.
+
+``host`` transport (any backend): the host reads the routing (one sync, as the host path
+does) and the engine serves the call at once: the same engine, tables and policy fold,
+with the Python bookkeeping of the host path off the critical path.
 
 The engine logs each call. A Python thread folds the log into the layer's policy and
 counters and hands the policy's eviction order back to the engine as a victim queue:
@@ -73,17 +78,31 @@ class StreamingError(RuntimeError):
 
 
 class DeviceWait:
-    """Serves decode calls of a store's layers through the mailbox and the engine."""
+    """Serves decode calls of a store's layers through the engine.
+
+    Args:
+        store: The ``FileExpertStore`` whose tables, pools and policies it shares.
+        transport: ``kernel`` (CUDA: the GPU waits) or ``host`` (the host reads the
+            routing, the engine serves at once).
+        threads: The engine's worker threads.
+        timeout_s: Longest a GPU waits for one call's experts.
+        queue: Length of the victim queue handed to the engine per layer.
+        lock: Guards the policies against the store's own use of them.
+    """
 
     def __init__(
         self,
         store,
+        transport: str = "kernel",
         threads: int = 8,
         timeout_s: float = 10.0,
         queue: int = 64,
         lock: threading.RLock | None = None,
     ):
-        self.store, self.timeout_ms = store, int(timeout_s * 1000)
+        if transport not in ("kernel", "host"):
+            raise ValueError(f"transport must be 'kernel' or 'host', got {transport!r}")
+        self.store, self.transport = store, transport
+        self.timeout_ms = int(timeout_s * 1000)
         self.lock = lock or threading.RLock()
         self.pos = {li: i for i, li in enumerate(store.layers)}
         self._fds = []
@@ -115,18 +134,25 @@ class DeviceWait:
             )
             el.pinned = cache.pinned_mask  # shared: pins made later reach the engine
             layers.append(el)
-        self.engine = Engine(layers, threads=threads, max_rows=MAX_ROWS, cuda=cuda)
-        box, dev = cuda.mapped(4 * (IDS + 2 * MAX_ROWS))
-        self.box = box.view(np.int32)
-        self.engine.start(self.box.ctypes.data)
-        self._mb = mx.array(np.array([dev], np.uint64))
-        self._layer = {li: mx.array(np.array([p], np.int32)) for li, p in self.pos.items()}
-        self._kernel = mx.fast.cuda_kernel(
-            name="mlxs_wait_for_slots",
-            input_names=["ids", "mb", "layer"],
-            output_names=["slots"],
-            source=KERNEL,
+        on_cuda = store.pool_mode == "cuda"
+        self.engine = Engine(
+            layers, threads=threads, max_rows=MAX_ROWS, cuda=cuda if on_cuda else None
         )
+        if transport == "kernel":
+            box, dev = cuda.mapped(4 * (IDS + 2 * MAX_ROWS))
+            self.box = box.view(np.int32)
+            self.engine.start(self.box.ctypes.data)
+            self._mb = mx.array(np.array([dev], np.uint64))
+            self._layer = {li: mx.array(np.array([p], np.int32)) for li, p in self.pos.items()}
+            self._kernel = mx.fast.cuda_kernel(
+                name="mlxs_wait_for_slots",
+                input_names=["ids", "mb", "layer"],
+                output_names=["slots"],
+                source=KERNEL,
+            )
+        else:
+            self.box = np.zeros(IDS, np.int32)  # no mailbox: nothing waits on a GPU
+            self.engine.start(None)
         for li in store.layers:
             self._queue(li)
         self._stop = threading.Event()
@@ -136,14 +162,23 @@ class DeviceWait:
 
     # ------------------------------------------------------------ the call
     def serves(self, layer: int, indices: mx.array) -> bool:
-        """Whether this call can be served on the device: few enough rows, all fitting
-        in the pool beside its pins."""
+        """Whether the engine can serve this call: few enough rows, all fitting in the
+        pool beside its pins."""
         cache = self.store.caches[layer]
         return indices.size <= min(MAX_ROWS, cache.capacity - int(cache.pinned_mask.sum()))
 
     def call(self, layer: int, indices: mx.array) -> mx.array:
-        """The slots of ``indices``, as a lazy array the GPU fills once they are resident."""
+        """The slots of ``indices``: with the kernel transport a lazy array the GPU fills
+        once they are resident; with the host transport, once the engine served them."""
         self.check()
+        if self.transport == "host":
+            t0 = time.perf_counter()
+            ids = np.array(indices)  # the host transport's one sync
+            self.store.stats[layer].sync_s += time.perf_counter() - t0
+            status, slots = self.engine.serve(self.pos[layer], ids)
+            if status:
+                self.check()
+            return mx.array(slots.reshape(indices.shape))
         n = indices.size
         threads = min(1024, max(32, -(-n // 32) * 32))
         out = self._kernel(

@@ -53,6 +53,11 @@ class FileExpertStore:
             all-zero slot, which masked rows need (default: off the CPU, where masked
             rows are the default). A layer with every expert's slot never has one, so
             its arrays have stock's expert count (and MLX picks stock's kernels).
+        device_wait: Serve small calls (decode) with the native engine: ``kernel``
+            (CUDA: a kernel posts the routing and the GPU waits, the host never
+            blocks), ``host`` (the host reads the routing, the engine serves), False
+            (the Python host path). None: ``kernel`` on CUDA when the engine builds.
+        wait_timeout_s: Longest a GPU waits for one call's experts before the call fails.
 
     Raises:
         ExpertDirError: missing or invalid directory, or a capacity below top-k.
@@ -72,7 +77,7 @@ class FileExpertStore:
         verify: bool = True,
         pool_mode: str | None = None,
         zero_slot: bool | None = None,
-        device_wait: bool | None = None,
+        device_wait: bool | str | None = None,
         wait_timeout_s: float = 10.0,
     ):
         meta = expert_dir if isinstance(expert_dir, ExpertMeta) else load_meta(expert_dir)
@@ -126,27 +131,29 @@ class FileExpertStore:
             self.loads.engine = (self.device.engine, self.device.pos)
 
     # ------------------------------------------------------------ set-up
-    def _device_wait(self, want: bool | None, threads: int, timeout_s: float):
-        """The device-wait path where it can run: CUDA pools and the native engine."""
-        if want is False:
+    def _device_wait(self, want: bool | str | None, threads: int, timeout_s: float):
+        """The engine-served path: ``kernel`` (the GPU waits; CUDA pools), ``host`` (the
+        host reads the routing, the engine serves); None: ``kernel`` where it can run."""
+        if want is False or (want is None and self.pool_mode != "cuda"):
             return None
         from ..io.native import engine_library, why_unavailable
 
-        ok = self.pool_mode == "cuda" and engine_library() is not None
-        if not ok:
-            if want:
-                why = (
-                    f"pool mode is {self.pool_mode!r}, not 'cuda'"
-                    if self.pool_mode != "cuda"
-                    else f"the native engine is unavailable ({why_unavailable()})"
-                )
-                raise ExpertDirError(
-                    f"device_wait=True needs MLX's CUDA backend and the native engine: {why}"
-                )
-            return None
+        transport = "kernel" if want in (None, True) else want
+        need = ("cuda",) if transport == "kernel" else ("host", "cuda")
+        why = None
+        if self.pool_mode not in need:
+            why = f"pool mode {self.pool_mode!r} (the {transport} transport needs {need})"
+        elif engine_library() is None:
+            why = f"the native engine is unavailable ({why_unavailable()})"
+        if why is not None:
+            if want is None:
+                return None
+            raise ExpertDirError(f"device_wait={want!r} cannot run here: {why}")
         from .device_wait import DeviceWait
 
-        return DeviceWait(self, threads=max(threads, 2), timeout_s=timeout_s, lock=self.lock)
+        return DeviceWait(
+            self, transport, threads=max(threads, 2), timeout_s=timeout_s, lock=self.lock
+        )
 
     @property
     def layers(self) -> list[int]:
