@@ -1,38 +1,43 @@
 #!/usr/bin/env bash
-# GPU benchmarks on the H200 device machine, after MLX's CUDA build is installed
+# The GPU runs, on the H200 device machine, after MLX's CUDA build is installed
 # (../shared/device/mlx-cuda/README.md). Results go to $OUT (or /tmp/mlxs-out).
-#   bash benchmarks/gpu_suite.sh dsv2            DeepSeek-V2-Lite shape, full width, its trace:
-#                                                resident parity, 50/25/12.5% warm, prefill
-#   bash benchmarks/gpu_suite.sh dsv2-cold       50/25% with a cold page cache, memory-limited
-#   bash benchmarks/gpu_suite.sh dsv2-prefetch   50/25% warm with read-ahead
-#   bash benchmarks/gpu_suite.sh qwen3next       Qwen3-Next-80B-A3B expert shape, own routing
-# Several suites may run in one call: bash benchmarks/gpu_suite.sh dsv2 dsv2-prefetch
-# TRACE names the DeepSeek-V2-Lite trace (default .gpu/deepseek-v2-lite.npz).
+#   bash benchmarks/gpu_suite.sh tests      the cuda-marked tests (exactness, self-test, verify,
+#                                           the device-wait kernel and its timeout)
+#   bash benchmarks/gpu_suite.sh speed      DeepSeek-V2-Lite shape at full width, its real routing:
+#                                           stock and streamed alternating at 100/50/25/12.5%,
+#                                           warm and cold, 32-token prompt, 96 decode tokens;
+#                                           prefill of 2048 tokens at 25%
+#   bash benchmarks/gpu_suite.sh compare    50% and 25% warm: the host path (no engine) and
+#                                           the LRU policy, beside the default
+#   bash benchmarks/gpu_suite.sh probe      the primitives and the host-time profile
+# Several suites may run in one call. TRACE names the DeepSeek-V2-Lite trace
+# (default .gpu/deepseek-v2-lite.npz, copied from ../shared/traces).
 set -u
 export PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false
 out=${OUT:-/tmp/mlxs-out}
 mkdir -p "$out"
 work=/tmp/mlxs
 trace=${TRACE:-.gpu/deepseek-v2-lite.npz}
-limit=${LIMIT:-560}
+limit=${LIMIT:-540}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt"
-run() {  # name, args...
+speed() {  # name, args...
   local name=$1; shift
-  timeout "$limit" python3 benchmarks/speed.py --workdir $work --threads 8 \
-    --json "$out/speed-gpu-$name.json" "$@" 2>&1 | grep -v "PyTorch was not found" \
-    | tee "$out/speed-gpu-$name.log"
+  timeout "$limit" python3 benchmarks/speed.py --workdir $work --threads 8 --preset dsv2-lite \
+    --trace "$trace" --tokens 96 --prompt-tokens 32 --json "$out/speed-$name.json" "$@" 2>&1 \
+    | grep -v "PyTorch was not found" | tee "$out/speed-$name.log" | grep -v "^{" | tail -5
 }
 for suite in "$@"; do
 case "$suite" in
-  dsv2) run dsv2 --preset dsv2-lite --trace "$trace" --residency 1,0.5,0.25,0.125 \
-          --cold warm --tokens 32 --repeat 3 --prefill-tokens 512 --prefill-residency 0.25 \
-          --prefill-chunk 512 ;;
-  dsv2-cold) run dsv2-cold --preset dsv2-lite --trace "$trace" --residency 0.5,0.25 \
-          --cold cold --tokens 32 --repeat 3 --prefill-tokens 0 --limited-residency 0.25 ;;
-  dsv2-prefetch) run dsv2-prefetch --preset dsv2-lite --trace "$trace" --residency 0.5,0.25 \
-          --cold warm --tokens 32 --repeat 3 --prefill-tokens 0 --prefetch ;;
-  qwen3next) run qwen3next --preset qwen3-next-80b-shape --num-layers 10 --trace none \
-          --residency 1,0.5,0.25 --cold warm --tokens 32 --repeat 3 --prefill-tokens 0 ;;
+  tests) timeout "$limit" python3 -m pytest -q -m cuda tests/test_cuda.py 2>&1 \
+           | tee "$out/tests-cuda.log" | tail -15 ;;
+  speed) speed gpu-dsv2 --residency 1,0.5,0.25,0.125 --cold both --repeat 3 \
+           --prefill-tokens 2048 --prefill-residency 0.25 --prefill-chunk 2048 ;;
+  compare) speed gpu-dsv2-hostpath --residency 0.5,0.25 --cold warm --repeat 3 \
+             --prefill-tokens 0 --device-wait off
+           speed gpu-dsv2-lru --residency 0.5,0.25 --cold warm --repeat 3 \
+             --prefill-tokens 0 --policy lru ;;
+  probe) timeout "$limit" python3 benchmarks/gpu.py --workdir $work --preset dsv2-lite \
+           --trace "$trace" --probe --json "$out/gpu-probe.json" 2>&1 | tail -5 ;;
   *) echo "unknown suite $suite" >&2; exit 2 ;;
 esac
 done

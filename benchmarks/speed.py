@@ -43,7 +43,8 @@ from harness import (
 def main():
     p = parser(__doc__, workdir="scratch/speed")
     p.add_argument("--residency", default="1,0.5,0.25,0.125")
-    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=32, help="decode tokens per run")
+    p.add_argument("--prompt-tokens", type=int, help="cut or repeat the prompt to this length")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--cold", default="both", choices=["warm", "cold", "both"])
     p.add_argument("--threads", type=int, default=4)
@@ -62,10 +63,21 @@ def main():
     p.add_argument("--policy")
     p.add_argument("--pool-mode")
     p.add_argument("--no-verify", action="store_true")
+    p.add_argument(
+        "--device-wait",
+        choices=["auto", "kernel", "host", "off"],
+        default="auto",
+        help="how decode calls are served (see mlx_streaming.load)",
+    )
     a = p.parse_args()
 
     from mlx_streaming.analysis.verify import compare_traces, greedy_trace
-    from mlx_streaming.bench.measure import bounds, drop_page_cache, measure_read_gbps
+    from mlx_streaming.bench.measure import (
+        bounds,
+        drop_page_cache,
+        measure_h2d_gbps,
+        measure_read_gbps,
+    )
     from mlx_streaming.core.prefetch.patch import StreamOptions
     from mlx_streaming.core.prefetch.predictor import TransitionPredictor
 
@@ -76,6 +88,8 @@ def main():
     log(f"built/split in {time.perf_counter() - t0:.0f}s")
     ref, tok, ref_routing = stock(ck, trace, start)
     ids = tok.encode(PROMPT)
+    if a.prompt_tokens:
+        ids = (ids * (a.prompt_tokens // len(ids) + 1))[: a.prompt_tokens]
     opts = StreamOptions(
         overlap=a.overlap,
         prefetch=a.prefetch,
@@ -88,15 +102,17 @@ def main():
         "verify": not a.no_verify,
         "options": opts,
         "pool_mode": a.pool_mode,
+        "device_wait": {"auto": None, "off": False}.get(a.device_wait, a.device_wait),
     }
     if a.policy:
         load_kw["policy"] = a.policy
 
     decode_run(ref, tok, ids, a.tokens)  # warm up stock (compiles kernels)
-    gbps = {
-        "warm": measure_read_gbps(meta, a.threads, False, cold=False),
-        "cold": measure_read_gbps(meta, a.threads, False, cold=True),
+    h2d = measure_h2d_gbps()  # on a GPU the copy bounds the read path too
+    read = {
+        t: measure_read_gbps(meta, a.threads, False, cold=t == "cold") for t in ("warm", "cold")
     }
+    gbps = {t: min(v, h2d or v) for t, v in read.items()}
     configs = []
     for r in [float(x) for x in a.residency.split(",")]:
         temps = (
@@ -117,9 +133,11 @@ def main():
             if temp == "cold":
                 drop_page_cache(files)
             store.reset_stats()
+            t1 = time.perf_counter()
             tps, _, n = decode_run(model, tok, ids, a.tokens)
+            wall = time.perf_counter() - t1
             s_runs.append(tps)
-            per_run.append({**store.totals(), "tokens": n + len(ids)})
+            per_run.append({**store.totals(), "tokens": n + len(ids), "wall_s": wall})
         rewind(start, ref_routing, routing)  # exactness: the same trace position for both
         want = greedy_trace(ref, ids, 16)
         rewind(start, ref_routing, routing)
@@ -135,10 +153,16 @@ def main():
                 "prefetch_used",
                 "prefetch_on_time",
                 "host_s",
+                "sync_s",
+                "read_s",
+                "engine_s",
+                "wall_s",
                 "host_calls",
                 "device_calls",
+                "wait_calls",
             )
         }
+        calls = max(1, tot["host_calls"] + tot["device_calls"] + tot["wait_calls"])
         stock_tps, tps = statistics.median(k_runs), statistics.median(s_runs)
         bpt = tot["bytes_read"] / tot["tokens"]
         rec = {
@@ -154,9 +178,13 @@ def main():
             "bytes_read_per_token": round(bpt),
             "read_gbps": round(per_run[-1]["read_gbps"], 3),
             "storage_gbps": round(gbps[temp], 3),
-            "host_us_per_layer_call": round(
-                1e6 * tot["host_s"] / max(1, tot["host_calls"] + tot["device_calls"]), 1
-            ),
+            "host_us_per_layer_call": round(1e6 * tot["host_s"] / calls, 1),
+            # the host blocked inside a step (routing sync, demand reads), per layer call
+            "host_wait_us_per_layer": round(1e6 * (tot["sync_s"] + tot["read_s"]) / calls, 1),
+            # share of generation time the GPU waited on the engine (kernel transport)
+            "gpu_idle_share": round(tot["engine_s"] / tot["wall_s"], 4),
+            "engine_served_share": round(tot["wait_calls"] / calls, 4),
+            "device_wait": store.device.transport if store.device is not None else "off",
             **bounds(1 / stock_tps, bpt, gbps[temp], tps),
             "exact_vs_stock": exact,
             "pool_mode": store.pool_mode,
@@ -191,12 +219,17 @@ def main():
             "trace": a.trace,
             "trace_start": start,
             "tokens": a.tokens,
+            "prompt_tokens": len(ids),
             "repeat": a.repeat,
             "threads": a.threads,
             "prefetch": a.prefetch,
             "overlap": a.overlap,
-            "storage_gbps_warm": round(gbps["warm"], 3),
-            "storage_gbps_cold": round(gbps["cold"], 3),
+            "read_gbps_warm": round(read["warm"], 3),
+            "read_gbps_cold": round(read["cold"], 3),
+            "h2d_gbps": h2d and round(h2d, 2),
+            "bound_gbps_warm": round(gbps["warm"], 3),
+            "bound_gbps_cold": round(gbps["cold"], 3),
+            "device_wait": a.device_wait,
             "configs": out_cfgs,
             "prefill": prefill,
             "memory_limited": limited,

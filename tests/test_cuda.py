@@ -65,3 +65,44 @@ def test_verify_on_cuda(models, capsys):
     )
     assert capsys.readouterr().out.strip().endswith("exact")
     assert mx.default_device() != mx.cpu
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3_next", "tiny-deepseek_v2", "thresholds-qwen3_moe"])
+def test_kernel_wait_is_exact_and_never_syncs_in_decode(models, preset):
+    """The GPU waits for its experts (a kernel on the mailbox); the host reads no routing
+    during decode; tokens and logits equal stock's."""
+    ck, ed = models.experts(preset, dtype="bfloat16")
+    ref, tok = load(str(ck))
+    ids = tok.encode(TEXT)
+    meta = load_meta(ed)
+    want = greedy_trace(ref, ids, 24, 8)
+    for slots in (meta.top_k, 2 * meta.top_k, meta.num_experts // 2):
+        model, _, store = mlx_streaming.load(ck, ed, slots=slots, device_wait="kernel")
+        assert store.device is not None and store.device.transport == "kernel"
+        greedy_trace(model, ids[:8], 4, 8)  # prefill and a few decode steps
+        store.reset_stats()
+        cmp = compare_traces(want, greedy_trace(model, ids, 24, 8))
+        assert cmp.exact, (slots, cmp.to_json())
+        t = store.totals()
+        assert t["wait_calls"] > 0 and t["misses"] > 0 and t["bytes_read"] > 0
+        store.close()
+
+
+def test_kernel_wait_times_out_with_a_clear_error(models):
+    from mlx_streaming.core.cache.device_wait import StreamingError
+
+    ck, ed = models.experts("tiny-qwen3_moe", dtype="bfloat16")
+    meta = load_meta(ed)
+    model, tok, store = mlx_streaming.load(
+        ck, ed, slots=meta.top_k, device_wait="kernel", wait_timeout_s=0.5
+    )
+    ids = tok.encode(TEXT)
+    greedy_trace(model, ids[:4], 2, 4)
+    store.device.engine.stop()  # nothing answers the GPU any more
+    import time
+
+    t0 = time.perf_counter()
+    with pytest.raises(StreamingError, match="timed out after 500 ms"):
+        greedy_trace(model, ids[:4], 4, 4)
+    assert time.perf_counter() - t0 < 60  # bounded: each wait gives up after 0.5 s
+    store.close()

@@ -83,6 +83,27 @@ def measure_read_gbps(
         reader.close()
 
 
+def measure_h2d_gbps(nbytes: int = 64 << 20, repeat: int = 5) -> float | None:
+    """Host-to-device bandwidth of ``cudaMemcpyAsync`` from page-locked memory into
+    MLX's CUDA memory (GB/s); None without a CUDA runtime."""
+    from ..core.io import cuda
+
+    if mx.default_device() == mx.cpu or not cuda.available():
+        return None
+    src = cuda.pinned(nbytes)
+    src[:] = 1
+    dst = mx.zeros((nbytes,), mx.uint8)
+    mx.eval(dst)
+    ptr = np.array(dst, copy=False).ctypes.data
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        cuda.copy_to_device(ptr, src.ctypes.data, nbytes)
+        cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
 def bounds(
     t_compute: float | None, bytes_per_token: float, gbps: float | None, decode_tps: float
 ) -> dict:

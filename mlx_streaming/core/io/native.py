@@ -307,6 +307,11 @@ class Engine:
         self.log_state[1] = tail
         return out, int(self.log_state[2])
 
+    def stop(self) -> None:
+        """Stop the threads (the engine answers nothing more; ``close`` frees it)."""
+        if not self._closed:
+            self.lib.mlxs_stop(self.handle)
+
     def error(self) -> str:
         return self.lib.mlxs_error(self.handle).decode()
 
