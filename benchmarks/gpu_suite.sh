@@ -5,8 +5,9 @@
 #                                           the device-wait kernel and its timeout)
 #   bash benchmarks/gpu_suite.sh speed      DeepSeek-V2-Lite shape at full width, its real routing:
 #                                           stock and streamed alternating at 100/50/25/12.5%,
-#                                           warm and cold, 32-token prompt, 96 decode tokens;
+#                                           warm page cache, 32-token prompt, 96 decode tokens;
 #                                           prefill of 2048 tokens at 25%
+#   bash benchmarks/gpu_suite.sh cold       the same at 50/25/12.5% with a cold page cache
 #   bash benchmarks/gpu_suite.sh compare    50% and 25% warm: the host path (no engine) and
 #                                           the LRU policy, beside the default
 #   bash benchmarks/gpu_suite.sh probe      the primitives and the host-time profile
@@ -30,8 +31,10 @@ for suite in "$@"; do
 case "$suite" in
   tests) timeout "$limit" python3 -m pytest -q -m cuda tests/test_cuda.py 2>&1 \
            | tee "$out/tests-cuda.log" | tail -15 ;;
-  speed) speed gpu-dsv2 --residency 1,0.5,0.25,0.125 --cold both --repeat 3 \
+  speed) speed gpu-dsv2 --residency 1,0.5,0.25,0.125 --cold warm --repeat 3 \
            --prefill-tokens 2048 --prefill-residency 0.25 --prefill-chunk 2048 ;;
+  cold) speed gpu-dsv2-cold --residency 0.5,0.25,0.125 --cold cold --repeat 3 \
+          --prefill-tokens 0 ;;
   compare) speed gpu-dsv2-hostpath --residency 0.5,0.25 --cold warm --repeat 3 \
              --prefill-tokens 0 --device-wait off
            speed gpu-dsv2-lru --residency 0.5,0.25 --cold warm --repeat 3 \
