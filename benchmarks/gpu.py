@@ -53,9 +53,11 @@ def probe(record_mb: float, file_gb: float, path: str) -> dict:
     if cuda.available():
         src = cuda.pinned(n)
         src[:] = host
+        from mlx_streaming.core.cache.pool import device_address
+
         dst = mx.zeros((n,), mx.uint8)
         mx.eval(dst)
-        ptr = np.array(dst, copy=False).ctypes.data
+        ptr = device_address(dst)
 
         def copy():
             cuda.copy_to_device(ptr, src.ctypes.data, n)

@@ -102,7 +102,7 @@ def test_kernel_wait_times_out_with_a_clear_error(models):
     import time
 
     t0 = time.perf_counter()
-    with pytest.raises(StreamingError, match="timed out after 500 ms"):
+    with pytest.raises(StreamingError, match="timed out after 500 ms.*the engine was"):
         greedy_trace(model, ids[:4], 4, 4)
     assert time.perf_counter() - t0 < 60  # bounded: each wait gives up after 0.5 s
     store.close()

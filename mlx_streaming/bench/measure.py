@@ -92,9 +92,11 @@ def measure_h2d_gbps(nbytes: int = 64 << 20, repeat: int = 5) -> float | None:
         return None
     src = cuda.pinned(nbytes)
     src[:] = 1
+    from ..core.cache.pool import device_address
+
     dst = mx.zeros((nbytes,), mx.uint8)
     mx.eval(dst)
-    ptr = np.array(dst, copy=False).ctypes.data
+    ptr = device_address(dst)
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()

@@ -197,12 +197,13 @@ class DeviceWait:
         if self.box[5]:
             err = (
                 f"a GPU wait for expert slots timed out after {self.timeout_ms} ms (call "
-                f"{int(self.box[5])}): the engine stopped answering{': ' + err if err else ''}"
+                f"{int(self.box[5])}); the engine was {self.engine.state()}"
+                f"{': ' + err if err else ''}"
             )
         if err:
             raise StreamingError(
-                f"expert streaming failed: {err}; the tokens generated "
-                "since then are not to be trusted: reload the model"
+                f"expert streaming failed: {err}. The tokens generated since "
+                "then are not to be trusted: reload the model"
             )
 
     # ------------------------------------------------------------ the policy, off the path

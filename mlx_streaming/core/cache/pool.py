@@ -7,9 +7,11 @@ compile once. Slots are filled without copying a pool array, in one of three way
 
 * ``host`` (unified memory: CPU, Apple GPUs): records are ``preadv``'d straight into the
   slot rows of the part arrays. Zero copies.
-* ``cuda`` (MLX's CUDA build keeps arrays in managed memory): records land in pinned host
-  buffers and the reader threads copy each piece into its slot with ``cudaMemcpyAsync``
-  as soon as it has landed.
+* ``cuda`` (MLX's CUDA build): the part arrays are plain device memory (outputs of a
+  GPU op, never read back on the host, whose addresses a one-thread kernel reports);
+  records land in page-locked host rows and are copied into their slots with
+  ``cudaMemcpyAsync``. Device memory, unlike the managed memory MLX gives arrays made
+  from host data, can be written by a copy engine while a kernel runs.
 * ``mlx`` (anywhere): records land in a staging buffer, become one MLX array (one
   host-to-device copy), and slice updates write the slots. In place only when MLX can
   donate the pool buffer, which it cannot while earlier work still holds it.
@@ -33,16 +35,13 @@ MODES = ("host", "cuda", "mlx")
 
 def default_mode() -> str:
     """``host`` where MLX memory is host memory (CPU, Metal), ``cuda`` on MLX's CUDA
-    build when the CUDA runtime is reachable and MLX's arrays are managed memory, else
-    ``mlx``."""
+    build when the CUDA runtime is reachable, else ``mlx``."""
     device = str(mx.default_device())
     if device not in _DEFAULT:  # probed once per device
         if mx.default_device() == mx.cpu or mx.metal.is_available():
             mode = "host"
         elif cuda.available():
-            probe = mx.zeros((4096,), dtype=mx.uint8)
-            mx.eval(probe)
-            mode = "cuda" if cuda.is_managed(np.array(probe, copy=False).ctypes.data) else "mlx"
+            mode = "cuda"
         else:
             mode = "mlx"
         _DEFAULT[device] = mode
@@ -92,33 +91,39 @@ class LayerPool:
         if self.mode == "cuda" and not cuda.available():
             raise ValueError("pool mode 'cuda' needs the CUDA runtime (libcudart)")
         self.arrays: dict[str, mx.array] = {}
-        self._rows: dict[str, np.ndarray] = {}  # host/cuda: byte view [slots, row_bytes]
+        self._rows: dict[str, np.ndarray] = {}  # host mode: byte view [slots, row_bytes]
+        self._dev: dict[str, tuple[int, int]] = {}  # cuda mode: (device address, row bytes)
+        n = slots + bool(zero_slot)
+        if self.mode == "cuda":
+            mx.clear_cache()  # fresh device buffers, not recycled managed ones
         for p in layout.parts:
             np_dt, mx_dt = DTYPES[p.dtype]
-            base = mx.array(np.zeros((slots + bool(zero_slot), *p.shape), dtype=np_dt))
-            arr = base.view(mx_dt) if base.dtype != mx_dt else base
-            mx.eval(arr)
+            if self.mode == "cuda":
+                arr = mx.zeros((n, *p.shape), dtype=mx_dt)
+                mx.eval(arr)
+                self._dev[p.name] = (device_address(arr), p.nbytes)
+            else:
+                base = mx.array(np.zeros((n, *p.shape), dtype=np_dt))
+                arr = base.view(mx_dt) if base.dtype != mx_dt else base
+                mx.eval(arr)
+                if self.mode == "host":
+                    self._rows[p.name] = _host_view(base)
             self.arrays[p.name] = arr
-            if self.mode != "mlx":
-                self._rows[p.name] = _host_view(base)
-        self.lut = mx.array(np.zeros(layout.num_experts, dtype=np.int32))
-        mx.eval(self.lut)
-        if self.mode == "host":
-            self._lut_host = np.array(self.lut, copy=False)
-        elif self.mode == "cuda":  # a pinned host mirror, copied over after each change
+        self._lut_dev = 0
+        if self.mode == "cuda":  # a pinned host copy, copied over after each change
+            self.lut = mx.zeros((layout.num_experts,), dtype=mx.int32)
+            mx.eval(self.lut)
+            self._lut_dev = device_address(self.lut)
             self._lut_host = cuda.pinned(4 * layout.num_experts).view(np.int32)
+            self._lut_host[:] = 0
         else:
-            self._lut_host = np.zeros(layout.num_experts, dtype=np.int32)
-        if self.mode == "cuda":
-            ptr = self._rows[layout.parts[0].name].ctypes.data
-            if not cuda.is_managed(ptr):
-                raise ValueError(
-                    "MLX's CUDA arrays are not in managed memory here; use pool mode 'mlx'"
-                )
-            # the arrays were filled on the host: touch them on the device once so that
-            # their pages live there before the first copy
-            mx.eval([a.view(mx.uint8).sum() for a in self.arrays.values()])
-            self._lut_dev = np.array(self.lut, copy=False).ctypes.data
+            self.lut = mx.array(np.zeros(layout.num_experts, dtype=np.int32))
+            mx.eval(self.lut)
+            self._lut_host = (
+                np.array(self.lut, copy=False)
+                if self.mode == "host"
+                else np.zeros(layout.num_experts, dtype=np.int32)
+            )
         pos, gap = 0, 0
         for p in layout.parts:
             gap += max(0, p.offset - pos)
@@ -133,8 +138,10 @@ class LayerPool:
         return sum(a.nbytes for a in self.arrays.values())
 
     def row_pointers(self) -> list[tuple[int, int]]:
-        """``(address, bytes per slot)`` of each part's slot rows, in layout order (host
-        and cuda modes: the arrays' own memory, written behind MLX's back)."""
+        """``(address, bytes per slot)`` of each part's slot rows, in layout order: the
+        arrays' own memory, written behind MLX's back (device addresses in cuda mode)."""
+        if self.mode == "cuda":
+            return [self._dev[p.name] for p in self.layout.parts]
         return [
             (self._rows[p.name].ctypes.data, self._rows[p.name].shape[1]) for p in self.layout.parts
         ]
@@ -177,9 +184,8 @@ class LayerPool:
         for p in self.layout.parts:
             lo, hi = max(start, p.offset), min(end, p.offset + p.nbytes)
             if lo < hi:
-                row = self._rows[p.name]
-                dst = row.ctypes.data + slot * row.shape[1] + (lo - p.offset)
-                cuda.copy_to_device(dst, src + lo, hi - lo)
+                base, row = self._dev[p.name]
+                cuda.copy_to_device(base + slot * row + (lo - p.offset), src + lo, hi - lo)
         cuda.synchronize()
 
     # ---------------------------------------------------------------- mlx mode
@@ -237,6 +243,39 @@ class LayerPool:
         }
 
 
+_ADDRESS = []  # the address kernel, built on first use
+
+
+def device_address(a: mx.array) -> int:
+    """The device address of ``a``'s buffer (CUDA), reported by a one-thread kernel: a
+    host read would move the buffer to managed memory.
+
+    Raises:
+        ValueError: the buffer is not plain device memory.
+    """
+    if not _ADDRESS:
+        _ADDRESS.append(
+            mx.fast.cuda_kernel(
+                name="mlxs_address",
+                input_names=["a"],
+                output_names=["p"],
+                source="if (threadIdx.x == 0) p[0] = (unsigned long long)(a);",
+            )
+        )
+    p = _ADDRESS[0](
+        inputs=[a],
+        grid=(1, 1, 1),
+        threadgroup=(1, 1, 1),
+        output_shapes=[(1,)],
+        output_dtypes=[mx.uint64],
+    )[0]
+    addr = int(p.item())
+    kind = cuda.memory_type(addr)
+    if kind != cuda.ATTR_DEVICE:
+        raise ValueError(f"MLX gave a pool buffer in CUDA memory of type {kind}, not device memory")
+    return addr
+
+
 def cuda_self_test(pool: LayerPool) -> None:
     """Copy a pattern into slot 0 with the CUDA path and read it back through MLX."""
     lay = pool.layout
@@ -245,10 +284,11 @@ def cuda_self_test(pool: LayerPool) -> None:
     half = lay.record_bytes // 2 + 1  # two pieces, the cut inside a part
     pool.copy_range(0, row, 0, half)
     pool.copy_range(0, row, half, lay.record_bytes)
-    for p in lay.parts:
-        got = np.array(pool.arrays[p.name][0].view(mx.uint8)).reshape(-1)
+    for p in lay.parts:  # read back a computed copy, never the pool's own buffer
+        got = np.array(pool.arrays[p.name][0].view(mx.uint8) * 1).reshape(-1)
         if not np.array_equal(got, row[p.offset : p.offset + p.nbytes]):
             raise RuntimeError(f"read back wrong bytes for {p.name}")
+    pool.copy_range(0, np.zeros(lay.stride, np.uint8), 0, lay.record_bytes)
 
 
 def capacities(meta, capacity: int, layer_caps: dict | None) -> dict[int, int]:

@@ -1,11 +1,10 @@
 """Host-to-device copies into MLX's CUDA memory, off the main thread.
 
-MLX's CUDA backend allocates arrays with ``cudaMallocManaged``: one address, valid on host
-and device. Writing a slot from the host would migrate pages back and forth, so instead
-records are read into page-locked (pinned) host buffers and copied with
-``cudaMemcpyAsync`` on a non-blocking stream per reader thread, at PCIe speed, with the
-GIL released (ctypes drops it around foreign calls). MLX never sees these copies: the
-store only marks a slot resident after its copy has been synchronized.
+Pools are plain device memory (see ``cache.pool``); records are read into page-locked
+(pinned) host buffers and copied with ``cudaMemcpyAsync`` on a non-blocking stream per
+thread, at PCIe speed, with the GIL released (ctypes drops it around foreign calls; the
+native engine calls the same functions directly). MLX never sees these copies: the store
+only marks a slot resident after its copy has been synchronized.
 
 Everything here is optional: ``available()`` is False without a CUDA runtime, and the
 store then writes slots with MLX operations instead.
@@ -24,6 +23,7 @@ _lock = threading.Lock()
 _local = threading.local()
 H2D = 1  # cudaMemcpyHostToDevice
 NON_BLOCKING = 1  # cudaStreamNonBlocking
+ATTR_DEVICE = 2  # cudaMemoryTypeDevice
 ATTR_MANAGED = 3  # cudaMemoryTypeManaged
 
 
@@ -90,12 +90,13 @@ class _PointerAttributes(ctypes.Structure):
     ]
 
 
-def is_managed(ptr: int) -> bool:
-    """Whether ``ptr`` lies in CUDA managed memory."""
+def memory_type(ptr: int) -> int:
+    """The CUDA memory type of ``ptr`` (0 unregistered host, 1 host, 2 device, 3 managed;
+    -1 when the runtime cannot tell)."""
     attrs = _PointerAttributes()
     if lib().cudaPointerGetAttributes(ctypes.byref(attrs), ctypes.c_void_p(ptr)) != 0:
-        return False
-    return attrs.type == ATTR_MANAGED
+        return -1
+    return attrs.type
 
 
 def pinned(nbytes: int):

@@ -103,6 +103,8 @@ typedef struct Engine {
   volatile int64_t *log_head, *log_tail, *log_dropped;
   char err[512];
   volatile int errcode;
+  volatile int stage;  /* where the engine is: 0 idle, 1 tables, 2 reads and copies, 3 lut copy */
+  volatile int64_t served;
 } Engine;
 
 static int64_t now_ns(void) {
@@ -338,6 +340,7 @@ static int serve(Engine *e, int layer, int n, const int32_t *ids, int32_t *slots
     if (i == 0 || used[i] != used[m - 1]) used[m++] = used[i];
   n_used = m;
   L->call_id++;
+  e->stage = 1;
   for (int i = 0; i < n_used; i++) L->stamp[used[i]] = L->call_id;
   int32_t miss_e[n_used ? n_used : 1], miss_s[n_used ? n_used : 1], victim[n_used ? n_used : 1];
   int n_miss = 0, status = ST_OK;
@@ -360,6 +363,7 @@ static int serve(Engine *e, int layer, int n, const int32_t *ids, int32_t *slots
   }
   /* read the misses into their slots */
   int32_t rstat[n_miss ? n_miss : 1];
+  e->stage = 2;
   if (status == ST_OK) status = load_records(e, layer, n_miss, miss_e, miss_s, rstat);
   int64_t nbytes = 0;
   for (int i = 0; i < n_miss && status != ST_FULL; i++) {
@@ -374,6 +378,7 @@ static int serve(Engine *e, int layer, int n, const int32_t *ids, int32_t *slots
   if (status != ST_OK)  /* slots taken for misses not read yet are freed */
     for (int i = 0; i < n_miss; i++)
       if (L->slot_of[miss_e[i]] < 0 && L->expert_in[miss_s[i]] == miss_e[i]) L->expert_in[miss_s[i]] = -1;
+  e->stage = 3;
   if (n_miss && L->lut_host && L->lut_dev && e->copy) {
     if (e->copy(L->lut_dev, L->lut_host, (size_t)L->num_experts * 4, 1, e->streams[e->n_threads]) ||
         e->sync(e->streams[e->n_threads]))
@@ -398,6 +403,8 @@ static int serve(Engine *e, int layer, int n, const int32_t *ids, int32_t *slots
   e->read_ns = 0;
   L->counters[C_BUSY_NS] += now_ns() - t0;
   log_call(e, layer, n_used, used, n_miss, miss_e, miss_s, victim, nbytes);
+  e->stage = 0;
+  e->served++;
   return status;
 }
 
@@ -569,6 +576,10 @@ void mlxs_free(Engine *e) {
 }
 
 const char *mlxs_error(Engine *e) { return e->errcode ? e->err : ""; }
+
+/* Where the engine is (see Engine.stage) and how many calls it served. */
+int mlxs_stage(Engine *e) { return e->stage; }
+int64_t mlxs_served(Engine *e) { return e->served; }
 
 /* Wait (without the GIL) until *addr differs from old, or timeout_us passes. */
 int mlxs_wait_change(volatile int64_t *addr, int64_t old, int64_t timeout_us) {

@@ -105,6 +105,10 @@ def _declare(lib) -> None:
     lib.mlxs_serve.argtypes = [P, Int, Int, P, P]
     lib.mlxs_stop.argtypes = [P]
     lib.mlxs_free.argtypes = [P]
+    lib.mlxs_stage.restype = Int
+    lib.mlxs_stage.argtypes = [P]
+    lib.mlxs_served.restype = L
+    lib.mlxs_served.argtypes = [P]
     lib.mlxs_error.restype = ctypes.c_char_p
     lib.mlxs_error.argtypes = [P]
     lib.mlxs_wait_change.restype = Int
@@ -311,6 +315,17 @@ class Engine:
         """Stop the threads (the engine answers nothing more; ``close`` frees it)."""
         if not self._closed:
             self.lib.mlxs_stop(self.handle)
+
+    def state(self) -> str:
+        """Where the engine is, for error messages."""
+        stage = self.lib.mlxs_stage(self.handle)
+        where = {
+            0: "idle",
+            1: "in the slot tables",
+            2: "reading and copying records",
+            3: "copying a lookup table",
+        }.get(stage, str(stage))
+        return f"{where}, {self.lib.mlxs_served(self.handle)} calls served"
 
     def error(self) -> str:
         return self.lib.mlxs_error(self.handle).decode()
