@@ -35,41 +35,55 @@ MAX_ROWS = 256  # routed rows per call the mailbox carries (decode of 25 sequenc
 IDS = 16  # mailbox word where the ids start (see engine.c)
 
 KERNEL = """
-    int* box = reinterpret_cast<int*>(mb[0]);
-    volatile int* vbox = box;
-    __shared__ int seq;
+    // The mailbox lives in host memory: every access to it is a system-scope load or
+    // store (never served from a GPU cache); the call number comes from a counter in
+    // device memory that only these kernels advance.
+    unsigned int* box = reinterpret_cast<unsigned int*>(mb[0]);
+    unsigned int* counter = const_cast<unsigned int*>(ctr);
+    __shared__ unsigned int seq;
     __shared__ int ok;
     const int t = threadIdx.x;
     if (t == 0) {
-        seq = vbox[3] + 1;
+        seq = atomicAdd(counter, 1u) + 1u;
         ok = 1;
     }
     __syncthreads();
-    for (int r = t; r < R; r += blockDim.x) vbox[16 + r] = (int)ids[r];
-    __threadfence_system();
+    for (int r = t; r < R; r += blockDim.x) {
+        unsigned int v = (unsigned int)ids[r];
+        asm volatile("st.relaxed.sys.global.u32 [%0], %1;" :: "l"(box + 16 + r), "r"(v) : "memory");
+    }
     __syncthreads();
     if (t == 0) {
-        vbox[1] = layer[0];
-        vbox[2] = R;
-        __threadfence_system();
-        vbox[0] = seq;
-        __threadfence_system();
+        unsigned int lay = (unsigned int)layer[0], rows = (unsigned int)R, ans = 0, st = 0, echo = 0;
+        asm volatile("st.relaxed.sys.global.u32 [%0], %1;" :: "l"(box + 1), "r"(lay) : "memory");
+        asm volatile("st.relaxed.sys.global.u32 [%0], %1;" :: "l"(box + 2), "r"(rows) : "memory");
+        asm volatile("fence.sc.sys;" ::: "memory");
+        asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(box + 0), "r"(seq) : "memory");
         unsigned long long start, now;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-        while (vbox[3] != seq) {
+        while (true) {
+            asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(ans) : "l"(box + 3) : "memory");
+            if (ans == seq) break;
             asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
             if (now - start > (unsigned long long)TIMEOUT_MS * 1000000ULL) {
                 ok = 0;
-                vbox[5] = seq;
+                asm volatile("st.relaxed.sys.global.u32 [%0], %1;" :: "l"(box + 5), "r"(seq) : "memory");
                 break;
             }
             __nanosleep(128);
         }
-        __threadfence_system();
-        if (ok && vbox[4] != 0) ok = 0;
+        if (ok) {
+            asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(st) : "l"(box + 4) : "memory");
+            asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(echo) : "l"(box + 6) : "memory");
+            if (st != 0 || echo != lay) ok = 0;
+        }
     }
     __syncthreads();
-    for (int r = t; r < R; r += blockDim.x) slots[r] = ok ? vbox[16 + MAXR + r] : 0;
+    for (int r = t; r < R; r += blockDim.x) {
+        unsigned int v = 0;
+        if (ok) asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(box + 16 + MAXR + r) : "memory");
+        slots[r] = (int)v;
+    }
 """
 
 
@@ -143,10 +157,12 @@ class DeviceWait:
             self.box = box.view(np.int32)
             self.engine.start(self.box.ctypes.data)
             self._mb = mx.array(np.array([dev], np.uint64))
+            self._counter = mx.zeros((1,), dtype=mx.uint32)  # device memory: call numbers
+            mx.eval(self._counter)
             self._layer = {li: mx.array(np.array([p], np.int32)) for li, p in self.pos.items()}
             self._kernel = mx.fast.cuda_kernel(
                 name="mlxs_wait_for_slots",
-                input_names=["ids", "mb", "layer"],
+                input_names=["ids", "mb", "layer", "ctr"],
                 output_names=["slots"],
                 source=KERNEL,
             )
@@ -182,7 +198,7 @@ class DeviceWait:
         n = indices.size
         threads = min(1024, max(32, -(-n // 32) * 32))
         out = self._kernel(
-            inputs=[indices.reshape(-1), self._mb, self._layer[layer]],
+            inputs=[indices.reshape(-1), self._mb, self._layer[layer], self._counter],
             template=[("R", n), ("MAXR", MAX_ROWS), ("TIMEOUT_MS", self.timeout_ms)],
             grid=(threads, 1, 1),
             threadgroup=(threads, 1, 1),

@@ -15,8 +15,8 @@
  * Tables are shared numpy arrays; the engine never blocks on Python.
  *
  * Mailbox layout (int32 words): [0] request seq, [1] layer, [2] rows, [3] answer seq,
- * [4] status of the answer, [5] set by a GPU that timed out; ids from word 16, slots
- * from word 16 + max_rows.
+ * [4] status of the answer, [5] set by a GPU that timed out, [6] the layer answered;
+ * ids from word 16, slots from word 16 + max_rows.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -43,6 +43,7 @@
 #define MB_ANS 3
 #define MB_STATUS 4
 #define MB_GPU_ERROR 5
+#define MB_ECHO 6
 #define MB_IDS 16
 #define MAX_PARTS 32
 #define MAX_THREADS 64
@@ -431,6 +432,7 @@ static void *loop_main(void *arg) {
     int status = serve(e, layer, n, box + MB_IDS, box + MB_IDS + e->max_rows);
     pthread_mutex_unlock(&e->work_lock);
     e->mb[MB_STATUS] = status;
+    e->mb[MB_ECHO] = layer;  /* the GPU checks it answered its own layer */
     __atomic_store_n(&e->mb[MB_ANS], seq, __ATOMIC_RELEASE);
     last = seq;
     idle_since = now_ns();
