@@ -35,9 +35,9 @@ MAX_ROWS = 256  # routed rows per call the mailbox carries (decode of 25 sequenc
 IDS = 16  # mailbox word where the ids start (see engine.c)
 
 KERNEL = """
-    // The mailbox lives in host memory: every access to it is a system-scope load or
-    // store (never served from a GPU cache); the call number comes from a counter in
-    // device memory that only these kernels advance.
+    // The request goes to the mailbox in host memory (system-scope stores); the answer
+    // comes back in device memory (ans), copied there by the engine; the call number
+    // comes from a counter in device memory that only these kernels advance.
     unsigned int* box = reinterpret_cast<unsigned int*>(mb[0]);
     unsigned int* counter = const_cast<unsigned int*>(ctr);
     __shared__ unsigned int seq;
@@ -54,16 +54,19 @@ KERNEL = """
     }
     __syncthreads();
     if (t == 0) {
-        unsigned int lay = (unsigned int)layer[0], rows = (unsigned int)R, ans = 0, st = 0, echo = 0;
+        unsigned int lay = (unsigned int)layer[0], rows = (unsigned int)R, st = 0, echo = 0;
         asm volatile("st.relaxed.sys.global.u32 [%0], %1;" :: "l"(box + 1), "r"(lay) : "memory");
         asm volatile("st.relaxed.sys.global.u32 [%0], %1;" :: "l"(box + 2), "r"(rows) : "memory");
         asm volatile("fence.sc.sys;" ::: "memory");
         asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(box + 0), "r"(seq) : "memory");
         unsigned long long start, now;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+        // the engine copies its answer into device memory (ans), the seq word last
+        const unsigned int* a = reinterpret_cast<const unsigned int*>(ans);
         while (true) {
-            asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(ans) : "l"(box + 3) : "memory");
-            if (ans == seq) break;
+            unsigned int got;
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(got) : "l"(a + MAXR + 2) : "memory");
+            if (got == seq) break;
             asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
             if (now - start > (unsigned long long)TIMEOUT_MS * 1000000ULL) {
                 ok = 0;
@@ -73,15 +76,15 @@ KERNEL = """
             __nanosleep(128);
         }
         if (ok) {
-            asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(st) : "l"(box + 4) : "memory");
-            asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(echo) : "l"(box + 6) : "memory");
+            asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(st) : "l"(a + MAXR) : "memory");
+            asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(echo) : "l"(a + MAXR + 1) : "memory");
             if (st != 0 || echo != lay) ok = 0;
         }
     }
     __syncthreads();
     for (int r = t; r < R; r += blockDim.x) {
         unsigned int v = 0;
-        if (ok) asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(box + 16 + MAXR + r) : "memory");
+        if (ok) asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(reinterpret_cast<const unsigned int*>(ans) + r) : "memory");
         slots[r] = (int)v;
     }
 """
@@ -153,16 +156,22 @@ class DeviceWait:
             layers, threads=threads, max_rows=MAX_ROWS, cuda=cuda if on_cuda else None
         )
         if transport == "kernel":
+            from .pool import device_address
+
             box, dev = cuda.mapped(4 * (IDS + 2 * MAX_ROWS))
             self.box = box.view(np.int32)
-            self.engine.start(self.box.ctypes.data)
             self._mb = mx.array(np.array([dev], np.uint64))
             self._counter = mx.zeros((1,), dtype=mx.uint32)  # device memory: call numbers
-            mx.eval(self._counter)
+            self._answer = mx.zeros((MAX_ROWS + 8,), dtype=mx.int32)  # the engine's answers
+            mx.eval(self._counter, self._answer)
+            self._answer_host = cuda.pinned(4 * (MAX_ROWS + 8)).view(np.int32)
+            self.engine.start(
+                self.box.ctypes.data, self._answer_host.ctypes.data, device_address(self._answer)
+            )
             self._layer = {li: mx.array(np.array([p], np.int32)) for li, p in self.pos.items()}
             self._kernel = mx.fast.cuda_kernel(
                 name="mlxs_wait_for_slots",
-                input_names=["ids", "mb", "layer", "ctr"],
+                input_names=["ids", "mb", "layer", "ctr", "ans"],
                 output_names=["slots"],
                 source=KERNEL,
             )
@@ -198,7 +207,7 @@ class DeviceWait:
         n = indices.size
         threads = min(1024, max(32, -(-n // 32) * 32))
         out = self._kernel(
-            inputs=[indices.reshape(-1), self._mb, self._layer[layer], self._counter],
+            inputs=[indices.reshape(-1), self._mb, self._layer[layer], self._counter, self._answer],
             template=[("R", n), ("MAXR", MAX_ROWS), ("TIMEOUT_MS", self.timeout_ms)],
             grid=(threads, 1, 1),
             threadgroup=(threads, 1, 1),

@@ -105,6 +105,8 @@ typedef struct Engine {
   char err[512];
   volatile int errcode;
   volatile int stage;  /* where the engine is: 0 idle, 1 tables, 2 reads and copies, 3 lut copy */
+  int32_t *answer_host;  /* page-locked: slots, status, echo, seq, copied to answer_dev */
+  void *answer_dev;      /* device memory the waiting kernel polls (NULL: answer in the box) */
   volatile int64_t served;
 } Engine;
 
@@ -429,10 +431,27 @@ static void *loop_main(void *arg) {
     int layer = e->mb[MB_LAYER], n = e->mb[MB_ROWS];
     int32_t *box = (int32_t *)e->mb;
     pthread_mutex_lock(&e->work_lock);
-    int status = serve(e, layer, n, box + MB_IDS, box + MB_IDS + e->max_rows);
+    if (e->answer_dev) {
+      /* answer into device memory with the copy engine: a kernel polling device memory
+       * sees it, where its reads of host memory may be served stale. The seq word goes
+       * last, in its own copy, so the slots are there when it is. */
+      int32_t *a = e->answer_host;
+      int status = serve(e, layer, n, box + MB_IDS, a);
+      a[e->max_rows] = status;
+      a[e->max_rows + 1] = layer;
+      a[e->max_rows + 2] = seq;
+      void *s = e->streams[e->n_threads];
+      char *dev = (char *)e->answer_dev;
+      if (e->copy(dev, a, (size_t)(e->max_rows + 2) * 4, 1, s) || e->sync(s) ||
+          e->copy(dev + (size_t)(e->max_rows + 2) * 4, a + e->max_rows + 2, 4, 1, s) || e->sync(s))
+        set_error(e, ST_COPY, "copy of an answer to the device failed");
+      e->mb[MB_STATUS] = status;
+    } else {
+      int status = serve(e, layer, n, box + MB_IDS, box + MB_IDS + e->max_rows);
+      e->mb[MB_STATUS] = status;
+      e->mb[MB_ECHO] = layer;  /* the GPU checks it answered its own layer */
+    }
     pthread_mutex_unlock(&e->work_lock);
-    e->mb[MB_STATUS] = status;
-    e->mb[MB_ECHO] = layer;  /* the GPU checks it answered its own layer */
     __atomic_store_n(&e->mb[MB_ANS], seq, __ATOMIC_RELEASE);
     last = seq;
     idle_since = now_ns();
@@ -520,9 +539,11 @@ void mlxs_log(Engine *e, int32_t *ring, int64_t cap, int64_t *head, int64_t *tai
   e->log_dropped = dropped;
 }
 
-int mlxs_start(Engine *e, int32_t *mailbox) {
+int mlxs_start(Engine *e, int32_t *mailbox, int32_t *answer_host, void *answer_dev) {
   if (e->started) return 0;
   e->mb = mailbox;
+  e->answer_host = answer_host;
+  e->answer_dev = answer_dev;
   for (int w = 0; w < e->n_threads; w++) {
     void **arg = malloc(2 * sizeof(void *));
     arg[0] = e;

@@ -98,7 +98,7 @@ def _declare(lib) -> None:
     lib.mlxs_layer.argtypes = [P, Int, Int, L, L, Int, Int] + [P] * 8 + [Int] + [P] * 4 + [P] * 3
     lib.mlxs_log.argtypes = [P, P, L, P, P, P]
     lib.mlxs_start.restype = Int
-    lib.mlxs_start.argtypes = [P, P]
+    lib.mlxs_start.argtypes = [P, P, P, P]
     lib.mlxs_read.restype = Int
     lib.mlxs_read.argtypes = [P, Int, Int, P, P, P]
     lib.mlxs_serve.restype = Int
@@ -272,10 +272,16 @@ class Engine:
         lib.mlxs_log(self.handle, _ptr(self.log), log_words, base, base + 8, base + 16)
         self._closed = False
 
-    def start(self, mailbox: int | None = None) -> None:
+    def start(
+        self,
+        mailbox: int | None = None,
+        answer_host: int | None = None,
+        answer_dev: int | None = None,
+    ) -> None:
         """Start the workers, and the mailbox loop when ``mailbox`` (host address) is
-        given."""
-        if self.lib.mlxs_start(self.handle, mailbox):
+        given. With ``answer_dev`` (device memory) and ``answer_host`` (page-locked), the
+        answers are copied to the device; otherwise they are written into the mailbox."""
+        if self.lib.mlxs_start(self.handle, mailbox, answer_host, answer_dev):
             raise OSError("the native engine's threads could not start")
 
     def read(self, pos: int, experts, slots) -> np.ndarray:
