@@ -161,7 +161,8 @@ class DeviceWait:
             box, dev = cuda.mapped(4 * (IDS + 2 * MAX_ROWS))
             self.box = box.view(np.int32)
             self._mb = mx.array(np.array([dev], np.uint64))
-            self._counter = mx.zeros((1,), dtype=mx.uint32)  # device memory: call numbers
+            mx.clear_cache()  # fresh device buffers, not recycled managed ones
+            self._counter = mx.zeros((1,), dtype=mx.uint32)  # call numbers
             self._answer = mx.zeros((MAX_ROWS + 8,), dtype=mx.int32)  # the engine's answers
             mx.eval(self._counter, self._answer)
             self._answer_host = cuda.pinned(4 * (MAX_ROWS + 8)).view(np.int32)
