@@ -59,14 +59,22 @@ def drop_page_cache(paths) -> None:
 
 
 def measure_read_gbps(
-    meta, threads: int, direct: bool, records: int = 64, cold: bool = False
+    meta,
+    threads: int,
+    direct: bool,
+    records: int = 64,
+    cold: bool = False,
+    engine: bool = False,
 ) -> float:
-    """Bandwidth of random whole-record reads from the expert files through the store's
-    reader (GB/s)."""
+    """Bandwidth of random whole-record reads from the expert files (GB/s), through the
+    store's Python reader, or with ``engine`` through the native engine (its reads and
+    copies into host rows)."""
     rng = np.random.default_rng(1)
     layers = list(meta.layers)
     if cold:
         drop_page_cache([meta.file(li) for li in layers])
+    if engine:
+        return _engine_read_gbps(meta, threads, records, rng)
     reader = RecordReader(threads=threads, direct=direct)
     try:
         picks: dict[int, list[int]] = {}
@@ -81,6 +89,36 @@ def measure_read_gbps(
         return total / (time.perf_counter() - t0) / 1e9
     finally:
         reader.close()
+
+
+def _engine_read_gbps(meta, threads: int, records: int, rng) -> float:
+    from ..core.io.native import Engine, EngineLayer
+
+    li = sorted(meta.layers)[0]
+    lay = meta.layers[li]
+    n = min(records, lay.num_experts)
+    rows = [np.zeros((n, p.nbytes), np.uint8) for p in lay.parts]
+    fd = os.open(meta.file(li), os.O_RDONLY)
+    el = EngineLayer(
+        fd,
+        lay,
+        n,
+        np.full(lay.num_experts, -1, np.int32),
+        np.full(n, -1, np.int32),
+        [r.ctypes.data for r in rows],
+        [r.shape[1] for r in rows],
+        owner=rows,
+    )
+    eng = Engine([el], threads=threads)
+    try:
+        eng.start()
+        ids = rng.choice(lay.num_experts, n, replace=False)
+        t0 = time.perf_counter()
+        eng.read(0, ids, np.arange(n))
+        return n * lay.record_bytes / (time.perf_counter() - t0) / 1e9
+    finally:
+        eng.close()
+        os.close(fd)
 
 
 def measure_h2d_gbps(nbytes: int = 64 << 20, repeat: int = 5) -> float | None:

@@ -53,10 +53,12 @@ class FileExpertStore:
             all-zero slot, which masked rows need (default: off the CPU, where masked
             rows are the default). A layer with every expert's slot never has one, so
             its arrays have stock's expert count (and MLX picks stock's kernels).
-        device_wait: Serve small calls (decode) with the native engine: ``kernel``
-            (CUDA: a kernel posts the routing and the GPU waits, the host never
-            blocks), ``host`` (the host reads the routing, the engine serves), False
-            (the Python host path). None: ``kernel`` on CUDA when the engine builds.
+        device_wait: Serve small calls (decode) with the native engine: ``host`` (the
+            host reads the routing once, the engine loads and answers without the GIL),
+            ``kernel`` (CUDA, experimental: a kernel posts the routing and the GPU
+            waits, the host never blocks; it stalled intermittently in its first runs,
+            bounded by ``wait_timeout_s``), False (the Python host path). None:
+            ``host`` on CUDA when the engine builds, False elsewhere.
         wait_timeout_s: Longest a GPU waits for one call's experts before the call fails.
 
     Raises:
@@ -133,12 +135,13 @@ class FileExpertStore:
     # ------------------------------------------------------------ set-up
     def _device_wait(self, want: bool | str | None, threads: int, timeout_s: float):
         """The engine-served path: ``kernel`` (the GPU waits; CUDA pools), ``host`` (the
-        host reads the routing, the engine serves); None: ``kernel`` where it can run."""
+        host reads the routing, the engine serves); None: ``host`` on CUDA pools (the
+        kernel transport stalled intermittently in its first GPU runs: opt in)."""
         if want is False or (want is None and self.pool_mode != "cuda"):
             return None
         from ..io.native import engine_library, why_unavailable
 
-        transport = "kernel" if want in (None, True) else want
+        transport = {None: "host", True: "kernel"}.get(want, want)
         need = ("cuda",) if transport == "kernel" else ("host", "cuda")
         why = None
         if self.pool_mode not in need:

@@ -108,6 +108,9 @@ typedef struct Engine {
   int32_t *answer_host;  /* page-locked: slots, status, echo, seq, copied to answer_dev */
   void *answer_dev;      /* device memory the waiting kernel polls (NULL: answer in the box) */
   volatile int64_t served;
+  volatile int64_t slowest_ns;  /* the longest call served, and the stage it ended in */
+  volatile int slowest_stage, stage_at;
+  int64_t stage_t0;
 } Engine;
 
 static int64_t now_ns(void) {
@@ -344,6 +347,7 @@ static int serve(Engine *e, int layer, int n, const int32_t *ids, int32_t *slots
   n_used = m;
   L->call_id++;
   e->stage = 1;
+  e->stage_t0 = t0;
   for (int i = 0; i < n_used; i++) L->stamp[used[i]] = L->call_id;
   int32_t miss_e[n_used ? n_used : 1], miss_s[n_used ? n_used : 1], victim[n_used ? n_used : 1];
   int n_miss = 0, status = ST_OK;
@@ -406,6 +410,11 @@ static int serve(Engine *e, int layer, int n, const int32_t *ids, int32_t *slots
   e->read_ns = 0;
   L->counters[C_BUSY_NS] += now_ns() - t0;
   log_call(e, layer, n_used, used, n_miss, miss_e, miss_s, victim, nbytes);
+  int64_t took = now_ns() - t0;
+  if (took > e->slowest_ns) {
+    e->slowest_ns = took;
+    e->slowest_stage = n_miss ? 2 : 1;
+  }
   e->stage = 0;
   e->served++;
   return status;
@@ -603,6 +612,7 @@ const char *mlxs_error(Engine *e) { return e->errcode ? e->err : ""; }
 /* Where the engine is (see Engine.stage) and how many calls it served. */
 int mlxs_stage(Engine *e) { return e->stage; }
 int64_t mlxs_served(Engine *e) { return e->served; }
+int64_t mlxs_slowest_ns(Engine *e) { return e->slowest_ns; }
 
 /* Wait (without the GIL) until *addr differs from old, or timeout_us passes. */
 int mlxs_wait_change(volatile int64_t *addr, int64_t old, int64_t timeout_us) {

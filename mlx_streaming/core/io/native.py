@@ -109,6 +109,8 @@ def _declare(lib) -> None:
     lib.mlxs_stage.argtypes = [P]
     lib.mlxs_served.restype = L
     lib.mlxs_served.argtypes = [P]
+    lib.mlxs_slowest_ns.restype = L
+    lib.mlxs_slowest_ns.argtypes = [P]
     lib.mlxs_error.restype = ctypes.c_char_p
     lib.mlxs_error.argtypes = [P]
     lib.mlxs_wait_change.restype = Int
@@ -331,7 +333,11 @@ class Engine:
             2: "reading and copying records",
             3: "copying a lookup table",
         }.get(stage, str(stage))
-        return f"{where}, {self.lib.mlxs_served(self.handle)} calls served"
+        slowest = self.lib.mlxs_slowest_ns(self.handle) / 1e6
+        return (
+            f"{where}, {self.lib.mlxs_served(self.handle)} calls served, the slowest in "
+            f"{slowest:.1f} ms"
+        )
 
     def error(self) -> str:
         return self.lib.mlxs_error(self.handle).decode()
