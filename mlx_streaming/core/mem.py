@@ -35,7 +35,17 @@ def rss_bytes(pid: int | None = None) -> int:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (never reset)."""
+    """Peak resident set size of this process (never reset).
+
+    On Linux, ``VmHWM`` of this process's own address space: ``getrusage``'s ru_maxrss
+    carries the parent's peak at fork across ``exec``, so a benchmark started by a large
+    process would report that process's peak.
+    """
+    if sys.platform.startswith("linux"):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
     r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return r if sys.platform == "darwin" else r * 1024
 
