@@ -199,7 +199,8 @@ class DeviceWait:
         self.check()
         if self.transport == "host":
             t0 = time.perf_counter()
-            ids = np.array(indices)  # the host transport's one sync
+            mx.eval(indices)  # the host transport's one sync (raises what the graph did)
+            ids = np.array(indices)
             self.store.stats[layer].sync_s += time.perf_counter() - t0
             status, slots = self.engine.serve(self.pos[layer], ids)
             if status:

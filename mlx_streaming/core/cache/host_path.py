@@ -50,9 +50,11 @@ class HostPath:
         """Read the routing (with ``also``), start the misses' reads, plan the steps."""
         t0 = time.perf_counter()
         cache, st = self.caches[layer], self.stats[layer]
-        if also is not None:
-            mx.eval(indices, also)
-        host = np.array(indices)  # the one host synchronisation of this layer call
+        # the one host synchronisation of this layer call; mx.eval first: it raises
+        # what the graph's evaluation raised (a lost pipeline peer), where a numpy
+        # conversion would not (MLX 0.32)
+        mx.eval(indices) if also is None else mx.eval(indices, also)
+        host = np.array(indices)
         waited = time.perf_counter() - t0
         st.sync_s += waited
         t0 += waited  # host time counts the store's own work, not the wait
