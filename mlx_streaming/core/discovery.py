@@ -82,6 +82,18 @@ def _router(parent: nn.Module, expert_attr: str, num_experts: int) -> nn.Module 
     return None
 
 
+def _numbered(model: nn.Module, layers) -> list[tuple[int, nn.Module]]:
+    """``(index in the whole model, layer)`` for the layers this process runs. A model
+    split by mlx-lm's ``pipeline`` lists only its own layers, from ``start_idx`` on (or
+    keeps ``None`` in place of the others)."""
+    if any(layer is None for layer in layers):
+        return [(i, layer) for i, layer in enumerate(layers) if layer is not None]
+    start = getattr(getattr(model, "model", None), "start_idx", 0) or 0
+    if start and len(layers) == len(getattr(model.model, "layers", layers)):
+        start = 0  # ``layers`` is the whole list: its positions are the indices
+    return [(start + i, layer) for i, layer in enumerate(layers)]
+
+
 def find_expert_sites(model: nn.Module, config: dict | None = None) -> list[ExpertSite]:
     """Every expert module of ``model``, one per MoE layer, in layer order.
 
@@ -96,7 +108,7 @@ def find_expert_sites(model: nn.Module, config: dict | None = None) -> list[Expe
         )
     full_names = {id(m): n for n, m in model.named_modules()}
     sites = []
-    for li, layer in enumerate(layers):
+    for li, layer in _numbered(model, layers):
         wrapped = [
             (n, m) for n, m in layer.named_modules() if getattr(m, "is_streamed_experts", False)
         ]

@@ -15,7 +15,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -171,6 +171,34 @@ class ExpertMeta:
     layers: dict  # layer index -> LayerLayout
     source: str = ""
     extra: dict = field(default_factory=dict)
+    # Every MoE layer of the model, where this directory holds only some (a pipeline
+    # rank's share, split on its own host); empty: the directory holds them all.
+    model_layers: tuple[int, ...] = ()
+
+    @property
+    def complete(self) -> bool:
+        """Whether every MoE layer of the model is split here."""
+        return not self.model_layers or set(self.model_layers) <= set(self.layers)
+
+    def missing(self) -> list[int]:
+        """The model's MoE layers that are not split here."""
+        return sorted(set(self.model_layers) - set(self.layers))
+
+    def subset(self, layers) -> ExpertMeta:
+        """This meta restricted to ``layers`` (a pipeline rank's own MoE layers)."""
+        keep = sorted(set(layers))
+        absent = [li for li in keep if li not in self.layers]
+        if absent:
+            raise ExpertDirError(
+                f"expert directory {self.root} holds no split of layers {absent}; split "
+                "them with python -m mlx_streaming split (or load with this pipeline)"
+            )
+        return replace(
+            self,
+            moe_layers=tuple(keep),
+            layers={li: self.layers[li] for li in keep},
+            model_layers=self.model_layers or tuple(sorted(self.layers)),
+        )
 
     def file(self, layer: int) -> Path:
         return self.root / self.layers[layer].file
@@ -194,6 +222,7 @@ class ExpertMeta:
             "top_k": self.top_k,
             "dims": self.dims,
             "layers": {str(k): v.to_json() for k, v in sorted(self.layers.items())},
+            **({} if self.complete else {"model_moe_layers": list(self.model_layers)}),
             **self.extra,
         }
 

@@ -159,6 +159,9 @@ def meta_from_json(d: dict, root: Path, where: str = META_NAME) -> ExpertMeta:
         layers[int(k)] = _layer_from_json(int(k), v, where, root)
     if sorted(layers) != sorted(moe_layers):
         raise ExpertDirError(f"{where}: layers {sorted(layers)} != moe_layers {sorted(moe_layers)}")
+    model_layers = d.get("model_moe_layers", [])
+    if not isinstance(model_layers, list) or not set(moe_layers) <= set(model_layers or moe_layers):
+        raise ExpertDirError(f"{where}: model_moe_layers must list every layer in moe_layers")
     extra = {
         k: v
         for k, v in d.items()
@@ -175,6 +178,7 @@ def meta_from_json(d: dict, root: Path, where: str = META_NAME) -> ExpertMeta:
             "top_k",
             "dims",
             "layers",
+            "model_moe_layers",
         }
     }
     return ExpertMeta(
@@ -188,6 +192,7 @@ def meta_from_json(d: dict, root: Path, where: str = META_NAME) -> ExpertMeta:
         layers,
         str(d.get("source", "")),
         extra,
+        tuple(model_layers),
     )
 
 

@@ -11,6 +11,7 @@ returns at once.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,7 @@ from ..core.format import (
 from ..core.io.safetensors import SafetensorsIndex
 from ..core.meta import load_meta
 from .hub import load_lazy, resolve_model_path
-from .writer import prepare_out_dir, write_layer_file
+from .writer import LayerLocks, meta_lock, prepare_out_dir, write_layer_file
 
 
 def _quant_of(proj) -> Quant | None:
@@ -143,49 +144,50 @@ def split_model(
 
 
 def ensure_split(
-    model_path: str | Path, out_dir: str | Path, *, progress: bool | None = None
+    model_path: str | Path,
+    out_dir: str | Path,
+    *,
+    layers=None,
+    progress: bool | None = None,
 ) -> ExpertMeta:
-    """``split_model``, returning the parsed meta (``load`` parses it once this way)."""
+    """``split_model``, returning the parsed meta (``load`` parses it once this way).
+
+    ``layers``: split only these MoE layers (a pipeline rank's share); the meta then
+    lists the layers split so far and, until every layer is there, the model's others
+    as missing. Processes that split into one directory at once (pipeline ranks on one
+    host) take a lock per layer: no layer is written twice, and the meta is merged
+    under a lock of its own.
+    """
     out = Path(out_dir)
+    want = None if layers is None else set(layers)
     if (out / META_NAME).exists():
-        return load_meta(out)
+        meta = load_meta(out)
+        if meta.complete or (want is not None and want <= set(meta.layers)):
+            return meta
     model_dir = resolve_model_path(model_path)
     model, config = load_lazy(model_dir)
     sites = find_expert_sites(model, config)
     fp = fingerprint(model, sites, config)
     prepare_out_dir(out)
-
-    index = SafetensorsIndex(model_dir)
-    layouts = {}
-    bar = tqdm(
-        sites,
-        desc="split experts",
-        unit="layer",
-        disable=(None if progress is None else not progress),
-    )
-    for site in bar:
-        name = f"layer_{site.layer:03d}.bin"
-        layout = layer_layout(site, name)
-        path = out / name
-        sums = _done_layer(path, layout, fp)
-        if sums is None:
-            sums = write_layer_file(path, _ExpertSource(index, site, layout), layout)
-        layout = LayerLayout(**{**layout.__dict__, "checksums": tuple(sums)})
-        if not _sidecar(path).exists():
-            write_json_atomic(_sidecar(path), {"fingerprint": fp, "layout": layout.to_json()})
-        layouts[site.layer] = layout
-
     top_k = next((s.top_k for s in sites if s.top_k), None)
     if top_k is None:
         raise ExpertDirError(
             f"cannot tell how many experts each token uses in {model_dir}: "
             "set num_experts_per_tok in its config.json"
         )
+    mine = [s for s in sites if want is None or s.layer in want]
+    index = SafetensorsIndex(model_dir)
+    layouts = {}
+    with LayerLocks(out) as locks:
+        for site in tqdm(
+            mine,
+            desc="split experts",
+            unit="layer",
+            disable=(None if progress is None else not progress),
+        ):
+            with locks.hold(site.layer):
+                layouts[site.layer] = _split_layer(out, site, index, fp)
     hidden, moe_inter = expert_dims(sites[0])
-    dims = summarize_dims(layouts, hidden, moe_inter)
-    scales = [p for lay in layouts.values() for p in lay.parts if p.param == "scales"]
-    weights = [p for lay in layouts.values() for p in lay.parts if p.param == "weight"]
-    dims["dtype"] = (scales or weights)[0].dtype
     meta = ExpertMeta(
         root=out,
         fingerprint=fp,
@@ -193,11 +195,66 @@ def ensure_split(
         moe_layers=tuple(sorted(layouts)),
         num_experts=max(s.num_experts for s in sites),
         top_k=top_k,
-        dims=dims,
+        dims={"hidden": hidden, "moe_inter": moe_inter},
         layers=layouts,
         source=str(model_path),
+        model_layers=tuple(s.layer for s in sites),
     )
-    write_json_atomic(out / META_NAME, meta.to_json())
-    for layout in layouts.values():
-        _sidecar(out / layout.file).unlink(missing_ok=True)
-    return meta
+    return _merge_meta(out, meta)
+
+
+def _split_layer(out: Path, site, index: SafetensorsIndex, fp: dict) -> LayerLayout:
+    """One layer's file (reused when complete: in the meta, or with its sidecar)."""
+    name = f"layer_{site.layer:03d}.bin"
+    layout = layer_layout(site, name)
+    path = out / name
+    done = _in_meta(out, layout, fp)
+    if done is not None:
+        return done
+    sums = _done_layer(path, layout, fp)
+    if sums is None:
+        sums = write_layer_file(path, _ExpertSource(index, site, layout), layout)
+    layout = LayerLayout(**{**layout.__dict__, "checksums": tuple(sums)})
+    if not _sidecar(path).exists():
+        write_json_atomic(_sidecar(path), {"fingerprint": fp, "layout": layout.to_json()})
+    return layout
+
+
+def _in_meta(out: Path, layout: LayerLayout, fp: dict) -> LayerLayout | None:
+    """The layer's layout as a meta already on disk records it (another process split
+    it), if that meta is of this model and the layout matches."""
+    if not (out / META_NAME).exists():
+        return None
+    meta = load_meta(out, check_files=False)
+    have = meta.layers.get(layout.layer)
+    if have is None or meta.fingerprint != fp:
+        return None
+    want, got = layout.to_json(), have.to_json()
+    same = all(got.get(k) == want[k] for k in want if k != "checksums")
+    return have if same and (out / have.file).is_file() else None
+
+
+def _merge_meta(out: Path, meta: ExpertMeta) -> ExpertMeta:
+    """Write the meta with this process's layers and those already listed there."""
+    with meta_lock(out):
+        layers = dict(meta.layers)
+        if (out / META_NAME).exists():
+            old = load_meta(out, check_files=False)
+            if old.fingerprint != meta.fingerprint:
+                raise ExpertDirError(
+                    f"{out} already holds a split of another model ({old.source}); split "
+                    "this model into a new directory"
+                )
+            layers = {**old.layers, **layers}
+        dims = summarize_dims(layers, meta.dims["hidden"], meta.dims["moe_inter"])
+        scales = [p for lay in layers.values() for p in lay.parts if p.param == "scales"]
+        weights = [p for lay in layers.values() for p in lay.parts if p.param == "weight"]
+        dims["dtype"] = (scales or weights)[0].dtype
+        merged = replace(meta, moe_layers=tuple(sorted(layers)), layers=layers, dims=dims)
+        if merged.complete:
+            merged = replace(merged, model_layers=())
+        write_json_atomic(out / META_NAME, merged.to_json())
+        if merged.complete:
+            for layout in layers.values():
+                _sidecar(out / layout.file).unlink(missing_ok=True)
+    return merged

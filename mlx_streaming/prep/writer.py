@@ -3,7 +3,9 @@ fsync'd and renamed, with a clear error when the disk fills up."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
 import shutil
 from pathlib import Path
@@ -61,3 +63,38 @@ def prepare_out_dir(out: Path) -> None:
             f"cannot write the expert directory {out} ({e.strerror}); choose a "
             "writable location with enough space for the experts"
         ) from e
+
+
+class LayerLocks:
+    """Exclusive locks on single layers of an expert directory, shared with other
+    processes (POSIX record locks: one byte of ``.split.lock`` per layer). The file
+    stays open while the locks are used: closing any descriptor of it would drop them."""
+
+    def __init__(self, out: Path):
+        self.path = out / ".split.lock"
+
+    def __enter__(self) -> LayerLocks:
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)
+
+    @contextlib.contextmanager
+    def hold(self, layer: int):
+        fcntl.lockf(self.fd, fcntl.LOCK_EX, 1, layer)
+        try:
+            yield
+        finally:
+            fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, layer)
+
+
+@contextlib.contextmanager
+def meta_lock(out: Path):
+    """An exclusive lock on ``out``'s meta, shared with other processes."""
+    fd = os.open(out / ".meta.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)

@@ -171,19 +171,34 @@ def _pool_projection(name: str, layout: LayerLayout, arrays: dict, device: str) 
     return new
 
 
-def _validate(store: FileExpertStore, sites: list[ExpertSite], model, given: dict) -> None:
+def _validate(
+    store: FileExpertStore, sites: list[ExpertSite], model, given: dict, model_fp: dict | None
+) -> None:
     """The model must be the one the directory was split from; quantization arguments,
     where given, must agree with the meta (the authority)."""
     meta = store.meta
     where = f"expert directory {meta.root}"
+    if model_fp is None:
+        if getattr(getattr(model, "model", None), "pipeline_size", 1) > 1:
+            raise ValueError(
+                "the model is pipelined: pass model_fingerprint (its fingerprint taken "
+                "before pipeline), or load it with mlx_streaming.load(..., pipeline_group=)"
+            )
+        model_fp = fingerprint(model, sites)
     got_layers = [s.layer for s in sites]
+    if set(meta.layers) < set(got_layers):
+        raise ExpertDirError(
+            f"the {where} holds layers {sorted(meta.layers)} of this model's "
+            f"{got_layers} (a pipeline rank's share?): split the rest with "
+            "python -m mlx_streaming split, or load with the same pipeline"
+        )
     if got_layers != sorted(meta.layers):
         raise ExpertDirError(
             f"the model's MoE layers {got_layers} differ from the {where}'s "
             f"{sorted(meta.layers)}: it was split from another model; split this model "
             "into a new directory"
         )
-    bad = fingerprint_mismatch(meta.fingerprint, fingerprint(model, sites))
+    bad = fingerprint_mismatch(meta.fingerprint, model_fp)
     if bad:
         raise ExpertDirError(
             f"the {where} was split from another model (fingerprint differs in "
@@ -240,6 +255,7 @@ def patch_model_filebacked(
     proj_bits: dict | None = None,
     layer_proj_bits: dict | None = None,
     options: StreamOptions | None = None,
+    model_fingerprint: dict | None = None,
 ) -> int:
     """Swap every MoE layer's experts for file-backed ones served by ``store``.
 
@@ -257,6 +273,8 @@ def patch_model_filebacked(
         layer_proj_bits: ``{layer: {projection: bits}}`` when layers differ (checked).
         options: Dispatch options (overlap, prefetch, kernel check); see
             ``StreamOptions``.
+        model_fingerprint: The whole model's ``fingerprint``, taken before mlx-lm's
+            ``pipeline`` kept only this rank's layers (required for a pipelined model).
 
     Returns:
         The number of patched MoE layers.
@@ -286,6 +304,7 @@ def patch_model_filebacked(
             "proj_bits": proj_bits,
             "layer_proj_bits": _int_keys(layer_proj_bits),
         },
+        model_fingerprint,
     )
     prefetcher = None
     if options.prefetch:
