@@ -14,8 +14,10 @@ from pathlib import Path
 import mlx.core as mx
 
 from . import config as env
+from . import parallel
 from .core.cache.expert_store import FileExpertStore
 from .core.cache.policy import DEFAULT_POLICY
+from .core.discovery import find_expert_sites, fingerprint
 from .core.prefetch.patch import StreamOptions, patch_model_filebacked
 from .planning.budget import MemoryPlan, default_cache_limit, store_slots
 from .planning.profiles import PROFILE_NAME, read_pool_profile
@@ -65,6 +67,8 @@ def load(
     cache_limit_gb: float | None = None,
     options: StreamOptions | None = None,
     progress: bool | None = None,
+    pipeline_group=None,
+    pipeline_split: list[int] | None = None,
 ):
     """Load a MoE model with its experts streamed from disk.
 
@@ -87,6 +91,12 @@ def load(
             at least 32 MB; ``mx.set_cache_limit``); see ``memory_plan``.
         options: ``StreamOptions`` (overlap, prefetch, rows, kernel check...).
         progress: Progress bars (default: on a terminal).
+        pipeline_group: An ``mx.distributed`` group to pipeline the model over with
+            mlx-lm's ``pipeline`` (``parallel.init_pipeline``): this rank loads, splits,
+            pools and patches only its own layers; ``slots`` and ``budget_gb`` are this
+            rank's. Every rank must call ``load`` with the same model and arguments.
+        pipeline_split: Decoder layers per rank, in rank order (rank 0 runs the last
+            layers); default: even.
 
     Returns:
         ``(model, tokenizer, store)``.
@@ -95,7 +105,15 @@ def load(
 
     model_dir = resolve_model_path(path_or_repo)
     expert_dir = Path(expert_dir) if expert_dir else default_expert_dir(path_or_repo)
-    meta = ensure_split(model_dir, expert_dir, progress=progress)
+    model_fp = None
+    if pipeline_group is None:
+        meta = ensure_split(model_dir, expert_dir, progress=progress)
+        model, tokenizer = mlx_load(str(model_dir), lazy=True)
+    else:
+        model, tokenizer = mlx_load(str(model_dir), lazy=True)
+        meta, model_fp = pipeline_share(
+            model, model_dir, expert_dir, pipeline_group, pipeline_split, progress
+        )
     if pool_profile is True:
         caps = load_pool_profile(expert_dir)
     elif pool_profile:
@@ -103,7 +121,6 @@ def load(
     else:
         caps = None
     capacity, layer_caps = store_slots(meta, slots, budget_gb, caps)
-    model, tokenizer = mlx_load(str(model_dir), lazy=True)
     store = FileExpertStore(
         meta,
         capacity,
@@ -122,13 +139,44 @@ def load(
     if options.kernel_cache is None:
         options = replace(options, kernel_cache=env.settings().kernel_cache_file)
     try:
-        patch_model_filebacked(model, store, options=options)
+        patch_model_filebacked(model, store, options=options, model_fingerprint=model_fp)
     except Exception:
         store.close()
         raise
     mx.set_cache_limit(memory_plan(model, store, cache_limit_gb).cache_limit_bytes)
     load_trunk(model, progress)
+    if pipeline_group is not None:
+        parallel.barrier(pipeline_group)
     return model, tokenizer, store
+
+
+def pipeline_share(model, model_dir, expert_dir, group, split, progress=None):
+    """Pipeline the lazily loaded ``model`` over ``group`` and split this rank's experts;
+    returns ``(meta of this rank's layers, the whole model's fingerprint)``.
+
+    Every rank checks with the others that they loaded the same model and the same
+    expert directory contents before any of them goes on.
+    """
+    sites = find_expert_sites(model)
+    model_fp = fingerprint(model, sites)
+    own = parallel.pipeline_model(model, group, split)
+    mine = [s.layer for s in sites if s.layer in own]
+    if not mine:
+        raise ValueError(
+            f"rank {group.rank()} runs layers {own.start}-{own.stop - 1}, which hold no "
+            "experts: choose a --pipeline-split that gives every rank a MoE layer"
+        )
+    meta = ensure_split(model_dir, expert_dir, layers=mine, progress=progress)
+    parallel.check_same_everywhere(
+        group,
+        {"model": parallel.digest(model_fp), "experts": parallel.digest(meta.fingerprint)},
+        {
+            "model": "every rank must load the same model (same files on every host)",
+            "experts": "their expert directories were split from different models: "
+            "split this model into each host's directory again",
+        },
+    )
+    return meta.subset(mine), model_fp
 
 
 def load_trunk(model, progress: bool | None = None) -> None:

@@ -20,6 +20,7 @@ RANKS = {
     "planning": 2,
     "config": 3,
     "model_builder": 3,
+    "parallel": 3,
     "analysis": 4,
     "synthetic": 4,
     "bench": 5,

@@ -177,17 +177,22 @@ class TraceRouted(nn.Module):
         return self.inner(x, ids)
 
 
-def apply_trace_routing(model: nn.Module, trace: RoutingTrace, start: int = 0) -> TraceRouting:
+def apply_trace_routing(
+    model: nn.Module, trace: RoutingTrace, start: int = 0, moe_layers=None
+) -> TraceRouting:
     """Make every MoE layer of ``model`` (stock or streamed) route as the trace says.
 
     MoE layer ``i`` of the model takes trace layer ``i``; the model may have fewer MoE
     layers than the trace, not more, and the same expert count and top-k.
+    ``moe_layers``: the whole model's MoE layers, for a pipeline rank's model (which
+    holds only its own).
     """
     from ..core.discovery import find_expert_sites
 
     sites = find_expert_sites(model)
-    if len(sites) > trace.layers:
-        raise TraceError(f"the model has {len(sites)} MoE layers, the trace {trace.layers}")
+    order = sorted(moe_layers) if moe_layers else [s.layer for s in sites]
+    if len(order) > trace.layers:
+        raise TraceError(f"the model has {len(order)} MoE layers, the trace {trace.layers}")
     for s in sites:
         if s.num_experts != trace.num_experts or (s.top_k and s.top_k != trace.top_k):
             raise TraceError(
@@ -198,5 +203,6 @@ def apply_trace_routing(model: nn.Module, trace: RoutingTrace, start: int = 0) -
     routing = TraceRouting(trace, start)
     for i, s in enumerate(sites):
         current = s.streamed if s.streamed is not None else s.module
-        s.parent.update_modules({s.attr: TraceRouted(current, routing, i, i == len(sites) - 1)})
+        last = i == len(sites) - 1  # the cursor moves on after this rank's last layer
+        s.parent.update_modules({s.attr: TraceRouted(current, routing, order.index(s.layer), last)})
     return routing

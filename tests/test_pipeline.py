@@ -1,0 +1,276 @@
+"""A streamed model pipelined over local ``ring`` ranks (``mlx.launch``, 127.0.0.1 only)
+gives the tokens and logits of one stock mlx-lm process; a lost or absent peer and
+mismatched models or expert directories end every rank with a clear error, in bounded
+time."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mlx_lm import load
+
+from mlx_streaming.analysis.verify import greedy_trace
+
+RANK_SCRIPT = Path(__file__).with_name("pipeline_rank.py")
+LAUNCH = Path(sys.executable).with_name("mlx.launch")
+PROMPT = (
+    "A mixture of experts model routes each token to a few experts out of many; "
+    "the rest stay on disk until they are needed."
+)
+TOKENS, PREFILL = 8, 4  # the prompt spans several prefill chunks
+
+
+def free_ports(n: int) -> int:
+    """A base port with ``n`` free ports after it on 127.0.0.1."""
+    for _ in range(50):
+        base = random.randrange(20000, 60000)
+        try:
+            for p in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free ports")
+
+
+def launch(n: int, out: Path, *args: str, timeout: float = 240) -> float:
+    """Run ``n`` ranks of the rank script; returns the wall time."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [str(LAUNCH), "--backend", "ring", "-n", str(n), "-p", str(free_ports(n))]
+    cmd += ["--", sys.executable, str(RANK_SCRIPT), "--out", str(out), *args]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    (out / "launch.log").write_text(r.stdout + r.stderr)
+    return time.perf_counter() - t0
+
+
+def spawn(n: int, out: Path, *args: str, timeout: float = 120) -> tuple[float, list[int]]:
+    """Start ``n`` ranks as mlx.launch does on one host, but without its habit of killing
+    the other ranks when one fails (hosts apart have no such launcher): each rank must
+    end on its own. Returns the wall time and the exit codes."""
+    out.mkdir(parents=True, exist_ok=True)
+    base = free_ports(n)
+    hostfile = out / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(n)]))
+    t0 = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(RANK_SCRIPT), "--out", str(out), *args],
+            env={**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(r)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for r in range(n)
+    ]
+    codes = [p.wait(timeout=timeout) for p in procs]
+    return time.perf_counter() - t0, codes
+
+
+@functools.cache
+def reference(ck: Path):
+    model, tok = load(str(ck))
+    ids = tok.encode(PROMPT)
+    assert len(ids) > 2 * PREFILL
+    return ids, greedy_trace(model, ids, TOKENS, PREFILL)
+
+
+CASES = [
+    ("tiny-qwen3_moe", 2, None),
+    ("tiny-qwen3_moe", 3, "1,1,2"),
+    ("tiny-qwen3_next", 2, None),
+    ("tiny-qwen3_next", 3, "1,1,2"),
+    ("tiny-deepseek_v3", 2, "1,3"),
+    ("tiny-deepseek_v3", 3, "1,1,2"),
+]
+
+
+@pytest.mark.parametrize("preset,ranks,split", CASES)
+def test_pipelined_stream_equals_stock(models, tmp_path, preset, ranks, split):
+    ck = models.checkpoint(preset)
+    ids, ref = reference(ck)
+    meta = json.loads((models.experts(preset)[1] / "_split_meta.json").read_text())
+    slots = meta["top_k"] + 1  # a pool smaller than the experts
+    ed = tmp_path / "experts"  # one directory the ranks split into at once
+    args = ["--model", str(ck), "--expert-dir", str(ed), "--slots", str(slots)]
+    args += ["--prompt", ",".join(map(str, ids)), "--tokens", str(TOKENS)]
+    args += ["--prefill", str(PREFILL)] + (["--split", split] if split else [])
+    launch(ranks, tmp_path / "out", *args)
+    log = (tmp_path / "out" / "launch.log").read_text()
+    owned = []
+    for r in range(ranks):
+        f = tmp_path / "out" / f"rank{r}.npz"
+        assert f.exists(), log
+        d = np.load(f)
+        assert d["tokens"].tolist() == ref.tokens, f"rank {r} tokens differ"
+        assert np.array_equal(d["logits"], ref.logits), (
+            f"rank {r} logits differ by {np.abs(d['logits'] - ref.logits).max()}"
+        )
+        assert d["layers"].tolist() == d["report_layers"].tolist()
+        owned += d["layers"].tolist()
+    # each rank streamed only its own layers; together, every MoE layer once
+    assert sorted(owned) == meta["moe_layers"]
+    done = json.loads((ed / "_split_meta.json").read_text())
+    assert done["moe_layers"] == meta["moe_layers"] and "model_moe_layers" not in done
+    assert not list(ed.glob("*.partial")) and not list(ed.glob("layer_*.json"))
+
+
+def _args(ck, ed, ids):
+    return ["--model", str(ck), "--expert-dir", str(ed), "--slots", "5"] + [
+        "--prompt",
+        ",".join(map(str, ids)),
+        "--tokens",
+        "4",
+    ]
+
+
+def test_dead_rank_ends_the_others(models, tmp_path):
+    ck = models.checkpoint("tiny-qwen3_moe")
+    ids, _ = reference(ck)
+    wall, codes = spawn(2, tmp_path, *_args(ck, tmp_path / "ed", ids), "--die-after-load", "1")
+    assert codes == [4, 5]
+    assert "pipeline peer is gone" in (tmp_path / "rank0.err").read_text()
+    assert not (tmp_path / "rank0.npz").exists()
+    assert wall < 60
+
+
+def test_absent_peer_ends_in_bounded_time(tmp_path):
+    hostfile = tmp_path / "hosts.json"
+    base = free_ports(2)
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))
+    env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": "0"}
+    code = "from mlx_streaming.parallel import init_pipeline; init_pipeline(3)"
+    t0 = time.perf_counter()
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode != 0
+    assert "could not connect to its pipeline peers within 3 s" in r.stderr
+    assert time.perf_counter() - t0 < 30
+
+
+def test_different_models_are_refused(models, tmp_path):
+    a = models.checkpoint("tiny-qwen3_moe")
+    b = models.checkpoint("tiny-qwen3_moe", seed=1)
+    ids, _ = reference(a)
+    (tmp_path / "m0").symlink_to(a)
+    (tmp_path / "m1").symlink_to(b)
+    _, codes = spawn(2, tmp_path, *_args(tmp_path / "m{rank}", tmp_path / "ed{rank}", ids))
+    assert codes == [4, 4]
+    for r in (0, 1):
+        text = (tmp_path / f"rank{r}.err").read_text()
+        assert "ranks [1] differ from rank 0 in model" in text
+
+
+def test_different_expert_dirs_are_refused(models, tmp_path):
+    a = models.checkpoint("tiny-qwen3_moe")
+    _, other = models.experts("tiny-qwen3_moe", seed=1)
+    ids, _ = reference(a)
+    (tmp_path / "ed0").mkdir()
+    (tmp_path / "ed1").symlink_to(other)
+    _, codes = spawn(2, tmp_path, *_args(a, tmp_path / "ed{rank}", ids))
+    assert codes == [4, 4]
+    for r in (0, 1):
+        text = (tmp_path / f"rank{r}.err").read_text()
+        assert "ranks [1] differ from rank 0 in experts" in text
+
+
+def test_a_rank_without_experts_is_refused(models, tmp_path):
+    ck = models.checkpoint("tiny-qwen3_moe")  # layer 0 is dense
+    ids, _ = reference(ck)
+    _, codes = spawn(2, tmp_path, *_args(ck, tmp_path / "ed", ids), "--split", "3,1")
+    assert codes == [4, 4]
+    text = (tmp_path / "rank1.err").read_text()
+    assert "hold no experts" in text and "--pipeline-split" in text
+    assert "pipeline peer is gone" in (tmp_path / "rank0.err").read_text()
+
+
+def _stock_text(ck: Path, prompt: str, tokens: int, chat: bool) -> str:
+    from mlx_lm import generate
+
+    model, tok = load(str(ck))
+    if chat:
+        msgs = [{"role": "user", "content": prompt}]
+        prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    return generate(model, tok, prompt, max_tokens=tokens, verbose=False)
+
+
+def test_generate_command_under_launch(models, tmp_path):
+    """The README's command: rank 0 prints stock mlx-lm's text; the other rank nothing."""
+    ck = models.checkpoint("tiny-qwen3_moe")
+    cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "-p", str(free_ports(2)), "--"]
+    cmd += [sys.executable, "-m", "mlx_streaming", "generate", "--model", str(ck)]
+    cmd += ["--expert-dir", str(tmp_path / "ed"), "--slots", "5", "--pipeline"]
+    cmd += ["--prompt", PROMPT, "--max-tokens", "12", "--no-verbose"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert r.stdout.strip() == _stock_text(ck, PROMPT, 12, chat=True).strip(), r.stderr
+
+
+def test_serve_under_launch(models, tmp_path):
+    """Rank 0 serves HTTP; rank 1 runs its layers of every request."""
+    import urllib.request
+
+    ck = models.checkpoint("tiny-qwen3_moe")
+    port = free_ports(1)
+    cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "-p", str(free_ports(2)), "--"]
+    cmd += [sys.executable, "-m", "mlx_streaming", "serve", "--model", str(ck)]
+    cmd += ["--expert-dir", str(tmp_path / "ed"), "--slots", "5", "--pipeline"]
+    cmd += ["--port", str(port)]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 12, "temperature": 0}).encode()
+        deadline = time.time() + 120
+        while True:
+            try:
+                req = urllib.request.Request(
+                    f"http://127.0.0.1:{port}/v1/completions",
+                    data=body,
+                    headers={"Content-Type": "application/json"},
+                )
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    got = json.loads(resp.read())["choices"][0]["text"]
+                break
+            except OSError:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.5)
+        assert got == _stock_text(ck, PROMPT, 12, chat=False)
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=30)
+
+
+def test_plan_suggests_a_split(models):
+    from mlx_lm import load as mlx_load
+
+    from mlx_streaming.planning.pipeline import ModelBytes, suggest_split
+
+    ck = models.checkpoint("dsv2-lite-cpu", num_layers=8)
+    mb = ModelBytes.from_model(mlx_load(str(ck), lazy=True)[0])
+    per_layer = [mb.layer_bytes(i, 1.0) for i in range(8)]
+    total = mb.shared * 2 + sum(per_layer)
+    even = suggest_split(mb, [total * 0.6 / 1e9] * 2)
+    assert even.share == 1.0 and sum(even.split) == 8 and abs(even.split[0] - 4) <= 1
+    # a host with twice the memory takes about twice the layers
+    big = suggest_split(mb, [total * 2 / 3e9, total / 3e9])
+    assert big.split[0] > big.split[1]
+    for r in big.ranks:  # every rank's trunk and pools fit its host
+        host = [total * 2 / 3e9, total / 3e9][r["rank"]]
+        assert r["trunk_gb"] + r["pool_budget_gb"] <= host + 1e-3  # rounded to MB
+    # half the memory: pools hold a smaller share, still within every host
+    half = suggest_split(mb, [total / 4e9, total / 4e9])
+    assert 0 < half.share < 1
+    with pytest.raises(ValueError, match="cannot hold this model"):
+        suggest_split(mb, [mb.shared / 1e9, mb.shared / 1e9])
