@@ -38,6 +38,14 @@ def main(argv: list[str] | None = None) -> None:
         # bad input: the message names the file or value and the fix; no traceback
         print(f"mlx_streaming {argv[0]}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RuntimeError as e:
+        from .parallel import PipelineError, lost_peer
+
+        err = lost_peer(e)
+        if not isinstance(err, PipelineError):
+            raise
+        print(f"mlx_streaming {argv[0]}: error: {err}", file=sys.stderr)
+        sys.exit(1)
 
 
 def _command(name: str):

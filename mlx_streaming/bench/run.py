@@ -15,21 +15,15 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-import mlx.core as mx
-
 from .. import config
 from ..core import mem
 from ..core.cache.policy import DEFAULT_POLICY
 from ..core.prefetch.patch import StreamOptions
 from ..model_builder import load
 from .measure import bounds, drop_page_cache, measure_read_gbps, memory_limits
+from .summary import summarize
 
 DEFAULT_PROMPT = "用三句话解释什么是混合专家模型。"
-MEMORY_SOURCES = {
-    "rss_*": "the process's resident set size (OS); on macOS it leaves out Metal buffers",
-    "mlx_*": "MLX's allocator: active = bytes in live arrays, peak = most since the "
-    "timed runs began; on Metal and CUDA this is the GPU's memory",
-}
 
 
 @dataclass(frozen=True)
@@ -69,6 +63,7 @@ class BenchConfig:
     t_compute_ms: float | None = None  # resident time per token, for the bound
     read_gbps: float | None = None  # storage bandwidth for the bound (default: measured)
     memory_series: bool = False  # keep RSS / MLX memory over time (for --report plots)
+    pipeline_split: tuple[int, ...] | None = None  # with a pipeline group: layers per rank
 
 
 def encode(tokenizer, prompt: str) -> list[int]:
@@ -146,8 +141,9 @@ def _trace(cfg: BenchConfig):
     return trace, start, train
 
 
-def open_model(cfg: BenchConfig):
-    """``load`` with the config's options: ``(model, tokenizer, store)``."""
+def open_model(cfg: BenchConfig, group=None):
+    """``load`` with the config's options (``group``: pipeline over it):
+    ``(model, tokenizer, store)``."""
     options = cfg.options
     if options.prefetch and cfg.predictor == "transition":
         from dataclasses import replace
@@ -175,6 +171,8 @@ def open_model(cfg: BenchConfig):
         device_wait=cfg.device_wait,
         cache_limit_gb=cfg.cache_gb,
         options=options,
+        pipeline_group=group,
+        pipeline_split=list(cfg.pipeline_split) if cfg.pipeline_split else None,
     )
     _check_bits(cfg, store.meta)
     return model, tokenizer, store
@@ -192,18 +190,61 @@ def _check_bits(cfg: BenchConfig, meta) -> None:
             )
 
 
-def run_bench(cfg: BenchConfig) -> dict:
-    """Run the benchmark; returns the JSON-ready result dict."""
+def run_bench(cfg: BenchConfig, group=None) -> dict:
+    """Run the benchmark; returns the JSON-ready result dict.
+
+    With a pipeline ``group`` every rank runs it in step; each rank's result describes
+    its own layers, and ``pipeline.per_rank`` holds every rank's main figures.
+    """
     if cfg.cold and not hasattr(os, "posix_fadvise"):
         drop_page_cache([])  # raises the clear error before anything is loaded
+    if group is not None and cfg.compare_stock:
+        raise ValueError(
+            "--compare-stock loads the whole model in one process, which a pipeline "
+            "exists to avoid: compare on one host (or check exactness with the tests)"
+        )
     with memory_limits(cfg.wired_gb, cfg.cache_gb):
-        return _run(cfg)
+        out = _run(cfg, group)
+    if group is not None:
+        out["pipeline"] = _per_rank(cfg, group, out)
+    return out
 
 
-def _run(cfg: BenchConfig) -> dict:
+PER_RANK = (
+    "patched_moe_layers",
+    "pool_gb",
+    "peak_rss_gb",
+    "timed_peak_rss_gb",
+    "mlx_peak_gb",
+    "expert_hit_rate",
+    "bytes_read_per_token",
+    "decode_tok_per_s",
+    "tok_per_s",
+)
+
+
+def _per_rank(cfg: BenchConfig, group, out: dict) -> dict:
+    import json
+
+    from ..parallel import gather_lines
+
+    mine = {k: out[k] for k in PER_RANK} | {
+        "rank": group.rank(),
+        "moe_layers": [int(k) for k in out["slots_per_layer"]],
+    }
+    ranks = [json.loads(t) for t in gather_lines(group, json.dumps(mine))]
+    return {
+        "ranks": group.size(),
+        "split": list(cfg.pipeline_split) if cfg.pipeline_split else "even",
+        "bytes_read_per_token_all_ranks": sum(r["bytes_read_per_token"] for r in ranks),
+        "per_rank": ranks,
+    }
+
+
+def _run(cfg: BenchConfig, group=None) -> dict:
     mem.reset_peak()
     t0 = time.perf_counter()
-    model, tokenizer, store = open_model(cfg)
+    model, tokenizer, store = open_model(cfg, group)
     load_s = time.perf_counter() - t0
     after_patch = mem.snapshot()
     ids = encode(tokenizer, cfg.prompt)
@@ -214,7 +255,7 @@ def _run(cfg: BenchConfig) -> dict:
         from ..planning.trace import apply_trace_routing
 
         trace, start, _ = _trace(cfg)
-        routing = apply_trace_routing(model, trace, start)
+        routing = apply_trace_routing(model, trace, start, meta.model_layers)
         out.update(routing_trace=cfg.routing_trace, trace_model=trace.model, trace_start=start)
     recorder = None
     if cfg.record_trace:
@@ -237,7 +278,7 @@ def _run(cfg: BenchConfig) -> dict:
         timed = _timed_runs(model, tokenizer, ids, cfg, store, files, recorder)
     mem.clear_cache()
     after_gen = mem.snapshot()
-    out.update(_summary(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, sampler))
+    out.update(summarize(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, sampler))
     if recorder is not None:
         recorder.save(cfg.record_trace)
         out["recorded_trace"] = cfg.record_trace
@@ -258,111 +299,6 @@ def _run(cfg: BenchConfig) -> dict:
     out.update(bounds(t_compute, out["bytes_read_per_token"], gbps, out["decode_tok_per_s"]))
     store.close()
     return out
-
-
-def _summary(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, sampler) -> dict:
-    meta = store.meta
-    totals, first = store.totals(), timed["first"] or store.totals()
-    gen = max(1, timed["generated_tokens"])
-    decode_lookups = (totals["hits"] + totals["misses"]) - (first["hits"] + first["misses"])
-    decode_hits = totals["hits"] - first["hits"]
-    fast, fall = store.fastpath_calls, store.fallback_calls
-    caps = [store.capacity(li) for li in store.layers]
-    out = {
-        "mode": "streaming_filebacked",
-        "model": cfg.model,
-        "expert_dir": str(meta.root),
-        "expert_bits": meta.dims.get("bits"),
-        "expert_group": meta.dims.get("group_size"),
-        "proj_bits": meta.dims.get("proj_bits"),
-        "layered": "per_layer_proj_bits" in meta.dims,
-        "per_layer_slots": caps[0] if cfg.budget_gb is None else None,
-        "slots_per_layer": {str(li): c for li, c in zip(store.layers, caps)},
-        "budget_gb": cfg.budget_gb,
-        "policy": cfg.policy,
-        "pool_mode": store.pool_mode,
-        "overlap": cfg.options.overlap,
-        "prefetch": cfg.options.prefetch,
-        "pool_profile": len(set(caps)) > 1 or cfg.pool_profile not in ("auto", "none", None),
-        "wired_gb": cfg.wired_gb,
-        "cache_gb": cfg.cache_gb,
-        "clear_on_evict": cfg.clear_on_evict,
-        "pin_hot": cfg.pin_hot,
-        "cal_s": cal_s,
-        "warmup_tok": cfg.max_tokens if cfg.warmup_tokens is None else cfg.warmup_tokens,
-        "repeat": cfg.repeat,
-        "cold": cfg.cold,
-        "direct_io": cfg.direct_io,
-        "threads": cfg.threads,
-        "prefill_chunk": cfg.prefill_chunk,
-        "patched_moe_layers": len(store.layers),
-        "num_experts": meta.num_experts,
-        "top_k": meta.top_k,
-        "resident_experts": store.resident_count(),
-        "pinned_experts": store.pinned_count(),
-        "pool_gb": round(store.pool_bytes() / 1e9, 4),
-        "expert_mb": round(meta.expert_bytes() / 1e6, 3),
-        "load_patch_s": round(load_s, 2),
-        **{
-            k: timed[k]
-            for k in (
-                "tok_per_s",
-                "tok_per_s_runs",
-                "tok_per_s_minmax",
-                "decode_tok_per_s",
-                "decode_tok_per_s_runs",
-                "prefill_tok_per_s",
-                "generated_tokens",
-            )
-        },
-        "prompt_tokens": len(ids),
-        "memory_sources": MEMORY_SOURCES,
-        "rss_gb_after_patch": round(after_patch.rss_bytes / 1e9, 3),
-        "rss_gb_after_gen": round(after_gen.rss_bytes / 1e9, 3),
-        "peak_rss_gb": round(after_gen.peak_rss_bytes / 1e9, 3),
-        "mlx_active_gb_after_gen": round(after_gen.mlx_active_bytes / 1e9, 3),
-        "mlx_peak_gb": round(after_gen.mlx_peak_bytes / 1e9, 3),
-        "timed_peak_rss_gb": round(sampler.peak_rss / 1e9, 3),
-        "timed_peak_mlx_active_gb": round(sampler.peak_mlx / 1e9, 3),
-        "expert_hit_rate": round(store.hit_rate(), 4),
-        "expert_hits": store.hits,
-        "expert_misses": store.misses,
-        "decode_hit_rate": round(decode_hits / decode_lookups, 4) if decode_lookups else None,
-        "evictions": totals["evictions"],
-        "bytes_read": totals["bytes_read"],
-        "bytes_read_per_token": round(
-            (totals["bytes_read"] - first["bytes_read"]) / max(1, gen - 1)
-        ),
-        "prefill_bytes_read": first.get("bytes_read", 0),
-        "prefill_bytes_per_token": round(first.get("bytes_read", 0) / max(1, len(ids))),
-        "read_wait_s": round(totals["read_s"], 4),
-        "read_gbps": round(totals["read_gbps"], 3),
-        "host_us_per_layer_call": round(totals["host_us_per_call"], 1),
-        "prefetched": totals["prefetched"],
-        "prefetch_used": totals["prefetch_used"],
-        "prefetch_on_time": totals["prefetch_on_time"],
-        "prefetch_precision": _r(totals["prefetch_precision"]),
-        "prediction_precision": _r(totals["prediction_precision"]),
-        "prediction_recall": _r(totals["prediction_recall"]),
-        "host_syncs": totals["host_calls"],
-        "gpu_fastpath": fast,
-        "gpu_fallback": fall,
-        "gpu_fastpath_frac": round(fast / max(1, fast + fall), 4),
-        "device": str(mx.default_device()),
-        "sample": timed["text"][:240],
-        "layers": {
-            str(li): {k: r[k] for k in ("hits", "misses", "bytes_read", "slots")}
-            | {"hit_rate": round(r["hits"] / max(1, r["hits"] + r["misses"]), 4)}
-            for li, r in store.layer_report().items()
-        },
-    }
-    if cfg.memory_series:
-        out["memory_series"] = sampler.series[:: max(1, len(sampler.series) // 300)]
-    return out
-
-
-def _r(v):
-    return None if v is None else round(v, 4)
 
 
 def _compare_stock(cfg: BenchConfig, streamed, tokenizer, ids, streamed_tps, routing) -> dict:

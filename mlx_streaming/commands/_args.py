@@ -133,6 +133,59 @@ def add_store_args(p: argparse.ArgumentParser, several: bool = False) -> None:
     )
 
 
+def add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    """``--pipeline``: run as one rank of a pipeline started by ``mlx.launch``."""
+    g = p.add_argument_group("pipeline over several hosts (run under mlx.launch)")
+    g.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="split the layers over the ranks mlx.launch started; each streams its own",
+    )
+    g.add_argument(
+        "--pipeline-split",
+        help="decoder layers per rank, in rank order (rank 0 runs the last), e.g. 20,28; "
+        "default: even (python -m mlx_streaming plan --hosts-gb suggests one)",
+    )
+    g.add_argument(
+        "--rank-budget-gb",
+        help="expert pool GB per rank, rank order (plan --hosts-gb suggests them); "
+        "instead of --budget-gb, which every rank would take alike",
+    )
+    g.add_argument(
+        "--pipeline-timeout",
+        type=positive_float,
+        default=60.0,
+        help="seconds to wait for the other ranks to connect (default 60)",
+    )
+
+
+def pipeline_kwargs(a: argparse.Namespace) -> dict:
+    """``load``'s pipeline arguments: joins the group (bounded by --pipeline-timeout);
+    with --rank-budget-gb, this rank's ``budget_gb``."""
+    from ..parallel import init_pipeline, parse_split
+
+    if not a.pipeline:
+        if a.pipeline_split or a.rank_budget_gb:
+            raise ValueError("--pipeline-split and --rank-budget-gb need --pipeline")
+        return {}
+    split = parse_split(a.pipeline_split)
+    budgets = None
+    if a.rank_budget_gb:
+        if a.budget_gb or a.slots:
+            raise ValueError("give --rank-budget-gb or --budget-gb/--slots, not both")
+        try:
+            budgets = [positive_float(x) for x in a.rank_budget_gb.split(",")]
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"--rank-budget-gb {a.rank_budget_gb!r}: {e}") from None
+    group = init_pipeline(a.pipeline_timeout)
+    out = {"pipeline_group": group, "pipeline_split": split}
+    if budgets is not None:
+        if len(budgets) != group.size():
+            raise ValueError(f"--rank-budget-gb has {len(budgets)} values for {group.size()} ranks")
+        out["budget_gb"] = budgets[group.rank()]
+    return out
+
+
 def stream_options(a: argparse.Namespace) -> StreamOptions:
     return StreamOptions(
         overlap=a.overlap, prefetch=a.prefetch, rows=a.rows, kernel_check=a.kernel_check

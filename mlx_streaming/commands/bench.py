@@ -9,9 +9,11 @@ import sys
 from ..bench.run import DEFAULT_PROMPT, BenchConfig, run_bench
 from ..config import PREFILL_CHUNK
 from ._args import (
+    add_pipeline_args,
     add_store_args,
     device_wait,
     nonneg_int,
+    pipeline_kwargs,
     positive_float,
     positive_int,
     stream_options,
@@ -29,6 +31,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help="MLX model directory or repo id (MODEL)")
     add_store_args(p, several=True)
+    add_pipeline_args(p)
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt (PROMPT)")
     p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens (MAXTOK)")
     p.add_argument(
@@ -143,7 +146,15 @@ def main(argv=None) -> None:
     sizes = [{"slots": s, "budget_gb": None} for s in a.slots or []] + [
         {"slots": None, "budget_gb": g} for g in a.budget_gb or []
     ]
-    results = [run_bench(BenchConfig(**kw, **size)) for size in sizes or [{"slots": 8}]]
+    pipe = pipeline_kwargs(a)
+    group = pipe.get("pipeline_group")
+    if pipe.get("pipeline_split"):
+        kw["pipeline_split"] = tuple(pipe["pipeline_split"])
+    if "budget_gb" in pipe:  # --rank-budget-gb: this rank's
+        sizes = [{"slots": None, "budget_gb": pipe["budget_gb"]}]
+    results = [run_bench(BenchConfig(**kw, **size), group) for size in sizes or [{"slots": 8}]]
+    if group is not None and group.rank() != 0:
+        return  # rank 0 reports for all (its result holds every rank's figures)
     out = results[0] if len(results) == 1 else results
     text = json.dumps(out, ensure_ascii=False, indent=2)
     print(text)

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 
 from ..config import PREFILL_CHUNK
-from ._args import add_store_args, load_kwargs, nonneg_int, positive_int
+from ._args import (
+    add_pipeline_args,
+    add_store_args,
+    load_kwargs,
+    nonneg_int,
+    pipeline_kwargs,
+    positive_int,
+)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -18,6 +25,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help="MLX model directory or repo id")
     add_store_args(p)
+    add_pipeline_args(p)
     p.add_argument("--prompt", "-p", default="Hello", help="prompt ('-' reads stdin)")
     p.add_argument("--system-prompt", default=None)
     p.add_argument("--max-tokens", "-m", type=positive_int, default=100)
@@ -48,14 +56,21 @@ def main(argv=None) -> None:
     a = setup_arg_parser().parse_args(argv)
     if a.seed is not None:
         mx.random.seed(a.seed)
-    model, tok, store = load(a.model, **load_kwargs(a))
+    pipe = pipeline_kwargs(a)
+    group = pipe.get("pipeline_group")
+    primary = group is None or group.rank() == 0  # the rank that prints
+    model, tok, store = load(a.model, **{**load_kwargs(a), **pipe})
     recorder = None
     if a.record_trace:
         from ..planning.trace import TraceRecorder
 
         recorder = TraceRecorder(store.layers, store.meta.num_experts, a.model)
         store.observers.append(recorder)
-    prompt = sys.stdin.read() if a.prompt == "-" else a.prompt
+    prompt = sys.stdin.read() if a.prompt == "-" and primary else a.prompt
+    if group is not None and a.prompt == "-":
+        from ..parallel import share_text
+
+        prompt = share_text(group, prompt)
     if not a.ignore_chat_template and tok.chat_template is not None:
         msgs = [{"role": "system", "content": a.system_prompt}] if a.system_prompt else []
         msgs.append({"role": "user", "content": prompt})
@@ -65,23 +80,37 @@ def main(argv=None) -> None:
         tok,
         prompt,
         max_tokens=a.max_tokens,
-        verbose=a.verbose,
+        verbose=a.verbose and primary,
         sampler=make_sampler(a.temp, a.top_p),
         prefill_step_size=a.prefill_step_size or PREFILL_CHUNK,
     )
     if recorder is not None:
         recorder.save(a.record_trace)
-    if a.verbose:
+    lines = [expert_line(store, group)]
+    if group is not None:
+        from ..parallel import gather_lines
+
+        lines = gather_lines(group, lines[0])
+    if primary and a.verbose:
         print("Memory plan:", memory_plan(model, store, a.cache_limit_gb).to_json())
-        t = store.totals()
-        print(
-            f"Experts: hit rate {store.hit_rate():.3f}, {t['bytes_read'] / 1e6:.1f} MB read "
-            f"in {t['read_s']:.2f} s, pools {store.pool_bytes() / 1e9:.3f} GB, "
-            f"peak memory {mx.get_peak_memory() / 1e9:.3f} GB"
-        )
-    else:
+        print("\n".join(lines))
+    elif primary:
         print(text)
     store.close()
+
+
+def expert_line(store, group=None) -> str:
+    """One line of expert counters (and, in a pipeline, whose layers they are)."""
+    import mlx.core as mx
+
+    t = store.totals()
+    who = "" if group is None else f" of rank {group.rank()}"
+    span = f"MoE layers {store.layers[0]}-{store.layers[-1]}"
+    return (
+        f"Experts{who} ({span}): hit rate {store.hit_rate():.3f}, {t['bytes_read'] / 1e6:.1f} MB "
+        f"read in {t['read_s']:.2f} s, pools {store.pool_bytes() / 1e9:.3f} GB, peak "
+        f"memory {mx.get_peak_memory() / 1e9:.3f} GB"
+    )
 
 
 if __name__ == "__main__":

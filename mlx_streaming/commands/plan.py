@@ -21,13 +21,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
             "measured by `bench`). The trace's second half is replayed."
         ),
     )
-    p.add_argument("--trace", required=True, help="routing trace (.npz)")
+    p.add_argument("--trace", help="routing trace (.npz); not needed with --hosts-gb")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="model directory or repo id (its experts' sizes)")
     src.add_argument("--expert-dir", help="an expert directory (its meta)")
     src.add_argument("--expert-bytes", type=positive_int, help="bytes per expert")
     p.add_argument("--top-k", type=positive_int, help="with --expert-bytes (default: trace's)")
-    size = p.add_mutually_exclusive_group(required=True)
+    size = p.add_mutually_exclusive_group()
     size.add_argument("--budget-gb", type=positive_float, nargs="+")
     size.add_argument("--slots", type=positive_int, nargs="+")
     p.add_argument(
@@ -53,7 +53,38 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--read-gbps", type=positive_float)
     p.add_argument("--json", action="store_true", help="print a JSON list")
     p.add_argument("--plot", help="write a PNG of hit rate against budget (needs matplotlib)")
+    p.add_argument(
+        "--hosts-gb",
+        help="pipeline planning: memory per host for the model, rank order (e.g. 48,24); "
+        "prints the --pipeline-split and each rank's pool budget (needs --model)",
+    )
     return p
+
+
+def plan_hosts(a) -> None:
+    """Print the pipeline split and per-rank pool budgets for ``--hosts-gb``."""
+    from ..planning.pipeline import ModelBytes, suggest_split
+    from ..prep.hub import load_lazy, resolve_model_path
+
+    if not a.model:
+        raise ValueError("--hosts-gb needs --model (the trunk's size per layer)")
+    try:
+        hosts = [float(x) for x in a.hosts_gb.split(",")]
+    except ValueError:
+        raise ValueError(f"--hosts-gb {a.hosts_gb!r}: give GB per host, e.g. 48,24") from None
+    model, _ = load_lazy(resolve_model_path(a.model))
+    sp = suggest_split(ModelBytes.from_model(model), hosts)
+    if a.json:
+        print(json.dumps(sp.to_json(), indent=1))
+        return
+    budgets = ",".join(str(r["pool_budget_gb"]) for r in sp.ranks)
+    print(f"--pipeline-split {','.join(map(str, sp.split))} --rank-budget-gb {budgets}")
+    print(f"each MoE layer keeps {sp.share:.1%} of its experts in pools")
+    for r in sp.ranks:
+        print(
+            f"rank {r['rank']}: layers {r['layers'][0]}-{r['layers'][1]} "
+            f"({r['moe_layers']} MoE), trunk {r['trunk_gb']} GB, pools {r['pool_budget_gb']} GB"
+        )
 
 
 def _shape(a, trace: RoutingTrace) -> PoolShape:
@@ -112,6 +143,10 @@ def plot(rows: list[PlanRow], path: str) -> None:
 
 def main(argv=None) -> None:
     a = setup_arg_parser().parse_args(argv)
+    if a.hosts_gb:
+        return plan_hosts(a)
+    if not a.trace or not (a.budget_gb or a.slots):
+        raise ValueError("plan needs --trace and --budget-gb or --slots (or --hosts-gb)")
     trace = RoutingTrace.load(a.trace)
     shape = _shape(a, trace)
     t, b = _bounds(a)

@@ -7,7 +7,14 @@ import json
 import logging
 
 from ..config import PREFILL_CHUNK
-from ._args import add_store_args, load_kwargs, nonneg_int, positive_int
+from ._args import (
+    add_pipeline_args,
+    add_store_args,
+    load_kwargs,
+    nonneg_int,
+    pipeline_kwargs,
+    positive_int,
+)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -41,12 +48,14 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-group-size", type=int, default=64)
     p.add_argument("--quantized-kv-start", type=int, default=5000)
     add_store_args(p)
+    add_pipeline_args(p)
     return p
 
 
 def cli_args_for_mlx_lm(a: argparse.Namespace) -> argparse.Namespace:
     """The namespace mlx-lm's server reads, from our flags (fixed values where streaming
-    rules them: no adapters, no draft model, no batching, no distribution)."""
+    rules them: no adapters, no draft model, no batching; distribution only as a
+    pipeline)."""
     return argparse.Namespace(
         model=a.model,
         adapter_path=None,
@@ -70,7 +79,7 @@ def cli_args_for_mlx_lm(a: argparse.Namespace) -> argparse.Namespace:
         kv_bits=a.kv_bits,
         kv_group_size=a.kv_group_size,
         quantized_kv_start=a.quantized_kv_start,
-        pipeline=False,
+        pipeline=a.pipeline,
     )
 
 
@@ -79,7 +88,9 @@ def main(argv=None) -> None:
 
     a = setup_arg_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, a.log_level), format="%(asctime)s %(message)s")
-    serve(a.host, a.port, cli_args_for_mlx_lm(a), load_kwargs(a))
+    pipe = pipeline_kwargs(a)  # joins the group first: mlx-lm's server then finds it
+    pipe.pop("pipeline_group", None)  # the provider takes it from mlx-lm's own lookup
+    serve(a.host, a.port, cli_args_for_mlx_lm(a), {**load_kwargs(a), **pipe})
 
 
 if __name__ == "__main__":

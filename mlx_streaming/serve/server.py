@@ -48,7 +48,10 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         self.store = None
         gc.collect()
         mx.clear_cache()
-        model, tokenizer, store = load(model_path, **self.load_kwargs)
+        # mlx-lm's provider sets pipeline_group from the launched group and --pipeline
+        model, tokenizer, store = load(
+            model_path, **self.load_kwargs, pipeline_group=self.pipeline_group
+        )
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         self.model_key = (model_path, None, None)
@@ -117,7 +120,9 @@ def serve(host: str, port: int, cli_args, load_kwargs: dict) -> None:
 
     As in ``mlx_lm.server.run``: its response generator loads the model on its own
     thread (MLX streams are per thread) and serves one request at a time; the HTTP side
-    is the standard library's threading server with mlx-lm's handler, extended.
+    is the standard library's threading server with mlx-lm's handler, extended. In a
+    pipeline (``cli_args.pipeline`` under ``mlx.launch``) only rank 0 serves HTTP; the
+    generator shares each request with the other ranks, which run their layers.
     """
     from http.server import ThreadingHTTPServer
 
@@ -125,6 +130,9 @@ def serve(host: str, port: int, cli_args, load_kwargs: dict) -> None:
     generator = mlx_server.ResponseGenerator(
         provider, mlx_server.LRUPromptCache(cli_args.prompt_cache_size)
     )
+    if provider.pipeline_group is not None and provider.pipeline_group.rank() != 0:
+        generator.join()  # a follower: runs rank 0's requests on its own layers
+        return
     fingerprint = mlx_server.get_system_fingerprint()
     httpd = ThreadingHTTPServer(
         (host, port),

@@ -1,0 +1,118 @@
+"""The fields a benchmark run reports: the seed script's, plus I/O, memory by source,
+host time per layer call and per-layer counters."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+MEMORY_SOURCES = {
+    "rss_*": "the process's resident set size (OS); on macOS it leaves out Metal buffers",
+    "mlx_*": "MLX's allocator: active = bytes in live arrays, peak = most since the "
+    "timed runs began; on Metal and CUDA this is the GPU's memory",
+}
+
+
+def summarize(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, sampler) -> dict:
+    """The result fields of one benchmark run (the seed's, then ours)."""
+    meta = store.meta
+    totals, first = store.totals(), timed["first"] or store.totals()
+    gen = max(1, timed["generated_tokens"])
+    decode_lookups = (totals["hits"] + totals["misses"]) - (first["hits"] + first["misses"])
+    decode_hits = totals["hits"] - first["hits"]
+    fast, fall = store.fastpath_calls, store.fallback_calls
+    caps = [store.capacity(li) for li in store.layers]
+    out = {
+        "mode": "streaming_filebacked",
+        "model": cfg.model,
+        "expert_dir": str(meta.root),
+        "expert_bits": meta.dims.get("bits"),
+        "expert_group": meta.dims.get("group_size"),
+        "proj_bits": meta.dims.get("proj_bits"),
+        "layered": "per_layer_proj_bits" in meta.dims,
+        "per_layer_slots": caps[0] if cfg.budget_gb is None else None,
+        "slots_per_layer": {str(li): c for li, c in zip(store.layers, caps)},
+        "budget_gb": cfg.budget_gb,
+        "policy": cfg.policy,
+        "pool_mode": store.pool_mode,
+        "overlap": cfg.options.overlap,
+        "prefetch": cfg.options.prefetch,
+        "pool_profile": len(set(caps)) > 1 or cfg.pool_profile not in ("auto", "none", None),
+        "wired_gb": cfg.wired_gb,
+        "cache_gb": cfg.cache_gb,
+        "clear_on_evict": cfg.clear_on_evict,
+        "pin_hot": cfg.pin_hot,
+        "cal_s": cal_s,
+        "warmup_tok": cfg.max_tokens if cfg.warmup_tokens is None else cfg.warmup_tokens,
+        "repeat": cfg.repeat,
+        "cold": cfg.cold,
+        "direct_io": cfg.direct_io,
+        "threads": cfg.threads,
+        "prefill_chunk": cfg.prefill_chunk,
+        "patched_moe_layers": len(store.layers),
+        "num_experts": meta.num_experts,
+        "top_k": meta.top_k,
+        "resident_experts": store.resident_count(),
+        "pinned_experts": store.pinned_count(),
+        "pool_gb": round(store.pool_bytes() / 1e9, 4),
+        "expert_mb": round(meta.expert_bytes() / 1e6, 3),
+        "load_patch_s": round(load_s, 2),
+        **{
+            k: timed[k]
+            for k in (
+                "tok_per_s",
+                "tok_per_s_runs",
+                "tok_per_s_minmax",
+                "decode_tok_per_s",
+                "decode_tok_per_s_runs",
+                "prefill_tok_per_s",
+                "generated_tokens",
+            )
+        },
+        "prompt_tokens": len(ids),
+        "memory_sources": MEMORY_SOURCES,
+        "rss_gb_after_patch": round(after_patch.rss_bytes / 1e9, 3),
+        "rss_gb_after_gen": round(after_gen.rss_bytes / 1e9, 3),
+        "peak_rss_gb": round(after_gen.peak_rss_bytes / 1e9, 3),
+        "mlx_active_gb_after_gen": round(after_gen.mlx_active_bytes / 1e9, 3),
+        "mlx_peak_gb": round(after_gen.mlx_peak_bytes / 1e9, 3),
+        "timed_peak_rss_gb": round(sampler.peak_rss / 1e9, 3),
+        "timed_peak_mlx_active_gb": round(sampler.peak_mlx / 1e9, 3),
+        "expert_hit_rate": round(store.hit_rate(), 4),
+        "expert_hits": store.hits,
+        "expert_misses": store.misses,
+        "decode_hit_rate": round(decode_hits / decode_lookups, 4) if decode_lookups else None,
+        "evictions": totals["evictions"],
+        "bytes_read": totals["bytes_read"],
+        "bytes_read_per_token": round(
+            (totals["bytes_read"] - first["bytes_read"]) / max(1, gen - 1)
+        ),
+        "prefill_bytes_read": first.get("bytes_read", 0),
+        "prefill_bytes_per_token": round(first.get("bytes_read", 0) / max(1, len(ids))),
+        "read_wait_s": round(totals["read_s"], 4),
+        "read_gbps": round(totals["read_gbps"], 3),
+        "host_us_per_layer_call": round(totals["host_us_per_call"], 1),
+        "prefetched": totals["prefetched"],
+        "prefetch_used": totals["prefetch_used"],
+        "prefetch_on_time": totals["prefetch_on_time"],
+        "prefetch_precision": _r(totals["prefetch_precision"]),
+        "prediction_precision": _r(totals["prediction_precision"]),
+        "prediction_recall": _r(totals["prediction_recall"]),
+        "host_syncs": totals["host_calls"],
+        "gpu_fastpath": fast,
+        "gpu_fallback": fall,
+        "gpu_fastpath_frac": round(fast / max(1, fast + fall), 4),
+        "device": str(mx.default_device()),
+        "sample": timed["text"][:240],
+        "layers": {
+            str(li): {k: r[k] for k in ("hits", "misses", "bytes_read", "slots")}
+            | {"hit_rate": round(r["hits"] / max(1, r["hits"] + r["misses"]), 4)}
+            for li, r in store.layer_report().items()
+        },
+    }
+    if cfg.memory_series:
+        out["memory_series"] = sampler.series[:: max(1, len(sampler.series) // 300)]
+    return out
+
+
+def _r(v):
+    return None if v is None else round(v, 4)
