@@ -1,0 +1,147 @@
+"""Planning a pipeline over hosts of different memory: which layers each host runs, and
+what is left on each for expert pools.
+
+Each rank of an mlx-lm pipeline holds the embeddings, final norm and head (``shared``),
+the trunk of its own layers, and pools for its own MoE layers. ``suggest_split`` finds
+the contiguous split (rank 0 runs the last layers, as in mlx-lm) that gives every MoE
+layer the largest common share of its experts in a pool, within each host's memory.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from ..core.discovery import find_expert_sites
+
+
+@dataclass(frozen=True)
+class ModelBytes:
+    """Where a model's bytes sit: ``shared`` by every rank, ``trunk[i]`` of layer ``i``
+    (experts excluded), ``experts[i]`` all of layer ``i``'s experts (0: dense)."""
+
+    shared: int
+    trunk: list[int]
+    experts: list[int]
+    num_experts: list[int]
+    top_k: int
+
+    @classmethod
+    def from_model(cls, model) -> ModelBytes:
+        """From an mlx-lm model (loaded lazily: nothing is read)."""
+        from mlx.utils import tree_flatten
+
+        sites = find_expert_sites(model)
+        n = len(model.layers)
+        prefixes = {s.path + ".": s for s in sites}
+        shared, trunk, experts, counts = 0, [0] * n, [0] * n, [0] * n
+        for s in sites:
+            counts[s.layer] = s.num_experts
+        for name, v in tree_flatten(model.parameters()):
+            m = re.search(r"layers\.(\d+)\.", name)
+            if m is None:
+                shared += v.nbytes
+            elif any(name.startswith(p) for p in prefixes):
+                experts[int(m.group(1))] += v.nbytes
+            else:
+                trunk[int(m.group(1))] += v.nbytes
+        top_k = next(s.top_k for s in sites if s.top_k)
+        return cls(shared, trunk, experts, counts, top_k)
+
+    def layer_bytes(self, i: int, share: float) -> int:
+        """Layer ``i``'s trunk plus pools holding ``share`` of its experts (at least
+        top-k slots)."""
+        if not self.experts[i]:
+            return self.trunk[i]
+        e = self.num_experts[i]
+        slots = min(e, max(self.top_k, math.ceil(share * e)))
+        return self.trunk[i] + self.experts[i] * slots // e
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    split: list[int]  # layers per rank, in rank order (rank 0: the last layers)
+    share: float  # experts of each MoE layer held in pools
+    ranks: list[dict]  # per rank: layers, trunk_gb, pool_budget_gb
+
+    def to_json(self) -> dict:
+        return {"split": self.split, "expert_share": round(self.share, 4), "ranks": self.ranks}
+
+
+def _pack(mb: ModelBytes, hosts: list[int], share: float) -> list[int] | None:
+    """Layers per rank (rank order) when each rank takes as many of the next layers as
+    fit (the last rank starts at layer 0), or None when they do not all fit."""
+    n, size = len(mb.trunk), len(hosts)
+    counts = [0] * size
+    i = 0
+    for r in reversed(range(size)):
+        room = hosts[r] - mb.shared
+        while i < n and room >= mb.layer_bytes(i, share):
+            room -= mb.layer_bytes(i, share)
+            counts[r] += 1
+            i += 1
+    if i < n:
+        return None
+    # a rank left without layers takes one from the rank before it (that one then holds
+    # less, so it still fits)
+    for r in reversed(range(size - 1)):
+        while counts[r] == 0:
+            donor = next((q for q in range(r + 1, size) if counts[q] > 1), None)
+            if donor is None:
+                return None
+            for q in range(donor, r, -1):
+                counts[q] -= 1
+                counts[q - 1] += 1
+    return counts
+
+
+def suggest_split(mb: ModelBytes, hosts_gb: list[float]) -> SplitPlan:
+    """The split that holds the largest share of every MoE layer's experts in pools,
+    with each rank's memory ``hosts_gb[rank]`` (trunk share plus pools).
+
+    Raises:
+        ValueError: the hosts cannot hold the model's trunk with top-k slots per layer.
+    """
+    hosts = [int(g * 1e9) for g in hosts_gb]
+    if len(hosts) > len(mb.trunk):
+        raise ValueError(f"{len(hosts)} hosts for {len(mb.trunk)} layers: use fewer hosts")
+    if _pack(mb, hosts, 0.0) is None:
+        need = mb.shared * len(hosts) + sum(mb.layer_bytes(i, 0.0) for i in range(len(mb.trunk)))
+        raise ValueError(
+            f"hosts of {hosts_gb} GB cannot hold this model even with top-k slots per layer "
+            f"(about {need / 1e9:.2f} GB in all): add memory or hosts"
+        )
+    lo, hi = 0.0, 1.0
+    if _pack(mb, hosts, 1.0) is not None:
+        lo = 1.0
+    for _ in range(40):
+        if lo == 1.0 or hi - lo < 1e-4:
+            break
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _pack(mb, hosts, mid) is not None else (lo, mid)
+    # the same share with each host as little filled as can be: memory left over is
+    # spread in proportion to the hosts, not all left on the first ranks
+    fill_lo, fill_hi = 0.0, 1.0
+    for _ in range(30):
+        mid = (fill_lo + fill_hi) / 2
+        if _pack(mb, [int(h * mid) for h in hosts], lo) is not None:
+            fill_hi = mid
+        else:
+            fill_lo = mid
+    split = _pack(mb, [int(h * fill_hi) for h in hosts], lo)
+    ranks = []
+    for r, count in enumerate(split):
+        start = sum(split[r + 1 :])
+        layers = range(start, start + count)
+        trunk = mb.shared + sum(mb.trunk[i] for i in layers)
+        ranks.append(
+            {
+                "rank": r,
+                "layers": [layers.start, layers.stop - 1],
+                "moe_layers": sum(1 for i in layers if mb.experts[i]),
+                "trunk_gb": round(trunk / 1e9, 3),
+                "pool_budget_gb": round((hosts[r] - trunk) / 1e9, 3),
+            }
+        )
+    return SplitPlan(split, lo, ranks)
