@@ -125,7 +125,7 @@ def _metal_like(monkeypatch):
 
     def fake(x, w, *a, rhs_indices=None, sorted_indices=False, **kw):
         y = real(x, w, *a, rhs_indices=rhs_indices, sorted_indices=sorted_indices, **kw)
-        B = math.prod(dispatch._broadcast(x.shape[:-2], rhs_indices.shape))
+        B = math.prod(np.broadcast_shapes(tuple(x.shape[:-2]), tuple(rhs_indices.shape)))
         if (
             kernel(GatherCall("metal", True, x.shape[-2], B, w.shape[0], sorted_indices))
             == "gather_qmm_rhs"

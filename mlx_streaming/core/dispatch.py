@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 MLX_RULE_SOURCE = (
@@ -111,14 +112,8 @@ def pool_sorted_flag(
 
 def _batch(x: mx.array, indices: mx.array) -> tuple[int, int]:
     """(M, B) of a gather matmul of ``x`` [..., M, K] with ``indices``."""
-    shape = _broadcast(x.shape[:-2], indices.shape)
+    shape = np.broadcast_shapes(tuple(x.shape[:-2]), tuple(indices.shape))
     return x.shape[-2], math.prod(shape)
-
-
-def _broadcast(a: tuple, b: tuple) -> tuple:
-    n = max(len(a), len(b))
-    a, b = (1,) * (n - len(a)) + tuple(a), (1,) * (n - len(b)) + tuple(b)
-    return tuple(max(x, y) for x, y in zip(a, b))
 
 
 def _flag(proj, x: mx.array, indices: mx.array, sorted_indices: bool) -> bool:
@@ -136,9 +131,9 @@ def _flag(proj, x: mx.array, indices: mx.array, sorted_indices: bool) -> bool:
     )
 
 
-class PoolQuantizedSwitchLinear(QuantizedSwitchLinear):
-    """mlx-lm's ``QuantizedSwitchLinear`` over pool slots, taking the kernel that stock's
-    call over ``model_experts`` experts takes on ``backend``."""
+class _StockKernel:
+    """Over pool slots, passes MLX the sort flag under which the gather matmul takes the
+    kernel that stock's call over ``model_experts`` experts takes on ``backend``."""
 
     def __init__(
         self,
@@ -157,21 +152,9 @@ class PoolQuantizedSwitchLinear(QuantizedSwitchLinear):
         return super().__call__(x, indices, _flag(self, x, indices, sorted_indices))
 
 
-class PoolSwitchLinear(SwitchLinear):
+class PoolQuantizedSwitchLinear(_StockKernel, QuantizedSwitchLinear):
+    """mlx-lm's ``QuantizedSwitchLinear`` over pool slots, taking stock's kernel."""
+
+
+class PoolSwitchLinear(_StockKernel, SwitchLinear):
     """mlx-lm's ``SwitchLinear`` over pool slots, taking stock's kernel."""
-
-    def __init__(
-        self,
-        input_dims: int,
-        output_dims: int,
-        slots: int,
-        *,
-        model_experts: int,
-        backend: str,
-        **kw,
-    ):
-        super().__init__(input_dims, output_dims, slots, **kw)
-        self.model_experts, self.backend = model_experts, backend
-
-    def __call__(self, x, indices, sorted_indices=False):
-        return super().__call__(x, indices, _flag(self, x, indices, sorted_indices))
