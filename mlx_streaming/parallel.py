@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import mlx.core as mx
+import numpy as np
 
 DEFAULT_CONNECT_TIMEOUT_S = 60.0
 
@@ -126,15 +127,6 @@ def digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def gather_digests(group, values: dict[str, str]) -> list[dict[str, str]]:
-    """Every rank's ``values`` (short hex digests, the same keys on every rank)."""
-    keys = sorted(values)
-    mine = mx.array([int(values[k], 16) >> 1 for k in keys], dtype=mx.uint64)
-    alls = collective(lambda: mx.distributed.all_gather(mine, group=group, stream=mx.cpu))
-    rows = alls.reshape(group.size(), len(keys)).tolist()
-    return [{k: format(v, "x") for k, v in zip(keys, row)} for row in rows]
-
-
 def check_same_everywhere(group, values: dict[str, str], what: dict[str, str]) -> None:
     """Raise on every rank if some rank's ``values`` differ from rank 0's.
 
@@ -144,7 +136,7 @@ def check_same_everywhere(group, values: dict[str, str], what: dict[str, str]) -
     Raises:
         PipelineError: naming the ranks that differ and the fix.
     """
-    rows = gather_digests(group, values)
+    rows = [json.loads(line) for line in gather_lines(group, json.dumps(values))]
     bad = []
     for key in what:
         odd = [r for r, row in enumerate(rows) if row[key] != rows[0][key]]
@@ -179,27 +171,14 @@ def lost_peer(e: Exception) -> Exception:
     return e
 
 
-def share_text(group, text: str | None) -> str:
-    """Rank 0's ``text`` on every rank (other ranks pass anything)."""
-    return share_from(group, 0, text or "")
-
-
 def gather_lines(group, line: str) -> list[str]:
     """Every rank's ``line``, in rank order (on every rank)."""
-    lines = []
-    for r in range(group.size()):
-        lines.append(share_from(group, r, line))
-    return lines
-
-
-def share_from(group, rank: int, text: str) -> str:
-    """``rank``'s ``text`` on every rank."""
-    data = text.encode() if group.rank() == rank else b""
-    n = int(
-        collective(
-            lambda: mx.distributed.all_sum(mx.array(len(data)), group=group, stream=mx.cpu)
-        ).item()
-    )
-    buf = mx.array(list(data), dtype=mx.uint8) if data else mx.zeros((n,), dtype=mx.uint8)
-    out = collective(lambda: mx.distributed.all_sum(buf, group=group, stream=mx.cpu))
-    return bytes(memoryview(out.astype(mx.uint8))).decode()
+    data = np.frombuffer(line.encode(), dtype=np.uint8)
+    sizes = collective(
+        lambda: mx.distributed.all_gather(mx.array([data.size]), group=group, stream=mx.cpu)
+    ).tolist()
+    buf = np.zeros(max(1, *sizes), dtype=np.uint8)
+    buf[: data.size] = data
+    rows = collective(lambda: mx.distributed.all_gather(mx.array(buf), group=group, stream=mx.cpu))
+    rows = np.array(rows).reshape(len(sizes), -1)
+    return [bytes(row[:n]).decode() for row, n in zip(rows, sizes)]

@@ -13,6 +13,7 @@ import math
 
 from ..core.cache.policy import DEFAULT_POLICY, POLICIES
 from ..core.prefetch.patch import StreamOptions
+from ..parallel import DEFAULT_CONNECT_TIMEOUT_S
 
 
 def positive_int(s: str) -> int:
@@ -154,8 +155,8 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--pipeline-timeout",
         type=positive_float,
-        default=60.0,
-        help="seconds to wait for the other ranks to connect (default 60)",
+        default=DEFAULT_CONNECT_TIMEOUT_S,
+        help=f"seconds to wait for the other ranks to connect (default {DEFAULT_CONNECT_TIMEOUT_S:.0f})",
     )
 
 

@@ -68,9 +68,9 @@ def main(argv=None) -> None:
         store.observers.append(recorder)
     prompt = sys.stdin.read() if a.prompt == "-" and primary else a.prompt
     if group is not None and a.prompt == "-":
-        from ..parallel import share_text
+        from ..parallel import gather_lines
 
-        prompt = share_text(group, prompt)
+        prompt = gather_lines(group, prompt)[0]  # rank 0 read stdin
     if not a.ignore_chat_template and tok.chat_template is not None:
         msgs = [{"role": "system", "content": a.system_prompt}] if a.system_prompt else []
         msgs.append({"role": "user", "content": prompt})
