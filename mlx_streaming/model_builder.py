@@ -105,12 +105,11 @@ def load(
 
     model_dir = resolve_model_path(path_or_repo)
     expert_dir = Path(expert_dir) if expert_dir else default_expert_dir(path_or_repo)
+    model, tokenizer = mlx_load(str(model_dir), lazy=True)
     model_fp = None
     if pipeline_group is None:
         meta = ensure_split(model_dir, expert_dir, progress=progress)
-        model, tokenizer = mlx_load(str(model_dir), lazy=True)
     else:
-        model, tokenizer = mlx_load(str(model_dir), lazy=True)
         meta, model_fp = pipeline_share(
             model, model_dir, expert_dir, pipeline_group, pipeline_split, progress
         )

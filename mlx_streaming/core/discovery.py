@@ -89,8 +89,6 @@ def _numbered(model: nn.Module, layers) -> list[tuple[int, nn.Module]]:
     if any(layer is None for layer in layers):
         return [(i, layer) for i, layer in enumerate(layers) if layer is not None]
     start = getattr(getattr(model, "model", None), "start_idx", 0) or 0
-    if start and len(layers) == len(getattr(model.model, "layers", layers)):
-        start = 0  # ``layers`` is the whole list: its positions are the indices
     return [(start + i, layer) for i, layer in enumerate(layers)]
 
 

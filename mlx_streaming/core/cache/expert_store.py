@@ -227,7 +227,6 @@ class FileExpertStore:
             self._pending_hits.clear()
 
     # ------------------------------------------------------------ loading
-    # ------------------------------------------------------------ loading
     def prefetch(self, layer: int, experts, limit: int | None = None) -> int:
         """Read ahead experts a coming call of ``layer`` is expected to need, into free
         or evictable slots (never pinned ones, nor ``experts`` themselves). Best effort;

@@ -235,13 +235,6 @@ class LayerPool:
         """Arrays to evaluate to settle pending MLX writes."""
         return [*self.arrays.values(), self.lut]
 
-    def data_pointers(self) -> dict[str, int]:
-        """Address of each part array's buffer (to show that writes are in place)."""
-        return {
-            k: np.array(v if v.dtype != mx.bfloat16 else v.view(mx.uint16), copy=False).ctypes.data
-            for k, v in self.arrays.items()
-        }
-
 
 _ADDRESS = []  # the address kernel, built on first use
 
