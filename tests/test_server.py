@@ -3,11 +3,13 @@ client, streaming and not: its text equals offline generation with the same sett
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -32,44 +34,46 @@ def get(url):
         return r.status, dict(r.headers), json.loads(r.read())
 
 
-@pytest.fixture(scope="module")
-def server(models):
-    ck, ed = models.experts("tiny-qwen3_next")
+@contextlib.contextmanager
+def running_server(ck, ed, slots: int):
+    """``serve`` in a subprocess, healthy: yields ``(base url, port)``."""
     port = free_port()
+    cmd = [sys.executable, "-m", "mlx_streaming", "serve", "--model", str(ck)]
+    cmd += ["--expert-dir", str(ed), "--slots", str(slots), "--port", str(port)]
+    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would block it
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlx_streaming",
-            "serve",
-            "--model",
-            str(ck),
-            "--expert-dir",
-            str(ed),
-            "--slots",
-            "6",
-            "--port",
-            str(port),
-            "--log-level",
-            "WARNING",
-        ],
-        stdout=subprocess.PIPE,
+        [*cmd, "--log-level", "WARNING"],
+        stdout=log,
         stderr=subprocess.STDOUT,
-        text=True,
         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
     )
     base = f"http://127.0.0.1:{port}"
-    for _ in range(120):
-        try:
-            if get(base + "/health")[0] == 200:
-                break
-        except OSError:
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                if get(base + "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
             if proc.poll() is not None:
-                pytest.fail(proc.stdout.read())
+                log.seek(0)
+                pytest.fail(log.read())
+            if time.time() > deadline:
+                pytest.fail("the server did not become healthy within 60 s")
             time.sleep(0.5)
-    yield ck, base, port
-    proc.terminate()
-    proc.wait(timeout=30)
+        yield base, port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    ck, ed = models.experts("tiny-qwen3_next")
+    with running_server(ck, ed, 6) as (base, port):
+        yield ck, base, port
 
 
 def offline(ck, prompt):
@@ -132,35 +136,7 @@ def test_failing_request_gets_an_error_and_the_server_keeps_serving(models, tmp_
     ed = tmp_path / "experts"
     shutil.copytree(src, ed)
     meta = load_meta(ed)
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlx_streaming",
-            "serve",
-            "--model",
-            str(ck),
-            "--expert-dir",
-            str(ed),
-            "--slots",
-            "4",
-            "--port",
-            str(port),
-            "--log-level",
-            "WARNING",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(120):
-            try:
-                if get(base + "/health")[0] == 200:
-                    break
-            except OSError:
-                time.sleep(0.5)
+    with running_server(ck, ed, 4) as (base, _):
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
         originals = {li: meta.file(li).read_bytes() for li in meta.layers}
         for li, lay in meta.layers.items():  # every record fails its checksum
@@ -177,6 +153,3 @@ def test_failing_request_gets_an_error_and_the_server_keeps_serving(models, tmp_
             model="default_model", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0
         )
         assert r.choices[0].text == offline(ck, PROMPT)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
