@@ -1,52 +1,45 @@
-"""The native I/O engine on the CPU: a Python thread plays the GPU (writes requests into
-the mailbox, waits for the answer), copies are memcpy into host "pools"; slots, reads,
-checksums, victims, the log and errors are checked against the expert files."""
+"""The native record reader (``engine.c``): records land in the slots asked for, bad
+requests are refused with an exception (never a crash), corrupt or shrunken files name
+the file and the expert, and the store reads the slots its policy chose whichever
+reader it uses."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from mlx_streaming.core.io.native import Engine, EngineLayer, engine_library
+from mlx_streaming.core.format import ExpertChecksumError
+from mlx_streaming.core.io.native import NativeReader, library, library_path
+from mlx_streaming.core.io.reader import RecordReadError
 from mlx_streaming.core.meta import load_meta
 
-pytestmark = pytest.mark.skipif(engine_library() is None, reason="no C compiler")
-MAX_ROWS = 64
+pytestmark = pytest.mark.skipif(
+    library() is None, reason="the compiled reader is not installed (pip install the package)"
+)
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "deepseek-v2-lite.npz"
 
 
-class HostPool:
-    """Per-part host arrays [slots, part bytes], as a pool's rows."""
+class HostRows:
+    """Per-part host rows [slots, part bytes], standing in for a pool."""
 
     def __init__(self, layout, slots):
-        self.parts = {p.name: np.zeros((slots, p.nbytes), np.uint8) for p in layout.parts}
+        self.slots = slots
+        self.parts = [np.zeros((slots, p.nbytes), np.uint8) for p in layout.parts]
+
+    def row_pointers(self):
+        return [(a.ctypes.data, a.shape[1]) for a in self.parts]
 
 
-def make(meta, capacity, checksums=True, threads=3, **kw):
-    layers, pools, fds = [], [], []
-    for li in sorted(meta.layers):
-        lay = meta.layers[li]
-        pool = HostPool(lay, capacity)
-        fd = os.open(meta.file(li), os.O_RDONLY)
-        sums = np.array([int(c, 16) for c in lay.checksums], np.uint64) if checksums else None
-        layers.append(
-            EngineLayer(
-                fd,
-                lay,
-                capacity,
-                np.full(lay.num_experts, -1, np.int32),
-                np.full(capacity, -1, np.int32),
-                [pool.parts[p.name].ctypes.data for p in lay.parts],
-                [pool.parts[p.name].shape[1] for p in lay.parts],
-                checksums=sums,
-            )
-        )
-        pools.append(pool)
-        fds.append(fd)
-    return Engine(layers, threads=threads, max_rows=MAX_ROWS, **kw), pools, fds
+def reader_over(ed, slots, **kw):
+    meta = load_meta(ed)
+    pools = {li: HostRows(meta.layers[li], slots) for li in meta.layers}
+    return meta, pools, NativeReader(meta, pools, **kw)
 
 
 def record(meta, li, e):
@@ -56,109 +49,83 @@ def record(meta, li, e):
         return np.frombuffer(f.read(lay.record_bytes), np.uint8)
 
 
-def check_slots(meta, eng, pools, pos):
-    li = sorted(meta.layers)[pos]
-    lay, L = meta.layers[li], eng.layers[pos]
-    for e in np.flatnonzero(L.slot_of >= 0):
-        s = L.slot_of[e]
-        assert L.expert_in[s] == e
-        rec = record(meta, li, e)
-        for p in lay.parts:
-            assert np.array_equal(pools[pos].parts[p.name][s], rec[p.offset : p.offset + p.nbytes])
+def assert_slot_holds(meta, pools, li, slot, e):
+    rec = record(meta, li, e)
+    for p, rows in zip(meta.layers[li].parts, pools[li].parts):
+        assert np.array_equal(rows[slot], rec[p.offset : p.offset + p.nbytes]), (li, slot, e)
 
 
-def test_serve_reads_evicts_and_logs(models):
+def test_library_is_built_into_the_package():
+    assert library_path().parent.name == "io"
+
+
+def test_reads_records_into_the_slots_asked(models):
     _, ed = models.experts("tiny-qwen3_moe")
-    meta = load_meta(ed)
-    k, cap = meta.top_k, meta.top_k + 2
-    eng, pools, fds = make(meta, cap)
-    eng.start()
+    meta, pools, reader = reader_over(ed, 12, threads=3, wave=4)  # 12 records: 3 waves
     rng = np.random.default_rng(0)
-    used_total = 0
-    for step in range(60):
-        pos = step % len(meta.layers)
-        ids = rng.choice(meta.num_experts, (2, k), replace=True)  # two tokens
-        if len(np.unique(ids)) > cap:
-            ids = ids[:1]
-        st, slots = eng.serve(pos, ids)
-        assert st == 0, eng.error()
-        L = eng.layers[pos]
-        assert np.array_equal(slots, L.slot_of[ids.reshape(-1)])
-        check_slots(meta, eng, pools, pos)
-        used_total += len(np.unique(ids))
-    calls, _ = eng.drain()
-    assert len(calls) == 60
-    assert sum(len(u) for _, u, _, _ in calls) == used_total
-    c = sum(lay.counters for lay in eng.layers)
-    assert c[0] == 60 and c[1] + c[2] == used_total and c[2] > 0 and c[3] > 0
-    assert c[4] == c[5] * meta.layers[sorted(meta.layers)[0]].record_bytes
-    eng.close()
-    for fd in fds:
-        os.close(fd)
+    for li in meta.layers:
+        experts = rng.choice(meta.num_experts, 12, replace=False)
+        slots = rng.permutation(12)
+        assert reader.read(li, experts, slots) == 12 * meta.layers[li].record_bytes
+        for e, s in zip(experts, slots):
+            assert_slot_holds(meta, pools, li, s, e)
+    reader.close()
+    reader.close()  # idempotent
 
 
-def test_victim_queue_and_pins(models):
+def test_bad_requests_raise_and_leave_the_reader_usable(models):
     _, ed = models.experts("tiny-qwen3_moe")
-    meta = load_meta(ed)
-    k = meta.top_k
-    eng, pools, fds = make(meta, k + 1, threads=0)
-    eng.start()
-    L = eng.layers[0]
-    eng.serve(0, np.arange(k + 1)[None])  # fill: experts 0..k
-    L.pinned[0] = 1
-    L.queue_victims([0, 3, 2])  # 0 is pinned: skipped
-    st, _ = eng.serve(0, [[k + 1]])
-    assert st == 0 and L.slot_of[3] < 0 and L.slot_of[0] >= 0
-    st, _ = eng.serve(0, [[k + 2, 2]])  # 2 is used by this call: skipped; queue ends: LRU
-    assert st == 0 and L.slot_of[2] >= 0 and L.slot_of[k + 2] >= 0
-    assert L.slot_of[1] < 0  # the least recently used unpinned expert
-    _, placed = [c for c in eng.drain()[0]][-1][1:3]
-    assert placed.tolist() == [[k + 2, placed[0][1], 1]]
-    check_slots(meta, eng, pools, 0)
-    eng.close()
-    for fd in fds:
-        os.close(fd)
+    meta, pools, reader = reader_over(ed, 4, threads=2)
+    li = sorted(meta.layers)[0]
+    E = meta.num_experts
+    for experts, slots, what in [
+        ([E], [0], "expert"),
+        ([-1], [0], "expert"),
+        ([0], [4], "slot"),
+        ([0, 1], [2, 2], "named twice"),
+    ]:
+        with pytest.raises(ValueError, match=what):
+            reader.read(li, experts, slots)
+    with pytest.raises(KeyError):
+        reader.read(10**6, [0], [0])
+    reader.read(li, [3], [1])
+    assert_slot_holds(meta, pools, li, 1, 3)
+    reader.close()
 
 
-def test_mailbox_loop_answers_a_kernel_like_caller(models):
-    """The GPU's side, played by a thread: write ids, layer, rows, then the request seq;
-    spin until the answer seq matches; read the slots."""
+@settings(max_examples=60, deadline=None)
+@given(
+    experts=st.lists(st.integers(-3, 40), min_size=0, max_size=10),
+    slots=st.lists(st.integers(-3, 10), min_size=0, max_size=10),
+)
+def test_fuzzed_requests_never_crash(fuzz_reader, experts, slots):
+    meta, pools, reader = fuzz_reader
+    li = sorted(meta.layers)[0]
+    n = min(len(experts), len(slots))
+    experts, slots = experts[:n], slots[:n]
+    ok = (
+        all(0 <= e < meta.num_experts for e in experts)
+        and all(0 <= s < 8 for s in slots)
+        and len(set(slots)) == n
+    )
+    if ok:
+        reader.read(li, experts, slots)
+        for e, s in zip(experts, slots):
+            assert_slot_holds(meta, pools, li, s, e)
+    else:
+        with pytest.raises(ValueError, match="refused"):
+            reader.read(li, experts, slots)
+
+
+@pytest.fixture(scope="module")
+def fuzz_reader(models):
     _, ed = models.experts("tiny-qwen3_moe")
-    meta = load_meta(ed)
-    eng, pools, fds = make(meta, meta.top_k + 4)
-    box = np.zeros(16 + 2 * MAX_ROWS, np.int32)
-    eng.start(box.ctypes.data)
-    rng = np.random.default_rng(1)
-    answers = []
-
-    def gpu():
-        for seq in range(1, 41):
-            pos = seq % len(meta.layers)
-            ids = rng.choice(meta.num_experts, meta.top_k, replace=False)
-            box[16 : 16 + len(ids)] = ids
-            box[1], box[2] = pos, len(ids)
-            box[0] = seq
-            while box[3] != seq:
-                pass
-            answers.append(
-                (pos, ids, box[16 + MAX_ROWS : 16 + MAX_ROWS + len(ids)].copy(), int(box[4]))
-            )
-
-    t = threading.Thread(target=gpu)
-    t.start()
-    t.join(timeout=60)
-    assert not t.is_alive() and len(answers) == 40
-    for pos, ids, slots, status in answers[-len(meta.layers) :]:
-        assert status == 0
-        assert np.array_equal(slots, eng.layers[pos].slot_of[ids])
-    for pos in range(len(meta.layers)):
-        check_slots(meta, eng, pools, pos)
-    eng.close()
-    for fd in fds:
-        os.close(fd)
+    meta, pools, reader = reader_over(ed, 8, threads=2, wave=3)
+    yield meta, pools, reader
+    reader.close()
 
 
-def test_corrupt_record_is_never_resident(models, tmp_path):
+def test_corrupt_record_names_file_and_expert(models, tmp_path):
     _, ed0 = models.experts("tiny-qwen3_moe")
     ed = tmp_path / "e"
     shutil.copytree(ed0, ed)
@@ -167,15 +134,52 @@ def test_corrupt_record_is_never_resident(models, tmp_path):
     data = np.fromfile(meta.file(li), np.uint8)
     data[5 * meta.layers[li].stride + 100] ^= 0xFF
     data.tofile(meta.file(li))
-    eng, pools, fds = make(meta, meta.top_k + 1)  # the pools must outlive the engine
-    eng.start()
-    st, _ = eng.serve(0, [[5, 6]])
-    assert st == 2 and "checksum mismatch" in eng.error() and "expert 5 of" in eng.error()
-    L = eng.layers[0]
-    assert L.slot_of[5] < 0 and L.slot_of[6] >= 0 and 5 not in L.expert_in
-    # the host path's reads: statuses per record, tables untouched
-    st = eng.read(0, [5, 7], [0, 1])
-    assert st.tolist() == [2, 0] and L.slot_of[7] < 0
-    eng.close()
-    for fd in fds:
-        os.close(fd)
+    meta, pools, reader = reader_over(ed, 4, threads=2)
+    with pytest.raises(ExpertChecksumError, match=r"layer_.*checksum mismatch.*expert 5 "):
+        reader.read(li, [6, 5], [0, 1])
+    reader.read(li, [6, 7], [0, 1])  # the next call works
+    assert_slot_holds(meta, pools, li, 1, 7)
+    reader.close()
+
+
+def test_short_and_shrinking_files(models, tmp_path):
+    _, ed0 = models.experts("tiny-qwen3_moe")
+    ed = tmp_path / "e"
+    shutil.copytree(ed0, ed)
+    meta = load_meta(ed)
+    li = sorted(meta.layers)[0]
+    lay = meta.layers[li]
+    meta, pools, reader = reader_over(ed, 4, threads=2)
+    os.truncate(meta.file(li), 3 * lay.stride)  # shrinks underneath the open reader
+    with pytest.raises(RecordReadError, match=r"shrank.*expert 9 .*split the model again"):
+        reader.read(li, [9], [0])
+    reader.read(li, [1], [0])  # records still in the file read on
+    reader.close()
+    with pytest.raises(OSError, match="fewer than"):  # the meta was read before the cut
+        NativeReader(meta, pools)
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason=f"no trace at {TRACE}")
+@pytest.mark.parametrize("policy", ["predictive", "lru", "lfu"])
+def test_native_and_python_readers_miss_alike_on_real_routing(models, policy):
+    """The policy picks victims whichever reader reads: same misses, layer by layer."""
+    from mlx_lm import stream_generate
+
+    import mlx_streaming
+    from mlx_streaming.planning.trace import RoutingTrace, apply_trace_routing
+
+    ck, ed = models.experts("trace-deepseek_v2")
+    trace = RoutingTrace.load(TRACE)
+    got = {}
+    for reader in ("native", "python"):
+        model, tok, store = mlx_streaming.load(
+            ck, ed, slots=16, policy=policy, reader=reader, progress=False
+        )
+        apply_trace_routing(model, trace, 5000)
+        for _ in stream_generate(model, tok, "Streams experts from disk.", max_tokens=48):
+            pass
+        assert store.reader_name == reader
+        got[reader] = {li: (r["hits"], r["misses"]) for li, r in store.layer_report().items()}
+        store.close()
+    assert got["native"] == got["python"]
+    assert sum(m for _, m in got["native"].values()) > 0

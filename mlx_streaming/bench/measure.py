@@ -67,7 +67,7 @@ def measure_read_gbps(
     engine: bool = False,
 ) -> float:
     """Bandwidth of random whole-record reads from the expert files (GB/s), through the
-    store's Python reader, or with ``engine`` through the native engine (its reads and
+    store's Python reader, or with ``engine`` through the native reader (its reads and
     copies into host rows)."""
     rng = np.random.default_rng(1)
     layers = list(meta.layers)
@@ -91,34 +91,31 @@ def measure_read_gbps(
         reader.close()
 
 
+class _HostRows:
+    """Host rows standing in for a pool: where the native reader lands records."""
+
+    def __init__(self, layout, slots: int):
+        self.slots = slots
+        self.rows = [np.zeros((slots, p.nbytes), np.uint8) for p in layout.parts]
+
+    def row_pointers(self):
+        return [(r.ctypes.data, r.shape[1]) for r in self.rows]
+
+
 def _engine_read_gbps(meta, threads: int, records: int, rng) -> float:
-    from ..core.io.native import Engine, EngineLayer
+    from ..core.io.native import NativeReader
 
     li = sorted(meta.layers)[0]
     lay = meta.layers[li]
     n = min(records, lay.num_experts)
-    rows = [np.zeros((n, p.nbytes), np.uint8) for p in lay.parts]
-    fd = os.open(meta.file(li), os.O_RDONLY)
-    el = EngineLayer(
-        fd,
-        lay,
-        n,
-        np.full(lay.num_experts, -1, np.int32),
-        np.full(n, -1, np.int32),
-        [r.ctypes.data for r in rows],
-        [r.shape[1] for r in rows],
-        owner=rows,
-    )
-    eng = Engine([el], threads=threads)
+    reader = NativeReader(meta, {li: _HostRows(lay, n)}, threads=threads, verify=False)
     try:
-        eng.start()
         ids = rng.choice(lay.num_experts, n, replace=False)
         t0 = time.perf_counter()
-        eng.read(0, ids, np.arange(n))
-        return n * lay.record_bytes / (time.perf_counter() - t0) / 1e9
+        nbytes = reader.read(li, ids, np.arange(n))
+        return nbytes / (time.perf_counter() - t0) / 1e9
     finally:
-        eng.close()
-        os.close(fd)
+        reader.close()
 
 
 def measure_h2d_gbps(nbytes: int = 64 << 20, repeat: int = 5) -> float | None:

@@ -47,6 +47,10 @@ class ExpertDirError(ValueError):
     """An expert directory is missing, incomplete, corrupt or from another model."""
 
 
+class ExpertChecksumError(ExpertDirError):
+    """A record read from disk does not match its checksum."""
+
+
 def mx_dtype_name(dtype) -> str:
     for name, (_, mdt) in DTYPES.items():
         if mdt == dtype:

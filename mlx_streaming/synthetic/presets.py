@@ -213,6 +213,14 @@ PRESETS: dict[str, Preset] = {
         _deepseek_v2(4, _TINY, 16, 4, 64, shared=2, dense=1),
         description="DeepSeek-V2: MLA attention, two shared experts, dense layer 0",
     ),
+    # The DeepSeek-V2-Lite trace's routing shape (64 experts, top-6) in 3 tiny MoE layers:
+    # replays the trace in tests.
+    "trace-deepseek_v2": Preset(
+        "trace-deepseek_v2",
+        _deepseek_v2(4, _TINY, 64, 6, 64),
+        popularity=0.0,
+        description="DeepSeek-V2-Lite routing shape (64 experts, top-6), tiny widths",
+    ),
     # Many experts, top-8: prefill chunks of 8-64 tokens cross every row threshold of
     # MLX's kernel choice (8, 16, 64 rows; 4 x the experts of stock and of small pools).
     "thresholds-qwen3_moe": Preset(
