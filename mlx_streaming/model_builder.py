@@ -56,14 +56,13 @@ def load(
     budget_gb: float | None = None,
     policy: str = DEFAULT_POLICY,
     pool_profile: str | Path | None | bool = True,
-    threads: int = 4,
+    threads: int | None = None,
     direct_io: bool = False,
     verify: bool = True,
     pool_mode: str | None = None,
     record: bool = False,
     clear_on_evict: bool = False,
-    device_wait: bool | str | None = None,
-    wait_timeout_s: float = 10.0,
+    reader: str | None = None,
     cache_limit_gb: float | None = None,
     options: StreamOptions | None = None,
     progress: bool | None = None,
@@ -85,8 +84,8 @@ def load(
         policy: Eviction policy.
         pool_profile: True: use ``expert_dir/pool_profile.json`` when present (or
             ``EXPERT_POOL_PROFILE``); a path: that profile; None/False: no profile.
-        threads, direct_io, verify, pool_mode, record, clear_on_evict, device_wait,
-            wait_timeout_s: Store options (see ``FileExpertStore``).
+        threads, direct_io, verify, pool_mode, record, clear_on_evict, reader: Store
+            options (see ``FileExpertStore``).
         cache_limit_gb: Cap on MLX's cache of freed buffers (default: 5% of the pools,
             at least 32 MB; ``mx.set_cache_limit``); see ``memory_plan``.
         options: ``StreamOptions`` (overlap, prefetch, rows, kernel check...).
@@ -131,8 +130,7 @@ def load(
         direct_io=direct_io,
         verify=verify,
         pool_mode=pool_mode,
-        device_wait=device_wait,
-        wait_timeout_s=wait_timeout_s,
+        reader=reader,
     )
     options = options or StreamOptions()
     if options.kernel_cache is None:

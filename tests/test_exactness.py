@@ -72,10 +72,10 @@ CONFIGS = {
         "zero_slot": True,
         "options": StreamOptions(rows="masked"),
     },
-    "engine_host": lambda m: {"capacity": m.top_k + 1, "device_wait": "host"},
-    "engine_host_masked": lambda m: {
+    "native_reader": lambda m: {"capacity": m.top_k + 1, "reader": "native"},
+    "native_reader_masked": lambda m: {
         "capacity": 2 * m.top_k,
-        "device_wait": "host",
+        "reader": "native",
         "zero_slot": True,
         "options": StreamOptions(rows="masked"),
     },

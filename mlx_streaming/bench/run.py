@@ -48,11 +48,11 @@ class BenchConfig:
     pool_profile: str | None = "auto"  # "auto": EXPERT_DIR/pool_profile.json; "none"; a path
     prefill_chunk: int = config.PREFILL_CHUNK  # prefill_step_size (0: mlx-lm's default)
     policy: str = DEFAULT_POLICY
-    threads: int = 4
+    threads: int | None = None
     direct_io: bool = False
     verify: bool = True
     pool_mode: str | None = None
-    device_wait: bool | str | None = None  # the engine-served path (None: auto)
+    reader: str | None = None  # who reads records into slots (None: by pool mode)
     options: StreamOptions = field(default_factory=StreamOptions)
     predictor: str = "router"  # or "transition" (learned from the routing trace)
     routing_trace: str | None = None
@@ -168,7 +168,7 @@ def open_model(cfg: BenchConfig, group=None):
         pool_mode=cfg.pool_mode,
         record=cfg.pin_hot > 0,
         clear_on_evict=cfg.clear_on_evict,
-        device_wait=cfg.device_wait,
+        reader=cfg.reader,
         cache_limit_gb=cfg.cache_gb,
         options=options,
         pipeline_group=group,
@@ -287,7 +287,7 @@ def _run(cfg: BenchConfig, group=None) -> dict:
         out["decode_ratio_vs_stock"] = round(
             out["decode_tok_per_s"] / out["stock_decode_tok_per_s"], 4
         )
-    gbps = cfg.read_gbps or measure_read_gbps(meta, cfg.threads, cfg.direct_io, cold=cfg.cold)
+    gbps = cfg.read_gbps or measure_read_gbps(meta, cfg.threads or 4, cfg.direct_io, cold=cfg.cold)
     out["storage_gbps"] = round(gbps, 3)
     t_compute = (
         cfg.t_compute_ms / 1e3

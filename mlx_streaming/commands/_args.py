@@ -76,7 +76,12 @@ def add_store_args(p: argparse.ArgumentParser, several: bool = False) -> None:
         choices=sorted(POLICIES),
         help=f"eviction policy (default: {DEFAULT_POLICY})",
     )
-    g.add_argument("--threads", type=positive_int, default=4, help="pread threads")
+    g.add_argument(
+        "--threads",
+        type=positive_int,
+        help="read threads (default: 4 for the Python reader; for the native reader on CUDA, "
+        "one per core up to 15)",
+    )
     g.add_argument(
         "--direct-io", action="store_true", help="bypass the page cache (O_DIRECT / F_NOCACHE)"
     )
@@ -125,12 +130,10 @@ def add_store_args(p: argparse.ArgumentParser, several: bool = False) -> None:
         "rests on the kernel rule alone)",
     )
     g.add_argument(
-        "--device-wait",
-        choices=["auto", "kernel", "host", "off"],
-        default="auto",
-        help="serve decode calls with the native engine: kernel (CUDA: the GPU waits, the "
-        "host never blocks), host (the host reads the routing, the engine serves), off "
-        "(the Python host path); auto: kernel on CUDA",
+        "--reader",
+        choices=["native", "python"],
+        help="who reads records into slots: native (compiled, no GIL) or python threads "
+        "(default: native for CUDA pools, python for host pools)",
     )
 
 
@@ -208,10 +211,6 @@ def load_kwargs(a: argparse.Namespace) -> dict:
         pool_mode=a.pool_mode,
         clear_on_evict=a.clear_on_evict,
         cache_limit_gb=a.cache_limit_gb,
-        device_wait=device_wait(a),
+        reader=a.reader,
         options=stream_options(a),
     )
-
-
-def device_wait(a: argparse.Namespace) -> bool | str | None:
-    return {"auto": None, "off": False}.get(a.device_wait, a.device_wait)

@@ -11,7 +11,6 @@ from ..config import PREFILL_CHUNK
 from ._args import (
     add_pipeline_args,
     add_store_args,
-    device_wait,
     nonneg_int,
     pipeline_kwargs,
     positive_float,
@@ -142,7 +141,7 @@ def main(argv=None) -> None:
     kw = {k: getattr(a, k) for k in CONFIG_FLAGS}
     if kw["cache_gb"] is None:
         kw["cache_gb"] = a.cache_limit_gb
-    kw.update(options=stream_options(a), memory_series=bool(a.report), device_wait=device_wait(a))
+    kw.update(options=stream_options(a), memory_series=bool(a.report), reader=a.reader)
     sizes = [{"slots": s, "budget_gb": None} for s in a.slots or []] + [
         {"slots": None, "budget_gb": g} for g in a.budget_gb or []
     ]

@@ -12,6 +12,7 @@ the rows each step computes. ``LayerCall.done(y)`` completes it.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from .policy import DEFAULT_POLICY, make_policy
 from .pool import LayerPool, capacities, default_zero_slot, make_pools
 from .recording import RoutingCounts
 from .slots import SlotCache
-from .stats import LayerStats, ResidentSet, stat_names, summarize
+from .stats import LayerStats, ResidentSet, Timeline, stat_names, summarize
 
 
 class FileExpertStore:
@@ -45,7 +46,8 @@ class FileExpertStore:
         record: Count how often each expert is routed to (for ``hot``); forces the
             routing to be read on the host even where no miss is possible.
         policy: Eviction policy name (see ``policy.POLICIES``; default ``predictive``).
-        threads: ``pread`` threads.
+        threads: Read threads (None: 4 for the Python reader; for the native reader on
+            CUDA pools one per core up to 15, as decode reads one or two records at a time).
         direct_io: Bypass the page cache (O_DIRECT / F_NOCACHE).
         verify: Check each record's checksum when it is read.
         pool_mode: ``host``, ``cuda`` or ``mlx`` (see ``pool``); default by backend.
@@ -53,13 +55,10 @@ class FileExpertStore:
             all-zero slot, which masked rows need (default: off the CPU, where masked
             rows are the default). A layer with every expert's slot never has one, so
             its arrays have stock's expert count (and MLX picks stock's kernels).
-        device_wait: Serve small calls (decode) with the native engine: ``host`` (the
-            host reads the routing once, the engine loads and answers without the GIL),
-            ``kernel`` (CUDA, experimental: a kernel posts the routing and the GPU
-            waits, the host never blocks; it stalled intermittently in its first runs,
-            bounded by ``wait_timeout_s``), False (the Python host path). None:
-            ``host`` on CUDA when the engine builds, False elsewhere.
-        wait_timeout_s: Longest a GPU waits for one call's experts before the call fails.
+        reader: Who reads records into slots: ``native`` (the compiled reader, no GIL;
+            host and cuda pools), ``python`` (``preadv`` on Python threads, straight into
+            host slots). None: ``native`` for cuda pools when it is installed, else
+            ``python``. Both read the slots the policy chose.
 
     Raises:
         ExpertDirError: missing or invalid directory, or a capacity below top-k.
@@ -74,13 +73,12 @@ class FileExpertStore:
         record: bool = False,
         *,
         policy: str = DEFAULT_POLICY,
-        threads: int = 4,
+        threads: int | None = None,
         direct_io: bool = False,
         verify: bool = True,
         pool_mode: str | None = None,
         zero_slot: bool | None = None,
-        device_wait: bool | str | None = None,
-        wait_timeout_s: float = 10.0,
+        reader: str | None = None,
     ):
         meta = expert_dir if isinstance(expert_dir, ExpertMeta) else load_meta(expert_dir)
         self.meta: ExpertMeta = meta
@@ -100,7 +98,7 @@ class FileExpertStore:
         self.zero_slot = default_zero_slot() if zero_slot is None else bool(zero_slot)
         self._resident = ResidentSet(make_pools(meta, caps, pool_mode, self.zero_slot), self.stats)
         self.pool_mode = next(iter(self._resident.pools.values())).mode
-        self.reader = RecordReader(threads=threads, direct=direct_io)
+        self.reader = RecordReader(threads=threads or 4, direct=direct_io)
         for li in caps:
             self.reader.open(li, meta.file(li), meta.layers[li].stride)
         self.routing = RoutingCounts({li: meta.layers[li].num_experts for li in caps})
@@ -108,6 +106,9 @@ class FileExpertStore:
         self.observers: list[Callable] = []  # callables(layer, host_ids) seeing the routing
         self._pending_hits: list = []  # lazy device counts of device-path lookups
         self.lock = threading.RLock()  # the tables and policies, against the policy thread
+        self.timeline = Timeline()  # phases of layer calls, when recording
+        self.native = self._native_reader(reader, threads, direct_io, verify)
+        self.reader_name = "python" if self.native is None else "native"
         self.host = HostPath(
             self.caches,
             self._resident.pools,
@@ -115,6 +116,7 @@ class FileExpertStore:
             self.routing,
             self.observers,
             self.pool_mode,
+            self.timeline,
         )
         self.loads = Loader(
             meta,
@@ -126,36 +128,40 @@ class FileExpertStore:
             clear_on_evict,
             self.host.guard,
             self.lock,
+            native=self.native,
         )
         self.host.loads = self.loads
-        self.device = self._device_wait(device_wait, threads, wait_timeout_s)
-        if self.device is not None:
-            self.loads.engine = (self.device.engine, self.device.pos)
 
     # ------------------------------------------------------------ set-up
-    def _device_wait(self, want: bool | str | None, threads: int, timeout_s: float):
-        """The engine-served path: ``kernel`` (the GPU waits; CUDA pools), ``host`` (the
-        host reads the routing, the engine serves); None: ``host`` on CUDA pools (the
-        kernel transport stalled intermittently in its first GPU runs: opt in)."""
-        if want is False or (want is None and self.pool_mode != "cuda"):
+    def _native_reader(self, want: str | None, threads: int, direct: bool, verify: bool):
+        """The native reader, chosen once: asked for, or by default for cuda pools."""
+        if want not in (None, "native", "python"):
+            raise ValueError(f"reader must be 'native' or 'python', got {want!r}")
+        if (
+            want == "python"
+            or self.pool_mode == "mlx"
+            or (want is None and self.pool_mode != "cuda")
+        ):
+            if want == "native":
+                raise ExpertDirError("reader='native' needs host or cuda pools, not mlx")
             return None
-        from ..io.native import engine_library, why_unavailable
+        from ..io import cuda
+        from ..io.native import NativeReader, library
 
-        transport = {None: "host", True: "kernel"}.get(want, want)
-        need = ("cuda",) if transport == "kernel" else ("host", "cuda")
-        why = None
-        if self.pool_mode not in need:
-            why = f"pool mode {self.pool_mode!r} (the {transport} transport needs {need})"
-        elif engine_library() is None:
-            why = f"the native engine is unavailable ({why_unavailable()})"
-        if why is not None:
-            if want is None:
-                return None
-            raise ExpertDirError(f"device_wait={want!r} cannot run here: {why}")
-        from .device_wait import DeviceWait
-
-        return DeviceWait(
-            self, transport, threads=max(threads, 2), timeout_s=timeout_s, lock=self.lock
+        if library() is None:
+            if want == "native":
+                raise OSError("reader='native': the compiled reader is not installed")
+            return None
+        on_cuda = self.pool_mode == "cuda"
+        if threads is None:
+            threads = min(15, (os.cpu_count() or 2) - 1) if on_cuda else 4
+        return NativeReader(
+            self.meta,
+            self._resident.pools,
+            threads=threads,
+            direct=direct,
+            verify=verify,
+            cuda=cuda if on_cuda else None,
         )
 
     @property
@@ -189,21 +195,13 @@ class FileExpertStore:
         predictor's guess, to ``call.also``) and starts the misses' reads at once; with
         ``overlap`` the resident experts' rows form a first step that needs no wait.
         """
-        t0 = time.perf_counter()
-        dev, free = self.device, not self.routing.on and not self.observers
-        if dev is not None:
-            dev.check()  # a failure inside an earlier token is raised here
-        if self.caches[layer].complete and free:
+        if self.caches[layer].complete and not self.routing.on and not self.observers:
+            t0 = time.perf_counter()
             self._note_device_call(layer, indices)
             call = LayerCall(layer, _as_is, slots=self.pool(layer).lut[indices])
-        elif dev is not None and free and dev.serves(layer, indices):
-            call = LayerCall(layer, _as_is, slots=dev.call(layer, indices))
-        else:
-            if dev is not None:
-                dev.sync()  # the policies see every device-served call first
-            return self.host.call(layer, indices, overlap, also)
-        self.stats[layer].host_s += time.perf_counter() - t0
-        return call
+            self.stats[layer].host_s += time.perf_counter() - t0
+            return call
+        return self.host.call(layer, indices, overlap, also)
 
     def _note_device_call(self, layer: int, indices: mx.array) -> None:
         """Count a call served without reading the routing (all hits)."""
@@ -258,8 +256,6 @@ class FileExpertStore:
                 f"{cache.capacity - self.top_k} or raise the capacity"
             )
         self.loads.settle(layer)
-        if self.device is not None:
-            self.device.sync()
         _, misses = cache.split(ids)
         with self.lock:
             placed = cache.reserve(misses, protect=set(ids.tolist()) | cache.pinned)
@@ -277,9 +273,8 @@ class FileExpertStore:
     def reset_stats(self) -> None:
         """Zero hit/miss and I/O counters (residency, pins and recordings stay)."""
         self._pending_hits.clear()
-        if self.device is not None:
-            self.device.sync()
-            self.device.reset()
+        if self.native is not None:
+            self.native.counters[:] = 0
         for li in self.caches:
             self.caches[li].stats.__init__()
             self.stats[li].__init__()
@@ -318,8 +313,6 @@ class FileExpertStore:
     def layer_report(self) -> dict[int, dict]:
         """Per-layer counters: hits, misses, evictions, bytes and time read, calls."""
         self._settle_hits()
-        if self.device is not None:
-            self.device.sync()
         out = {}
         for li in self.layers:
             c = self.caches[li]
@@ -331,7 +324,6 @@ class FileExpertStore:
                 slots=c.capacity,
                 resident=c.resident,
                 pinned=len(c.pinned),
-                engine_s=self.device.engine_seconds(li) if self.device is not None else 0.0,
             )
             out[li] = d
         return out
@@ -340,18 +332,21 @@ class FileExpertStore:
         """Counters summed over layers, with hit rate, host µs per call, read-ahead and
         prediction precision, and the reader's bandwidth."""
         t = summarize(self.layer_report())
-        t["read_gbps"] = self.reader.stats.gbps()
+        if self.native is not None:  # bytes over the wall time of its reads
+            c = self.native.counters.sum(0)
+            t["read_gbps"] = c[2] / c[4] if c[4] else 0.0
+        else:
+            t["read_gbps"] = self.reader.stats.gbps()
         t["pool_bytes"] = self.pool_bytes()
         return t
 
     def close(self) -> None:
-        """Finish read-aheads, stop the engine, close the files."""
+        """Finish read-aheads, stop the readers, close the files."""
         for li in self.caches:
             self.loads.settle(li)
-        if self.device is not None:
-            self.device.close()
-            self.device = None
         self.loads.close()
+        if self.native is not None:
+            self.native.close()
         self.reader.close()
 
 

@@ -12,7 +12,7 @@ the pool is next written.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -22,7 +22,7 @@ from .loads import Loader
 from .pool import LayerPool
 from .recording import RoutingCounts
 from .slots import SlotCache
-from .stats import LayerStats
+from .stats import LayerStats, Timeline
 
 TRACK_EVAL_BYTES = 1 << 20  # outputs larger than this are evaluated, not held
 
@@ -38,8 +38,10 @@ class HostPath:
         routing: RoutingCounts,
         observers: list[Callable],
         mode: str,
+        timeline: Timeline,
     ):
         self.caches, self.pools, self.stats = caches, pools, stats
+        self.timeline = timeline
         self.routing, self.observers, self.mode = routing, observers, mode
         self.loads: Loader | None = None  # set by the store (the loader guards with us)
         self._readers: dict[int, list] = {li: [] for li in caches}  # lazy outputs per layer
@@ -49,6 +51,7 @@ class HostPath:
     ) -> LayerCall:
         """Read the routing (with ``also``), start the misses' reads, plan the steps."""
         t0 = time.perf_counter()
+        self.timeline.mark(layer, "request")
         cache, st = self.caches[layer], self.stats[layer]
         # the one host synchronisation of this layer call; mx.eval first: it raises
         # what the graph's evaluation raised (a lost pipeline peer), where a numpy
@@ -56,6 +59,7 @@ class HostPath:
         mx.eval(indices) if also is None else mx.eval(indices, also)
         host = np.array(indices)
         waited = time.perf_counter() - t0
+        self.timeline.mark(layer, "routed")
         st.sync_s += waited
         t0 += waited  # host time counts the store's own work, not the wait
         st.host_calls += 1
@@ -69,30 +73,36 @@ class HostPath:
         call = LayerCall(layer, self.complete, host_ids=host, settle=len(groups) > 1)
         call.also = None if also is None else np.array(also)
         if len(groups) == 1:
-            call.plan = self._one_group(call, groups[0], overlap)
+            call.plan, read_s = self._one_group(call, groups[0], overlap)
         else:
-            call.plan = self._expert_major(call, groups)
-        st.host_s += time.perf_counter() - t0
+            call.plan, read_s = self._expert_major(call, groups), 0.0
+        st.read_s += read_s
+        st.host_s += time.perf_counter() - t0 - read_s
+        self.timeline.mark(layer, "planned")
         return call
 
-    def _one_group(self, call: LayerCall, experts: np.ndarray, overlap: bool) -> Iterator:
-        """Start the misses' reads now; the steps wait for them."""
+    def _one_group(self, call: LayerCall, experts: np.ndarray, overlap: bool):
+        """``(steps, seconds read)``. With ``overlap`` (and some experts resident), the
+        misses' reads start now and the resident rows form a first step that does not
+        wait for them; otherwise the misses are read now and one step runs every row."""
         pool, host = self.pools[call.layer], call.host_ids
-        ticket = self.loads.begin(call.layer, experts)
+        cache = self.caches[call.layer]
+        split = overlap and 0 < int((cache.slot_of[experts] < 0).sum()) < len(experts)
+        t0 = time.perf_counter()
+        ticket = self.loads.begin(call.layer, experts, now=not split)
         call.misses = len(ticket.misses)
-        split = call.misses and overlap and call.misses < len(experts)
+        if not split:
+            ticket.wait()
+            self.timeline.mark(call.layer, "read")
+            return iter([(None, pool.slots_of(host))]), time.perf_counter() - t0
 
         def steps():
-            if split:
-                miss = np.isin(host, ticket.misses)
-                yield ~miss, pool.slots_of(host)  # resident rows: nothing to wait for
-                ticket.wait()
-                yield miss, pool.slots_of(host)
-            else:
-                ticket.wait()
-                yield None, pool.slots_of(host)
+            miss = np.isin(host, ticket.misses)
+            yield ~miss, pool.slots_of(host)  # resident rows: nothing to wait for
+            ticket.wait()
+            yield miss, pool.slots_of(host)
 
-        return steps()
+        return steps(), 0.0
 
     def _expert_major(self, call: LayerCall, groups: list[np.ndarray]):
         """More distinct experts than slots: one group at a time, each expert read at

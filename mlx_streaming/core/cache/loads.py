@@ -18,17 +18,12 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from ..format import ExpertDirError, ExpertMeta
-from ..io.native import STATUS
-from ..io.reader import Done, RecordJob, RecordReader, RecordReadError
+from ..format import ExpertChecksumError, ExpertMeta
+from ..io.reader import Done, RecordJob, RecordReader
 from .pool import LayerPool
 from .slots import SlotCache
 from .staging import Staging
 from .stats import LayerStats
-
-
-class ExpertChecksumError(ExpertDirError):
-    """A record read from disk does not match its checksum."""
 
 
 class Ticket:
@@ -73,6 +68,7 @@ class Loader:
         clear_on_evict: bool,
         before_write: Callable[[int], None],
         lock=None,
+        native=None,
     ):
         self.meta, self.caches, self.pools, self.reader = meta, caches, pools, reader
         self.stats, self.verify, self.clear_on_evict = stats, verify, clear_on_evict
@@ -80,12 +76,12 @@ class Loader:
         self._lock = lock or contextlib.nullcontext()
         self._staging: dict[int, Staging] = {}
         self._inflight: dict[int, list[Ticket]] = {li: [] for li in caches}  # read-aheads
-        self.engine = None  # (native engine, layer -> position): reads cuda pools natively
-        self._engine_calls = None
+        self.native = native  # the native reader (host and cuda pools), or None
+        self._helper = None  # one thread for native reads that must not block the caller
 
     def close(self) -> None:
-        if self._engine_calls is not None:
-            self._engine_calls.shutdown(wait=True)
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)
 
     def _stage(self, layer: int) -> Staging:
         stride = self.meta.layers[layer].stride
@@ -94,22 +90,25 @@ class Loader:
             self._staging[stride] = Staging(stride, pinned=pinned)
         return self._staging[stride]
 
-    def begin(self, layer: int, experts: np.ndarray) -> Ticket:
+    def begin(self, layer: int, experts: np.ndarray, now: bool = False) -> Ticket:
         """Start making distinct ``experts`` resident (they must fit): reserve slots and
-        issue the reads. ``Ticket.wait()`` finishes; until then only the experts that
-        were already resident (``ticket.misses`` excluded) may be used."""
+        issue the reads (``now``: read them before returning, on the native reader's
+        threads where there is one). ``Ticket.wait()`` finishes; until then only the
+        experts that were already resident (``ticket.misses`` excluded) may be used."""
         cache = self.caches[layer]
         _, misses = cache.split(experts)
         load = misses
         if cache.capacity >= cache.num_experts:  # room for all: load the whole layer once
             load = cache.split(np.arange(cache.num_experts))[1]
-        with self._lock:  # the policy picks victims; its thread may be folding calls
-            placed = cache.reserve(np.sort(load), protect=set(experts.tolist()))
-        return self.issue(layer, experts, misses, placed, prefetch=False)
+        placed = []
+        if len(load):
+            with self._lock:  # the policy picks victims (prefetch may run beside)
+                placed = cache.reserve(np.sort(load), protect=set(experts.tolist()))
+        return self.issue(layer, experts, misses, placed, prefetch=False, now=now)
 
     def fetch(self, layer: int, experts: np.ndarray) -> int:
         """Make distinct ``experts`` resident now; returns the number of misses loaded."""
-        return self.begin(layer, experts).wait()
+        return self.begin(layer, experts, now=True).wait()
 
     def prefetch(self, layer: int, experts, limit: int | None = None) -> int:
         """Read ahead experts a coming call of ``layer`` is expected to need, into free
@@ -133,6 +132,8 @@ class Loader:
 
     def settle(self, layer: int, needed: np.ndarray | None = None) -> None:
         """Finish this layer's read-aheads; count those ``needed`` now."""
+        if not self._inflight[layer]:
+            return
         tickets, self._inflight[layer] = self._inflight[layer], []
         need = set() if needed is None else set(needed.tolist())
         st = self.stats[layer]
@@ -146,14 +147,14 @@ class Loader:
             st.prefetch_used += len(used)
             st.prefetch_on_time += len(used) if on_time else 0
 
-    def issue(self, layer, experts, misses, placed, prefetch) -> Ticket:
+    def issue(self, layer, experts, misses, placed, prefetch, now=False) -> Ticket:
         """Read the records of ``placed`` ((expert, slot, victim) reservations)."""
         pool, lay = self.pools[layer], self.meta.layers[layer]
         if not placed:
             return Ticket(layer, experts, misses, placed, Done(0), None, prefetch, self._finish)
         self._before_write(layer)
-        if self.engine is not None and pool.mode == "cuda":
-            fut = self._engine_read(layer, placed)
+        if self.native is not None:
+            fut = self._native_read(layer, placed, now)
             return Ticket(layer, experts, misses, placed, fut, None, prefetch, self._finish)
         direct = pool.mode == "host" and not self.reader.aligned
         rows = None if direct else self._stage(layer).take(len(placed))
@@ -180,31 +181,21 @@ class Loader:
         fut = self.reader.submit(layer, jobs)
         return Ticket(layer, experts, misses, placed, fut, rows, prefetch, self._finish)
 
-    def _engine_read(self, layer, placed):
-        """The native engine reads and copies (no GIL), on one helper thread so that the
-        caller can compute resident rows meanwhile."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        engine, pos = self.engine
-        if self._engine_calls is None:
-            self._engine_calls = ThreadPoolExecutor(1, thread_name_prefix="mlxs-engine")
+    def _native_read(self, layer, placed, now: bool):
+        """The native reader reads and copies without the GIL: on the calling thread
+        (``now``), else on one helper thread so that the caller computes meanwhile."""
         experts = [e for e, _, _ in placed]
         slots = [s for _, s, _ in placed]
-        lay = self.meta.layers[layer]
+        if now:
+            try:
+                return Done(self.native.read(layer, experts, slots))
+            except Exception as e:  # noqa: BLE001 - raised by Ticket.wait, after the abort
+                return Done(error=e)
+        if self._helper is None:
+            from concurrent.futures import ThreadPoolExecutor
 
-        def run() -> int:
-            status = engine.read(pos[layer], experts, slots)
-            bad = [(e, int(st)) for e, st in zip(experts, status) if st]
-            if bad:
-                e, st = bad[0]
-                cls = ExpertChecksumError if st == 2 else RecordReadError
-                raise cls(
-                    f"expert {e} of layer {layer} in {self.meta.file(layer)}: "
-                    f"{STATUS[st]} ({engine.error()}); split the model again"
-                )
-            return len(placed) * lay.record_bytes
-
-        return self._engine_calls.submit(run)
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="mlxs-read")
+        return self._helper.submit(self.native.read, layer, experts, slots)
 
     def _after(self, layer, expert, bufs, place):
         """Work done on the reader thread once a record has landed."""

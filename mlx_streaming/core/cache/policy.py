@@ -108,9 +108,10 @@ class _Scored(Policy):
         raise NotImplementedError
 
     def victims(self, n, protect):
-        cand = np.nonzero(self.resident)[0]
+        ok = self.resident.copy()
         if protect:
-            cand = cand[~np.isin(cand, np.fromiter(protect, dtype=np.int64))]
+            ok[np.fromiter(protect, dtype=np.int64, count=len(protect))] = False
+        cand = np.flatnonzero(ok)
         if len(cand) <= n:
             return cand.tolist()
         s = self.scores()[cand]
@@ -196,7 +197,9 @@ class Predictive(_Scored):
 
     def victims(self, n, protect):
         # the call being served is what the next one will most likely follow
-        self._now = np.fromiter(protect, dtype=np.int64) if protect else self.prev
+        self._now = (
+            np.fromiter(protect, dtype=np.int64, count=len(protect)) if protect else self.prev
+        )
         return super().victims(n, protect)
 
 

@@ -73,6 +73,8 @@ class SlotCache:
 
     def fits(self, experts: np.ndarray) -> bool:
         """Can all of ``experts`` be resident at once?"""
+        if not self.pinned_mask.any():
+            return len(experts) <= self.capacity
         outside_pins = len(self.pinned.difference(experts.tolist()))
         return len(experts) + outside_pins <= self.capacity
 
@@ -105,7 +107,9 @@ class SlotCache:
         n = len(want) if limit is None else min(len(want), limit)
         slots = [(int(s), -1) for s in np.flatnonzero(self.expert_in < 0)[:n]]
         if len(slots) < n:
-            victims = self.policy.victims(n - len(slots), protect | self.pinned)
+            if self.pinned_mask.any():
+                protect = protect | self.pinned
+            victims = self.policy.victims(n - len(slots), protect)
             if len(victims) < n - len(slots) and limit is None:
                 raise RuntimeError(
                     f"cannot place {len(want)} experts: {self.capacity} slots, "

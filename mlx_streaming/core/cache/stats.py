@@ -8,6 +8,7 @@ those names.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, fields
 
 
@@ -19,12 +20,12 @@ class LayerStats:
     records_read: int = 0
     read_s: float = 0.0  # time the caller waited for demand reads
     device_calls: int = 0  # calls of a complete layer: ids remapped on the device
-    wait_calls: int = 0  # calls the GPU waited on while the engine loaded (no host sync)
     host_calls: int = 0  # calls that read the routing on the host (one sync each)
     fastpath: int = 0  # calls with every expert resident
     fallback: int = 0  # calls that loaded misses
-    host_s: float = 0.0  # host time of the store's own work per call (bookkeeping)
+    host_s: float = 0.0  # host time of the store's own work per call (planning the misses)
     sync_s: float = 0.0  # host time waiting for the routing to reach the host
+    graph_s: float = 0.0  # host time building the expert graph on slot ids
     prefetched: int = 0  # experts read ahead
     prefetch_used: int = 0  # ... that a later call needed (misses avoided)
     prefetch_on_time: int = 0  # ... that had arrived before they were needed
@@ -65,10 +66,13 @@ def summarize(report: dict[int, dict]) -> dict:
     """Totals over layers of a per-layer report, with the derived rates."""
     rows = list(report.values())
     tot = {k: sum(r[k] for r in rows) for k in rows[0] if k != "slots"}
-    calls = tot["device_calls"] + tot["wait_calls"] + tot["host_calls"]
+    calls = tot["device_calls"] + tot["host_calls"]
     lookups = tot["hits"] + tot["misses"]
     tot["hit_rate"] = tot["hits"] / lookups if lookups else 0.0
     tot["host_us_per_call"] = 1e6 * tot["host_s"] / calls if calls else 0.0
+    # everything the host does in a layer call: routing wait, planning, reads, graph
+    busy = tot["sync_s"] + tot["host_s"] + tot["read_s"] + tot["graph_s"]
+    tot["layer_call_us"] = 1e6 * busy / calls if calls else 0.0
     # the host blocked inside a step: for the routing, then for demand reads
     tot["host_wait_us_per_call"] = 1e6 * (tot["sync_s"] + tot["read_s"]) / calls if calls else 0.0
     tot["prefetch_precision"] = (
@@ -83,3 +87,30 @@ def summarize(report: dict[int, dict]) -> dict:
         else None
     )
     return tot
+
+
+class Timeline:
+    """Host timestamps of layer-call phases (``request``, ``routed``, ``planned``,
+    ``built``), kept while ``on``: one decode step's timeline, for ``bench`` and
+    ``benchmarks/speed.py``."""
+
+    def __init__(self):
+        self.on = False
+        self.events: list[tuple[float, int, str]] = []
+
+    def mark(self, layer: int, phase: str) -> None:
+        if self.on:
+            self.events.append((time.perf_counter(), layer, phase))
+
+    def record(self) -> None:
+        """Start a fresh recording."""
+        self.events, self.on = [], True
+
+    def stop(self) -> list[dict]:
+        """Stop; the events as ``{t_us, layer, phase}`` from the first."""
+        self.on = False
+        t0 = self.events[0][0] if self.events else 0.0
+        return [
+            {"t_us": round(1e6 * (t - t0), 1), "layer": li, "phase": ph}
+            for t, li, ph in self.events
+        ]

@@ -10,6 +10,7 @@ the same matmul on the same bytes as in stock mlx-lm, so outputs are bit-identic
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,8 +37,9 @@ from .predictor import Prefetcher, RouterPredictor
 class StreamOptions:
     """How patched layers dispatch (all paths give identical outputs).
 
-    overlap: compute the resident experts' rows while the misses load (None: where the
-        pool is written without MLX, i.e. host and cuda modes).
+    overlap: compute the resident experts' rows while the misses load (None: on the
+        CPU, whose expert rows take long enough to hide reads behind; on a GPU they take
+        microseconds and the second call's launches cost more).
     prefetch: read the next layer's predicted experts ahead.
     predictor: ``router`` (the next router on the current input) or a predictor object
         (e.g. ``TransitionPredictor``).
@@ -95,6 +97,7 @@ class StreamedExperts(nn.Module):
         pf = self._prefetcher
         guess = pf.lazy(self.pos, x, indices) if pf else None
         call = self._store.request(self.layer, indices, self._overlap, also=guess)
+        t0 = time.perf_counter()
         if call.slots is not None:  # nothing can miss: the ids were remapped on the device
             return call.done(self.experts(x, call.slots))
         if pf:
@@ -104,7 +107,10 @@ class StreamedExperts(nn.Module):
             y = self._rows(x, indices, rows, slots, y)
             if call.settle:
                 mx.eval(y)  # the next step may reuse these slots
-        return call.done(y)
+        y = call.done(y)
+        self._store.stats[self.layer].graph_s += time.perf_counter() - t0
+        self._store.timeline.mark(self.layer, "built")
+        return y
 
     def _rows(self, x, indices, rows, slots, out):
         """``out`` with the experts' outputs filled in on ``rows`` (a boolean mask shaped
@@ -312,7 +318,12 @@ def patch_model_filebacked(
         if pred == "router":
             pred = RouterPredictor([s.router for s in sites], store.top_k + options.prefetch_extra)
         prefetcher = Prefetcher(store, [s.layer for s in sites], pred)
-    overlap = options.overlap if options.overlap is not None else store.pool_mode != "mlx"
+    # a GPU computes one token's expert rows in microseconds: nothing to hide the reads
+    # behind, and a second expert call costs its launches; a CPU computes them for long
+    on_cpu = mx.default_device() == mx.cpu
+    overlap = (
+        options.overlap if options.overlap is not None else on_cpu and store.pool_mode != "mlx"
+    )
     rows = options.rows or ("subset" if mx.default_device() == mx.cpu else "masked")
     if rows not in ("subset", "masked"):
         raise ValueError(f"rows must be 'subset' or 'masked', got {rows!r}")
