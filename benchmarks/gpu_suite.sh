@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # The GPU runs, on the H200 device machine, after MLX's CUDA build is installed
 # (../shared/device/mlx-cuda/README.md). Results go to $OUT (or /tmp/mlxs-out).
-#   bash benchmarks/gpu_suite.sh tests      the cuda-marked tests (exactness, self-test, verify,
-#                                           the device-wait kernel and its timeout)
+#   bash benchmarks/gpu_suite.sh tests      the cuda-marked tests (exactness of both pool modes,
+#                                           the kernel self-test, verify)
 #   bash benchmarks/gpu_suite.sh speed      DeepSeek-V2-Lite shape at full width, its real routing:
 #                                           stock and streamed alternating at 100/50/25/12.5%,
 #                                           warm page cache, 32-token prompt, 96 decode tokens;
 #                                           prefill of 2048 tokens at 25%
 #   bash benchmarks/gpu_suite.sh cold       the same at 50/25/12.5% with a cold page cache
-#   bash benchmarks/gpu_suite.sh compare    50% and 25% warm: the host path (no engine) and
+#   bash benchmarks/gpu_suite.sh compare    50% and 25% warm: the Python reader, overlap on, and
 #                                           the LRU policy, beside the default
+#   bash benchmarks/gpu_suite.sh parity     every expert resident against stock, 7 alternating pairs
+#   bash benchmarks/gpu_suite.sh stall      the probe of why the removed kernel transport stalled
 #   bash benchmarks/gpu_suite.sh probe      the primitives and the host-time profile
 # Several suites may run in one call. TRACE names the DeepSeek-V2-Lite trace
 # (default .gpu/deepseek-v2-lite.npz, copied from ../shared/traces).
@@ -23,20 +25,26 @@ limit=${LIMIT:-540}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt"
 speed() {  # name, args...
   local name=$1; shift
-  timeout "$limit" python3 benchmarks/speed.py --workdir $work --threads 8 --preset dsv2-lite \
+  timeout "$limit" python3 benchmarks/speed.py --workdir $work --preset dsv2-lite \
     --trace "$trace" --tokens 96 --prompt-tokens 32 --json "$out/speed-$name.json" "$@" 2>&1 \
     | grep -v "PyTorch was not found" | tee "$out/speed-$name.log" | grep -v "^{" | tail -5
 }
 for suite in "$@"; do
 case "$suite" in
-  tests) timeout "$limit" python3 -m pytest -q -m cuda tests/test_cuda.py 2>&1 \
+  tests) timeout "$limit" python3 -m pytest -v --timeout 45 --durations=0 -m cuda tests/test_cuda.py 2>&1 \
            | tee "$out/tests-cuda.log" | tail -15 ;;
-  speed) speed gpu-dsv2 --residency 1,0.5,0.25,0.125 --cold warm --repeat 3 \
-           --prefill-tokens 2048 --prefill-residency 0.25 --prefill-chunk 2048 ;;
+  quick) speed gpu-dsv2-quick --residency 0.5 --cold warm --repeat 3 --prefill-tokens 0 ;;
+  speed) speed gpu-dsv2 --residency 0.5,0.25,0.125 --cold warm --repeat 3 \
+           --prefill-tokens 2048 --prefill-residency 0.25 --prefill-chunk 2048 \
+           --timeline "$out/timeline-gpu-dsv2.json" ;;
+  parity) speed gpu-dsv2-parity --residency 1 --repeat 7 --prefill-tokens 0 ;;
+  stall) timeout 120 python3 benchmarks/probes/gpu_wait_stall.py 2>&1 | tee "$out/stall.log" | tail -3 ;;
   cold) speed gpu-dsv2-cold --residency 0.5,0.25,0.125 --cold cold --repeat 3 \
           --prefill-tokens 0 ;;
-  compare) speed gpu-dsv2-hostpath --residency 0.5,0.25 --cold warm --repeat 3 \
-             --prefill-tokens 0 --device-wait off
+  compare) speed gpu-dsv2-pyreader --residency 0.5,0.25 --cold warm --repeat 3 \
+             --prefill-tokens 0 --reader python
+           speed gpu-dsv2-overlap --residency 0.5 --cold warm --repeat 3 \
+             --prefill-tokens 0 --overlap
            speed gpu-dsv2-lru --residency 0.5,0.25 --cold warm --repeat 3 \
              --prefill-tokens 0 --policy lru ;;
   probe) timeout "$limit" python3 benchmarks/gpu.py --workdir $work --preset dsv2-lite \

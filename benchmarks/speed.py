@@ -21,8 +21,11 @@ noise hits both alike. Reports medians and, per configuration:
 from __future__ import annotations
 
 import gc
+import json
+import os
 import statistics
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -47,7 +50,7 @@ def main():
     p.add_argument("--prompt-tokens", type=int, help="cut or repeat the prompt to this length")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--cold", default="both", choices=["warm", "cold", "both"])
-    p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--threads", type=int, help="read threads (default: the store's)")
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--prefill-residency", type=float, default=0.25)
     p.add_argument("--prefill-chunk", type=int, default=512)
@@ -64,11 +67,11 @@ def main():
     p.add_argument("--pool-mode")
     p.add_argument("--no-verify", action="store_true")
     p.add_argument(
-        "--device-wait",
-        choices=["auto", "kernel", "host", "off"],
-        default="auto",
-        help="how decode calls are served (see mlx_streaming.load)",
+        "--reader",
+        choices=["native", "python"],
+        help="who reads records into slots (default: native for CUDA pools)",
     )
+    p.add_argument("--timeline", help="write one decode step's host timeline (JSON) here")
     a = p.parse_args()
 
     from mlx_streaming.analysis.verify import compare_traces, greedy_trace
@@ -78,7 +81,7 @@ def main():
         measure_h2d_gbps,
         measure_read_gbps,
     )
-    from mlx_streaming.core.io.native import engine_library
+    from mlx_streaming.core.io.native import library
     from mlx_streaming.core.prefetch.patch import StreamOptions
     from mlx_streaming.core.prefetch.predictor import TransitionPredictor
 
@@ -103,16 +106,23 @@ def main():
         "verify": not a.no_verify,
         "options": opts,
         "pool_mode": a.pool_mode,
-        "device_wait": {"auto": None, "off": False}.get(a.device_wait, a.device_wait),
+        "reader": a.reader,
     }
     if a.policy:
         load_kw["policy"] = a.policy
 
     decode_run(ref, tok, ids, a.tokens)  # warm up stock (compiles kernels)
     h2d = measure_h2d_gbps()  # on a GPU the copy bounds the read path too
-    native = engine_library() is not None and a.device_wait != "off"  # the engine reads
+    on_gpu = mx.default_device() != mx.cpu
+    native = library() is not None and (a.reader == "native" or (a.reader is None and on_gpu))
     read = {
-        t: measure_read_gbps(meta, a.threads, False, cold=t == "cold", engine=native)
+        t: measure_read_gbps(
+            meta,
+            a.threads or (min(15, os.cpu_count() - 1) if native else 4),
+            False,
+            cold=t == "cold",
+            engine=native,
+        )  # fmt: skip
         for t in ("warm", "cold")
     }
     gbps = {t: min(v, h2d or v) for t, v in read.items()}
@@ -125,7 +135,7 @@ def main():
         )
         configs += [(r, t) for t in temps]
 
-    out_cfgs = []
+    out_cfgs, timelines = [], {}
     for r, temp in configs:
         slots = max(meta.top_k, round(r * meta.num_experts))
         model, _, store, routing = streamed(ck, ed, trace, start, slots=slots, **load_kw)
@@ -141,6 +151,7 @@ def main():
             wall = time.perf_counter() - t1
             s_runs.append(tps)
             per_run.append({**store.totals(), "tokens": n + len(ids), "wall_s": wall})
+        timeline = decode_timeline(model, tok, ids, store) if a.timeline and r < 1 else None
         rewind(start, ref_routing, routing)  # exactness: the same trace position for both
         want = greedy_trace(ref, ids, 16)
         rewind(start, ref_routing, routing)
@@ -158,14 +169,13 @@ def main():
                 "host_s",
                 "sync_s",
                 "read_s",
-                "engine_s",
+                "graph_s",
                 "wall_s",
                 "host_calls",
                 "device_calls",
-                "wait_calls",
             )
         }
-        calls = max(1, tot["host_calls"] + tot["device_calls"] + tot["wait_calls"])
+        calls = max(1, tot["host_calls"] + tot["device_calls"])
         stock_tps, tps = statistics.median(k_runs), statistics.median(s_runs)
         bpt = tot["bytes_read"] / tot["tokens"]
         rec = {
@@ -181,13 +191,22 @@ def main():
             "bytes_read_per_token": round(bpt),
             "read_gbps": round(per_run[-1]["read_gbps"], 3),
             "storage_gbps": round(gbps[temp], 3),
-            "host_us_per_layer_call": round(1e6 * tot["host_s"] / calls, 1),
-            # the host blocked inside a step (routing sync, demand reads), per layer call
-            "host_wait_us_per_layer": round(1e6 * (tot["sync_s"] + tot["read_s"]) / calls, 1),
-            # share of generation time the GPU waited on the engine (kernel transport)
-            "gpu_idle_share": round(tot["engine_s"] / tot["wall_s"], 4),
-            "engine_served_share": round(tot["wait_calls"] / calls, 4),
-            "device_wait": store.device.transport if store.device is not None else "off",
+            # per MoE layer call, the host's time in each phase (µs): waiting for the
+            # routing, planning the misses, reading them, building the expert graph
+            "host_us_per_layer_call": round(
+                1e6 * sum(tot[k] for k in ("sync_s", "host_s", "read_s", "graph_s")) / calls, 1
+            ),
+            "routing_wait_us": round(1e6 * tot["sync_s"] / calls, 1),
+            "plan_us": round(1e6 * tot["host_s"] / calls, 1),
+            "read_us": round(1e6 * tot["read_s"] / calls, 1),
+            "graph_us": round(1e6 * tot["graph_s"] / calls, 1),
+            # share of decode time outside the store's layer calls: the host building and
+            # launching the rest of the model (and, with no sync, the device computing)
+            "outside_calls_share": round(
+                1 - sum(tot[k] for k in ("sync_s", "host_s", "read_s", "graph_s")) / tot["wall_s"],
+                4,
+            ),
+            "reader": store.reader_name,
             **bounds(1 / stock_tps, bpt, gbps[temp], tps),
             "exact_vs_stock": exact,
             "pool_mode": store.pool_mode,
@@ -199,9 +218,13 @@ def main():
             )
         log(rec)
         out_cfgs.append(rec)
+        if timeline:
+            timelines[str(r)] = timeline
         store.close()
         del model
 
+    if a.timeline:
+        Path(a.timeline).write_text(json.dumps(timelines, indent=0) + "\n")
     limited = prefill = None
     if a.limited_residency:
         limited = memory_limited(a, ck, ed, meta, trace, start, tok, ids, ref, load_kw)
@@ -232,13 +255,27 @@ def main():
             "h2d_gbps": h2d and round(h2d, 2),
             "bound_gbps_warm": round(gbps["warm"], 3),
             "bound_gbps_cold": round(gbps["cold"], 3),
-            "device_wait": a.device_wait,
+            "reader": a.reader,
             "configs": out_cfgs,
             "prefill": prefill,
             "memory_limited": limited,
         },
         t0,
     )
+
+
+def decode_timeline(model, tok, ids, store) -> list[dict]:
+    """Host timestamps of every layer call's phases in one decode step (the third
+    generated token), from ``store.timeline``."""
+    from mlx_lm import stream_generate
+
+    out = []
+    for i, _ in enumerate(stream_generate(model, tok, ids, max_tokens=4)):
+        if i == 1:
+            store.timeline.record()
+        elif i == 2:
+            out = store.timeline.stop()
+    return out
 
 
 def memory_limited(a, ck, ed, meta, trace, start, tok, ids, ref, load_kw) -> dict:
