@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh tests      the cuda-marked tests (exactness of both pool modes,
 #                                           the kernel self-test, verify)
 #   bash benchmarks/gpu_suite.sh speed      DeepSeek-V2-Lite shape at full width, its real routing:
-#                                           stock and streamed alternating at 100/50/25/12.5%,
+#                                           stock and streamed alternating at 50/25/12.5%,
 #                                           warm page cache, 32-token prompt, 96 decode tokens;
 #                                           prefill of 2048 tokens at 25%
 #   bash benchmarks/gpu_suite.sh cold       the same at 50/25/12.5% with a cold page cache

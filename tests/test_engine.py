@@ -19,7 +19,7 @@ from mlx_streaming.core.io.native import NativeReader, library, library_path
 from mlx_streaming.core.io.reader import RecordReadError
 from mlx_streaming.core.meta import load_meta
 
-pytestmark = pytest.mark.skipif(
+needs_library = pytest.mark.skipif(
     library() is None, reason="the compiled reader is not installed (pip install the package)"
 )
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "deepseek-v2-lite.npz"
@@ -42,6 +42,16 @@ def reader_over(ed, slots, **kw):
     return meta, pools, NativeReader(meta, pools, **kw)
 
 
+def copied_experts(models, tmp_path):
+    """A private copy of the tiny model's expert directory (to damage), its meta and the
+    first MoE layer."""
+    _, src = models.experts("tiny-qwen3_moe")
+    ed = tmp_path / "e"
+    shutil.copytree(src, ed)
+    meta = load_meta(ed)
+    return ed, meta, sorted(meta.layers)[0]
+
+
 def record(meta, li, e):
     lay = meta.layers[li]
     with open(meta.file(li), "rb") as f:
@@ -56,9 +66,12 @@ def assert_slot_holds(meta, pools, li, slot, e):
 
 
 def test_library_is_built_into_the_package():
-    assert library_path().parent.name == "io"
+    """Not skipped: an installed package without its compiled reader is a defect."""
+    path = library_path()
+    assert path is not None and path.parent.name == "io" and library() is not None
 
 
+@needs_library
 def test_reads_records_into_the_slots_asked(models):
     _, ed = models.experts("tiny-qwen3_moe")
     meta, pools, reader = reader_over(ed, 12, threads=3, wave=4)  # 12 records: 3 waves
@@ -73,6 +86,7 @@ def test_reads_records_into_the_slots_asked(models):
     reader.close()  # idempotent
 
 
+@needs_library
 def test_bad_requests_raise_and_leave_the_reader_usable(models):
     _, ed = models.experts("tiny-qwen3_moe")
     meta, pools, reader = reader_over(ed, 4, threads=2)
@@ -93,6 +107,7 @@ def test_bad_requests_raise_and_leave_the_reader_usable(models):
     reader.close()
 
 
+@needs_library
 @settings(max_examples=60, deadline=None)
 @given(
     experts=st.lists(st.integers(-3, 40), min_size=0, max_size=10),
@@ -125,12 +140,9 @@ def fuzz_reader(models):
     reader.close()
 
 
+@needs_library
 def test_corrupt_record_names_file_and_expert(models, tmp_path):
-    _, ed0 = models.experts("tiny-qwen3_moe")
-    ed = tmp_path / "e"
-    shutil.copytree(ed0, ed)
-    meta = load_meta(ed)
-    li = sorted(meta.layers)[0]
+    ed, meta, li = copied_experts(models, tmp_path)
     data = np.fromfile(meta.file(li), np.uint8)
     data[5 * meta.layers[li].stride + 100] ^= 0xFF
     data.tofile(meta.file(li))
@@ -142,12 +154,9 @@ def test_corrupt_record_names_file_and_expert(models, tmp_path):
     reader.close()
 
 
+@needs_library
 def test_short_and_shrinking_files(models, tmp_path):
-    _, ed0 = models.experts("tiny-qwen3_moe")
-    ed = tmp_path / "e"
-    shutil.copytree(ed0, ed)
-    meta = load_meta(ed)
-    li = sorted(meta.layers)[0]
+    ed, meta, li = copied_experts(models, tmp_path)
     lay = meta.layers[li]
     meta, pools, reader = reader_over(ed, 4, threads=2)
     os.truncate(meta.file(li), 3 * lay.stride)  # shrinks underneath the open reader
@@ -159,6 +168,7 @@ def test_short_and_shrinking_files(models, tmp_path):
         NativeReader(meta, pools)
 
 
+@needs_library
 @pytest.mark.skipif(not TRACE.exists(), reason=f"no trace at {TRACE}")
 @pytest.mark.parametrize("policy", ["predictive", "lru", "lfu"])
 def test_native_and_python_readers_miss_alike_on_real_routing(models, policy):

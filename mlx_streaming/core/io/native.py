@@ -67,7 +67,7 @@ def library() -> ctypes.CDLL | None:
                 _lib, _why = False, str(e)
                 warnings.warn(
                     f"mlx_streaming's native reader is unavailable ({e}); reading with "
-                    "Python threads instead (measured 10.0 against 15.1 tok/s on CUDA)",
+                    "Python threads instead (measured on an H200: 7.9 against 12.8 tok/s at 50% residency)",
                     RuntimeWarning,
                     stacklevel=2,
                 )
