@@ -72,6 +72,13 @@ def main():
         help="who reads records into slots (default: native for CUDA pools)",
     )
     p.add_argument("--timeline", help="write one decode step's host timeline (JSON) here")
+    p.add_argument("--profile", help="write a cProfile of one streamed decode run here")
+    p.add_argument(
+        "--oracle",
+        help="what-if read-ahead curve (a simulation): also run each residency under 1 with "
+        "a predictor that knows the trace's next-layer picks, right with these "
+        "probabilities (e.g. 0,0.5,0.7,0.9,1), and with the trace's transition predictor",
+    )
     a = p.parse_args()
 
     from mlx_streaming.analysis.verify import compare_traces, greedy_trace
@@ -84,6 +91,7 @@ def main():
     from mlx_streaming.core.io.native import library
     from mlx_streaming.core.prefetch.patch import StreamOptions
     from mlx_streaming.core.prefetch.predictor import TransitionPredictor
+    from mlx_streaming.planning.trace import TraceOracle
 
     t0 = time.perf_counter()
     ck, ed, meta = build(a)
@@ -133,12 +141,27 @@ def main():
             if r >= 1
             else {"warm": ["warm"], "cold": ["cold"], "both": ["warm", "cold"]}[a.cold]
         )
-        configs += [(r, t) for t in temps]
+        configs += [(r, t, None) for t in temps]
+        if a.oracle and r < 1 and trace is not None:
+            configs += [(r, "warm", p) for p in ["transition", *a.oracle.split(",")]]
 
     out_cfgs, timelines = [], {}
-    for r, temp in configs:
+    for r, temp, pred in configs:
         slots = max(meta.top_k, round(r * meta.num_experts))
-        model, _, store, routing = streamed(ck, ed, trace, start, slots=slots, **load_kw)
+        kw = load_kw
+        if pred is not None:  # read-ahead by the trace's transitions or a simulated oracle
+            guess = (
+                TransitionPredictor.from_trace(trace.split(0.5)[0], meta.top_k)
+                if pred == "transition"
+                else TraceOracle(float(pred))
+            )
+            kw = {
+                **load_kw,
+                "options": StreamOptions(overlap=a.overlap, prefetch=True, predictor=guess),
+            }
+        model, _, store, routing = streamed(ck, ed, trace, start, slots=slots, **kw)
+        if isinstance(kw["options"].predictor, TraceOracle):
+            kw["options"].predictor.routing = routing
         decode_run(model, tok, ids, a.tokens)  # warm up: fill the pool, compile
         s_runs, k_runs, per_run = [], [], []
         for _ in range(a.repeat):
@@ -152,6 +175,8 @@ def main():
             s_runs.append(tps)
             per_run.append({**store.totals(), "tokens": n + len(ids), "wall_s": wall})
         timeline = decode_timeline(model, tok, ids, store) if a.timeline and r < 1 else None
+        if a.profile and r < 1 and pred is None and not Path(a.profile).exists():
+            profile(a.profile, decode_run, model, tok, ids, a.tokens)
         rewind(start, ref_routing, routing)  # exactness: the same trace position for both
         want = greedy_trace(ref, ids, 16)
         rewind(start, ref_routing, routing)
@@ -211,7 +236,12 @@ def main():
             "exact_vs_stock": exact,
             "pool_mode": store.pool_mode,
         }
-        if a.prefetch:
+        if pred is not None:
+            rec["predictor"] = pred if pred == "transition" else f"oracle {pred} (simulation)"
+        if a.prefetch or pred is not None:
+            rec["prediction_recall"] = round(
+                sum(x.get("prediction_recall") or 0 for x in per_run) / len(per_run), 4
+            )
             rec["prefetch_precision"] = round(tot["prefetch_used"] / max(1, tot["prefetched"]), 4)
             rec["prefetch_on_time_share"] = round(
                 tot["prefetch_on_time"] / max(1, tot["prefetch_used"]), 4
@@ -262,6 +292,20 @@ def main():
         },
         t0,
     )
+
+
+def profile(path: str, fn, *args) -> None:
+    """cProfile ``fn(*args)``; write the top functions by own and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(fn, *args)
+    buf = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(45)
+    Path(path).write_text(buf.getvalue())
 
 
 def decode_timeline(model, tok, ids, store) -> list[dict]:

@@ -151,6 +151,10 @@ def test_corrupt_record_names_file_and_expert(models, tmp_path):
         reader.read(li, [6, 5], [0, 1])
     reader.read(li, [6, 7], [0, 1])  # the next call works
     assert_slot_holds(meta, pools, li, 1, 7)
+    # each record is checked the first time it is read: 6 and 7 passed, 5 never did
+    assert reader.checked[li][[5, 6, 7]].tolist() == [0, 1, 1]
+    with pytest.raises(ExpertChecksumError, match=r"expert 5 "):
+        reader.read(li, [5], [2])  # a failed record is checked again
     reader.close()
 
 

@@ -117,18 +117,23 @@ def _batch(x: mx.array, indices: mx.array) -> tuple[int, int]:
 
 
 def _flag(proj, x: mx.array, indices: mx.array, sorted_indices: bool) -> bool:
-    if proj.backend == "cpu":
-        return sorted_indices
-    M, B = _batch(x, indices)
-    return pool_sorted_flag(
-        proj.backend,
-        isinstance(proj, QuantizedSwitchLinear),
-        M,
-        B,
-        proj.model_experts,
-        proj["weight"].shape[0],
-        sorted_indices,
-    )
+    if proj.backend == "cpu" or proj.model_experts == proj.slots:
+        return sorted_indices  # one kernel, or the very array shape stock passes
+    key = (x.shape, indices.shape, sorted_indices)
+    flag = proj.flags.get(key)
+    if flag is None:  # decided once per call shape (a decode step repeats one shape)
+        M, B = _batch(x, indices)
+        flag = pool_sorted_flag(
+            proj.backend,
+            isinstance(proj, QuantizedSwitchLinear),
+            M,
+            B,
+            proj.model_experts,
+            proj.slots,
+            sorted_indices,
+        )
+        proj.flags[key] = flag
+    return flag
 
 
 class _StockKernel:
@@ -146,7 +151,8 @@ class _StockKernel:
         **kw,
     ):
         super().__init__(input_dims, output_dims, slots, **kw)
-        self.model_experts, self.backend = model_experts, backend
+        self.model_experts, self.backend, self.slots = model_experts, backend, slots
+        object.__setattr__(self, "flags", {})  # call shape -> sorted flag (not a child)
 
     def __call__(self, x, indices, sorted_indices=False):
         return super().__call__(x, indices, _flag(self, x, indices, sorted_indices))

@@ -158,6 +158,38 @@ class TraceRouting:
         self.cursor = (self.cursor + n) % self.trace.tokens
 
 
+class TraceOracle:
+    """A simulated next-layer predictor of known accuracy, for what-if curves.
+
+    It reads the replayed trace ahead: for the tokens at ``routing``'s cursor it returns
+    layer ``pos + 1``'s true experts, each kept with probability ``accuracy`` and
+    otherwise swapped for a wrong one. No real model can do this; it measures how far a
+    predictor of that accuracy would take read-ahead. Set ``routing`` (the replay's
+    ``TraceRouting``) before the first call.
+    """
+
+    name = "oracle"
+
+    def __init__(self, accuracy: float, seed: int = 0, routing: TraceRouting | None = None):
+        if not 0.0 <= accuracy <= 1.0:
+            raise ValueError(f"accuracy must be within [0, 1], got {accuracy}")
+        self.accuracy, self.routing = accuracy, routing
+        self._rng = np.random.default_rng(seed)
+
+    def lazy(self, pos: int, x: mx.array) -> None:
+        return None
+
+    def predict(self, pos: int, host_ids: np.ndarray, lazy=None) -> np.ndarray:
+        trace = self.routing.trace
+        if pos + 1 >= trace.layers:
+            return np.zeros(0, np.int64)
+        true = np.unique(self.routing.rows(pos + 1, host_ids.size // host_ids.shape[-1]))
+        keep = true[self._rng.random(len(true)) < self.accuracy]
+        wrong = np.setdiff1d(np.arange(trace.num_experts), true)
+        swap = self._rng.choice(wrong, size=min(len(true) - len(keep), len(wrong)), replace=False)
+        return np.sort(np.concatenate([keep, swap]).astype(np.int64))
+
+
 class TraceRouted(nn.Module):
     """Feeds an expert module the trace's expert ids instead of the router's."""
 

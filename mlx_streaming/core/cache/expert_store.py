@@ -49,7 +49,9 @@ class FileExpertStore:
         threads: Read threads (None: 4 for the Python reader; for the native reader on
             CUDA pools one per core up to 15, as decode reads one or two records at a time).
         direct_io: Bypass the page cache (O_DIRECT / F_NOCACHE).
-        verify: Check each record's checksum when it is read.
+        verify: Check each record's checksum the first time the store reads it (a
+            corrupt file is caught on first use; later reads of a checked record skip
+            the hash, which costs about as much as the read from the page cache).
         pool_mode: ``host``, ``cuda`` or ``mlx`` (see ``pool``); default by backend.
         zero_slot: Give each pool that holds fewer slots than its layer has experts an
             all-zero slot, which masked rows need (default: off the CPU, where masked
@@ -198,7 +200,8 @@ class FileExpertStore:
         if self.caches[layer].complete and not self.routing.on and not self.observers:
             t0 = time.perf_counter()
             self._note_device_call(layer, indices)
-            call = LayerCall(layer, _as_is, slots=self.pool(layer).lut[indices])
+            pool = self.pool(layer)  # slot e holds expert e: the ids are the slots
+            call = LayerCall(layer, _as_is, slots=indices if pool.identity else pool.lut[indices])
             self.stats[layer].host_s += time.perf_counter() - t0
             return call
         return self.host.call(layer, indices, overlap, also)

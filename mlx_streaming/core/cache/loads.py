@@ -78,6 +78,8 @@ class Loader:
         self._inflight: dict[int, list[Ticket]] = {li: [] for li in caches}  # read-aheads
         self.native = native  # the native reader (host and cuda pools), or None
         self._helper = None  # one thread for native reads that must not block the caller
+        # records that passed their checksum: each is checked the first time it is read
+        self._checked = {li: np.zeros(meta.layers[li].num_experts, bool) for li in caches}
 
     def close(self) -> None:
         if self._helper is not None:
@@ -201,7 +203,8 @@ class Loader:
         """Work done on the reader thread once a record has landed."""
         want = self.meta.layers[layer].checksums
         nbytes = self.meta.layers[layer].record_bytes
-        check = self.verify and bool(want)
+        checked = self._checked[layer]
+        check = self.verify and bool(want) and not checked[expert]
 
         def after():
             if check:
@@ -216,6 +219,7 @@ class Loader:
                         f"checksum ({h.hexdigest()} != {want[expert]}): the file is corrupt; "
                         "split the model again"
                     )
+                checked[expert] = True
             if place is not None:  # O_DIRECT: staging -> slot
                 place()
 

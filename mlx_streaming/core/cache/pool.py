@@ -129,6 +129,8 @@ class LayerPool:
             gap += max(0, p.offset - pos)
             pos = p.offset + p.nbytes
         self._gaps = np.zeros((slots, gap), dtype=np.uint8)  # record padding lands here
+        self._arange = np.arange(layout.num_experts, dtype=np.int32)
+        self.identity = False  # lut[e] == e for every expert (set_lut keeps it)
         self._bufs = None
         self.writes = 0  # experts written into slots
         self.write_ops = 0  # MLX update ops issued (mlx mode)
@@ -224,6 +226,7 @@ class LayerPool:
         e = np.asarray(experts, dtype=np.int64)
         s = np.asarray(slots, dtype=np.int32)
         self._lut_host[e] = s
+        self.identity = bool(np.array_equal(self._lut_host, self._arange))
         if self.mode == "cuda":
             cuda.copy_to_device(self._lut_dev, self._lut_host.ctypes.data, self._lut_host.nbytes)
             cuda.synchronize()

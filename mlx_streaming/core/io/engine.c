@@ -40,6 +40,7 @@ typedef struct {
   int64_t part_off[MAX_PARTS], part_bytes[MAX_PARTS], part_row[MAX_PARTS];
   char *part_dst[MAX_PARTS];
   const uint64_t *checksums;
+  uint8_t *checked; /* checked[e]: record e passed its checksum (NULL: check every read) */
 } Layer;
 
 typedef struct { /* one piece of one record */
@@ -123,8 +124,12 @@ static void run_job(Engine *e, int w, const Job *j) {
   __atomic_fetch_add(&e->read_ns, now_ns() - t0, __ATOMIC_RELAXED);
   if (__atomic_sub_fetch(&e->pieces_left[j->rec], 1, __ATOMIC_ACQ_REL) == 0 &&
       __atomic_load_n(&e->rec_status[j->rec], __ATOMIC_ACQUIRE) == ST_OK && L->checksums &&
-      e->hash(rec, (size_t)L->record_bytes) != L->checksums[j->expert])
-    __atomic_store_n(&e->rec_status[j->rec], ST_CHECKSUM, __ATOMIC_RELAXED);
+      !(L->checked && __atomic_load_n(&L->checked[j->expert], __ATOMIC_RELAXED))) {
+    if (e->hash(rec, (size_t)L->record_bytes) != L->checksums[j->expert])
+      __atomic_store_n(&e->rec_status[j->rec], ST_CHECKSUM, __ATOMIC_RELAXED);
+    else if (L->checked)
+      __atomic_store_n(&L->checked[j->expert], 1, __ATOMIC_RELAXED);
+  }
 }
 
 /* Take pieces until none is left; then wait for this thread's copies. */
@@ -284,7 +289,8 @@ Engine *mlxs_new(int n_layers, int n_threads, int wave, int64_t max_stride, int6
 /* Register layer position ``pos``; returns 0, or -1 with mlxs_error saying why. */
 int mlxs_layer(Engine *e, int pos, int fd, int64_t stride, int64_t record_bytes, int num_experts,
                int capacity, int n_parts, const int64_t *part_off, const int64_t *part_bytes,
-               char **part_dst, const int64_t *part_row, const uint64_t *checksums) {
+               char **part_dst, const int64_t *part_row, const uint64_t *checksums,
+               uint8_t *checked) {
   if (!e || pos < 0 || pos >= e->n_layers || n_parts < 1 || n_parts > MAX_PARTS || stride < 1 ||
       stride > e->max_stride || record_bytes < 1 || record_bytes > stride || num_experts < 1 ||
       capacity < 1 || !part_off || !part_bytes || !part_dst || !part_row) {
@@ -321,6 +327,7 @@ int mlxs_layer(Engine *e, int pos, int fd, int64_t stride, int64_t record_bytes,
     L->part_row[p] = part_row[p];
   }
   L->checksums = checksums;
+  L->checked = checked;
   L->ready = 1;
   return 0;
 }

@@ -84,7 +84,7 @@ def _declare(lib) -> None:
     lib.mlxs_new.restype = P
     lib.mlxs_new.argtypes = [Int, Int, Int, L, L, P, P, P, P, P]
     lib.mlxs_layer.restype = Int
-    lib.mlxs_layer.argtypes = [P, Int, Int, L, L, Int, Int, Int, P, P, P, P, P]
+    lib.mlxs_layer.argtypes = [P, Int, Int, L, L, Int, Int, Int, P, P, P, P, P, P]
     lib.mlxs_read.restype = Int
     lib.mlxs_read.argtypes = [P, Int, Int, P, P, P, P]
     lib.mlxs_free.argtypes = [P]
@@ -117,7 +117,8 @@ class NativeReader:
         pools: ``{layer: LayerPool}``; each slot's part rows are where records land.
         threads: Worker threads (the calling thread works too).
         direct: Open the files with O_DIRECT (bypass the page cache).
-        verify: Check each record's checksum.
+        verify: Check each record's checksum the first time this reader reads it
+            (``checked[layer][expert]`` says which passed).
         cuda: The CUDA runtime module (``io.cuda``) for device pools, else None.
         wave: Records staged at once.
         piece_bytes: Largest piece one ``pread`` covers.
@@ -163,6 +164,7 @@ class NativeReader:
         if not self.handle:
             raise OSError("the native reader could not be created")
         self._fds, self._keep = [], []
+        self.checked: dict[int, np.ndarray] = {}
         self.counters = np.zeros((len(pools), N_COUNTERS), np.int64)
         try:
             for li, pos in self.pos.items():
@@ -185,13 +187,14 @@ class NativeReader:
             np.array([int(c, 16) for c in lay.checksums], np.uint64)
             if verify and lay.checksums
             else None,
+            np.zeros(lay.num_experts, np.uint8),
         ]
         self._keep += [dst, arrays, pool]  # the memory the engine points into
-        off, nbytes, row, sums = arrays
+        off, nbytes, row, sums, self.checked[li] = arrays
         rc = self.lib.mlxs_layer(
             self.handle, pos, fd, lay.stride, lay.record_bytes, lay.num_experts, pool.slots,
             len(lay.parts), _ptr(off), _ptr(nbytes), ctypes.cast(dst, ctypes.c_void_p),
-            _ptr(row), _ptr(sums),
+            _ptr(row), _ptr(sums), _ptr(self.checked[li]),
         )  # fmt: skip
         if rc:
             raise OSError(f"{self.meta.file(li)}: {self.lib.mlxs_error(self.handle).decode()}")
