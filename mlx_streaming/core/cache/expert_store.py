@@ -201,7 +201,9 @@ class FileExpertStore:
             t0 = time.perf_counter()
             self._note_device_call(layer, indices)
             pool = self.pool(layer)  # slot e holds expert e: the ids are the slots
-            call = LayerCall(layer, _as_is, slots=indices if pool.identity else pool.lut[indices])
+            call = LayerCall(
+                layer, _as_is, slots=indices if pool.identity else pool.device_lut()[indices]
+            )
             self.stats[layer].host_s += time.perf_counter() - t0
             return call
         return self.host.call(layer, indices, overlap, also)

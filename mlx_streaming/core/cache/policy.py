@@ -96,7 +96,7 @@ class _Scored(Policy):
         self.resident[expert] = False
 
     def access(self, experts):
-        idx = np.fromiter(experts, dtype=np.int64)
+        idx = np.asarray(experts, dtype=np.int64)
         self._observe(idx)
         self.last[idx] = self.t
         self.t += 1
@@ -164,21 +164,26 @@ class Predictive(_Scored):
         self.prev = np.zeros(0, dtype=np.int64)
         self.ring: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * max(self.WINDOWS)
         self.win = np.zeros((len(self.WINDOWS), E))
+        self._offsets = (np.arange(len(self.WINDOWS)) * E)[:, None]
         self.aged = np.zeros(E)  # decayed count as of aged_at
         self.aged_at = np.zeros(E, dtype=np.int64)
         self._now = self.prev
 
     def _observe(self, idx):
         if len(self.prev):
-            self.trans[np.ix_(self.prev, idx)] += 1
+            self.trans[self.prev[:, None], idx] += 1
             self.row[self.prev] += 1
         self.prev = idx
-        H = len(self.ring)
-        for i, w in enumerate(self.WINDOWS):
-            if self.t >= w:
-                self.win[i, self.ring[(self.t - w) % H]] -= 1
+        H, E, flat = len(self.ring), self.num_experts, self.win.reshape(-1)
+        # the lookup leaving each window, then this one entering all three (one op each;
+        # a lookup's experts are distinct, so no index repeats within an op)
+        old = [
+            self.ring[(self.t - w) % H] + i * E for i, w in enumerate(self.WINDOWS) if self.t >= w
+        ]
+        if old:
+            flat[np.concatenate(old)] -= 1
         self.ring[self.t % H] = idx
-        self.win[:, idx] += 1
+        flat[(idx + self._offsets).reshape(-1)] += 1
         self.aged[idx] = self.aged[idx] * self.AGE ** (self.t - self.aged_at[idx]) + 1
         self.aged_at[idx] = self.t
 
@@ -193,7 +198,13 @@ class Predictive(_Scored):
         return np.stack([np.log1p(rec), *self.win, tr, aged], axis=-1)
 
     def scores(self):
-        return self.features(self._now) @ self.w
+        # features(current) @ w, without stacking the features
+        w, now = self.w, self._now
+        rec = np.where(self.last >= 0, self.t - self.last, 10**6).astype(np.float64)
+        s = w[0] * np.log1p(rec) + w[1:4] @ self.win
+        if len(now):
+            s += w[4] * (self.trans[now] / np.maximum(self.row[now], 1)[:, None]).sum(0)
+        return s + w[5] * (self.aged * self.AGE ** (self.t - 1 - self.aged_at))
 
     def victims(self, n, protect):
         # the call being served is what the next one will most likely follow

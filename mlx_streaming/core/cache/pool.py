@@ -109,7 +109,7 @@ class LayerPool:
                 if self.mode == "host":
                     self._rows[p.name] = _host_view(base)
             self.arrays[p.name] = arr
-        self._lut_dev = 0
+        self._lut_dev, self._lut_stale = 0, False
         if self.mode == "cuda":  # a pinned host copy, copied over after each change
             self.lut = mx.zeros((layout.num_experts,), dtype=mx.int32)
             mx.eval(self.lut)
@@ -148,15 +148,14 @@ class LayerPool:
             (self._rows[p.name].ctypes.data, self._rows[p.name].shape[1]) for p in self.layout.parts
         ]
 
-    @property
-    def lut_host(self) -> np.ndarray:
-        """The host copy of the lookup table (the table itself in host mode)."""
-        return self._lut_host
-
-    @property
-    def lut_device(self) -> int:
-        """Address of the device lookup table the host copy is copied to (cuda mode)."""
-        return self._lut_dev if self.mode == "cuda" else 0
+    def device_lut(self) -> mx.array:
+        """The lookup table as a device array, for remapping routed ids on the device (in
+        cuda mode the host table is copied over first if it changed since)."""
+        if self._lut_stale:
+            cuda.copy_to_device(self._lut_dev, self._lut_host.ctypes.data, self._lut_host.nbytes)
+            cuda.synchronize()
+            self._lut_stale = False
+        return self.lut
 
     # ---------------------------------------------------------------- host mode
     def record_bufs(self, slot: int) -> list[memoryview]:
@@ -227,9 +226,8 @@ class LayerPool:
         s = np.asarray(slots, dtype=np.int32)
         self._lut_host[e] = s
         self.identity = bool(np.array_equal(self._lut_host, self._arange))
-        if self.mode == "cuda":
-            cuda.copy_to_device(self._lut_dev, self._lut_host.ctypes.data, self._lut_host.nbytes)
-            cuda.synchronize()
+        if self.mode == "cuda":  # copied over when the device path next needs it
+            self._lut_stale = True
         elif self.mode == "mlx":
             self.lut[mx.array(e.astype(np.int32))] = mx.array(s)
         self.writes += len(e)
