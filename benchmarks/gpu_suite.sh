@@ -12,9 +12,13 @@
 #                                           the LRU policy, beside the default
 #   bash benchmarks/gpu_suite.sh parity     every expert resident against stock, 7 alternating pairs
 #   bash benchmarks/gpu_suite.sh stall      the probe of why the removed kernel transport stalled
+#   bash benchmarks/gpu_suite.sh oracle     50%: read-ahead by the trace's transitions and by a
+#                                           simulated predictor right 0/50/70/90/100% of the time
+#   bash benchmarks/gpu_suite.sh exact      where streaming stops being bit-exact, per preset
 #   bash benchmarks/gpu_suite.sh probe      the primitives and the host-time profile
 # Several suites may run in one call. TRACE names the DeepSeek-V2-Lite trace
-# (default .gpu/deepseek-v2-lite.npz, copied from ../shared/traces).
+# (default .gpu/deepseek-v2-lite.npz, copied from ../shared/traces). MLX compiles each
+# kernel variant on first use; .gpu/ptx.tgz (a former run's $OUT/ptx.tgz) seeds its cache.
 set -u
 export PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false
 out=${OUT:-/tmp/mlxs-out}
@@ -23,6 +27,10 @@ work=/tmp/mlxs
 trace=${TRACE:-.gpu/deepseek-v2-lite.npz}
 limit=${LIMIT:-540}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt"
+export MLX_PTX_CACHE_DIR=/tmp/mlxs-ptx
+[ -f .gpu/ptx.tgz ] && [ ! -d $MLX_PTX_CACHE_DIR ] && mkdir -p $MLX_PTX_CACHE_DIR \
+  && tar xzf .gpu/ptx.tgz -C $MLX_PTX_CACHE_DIR --strip-components=1
+trap 'tar czf "$out/ptx.tgz" -C /tmp mlxs-ptx 2>/dev/null' EXIT
 speed() {  # name, args...
   local name=$1; shift
   timeout "$limit" python3 benchmarks/speed.py --workdir $work --preset dsv2-lite \
@@ -31,13 +39,19 @@ speed() {  # name, args...
 }
 for suite in "$@"; do
 case "$suite" in
-  tests) timeout "$limit" python3 -m pytest -v --timeout 45 --durations=0 -m cuda tests/test_cuda.py 2>&1 \
+  tests) timeout "$limit" python3 -m pytest -v --durations=0 -m cuda tests/test_cuda.py 2>&1 \
            | tee "$out/tests-cuda.log" | tail -15 ;;
   quick) speed gpu-dsv2-quick --residency 0.5 --cold warm --repeat 3 --prefill-tokens 0 ;;
   speed) speed gpu-dsv2 --residency 0.5,0.25,0.125 --cold warm --repeat 3 \
            --prefill-tokens 2048 --prefill-residency 0.25 --prefill-chunk 2048 \
            --timeline "$out/timeline-gpu-dsv2.json" ;;
   parity) speed gpu-dsv2-parity --residency 1 --repeat 7 --prefill-tokens 0 ;;
+  oracle) speed gpu-dsv2-oracle --residency 0.5 --cold warm --repeat 3 --tokens 64 \
+            --prefill-tokens 0 --oracle 0,0.5,0.7,0.9,1 ;;
+  exact) for p in tiny-mixtral thresholds-qwen3_moe tiny-qwen3_next; do
+           timeout 240 python3 benchmarks/probes/cuda_exact.py $p 2>&1 | tee -a "$out/exact.log" \
+             | tail -7
+         done ;;
   stall) timeout 120 python3 benchmarks/probes/gpu_wait_stall.py 2>&1 | tee "$out/stall.log" | tail -3 ;;
   cold) speed gpu-dsv2-cold --residency 0.5,0.25,0.125 --cold cold --repeat 3 \
           --prefill-tokens 0 ;;

@@ -11,6 +11,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from mlx_streaming.prep.split_experts import split_model  # noqa: E402
+
+if os.environ.get("MLX_STREAMING_TEST_ENGINE"):  # .ci/sanitize: the ASan/UBSan build
+    from mlx_streaming.core.io.native import use_library
+
+    use_library(os.environ["MLX_STREAMING_TEST_ENGINE"])
 from mlx_streaming.synthetic import make_checkpoint  # noqa: E402
 
 

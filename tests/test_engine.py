@@ -197,3 +197,75 @@ def test_native_and_python_readers_miss_alike_on_real_routing(models, policy):
         store.close()
     assert got["native"] == got["python"]
     assert sum(m for _, m in got["native"].values()) > 0
+
+
+I64 = st.integers(-(2**63), 2**63 - 1)
+SMALL = st.integers(-2, 70000)
+
+
+@needs_library
+@settings(max_examples=150, deadline=None)
+@given(
+    n_layers=st.integers(-1, 3),
+    threads=st.integers(-1, 3),
+    wave=st.integers(-1, 300),
+    max_stride=st.one_of(SMALL, I64),
+    piece=st.one_of(SMALL, I64),
+    pos=st.integers(-1, 3),
+    stride=st.one_of(SMALL, I64),
+    record=st.one_of(SMALL, I64),
+    experts=st.integers(-1, 70),
+    capacity=st.integers(-1, 9),
+    parts=st.lists(st.tuples(st.one_of(SMALL, I64), st.one_of(SMALL, I64), SMALL), max_size=3),
+)
+def test_fuzzed_layouts_never_crash(models, n_layers, threads, wave, max_stride, piece, pos,
+                                    stride, record, experts, capacity, parts):  # fmt: skip
+    """The engine's set-up entry points refuse any bad size, count or layout (raw
+    arguments, no Python checks in between) and accept only layouts inside the file."""
+    import ctypes
+
+    lib = library()
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    li = sorted(meta.layers)[0]
+    staging = np.zeros(1 << 16, np.uint8)
+    ok_new = 1 <= n_layers and 0 <= threads and 1 <= wave <= 256 and 1 <= max_stride
+    ok_new = ok_new and 4096 <= piece <= 2**40 and wave * max_stride <= staging.size
+    if not ok_new:  # sizes the staging area could not hold are the caller's to avoid
+        if not (1 <= wave <= 256 and 1 <= max_stride and wave * max_stride > staging.size):
+            assert not lib.mlxs_new(n_layers, threads, wave, max_stride, piece, None,
+                                    None, None, None, None)  # fmt: skip
+        return
+    e = lib.mlxs_new(n_layers, threads, wave, max_stride, piece, staging.ctypes.data,
+                     None, None, None, None)  # fmt: skip
+    assert e
+    rows = [np.zeros((max(capacity, 1), max(r, 1)), np.uint8) for _, _, r in parts]
+    arr = [np.array([p[i] for p in parts] or [0], np.int64) for i in range(3)]
+    dst = (ctypes.c_void_p * max(1, len(parts)))(*[r.ctypes.data for r in rows])
+    fd = os.open(meta.file(li), os.O_RDONLY)
+    try:
+        rc = lib.mlxs_layer(e, pos, fd, stride, record, experts, capacity, len(parts),
+                            arr[0].ctypes.data, arr[1].ctypes.data,
+                            ctypes.cast(dst, ctypes.c_void_p), arr[2].ctypes.data, None, None)  # fmt: skip
+        size = os.fstat(fd).st_size
+        if rc == 0:  # accepted: every part inside its record, every record inside the file
+            assert 0 <= pos < n_layers and 1 <= record <= stride <= max_stride
+            assert 1 <= experts and (experts - 1) * stride + record <= size and capacity >= 1
+            for off, nb, row in parts:
+                assert 0 <= off and 0 <= nb and off + nb <= record and row >= nb
+        else:
+            assert rc == -1 and lib.mlxs_error(e)
+        st_ = np.zeros(1, np.int32)
+        assert lib.mlxs_read(e, pos, 0, None, None, st_.ctypes.data, None) in (0, 4)
+    finally:
+        lib.mlxs_free(e)
+        os.close(fd)
+
+
+def test_sanitizer_build_is_the_one_under_test():
+    """Under .ci/sanitize the engine is the ASan/UBSan build, not the installed one."""
+    want = os.environ.get("MLX_STREAMING_TEST_ENGINE")
+    if want:
+        assert library()._name == want
+    else:
+        assert Path(library()._name) == library_path()

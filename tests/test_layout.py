@@ -85,7 +85,7 @@ def test_core_reads_no_environment():
 def test_modules_stay_small():
     big = {
         str(f.relative_to(PKG)): n
-        for f, _ in _modules()
+        for f in [*(m for m, _ in _modules()), *PKG.rglob("*.c")]  # C is held to it too
         if (n := len(f.read_text().splitlines())) > MAX_LINES
     }
     assert not big, f"modules over {MAX_LINES} lines: {big}"

@@ -26,6 +26,7 @@
 #define MAX_WAVE 256
 #define MAX_PIECES 32 /* per record */
 #define EAGAIN_TRIES 1000
+#define MAX_BYTES ((int64_t)1 << 40) /* bound on any size, so that no product overflows */
 
 enum { ST_OK = 0, ST_READ = 1, ST_CHECKSUM = 2, ST_SHORT = 3, ST_ARGS = 4, ST_COPY = 5 };
 enum { C_CALLS, C_RECORDS, C_BYTES, C_READ_NS, C_BUSY_NS, N_COUNTERS };
@@ -142,7 +143,8 @@ static void work(Engine *e, int w) {
     did = 1;
   }
   if (did && e->copy && e->sync(e->streams[w])) /* a failed copy fails every record */
-    for (int r = 0; r < e->wave; r++) __atomic_store_n(&e->rec_status[r], ST_COPY, __ATOMIC_RELAXED);
+    for (int r = 0; r < e->wave; r++)
+      __atomic_store_n(&e->rec_status[r], ST_COPY, __ATOMIC_RELAXED);
 }
 
 typedef struct {
@@ -216,8 +218,9 @@ static void plan_wave(Engine *e, int layer, int nr, const int32_t *experts, cons
 static void describe(Engine *e, int st, int err, int expert, int layer) {
   const char *what = st == ST_CHECKSUM ? "checksum mismatch (the expert file is corrupt)"
                      : st == ST_COPY   ? "copy to the device failed"
-                     : st == ST_SHORT  ? "the file ends inside the record (it shrank or is truncated)"
-                                       : "read failed";
+                     : st == ST_SHORT
+                         ? "the file ends inside the record (it shrank or is truncated)"
+                         : "read failed";
   snprintf(e->err, sizeof e->err, "%s%s%s: expert %d of layer position %d", what,
            st == ST_READ ? ": " : "", st == ST_READ ? strerror(err) : "", expert, layer);
 }
@@ -250,7 +253,8 @@ static int check_read(Engine *e, int layer, int n, const int32_t *experts, const
 Engine *mlxs_new(int n_layers, int n_threads, int wave, int64_t max_stride, int64_t piece_bytes,
                  char *staging, void *copy, void *sync, void **streams, void *hash) {
   if (n_layers < 1 || n_threads < 0 || n_threads >= MAX_THREADS || wave < 1 || wave > MAX_WAVE ||
-      max_stride < 1 || piece_bytes < 4096 || !staging || (copy && (!sync || !streams)))
+      max_stride < 1 || max_stride > MAX_BYTES / wave || piece_bytes < 4096 ||
+      piece_bytes > MAX_BYTES || !staging || (copy && (!sync || !streams)))
     return NULL;
   Engine *e = calloc(1, sizeof(Engine));
   if (!e) return NULL;
@@ -302,15 +306,18 @@ int mlxs_layer(Engine *e, int pos, int fd, int64_t stride, int64_t record_bytes,
     return -1;
   }
   for (int p = 0; p < n_parts; p++)
-    if (part_off[p] < 0 || part_bytes[p] < 0 || part_off[p] + part_bytes[p] > record_bytes ||
-        part_row[p] < part_bytes[p] || !part_dst[p]) {
-      snprintf(e->err, sizeof e->err, "part %d of layer position %d lies outside its record", p, pos);
+    if (part_off[p] < 0 || part_bytes[p] < 0 || part_off[p] > record_bytes ||
+        part_bytes[p] > record_bytes - part_off[p] || part_row[p] < part_bytes[p] ||
+        part_row[p] > MAX_BYTES / capacity || !part_dst[p]) {
+      snprintf(e->err, sizeof e->err, "part %d of layer position %d lies outside its record", p,
+               pos);
       return -1;
     }
   struct stat sb;
-  if (fstat(fd, &sb) || sb.st_size < (int64_t)(num_experts - 1) * stride + record_bytes) {
-    snprintf(e->err, sizeof e->err, "the file of layer position %d holds fewer than %d records", pos,
-             num_experts);
+  if (fstat(fd, &sb) || sb.st_size < record_bytes ||
+      (int64_t)(num_experts - 1) > (sb.st_size - record_bytes) / stride) {
+    snprintf(e->err, sizeof e->err, "the file of layer position %d holds fewer than %d records",
+             pos, num_experts);
     return -1;
   }
   Layer *L = &e->layers[pos];

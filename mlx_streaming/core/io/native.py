@@ -74,6 +74,17 @@ def library() -> ctypes.CDLL | None:
         return _lib or None
 
 
+def use_library(path: str | Path) -> ctypes.CDLL:
+    """Load the engine from ``path`` instead of the installed package, for this process
+    (a sanitizer build under test: ``.ci/sanitize``). Call before any store is built."""
+    global _lib
+    with _lock:
+        lib = ctypes.CDLL(str(path))
+        _declare(lib)
+        _lib = lib
+    return lib
+
+
 def why_unavailable() -> str:
     library()
     return _why
