@@ -24,6 +24,7 @@ def main():
     from mlx_streaming.analysis.quality import quality_report
     from mlx_streaming.bench.run import BenchConfig, run_bench
     from mlx_streaming.core.meta import load_meta
+    from mlx_streaming.core.options import StreamConfig
     from mlx_streaming.prep.requantize import requantize
 
     root = Path(a.workdir)
@@ -44,7 +45,7 @@ def main():
             BenchConfig(
                 model=str(root / f"model-{ed.name}"),
                 expert_dir=str(ed),
-                slots=meta.num_experts // 2,
+                stream=StreamConfig(slots=meta.num_experts // 2),
                 max_tokens=a.tokens,
                 repeat=a.repeat,
                 compare_stock=True,

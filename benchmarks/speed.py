@@ -89,7 +89,7 @@ def main():
         measure_read_gbps,
     )
     from mlx_streaming.core.io.native import library
-    from mlx_streaming.core.prefetch.patch import StreamOptions
+    from mlx_streaming.core.options import StreamConfig
     from mlx_streaming.core.prefetch.predictor import TransitionPredictor
     from mlx_streaming.planning.trace import TraceOracle
 
@@ -102,7 +102,7 @@ def main():
     ids = tok.encode(PROMPT)
     if a.prompt_tokens:
         ids = (ids * (a.prompt_tokens // len(ids) + 1))[: a.prompt_tokens]
-    opts = StreamOptions(
+    opts = StreamConfig(
         overlap=a.overlap,
         prefetch=a.prefetch,
         predictor=TransitionPredictor.from_trace(trace.split(0.5)[0], meta.top_k)
@@ -157,7 +157,7 @@ def main():
             )
             kw = {
                 **load_kw,
-                "options": StreamOptions(overlap=a.overlap, prefetch=True, predictor=guess),
+                "options": StreamConfig(overlap=a.overlap, prefetch=True, predictor=guess),
             }
         model, _, store, routing = streamed(ck, ed, trace, start, slots=slots, **kw)
         if isinstance(kw["options"].predictor, TraceOracle):

@@ -8,7 +8,6 @@ public function of its own module.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,9 +15,9 @@ import mlx.core as mx
 from . import config as env
 from . import parallel
 from .core.cache.expert_store import FileExpertStore
-from .core.cache.policy import DEFAULT_POLICY
 from .core.discovery import find_expert_sites, fingerprint
-from .core.prefetch.patch import StreamOptions, patch_model_filebacked
+from .core.options import StreamConfig
+from .core.prefetch.patch import patch_model_filebacked
 from .planning.budget import MemoryPlan, default_cache_limit, store_slots
 from .planning.profiles import PROFILE_NAME, read_pool_profile
 from .prep.hub import resolve_model_path
@@ -51,23 +50,12 @@ def default_expert_dir(model: str | Path) -> Path:
 def load(
     path_or_repo: str | Path,
     expert_dir: str | Path | None = None,
+    config: StreamConfig | None = None,
     *,
-    slots: int | None = None,
-    budget_gb: float | None = None,
-    policy: str = DEFAULT_POLICY,
-    pool_profile: str | Path | None | bool = True,
-    threads: int | None = None,
-    direct_io: bool = False,
-    verify: bool = True,
-    pool_mode: str | None = None,
-    record: bool = False,
-    clear_on_evict: bool = False,
-    reader: str | None = None,
-    cache_limit_gb: float | None = None,
-    options: StreamOptions | None = None,
     progress: bool | None = None,
     pipeline_group=None,
     pipeline_split: list[int] | None = None,
+    **options,
 ):
     """Load a MoE model with its experts streamed from disk.
 
@@ -79,16 +67,8 @@ def load(
     Args:
         path_or_repo: MLX model directory or Hugging Face repo id.
         expert_dir: Expert directory (created by a split when missing).
-        slots: Expert slots per MoE layer (default: half the experts, at least top-k).
-        budget_gb: Total bytes for expert pools instead of ``slots``.
-        policy: Eviction policy.
-        pool_profile: True: use ``expert_dir/pool_profile.json`` when present (or
-            ``EXPERT_POOL_PROFILE``); a path: that profile; None/False: no profile.
-        threads, direct_io, verify, pool_mode, record, clear_on_evict, reader: Store
-            options (see ``FileExpertStore``).
-        cache_limit_gb: Cap on MLX's cache of freed buffers (default: 5% of the pools,
-            at least 32 MB; ``mx.set_cache_limit``); see ``memory_plan``.
-        options: ``StreamOptions`` (overlap, prefetch, rows, kernel check...).
+        config: The streaming options (``StreamConfig``: slots or budget, policy, reader,
+            pool mode, cache limit, dispatch...).
         progress: Progress bars (default: on a terminal).
         pipeline_group: An ``mx.distributed`` group to pipeline the model over with
             mlx-lm's ``pipeline`` (``parallel.init_pipeline``): this rank loads, splits,
@@ -96,12 +76,18 @@ def load(
             rank's. Every rank must call ``load`` with the same model and arguments.
         pipeline_split: Decoder layers per rank, in rank order (rank 0 runs the last
             layers); default: even.
+        **options: Overrides of ``config``'s fields, e.g. ``load(path, slots=32)`` or
+            ``load(path, budget_gb=16, policy="lru")``.
 
     Returns:
         ``(model, tokenizer, store)``.
+
+    Raises:
+        TypeError: an option that is not a ``StreamConfig`` field.
     """
     from mlx_lm import load as mlx_load
 
+    cfg = (config or StreamConfig()).replace(**options)
     model_dir = resolve_model_path(path_or_repo)
     expert_dir = Path(expert_dir) if expert_dir else default_expert_dir(path_or_repo)
     model, tokenizer = mlx_load(str(model_dir), lazy=True)
@@ -112,35 +98,22 @@ def load(
         meta, model_fp = pipeline_share(
             model, model_dir, expert_dir, pipeline_group, pipeline_split, progress
         )
-    if pool_profile is True:
+    if cfg.pool_profile == "auto":
         caps = load_pool_profile(expert_dir)
-    elif pool_profile:
-        caps = read_pool_profile(pool_profile)
+    elif cfg.pool_profile != "none":
+        caps = read_pool_profile(cfg.pool_profile)
     else:
         caps = None
-    capacity, layer_caps = store_slots(meta, slots, budget_gb, caps)
-    store = FileExpertStore(
-        meta,
-        capacity,
-        layer_caps,
-        clear_on_evict,
-        record,
-        policy=policy,
-        threads=threads,
-        direct_io=direct_io,
-        verify=verify,
-        pool_mode=pool_mode,
-        reader=reader,
-    )
-    options = options or StreamOptions()
-    if options.kernel_cache is None:
-        options = replace(options, kernel_cache=env.settings().kernel_cache_file)
+    capacity, layer_caps = store_slots(meta, cfg.slots, cfg.budget_gb, caps)
+    store = FileExpertStore(meta, capacity, layer_caps, config=cfg)
+    if cfg.kernel_cache is None:
+        cfg = cfg.replace(kernel_cache=env.settings().kernel_cache_file)
     try:
-        patch_model_filebacked(model, store, options=options, model_fingerprint=model_fp)
+        patch_model_filebacked(model, store, options=cfg, model_fingerprint=model_fp)
     except Exception:
         store.close()
         raise
-    mx.set_cache_limit(memory_plan(model, store, cache_limit_gb).cache_limit_bytes)
+    mx.set_cache_limit(memory_plan(model, store, cfg.cache_limit_gb).cache_limit_bytes)
     load_trunk(model, progress)
     if pipeline_group is not None:
         parallel.barrier(pipeline_group)

@@ -27,7 +27,7 @@ class PipelineError(RuntimeError):
     """A pipeline rank cannot go on: a peer is lost, or the ranks disagree."""
 
 
-def init_pipeline(timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S, backend: str = "any"):
+def init_pipeline(timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S):
     """The ``mx.distributed`` group this process was launched in (by ``mlx.launch``).
 
     MLX's ring backend waits for a peer that never connects without a limit; here the
@@ -45,7 +45,7 @@ def init_pipeline(timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S, backend: str = "
     )
     with _Watchdog(timeout_s, message):
         try:
-            group = mx.distributed.init(strict=True, backend=backend)
+            group = mx.distributed.init(strict=True)
         except RuntimeError as e:
             raise PipelineError(
                 f"could not join the pipeline group ({e}); launch every rank with "

@@ -176,7 +176,7 @@ def test_patch_runs_the_self_test(models, tmp_path):
     from mlx_lm import load
 
     from mlx_streaming import FileExpertStore, patch_model_filebacked
-    from mlx_streaming.core.prefetch.patch import StreamOptions
+    from mlx_streaming.core.options import StreamConfig
 
     ck, ed = models.experts("tiny-qwen3_moe")
     model, _ = load(str(ck), lazy=True)
@@ -189,7 +189,7 @@ def test_patch_runs_the_self_test(models, tmp_path):
         64,
         64,
         4,
-        options=StreamOptions(rows="masked", kernel_check=True, kernel_cache=cache),
+        options=StreamConfig(rows="masked", kernel_check=True, kernel_cache=cache),
     )
     assert len(json.loads(cache.read_text())) == 3  # gate, up and down projections
     store.close()

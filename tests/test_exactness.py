@@ -13,7 +13,7 @@ from mlx_lm import load
 from mlx_streaming import FileExpertStore, patch_model_filebacked
 from mlx_streaming.analysis.verify import compare_traces, greedy_trace
 from mlx_streaming.core.meta import load_meta
-from mlx_streaming.core.prefetch.patch import StreamOptions
+from mlx_streaming.core.options import StreamConfig
 from mlx_streaming.synthetic import TINY_ARCHS
 
 NEW_TOKENS = 32
@@ -66,22 +66,22 @@ CONFIGS = {
     "clear_on_evict": lambda m: {"capacity": m.top_k + 1, "clear_on_evict": True},
     "mlx_pool": lambda m: {"capacity": m.top_k + 1, "pool_mode": "mlx"},
     "direct_io": lambda m: {"capacity": m.top_k + 1, "direct_io": True},
-    "no_overlap": lambda m: {"capacity": m.top_k + 1, "options": StreamOptions(overlap=False)},
+    "no_overlap": lambda m: {"capacity": m.top_k + 1, "options": StreamConfig(overlap=False)},
     "masked_rows": lambda m: {
         "capacity": m.top_k + 1,
         "zero_slot": True,
-        "options": StreamOptions(rows="masked"),
+        "options": StreamConfig(rows="masked"),
     },
     "native_reader": lambda m: {"capacity": m.top_k + 1, "reader": "native"},
     "native_reader_masked": lambda m: {
         "capacity": 2 * m.top_k,
         "reader": "native",
         "zero_slot": True,
-        "options": StreamOptions(rows="masked"),
+        "options": StreamConfig(rows="masked"),
     },
     "prefetch": lambda m: {
         "capacity": 2 * m.top_k,
-        "options": StreamOptions(prefetch=True, prefetch_extra=1),
+        "options": StreamConfig(prefetch=True),
     },
 }
 
@@ -218,7 +218,7 @@ def test_transition_prefetch_with_trace_routing(models, tmp_path):
     apply_trace_routing(ref, trace)
     ids = tok.encode(TEXTS[2])
     want = greedy_trace(ref, ids, NEW_TOKENS, PREFILL)
-    opts = StreamOptions(prefetch=True, predictor=TransitionPredictor.from_trace(trace, k))
+    opts = StreamConfig(prefetch=True, predictor=TransitionPredictor.from_trace(trace, k))
     model, store = patched(ck, ed, options=opts, capacity=k + 2)
     apply_trace_routing(model, trace)
     got = greedy_trace(model, ids, NEW_TOKENS, PREFILL)
@@ -243,7 +243,7 @@ def test_kernel_thresholds(models, rows):
             ed,
             capacity=cap,
             zero_slot=rows == "masked",
-            options=StreamOptions(rows=rows, kernel_check=True),
+            options=StreamConfig(rows=rows, kernel_check=True),
         )
         for chunk, ref_trace in want.items():
             cmp = compare_traces(ref_trace, greedy_trace(model, ids, 8, chunk))

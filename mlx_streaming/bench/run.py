@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 from .. import config
 from ..core import mem
-from ..core.cache.policy import DEFAULT_POLICY
-from ..core.prefetch.patch import StreamOptions
+from ..core.options import StreamConfig
 from ..model_builder import load
 from .measure import bounds, drop_page_cache, measure_read_gbps, memory_limits
 from .summary import summarize
@@ -32,28 +31,17 @@ class BenchConfig:
 
     model: str
     expert_dir: str | None = None
-    slots: int | None = 8
-    budget_gb: float | None = None
+    stream: StreamConfig = field(default_factory=StreamConfig)  # slots, policy, reader...
     prompt: str = DEFAULT_PROMPT
     max_tokens: int = 128
     warmup_tokens: int | None = None  # default: max_tokens
     repeat: int = 3
     wired_gb: float | None = None
-    cache_gb: float | None = None
-    clear_on_evict: bool = False
     pin_hot: int = 0
     cal_tokens: int = 32
     expert_bits: int | None = None  # checked against the meta (seed's EXPERT_BITS)
     expert_group: int | None = None
-    pool_profile: str | None = "auto"  # "auto": EXPERT_DIR/pool_profile.json; "none"; a path
     prefill_chunk: int = config.PREFILL_CHUNK  # prefill_step_size (0: mlx-lm's default)
-    policy: str = DEFAULT_POLICY
-    threads: int | None = None
-    direct_io: bool = False
-    verify: bool = True
-    pool_mode: str | None = None
-    reader: str | None = None  # who reads records into slots (None: by pool mode)
-    options: StreamOptions = field(default_factory=StreamOptions)
     predictor: str = "router"  # or "transition" (learned from the routing trace)
     routing_trace: str | None = None
     trace_start: int | None = None  # default: the trace's held-out half
@@ -144,33 +132,18 @@ def _trace(cfg: BenchConfig):
 def open_model(cfg: BenchConfig, group=None):
     """``load`` with the config's options (``group``: pipeline over it):
     ``(model, tokenizer, store)``."""
-    options = cfg.options
-    if options.prefetch and cfg.predictor == "transition":
-        from dataclasses import replace
-
+    stream = cfg.stream.replace(record=cfg.stream.record or cfg.pin_hot > 0)
+    if stream.prefetch and cfg.predictor == "transition":
         from ..core.prefetch.predictor import TransitionPredictor
 
         if not cfg.routing_trace:
             raise ValueError("the transition predictor learns from --routing-trace")
         trace, _, train = _trace(cfg)
-        options = replace(options, predictor=TransitionPredictor.from_trace(train, trace.top_k))
-    profile = {"auto": True, "none": False, None: False}.get(cfg.pool_profile, cfg.pool_profile)
+        stream = stream.replace(predictor=TransitionPredictor.from_trace(train, trace.top_k))
     model, tokenizer, store = load(
         cfg.model,
         cfg.expert_dir,
-        slots=cfg.slots if cfg.budget_gb is None else None,
-        budget_gb=cfg.budget_gb,
-        policy=cfg.policy,
-        pool_profile=profile,
-        threads=cfg.threads,
-        direct_io=cfg.direct_io,
-        verify=cfg.verify,
-        pool_mode=cfg.pool_mode,
-        record=cfg.pin_hot > 0,
-        clear_on_evict=cfg.clear_on_evict,
-        reader=cfg.reader,
-        cache_limit_gb=cfg.cache_gb,
-        options=options,
+        stream,
         pipeline_group=group,
         pipeline_split=list(cfg.pipeline_split) if cfg.pipeline_split else None,
     )
@@ -203,7 +176,7 @@ def run_bench(cfg: BenchConfig, group=None) -> dict:
             "--compare-stock loads the whole model in one process, which a pipeline "
             "exists to avoid: compare on one host (or check exactness with the tests)"
         )
-    with memory_limits(cfg.wired_gb, cfg.cache_gb):
+    with memory_limits(cfg.wired_gb, cfg.stream.cache_limit_gb):
         out = _run(cfg, group)
     if group is not None:
         out["pipeline"] = _per_rank(cfg, group, out)
@@ -287,7 +260,9 @@ def _run(cfg: BenchConfig, group=None) -> dict:
         out["decode_ratio_vs_stock"] = round(
             out["decode_tok_per_s"] / out["stock_decode_tok_per_s"], 4
         )
-    gbps = cfg.read_gbps or measure_read_gbps(meta, cfg.threads or 4, cfg.direct_io, cold=cfg.cold)
+    gbps = cfg.read_gbps or measure_read_gbps(
+        meta, cfg.stream.threads or 4, cfg.stream.direct_io, cold=cfg.cold
+    )
     out["storage_gbps"] = round(gbps, 3)
     t_compute = (
         cfg.t_compute_ms / 1e3

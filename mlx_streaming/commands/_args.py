@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import fields
+from enum import Enum
 
-from ..core.cache.policy import DEFAULT_POLICY, POLICIES
-from ..core.prefetch.patch import StreamOptions
+from ..core.options import StreamConfig
 from ..parallel import DEFAULT_CONNECT_TIMEOUT_S
 
 
@@ -36,6 +37,16 @@ def nonneg_int(s: str) -> int:
     return v
 
 
+def nonneg_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"{s} must be a finite number >= 0")
+    return v
+
+
 def positive_float(s: str) -> float:
     try:
         v = float(s)
@@ -47,94 +58,32 @@ def positive_float(s: str) -> float:
 
 
 def add_store_args(p: argparse.ArgumentParser, several: bool = False) -> None:
-    """The streaming flags: one per option of ``mlx_streaming.load`` (``several``: --slots
-    and --budget-gb take a list, one run each)."""
-    g = p.add_argument_group("streaming (the options of mlx_streaming.load)")
+    """The streaming flags, one per ``StreamConfig`` field that has a flag, built from
+    the field (type, default, help); ``several``: --slots and --budget-gb take a list,
+    one run each."""
+    g = p.add_argument_group("streaming (StreamConfig, the options of mlx_streaming.load)")
     g.add_argument("--expert-dir", help="expert directory (split there on first use)")
     size = g.add_mutually_exclusive_group()
-    n = "+" if several else None
-    size.add_argument(
-        "--slots",
-        type=positive_int,
-        nargs=n,
-        help="expert slots per MoE layer (seed: EXPERT_SLOTS)",
-    )
-    size.add_argument(
-        "--budget-gb",
-        type=positive_float,
-        nargs=n,
-        help="total GB for all expert pools, instead of --slots",
-    )
-    g.add_argument(
-        "--pool-profile",
-        default="auto",
-        help="auto (EXPERT_DIR/pool_profile.json or EXPERT_POOL_PROFILE), none, or a path",
-    )
-    g.add_argument(
-        "--policy",
-        default=DEFAULT_POLICY,
-        choices=sorted(POLICIES),
-        help=f"eviction policy (default: {DEFAULT_POLICY})",
-    )
-    g.add_argument(
-        "--threads",
-        type=positive_int,
-        help="read threads (default: 4 for the Python reader; for the native reader on CUDA, "
-        "one per core up to 15)",
-    )
-    g.add_argument(
-        "--direct-io", action="store_true", help="bypass the page cache (O_DIRECT / F_NOCACHE)"
-    )
-    g.add_argument(
-        "--no-verify",
-        dest="verify",
-        action="store_false",
-        help="skip record checksums (benchmarks of the raw read path)",
-    )
-    g.add_argument(
-        "--pool-mode",
-        choices=["host", "cuda", "mlx"],
-        help="how slots are written (default: by backend)",
-    )
-    g.add_argument(
-        "--clear-on-evict",
-        action="store_true",
-        help="release MLX's buffer cache after evictions (CLEAR_ON_EVICT=1)",
-    )
-    g.add_argument(
-        "--cache-limit-gb",
-        type=float,
-        help="cap on MLX's cache of freed buffers (default: 5%% of the pools)",
-    )
-    g.add_argument(
-        "--overlap",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="compute resident experts while misses load (default: by pool mode)",
-    )
-    g.add_argument(
-        "--prefetch", action="store_true", help="read the next layer's predicted experts ahead"
-    )
-    g.add_argument(
-        "--rows",
-        choices=["subset", "masked"],
-        help="how partial calls run (default: subset on the CPU, masked on GPUs)",
-    )
-    g.add_argument(
-        "--no-kernel-check",
-        dest="kernel_check",
-        action="store_const",
-        const=False,
-        default=None,
-        help="skip the start-up kernel self-test on GPUs (bit-exactness then "
-        "rests on the kernel rule alone)",
-    )
-    g.add_argument(
-        "--reader",
-        choices=["native", "python"],
-        help="who reads records into slots: native (compiled, no GIL) or python threads "
-        "(default: native for CUDA pools, python for host pools)",
-    )
+    for f in fields(StreamConfig):
+        flag = f.metadata["flag"]
+        if flag is None:
+            continue
+        flag = flag or "--" + f.name.replace("_", "-")
+        kw = {"help": f.metadata["help"], **f.metadata["cli"]}
+        if f.default is False:
+            kw["action"] = "store_true"
+        elif flag.startswith("--no-"):  # the option is on unless the flag is given
+            kw.update(action="store_const", const=False, default=f.default)
+        elif f.type == "bool | None":
+            kw.update(action=argparse.BooleanOptionalAction, default=None)
+        elif "choices" not in kw:
+            kw["type"] = {"int": positive_int, "float": nonneg_float}.get(f.type.split(" ")[0], str)
+            kw["default"] = f.default
+            if several and f.name in ("slots", "budget_gb"):
+                kw["nargs"] = "+"
+        else:
+            kw["default"] = f.default.value if isinstance(f.default, Enum) else f.default
+        (size if f.name in ("slots", "budget_gb") else g).add_argument(flag, dest=f.name, **kw)
 
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
@@ -190,27 +139,12 @@ def pipeline_kwargs(a: argparse.Namespace) -> dict:
     return out
 
 
-def stream_options(a: argparse.Namespace) -> StreamOptions:
-    return StreamOptions(
-        overlap=a.overlap, prefetch=a.prefetch, rows=a.rows, kernel_check=a.kernel_check
-    )
+def stream_config(a: argparse.Namespace, **changes) -> StreamConfig:
+    """The ``StreamConfig`` the streaming flags describe (with ``changes``)."""
+    values = {f.name: getattr(a, f.name) for f in fields(StreamConfig) if hasattr(a, f.name)}
+    return StreamConfig(**{**values, **changes})
 
 
 def load_kwargs(a: argparse.Namespace) -> dict:
     """``mlx_streaming.load``'s keyword arguments from the streaming flags."""
-    profile = {"auto": True, "none": False}.get(a.pool_profile, a.pool_profile)
-    return dict(
-        expert_dir=a.expert_dir,
-        slots=a.slots,
-        budget_gb=a.budget_gb,
-        pool_profile=profile,
-        policy=a.policy,
-        threads=a.threads,
-        direct_io=a.direct_io,
-        verify=a.verify,
-        pool_mode=a.pool_mode,
-        clear_on_evict=a.clear_on_evict,
-        cache_limit_gb=a.cache_limit_gb,
-        reader=a.reader,
-        options=stream_options(a),
-    )
+    return {"expert_dir": a.expert_dir, "config": stream_config(a)}

@@ -15,7 +15,7 @@ from ._args import (
     pipeline_kwargs,
     positive_float,
     positive_int,
-    stream_options,
+    stream_config,
 )
 
 
@@ -41,7 +41,6 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--repeat", type=positive_int, default=3, help="timed runs (REPEAT)")
     p.add_argument("--wired-gb", type=positive_float, help="mx.set_wired_limit (WIRED_GB)")
-    p.add_argument("--cache-gb", type=float, help="mx.set_cache_limit (CACHE_GB)")
     p.add_argument(
         "--pin-hot",
         type=nonneg_int,
@@ -110,19 +109,11 @@ CONFIG_FLAGS = (
     "warmup_tokens",
     "repeat",
     "wired_gb",
-    "cache_gb",
-    "clear_on_evict",
     "pin_hot",
     "cal_tokens",
     "expert_bits",
     "expert_group",
-    "pool_profile",
     "prefill_chunk",
-    "policy",
-    "threads",
-    "direct_io",
-    "verify",
-    "pool_mode",
     "predictor",
     "routing_trace",
     "trace_start",
@@ -136,12 +127,8 @@ CONFIG_FLAGS = (
 
 def main(argv=None) -> None:
     a = setup_arg_parser().parse_args(argv)
-    if a.cache_gb is not None and a.cache_gb < 0:
-        sys.exit("--cache-gb must be >= 0")
     kw = {k: getattr(a, k) for k in CONFIG_FLAGS}
-    if kw["cache_gb"] is None:
-        kw["cache_gb"] = a.cache_limit_gb
-    kw.update(options=stream_options(a), memory_series=bool(a.report), reader=a.reader)
+    kw.update(memory_series=bool(a.report))
     sizes = [{"slots": s, "budget_gb": None} for s in a.slots or []] + [
         {"slots": None, "budget_gb": g} for g in a.budget_gb or []
     ]
@@ -151,7 +138,10 @@ def main(argv=None) -> None:
         kw["pipeline_split"] = tuple(pipe["pipeline_split"])
     if "budget_gb" in pipe:  # --rank-budget-gb: this rank's
         sizes = [{"slots": None, "budget_gb": pipe["budget_gb"]}]
-    results = [run_bench(BenchConfig(**kw, **size), group) for size in sizes or [{"slots": 8}]]
+    results = [
+        run_bench(BenchConfig(**kw, stream=stream_config(a, **size)), group)
+        for size in sizes or [{"slots": None, "budget_gb": None}]
+    ]
     if group is not None and group.rank() != 0:
         return  # rank 0 reports for all (its result holds every rank's figures)
     out = results[0] if len(results) == 1 else results

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from ..bench.run import BenchConfig, run_bench
+from ..core.options import StreamConfig
 from ..synthetic import PRESETS, make_checkpoint
 from ._args import positive_int
 
@@ -40,7 +41,7 @@ def demo(
         BenchConfig(
             model=str(model),
             expert_dir=str(root / f"experts-{preset}"),
-            slots=slots,
+            stream=StreamConfig(slots=slots),
             prompt=DEMO_PROMPT,
             max_tokens=max_tokens,
             repeat=repeat,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..core.cache.pool import default_slots
 from ..core.format import ExpertMeta
 from .allocate import climb
 
@@ -143,7 +144,7 @@ def store_slots(
         plan = plan_budget(meta, budget_gb)
         return plan.default_slots, plan.slots
     if slots is None:
-        slots = max(meta.top_k, meta.num_experts // 2)
+        slots = default_slots(meta)
     return slots, layer_caps
 
 

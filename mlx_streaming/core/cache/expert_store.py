@@ -23,11 +23,12 @@ import numpy as np
 from ..format import ExpertDirError, ExpertMeta
 from ..io.reader import RecordReader
 from ..meta import load_meta
+from ..options import StreamConfig
 from .calls import LayerCall
 from .host_path import HostPath
 from .loads import Loader
-from .policy import DEFAULT_POLICY, make_policy
-from .pool import LayerPool, capacities, default_zero_slot, make_pools
+from .policy import make_policy
+from .pool import LayerPool, capacities, default_slots, default_zero_slot, make_pools
 from .recording import RoutingCounts
 from .slots import SlotCache
 from .stats import LayerStats, ResidentSet, Timeline, stat_names, summarize
@@ -39,28 +40,23 @@ class FileExpertStore:
     Args:
         expert_dir: A directory written by ``split_model`` (or ``requantize``), or its
             already parsed ``ExpertMeta``.
-        capacity: Slots per MoE layer (clipped to the layer's expert count).
+        capacity: Slots per MoE layer, clipped to the layer's expert count (the seed's
+            name for ``StreamConfig.slots``; default: half the experts, at least top-k).
         layer_caps: ``{layer: slots}`` overriding ``capacity`` for some layers.
-        clear_on_evict: After a call that evicted experts, release MLX's buffer cache
-            (``mx.clear_cache``) so freed buffers go back to the system.
-        record: Count how often each expert is routed to (for ``hot``); forces the
-            routing to be read on the host even where no miss is possible.
-        policy: Eviction policy name (see ``policy.POLICIES``; default ``predictive``).
-        threads: Read threads (None: 4 for the Python reader; for the native reader on
-            CUDA pools one per core up to 15, as decode reads one or two records at a time).
-        direct_io: Bypass the page cache (O_DIRECT / F_NOCACHE).
-        verify: Check each record's checksum the first time the store reads it (a
-            corrupt file is caught on first use; later reads of a checked record skip
-            the hash, which costs about as much as the read from the page cache).
-        pool_mode: ``host``, ``cuda`` or ``mlx`` (see ``pool``); default by backend.
-        zero_slot: Give each pool that holds fewer slots than its layer has experts an
-            all-zero slot, which masked rows need (default: off the CPU, where masked
-            rows are the default). A layer with every expert's slot never has one, so
-            its arrays have stock's expert count (and MLX picks stock's kernels).
-        reader: Who reads records into slots: ``native`` (the compiled reader, no GIL;
-            host and cuda pools), ``python`` (``preadv`` on Python threads, straight into
-            host slots). None: ``native`` for cuda pools when it is installed, else
-            ``python``. Both read the slots the policy chose.
+        config: The streaming options (``StreamConfig``); the store reads ``policy``,
+            ``threads``, ``reader``, ``direct_io``, ``verify``, ``pool_mode``,
+            ``zero_slot``, ``record`` and ``clear_on_evict``.
+        **options: Overrides of ``config``'s fields (e.g. ``policy="lru"``; the seed
+            passes ``clear_on_evict`` and ``record``).
+
+    ``clear_on_evict``: after a call that evicted experts, release MLX's buffer cache.
+    ``record``: count how often each expert is routed to (for ``hot``). ``verify``: check
+    each record's checksum the first time the store reads it (a corrupt file is caught on
+    first use; later reads of a checked record skip the hash, which costs about as much
+    as a read from the page cache). ``zero_slot``: give each pool with fewer slots than
+    its layer has experts an all-zero slot, which masked rows need (default: off the
+    CPU). ``reader``: None picks ``native`` for cuda pools when it is installed, else
+    ``python``; both read the slots the policy chose.
 
     Raises:
         ExpertDirError: missing or invalid directory, or a capacity below top-k.
@@ -69,47 +65,48 @@ class FileExpertStore:
     def __init__(
         self,
         expert_dir: str | ExpertMeta,
-        capacity: int = 8,
+        capacity: int | None = None,
         layer_caps: dict | None = None,
-        clear_on_evict: bool = False,
-        record: bool = False,
         *,
-        policy: str = DEFAULT_POLICY,
-        threads: int | None = None,
-        direct_io: bool = False,
-        verify: bool = True,
-        pool_mode: str | None = None,
-        zero_slot: bool | None = None,
-        reader: str | None = None,
+        config: StreamConfig | None = None,
+        **options,
     ):
+        cfg = (config or StreamConfig()).replace(**options)
         meta = expert_dir if isinstance(expert_dir, ExpertMeta) else load_meta(expert_dir)
         self.meta: ExpertMeta = meta
+        self.config = cfg
         self.expert_dir = meta.root
         self.top_k = meta.top_k
-        self.clear_on_evict = clear_on_evict
-        self.verify = verify
-        self.policy_name = policy
+        self.clear_on_evict = cfg.clear_on_evict
+        self.verify = cfg.verify
+        self.policy_name = cfg.policy
+        if capacity is None:
+            capacity = cfg.slots or default_slots(meta)
         caps = capacities(meta, capacity, layer_caps)
         self.caches = {
             li: SlotCache(
-                meta.layers[li].num_experts, c, make_policy(policy, meta.layers[li].num_experts, c)
+                meta.layers[li].num_experts,
+                c,
+                make_policy(cfg.policy, meta.layers[li].num_experts, c),
             )
             for li, c in caps.items()
         }
         self.stats = {li: LayerStats() for li in caps}
-        self.zero_slot = default_zero_slot() if zero_slot is None else bool(zero_slot)
-        self._resident = ResidentSet(make_pools(meta, caps, pool_mode, self.zero_slot), self.stats)
+        self.zero_slot = default_zero_slot() if cfg.zero_slot is None else bool(cfg.zero_slot)
+        pools = make_pools(meta, caps, cfg.pool_mode and cfg.pool_mode.value, self.zero_slot)
+        self._resident = ResidentSet(pools, self.stats)
         self.pool_mode = next(iter(self._resident.pools.values())).mode
-        self.reader = RecordReader(threads=threads or 4, direct=direct_io)
+        self.reader = RecordReader(threads=cfg.threads or 4, direct=cfg.direct_io)
         for li in caps:
             self.reader.open(li, meta.file(li), meta.layers[li].stride)
         self.routing = RoutingCounts({li: meta.layers[li].num_experts for li in caps})
-        self.routing.on = record
+        self.routing.on = cfg.record
         self.observers: list[Callable] = []  # callables(layer, host_ids) seeing the routing
         self._pending_hits: list = []  # lazy device counts of device-path lookups
         self.lock = threading.RLock()  # the tables and policies, against the policy thread
         self.timeline = Timeline()  # phases of layer calls, when recording
-        self.native = self._native_reader(reader, threads, direct_io, verify)
+        want = cfg.reader and cfg.reader.value
+        self.native = self._native_reader(want, cfg.threads, cfg.direct_io, cfg.verify)
         self.reader_name = "python" if self.native is None else "native"
         self.host = HostPath(
             self.caches,
@@ -126,8 +123,8 @@ class FileExpertStore:
             self._resident.pools,
             self.reader,
             self.stats,
-            verify,
-            clear_on_evict,
+            cfg.verify,
+            cfg.clear_on_evict,
             self.host.guard,
             self.lock,
             native=self.native,
@@ -137,8 +134,6 @@ class FileExpertStore:
     # ------------------------------------------------------------ set-up
     def _native_reader(self, want: str | None, threads: int, direct: bool, verify: bool):
         """The native reader, chosen once: asked for, or by default for cuda pools."""
-        if want not in (None, "native", "python"):
-            raise ValueError(f"reader must be 'native' or 'python', got {want!r}")
         if (
             want == "python"
             or self.pool_mode == "mlx"

@@ -285,6 +285,11 @@ def cuda_self_test(pool: LayerPool) -> None:
     pool.copy_range(0, np.zeros(lay.stride, np.uint8), 0, lay.record_bytes)
 
 
+def default_slots(meta) -> int:
+    """The one default number of slots per layer: half the experts, at least top-k."""
+    return max(meta.top_k, meta.num_experts // 2)
+
+
 def capacities(meta, capacity: int, layer_caps: dict | None) -> dict[int, int]:
     """Slots per MoE layer: ``capacity``, or ``layer_caps``'s, clipped to each layer's
     experts.

@@ -11,7 +11,6 @@ the same matmul on the same bytes as in stock mlx-lm, so outputs are bit-identic
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,41 +28,9 @@ from ..discovery import (
 )
 from ..dispatch import PoolQuantizedSwitchLinear, PoolSwitchLinear, backend
 from ..format import ExpertDirError, LayerLayout, mx_dtype_name
+from ..options import StreamConfig
 from ..selftest import SORT_ROWS, cases_for, ensure_kernel_parity
 from .predictor import Prefetcher, RouterPredictor
-
-
-@dataclass(frozen=True)
-class StreamOptions:
-    """How patched layers dispatch (all paths give identical outputs).
-
-    overlap: compute the resident experts' rows while the misses load (None: on the
-        CPU, whose expert rows take long enough to hide reads behind; on a GPU they take
-        microseconds and the second call's launches cost more).
-    prefetch: read the next layer's predicted experts ahead.
-    predictor: ``router`` (the next router on the current input) or a predictor object
-        (e.g. ``TransitionPredictor``).
-    prefetch_extra: predict ``top_k + prefetch_extra`` experts per token.
-    rows: how a call that runs only some (token, choice) rows computes them. ``subset``
-        runs just those rows (bit-identical on the CPU, whose kernels treat rows
-        independently); ``masked`` runs every row, the others against a zero slot, so
-        the kernels see the very shapes stock mlx-lm gives them (GPU kernels pick
-        different algorithms for different row counts). None: subset on the CPU, masked
-        on GPUs.
-    kernel_check: before patching, check on the device that pool-shaped gather
-        matmuls equal stock-shaped ones bit for bit (``selftest``). None: on GPU
-        backends, where MLX picks kernels by shape.
-    kernel_cache: a JSON file remembering the checks passed per device, MLX version
-        and shape (None: remembered for this process only).
-    """
-
-    overlap: bool | None = None
-    prefetch: bool = False
-    predictor: object = "router"
-    prefetch_extra: int = 0
-    rows: str | None = None
-    kernel_check: bool | None = None
-    kernel_cache: str | Path | None = None
 
 
 class StreamedExperts(nn.Module):
@@ -260,7 +227,7 @@ def patch_model_filebacked(
     bits: int | None = None,
     proj_bits: dict | None = None,
     layer_proj_bits: dict | None = None,
-    options: StreamOptions | None = None,
+    options: StreamConfig | None = None,
     model_fingerprint: dict | None = None,
 ) -> int:
     """Swap every MoE layer's experts for file-backed ones served by ``store``.
@@ -277,8 +244,9 @@ def patch_model_filebacked(
         group_size, bits: Expert quantization (checked; None: the meta's).
         proj_bits: ``{projection: bits}`` when projections differ (checked).
         layer_proj_bits: ``{layer: {projection: bits}}`` when layers differ (checked).
-        options: Dispatch options (overlap, prefetch, kernel check); see
-            ``StreamOptions``.
+        options: The streaming options; the patch reads ``overlap``, ``prefetch``,
+            ``predictor``, ``rows``, ``kernel_check`` and ``kernel_cache`` (see
+            ``StreamConfig``; all give identical outputs).
         model_fingerprint: The whole model's ``fingerprint``, taken before mlx-lm's
             ``pipeline`` kept only this rank's layers (required for a pipelined model).
 
@@ -292,7 +260,7 @@ def patch_model_filebacked(
         KernelParityError: pool-shaped matmuls are not bit-identical to stock-shaped
             ones on this device (the kernel check).
     """
-    options = options or StreamOptions()
+    options = options or StreamConfig()
     sites = find_expert_sites(model)
     if any(s.streamed is not None for s in sites):
         raise ValueError(
@@ -316,7 +284,7 @@ def patch_model_filebacked(
     if options.prefetch:
         pred = options.predictor
         if pred == "router":
-            pred = RouterPredictor([s.router for s in sites], store.top_k + options.prefetch_extra)
+            pred = RouterPredictor([s.router for s in sites], store.top_k)
         prefetcher = Prefetcher(store, [s.layer for s in sites], pred)
     # a GPU computes one token's expert rows in microseconds: nothing to hide the reads
     # behind, and a second expert call costs its launches; a CPU computes them for long
@@ -325,8 +293,6 @@ def patch_model_filebacked(
         options.overlap if options.overlap is not None else on_cpu and store.pool_mode != "mlx"
     )
     rows = options.rows or ("subset" if mx.default_device() == mx.cpu else "masked")
-    if rows not in ("subset", "masked"):
-        raise ValueError(f"rows must be 'subset' or 'masked', got {rows!r}")
     if rows == "masked" and not store.zero_slot:
         raise ValueError(
             "rows='masked' points skipped rows at a zero slot: create the store "

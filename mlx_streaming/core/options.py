@@ -1,0 +1,131 @@
+"""Every streaming option, written once: ``StreamConfig``.
+
+Each field carries its type, default and help, and (where a command exposes it) its
+flag. The commands build their flags from these fields (``commands/_args.py``) and one
+``StreamConfig`` from the flags; ``load``, ``FileExpertStore``, ``patch_model_filebacked``
+and the benchmark all take that object (or keyword overrides of its fields).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from .cache.policy import DEFAULT_POLICY, POLICIES
+
+
+class PoolMode(str, Enum):
+    """How slots are written: ``host`` in place (CPU, unified memory), ``cuda`` by copies
+    into device memory, ``mlx`` by MLX updates (anywhere)."""
+
+    HOST = "host"
+    CUDA = "cuda"
+    MLX = "mlx"
+
+
+class Reader(str, Enum):
+    """Who reads records into slots: the compiled reader or Python threads."""
+
+    NATIVE = "native"
+    PYTHON = "python"
+
+
+class Rows(str, Enum):
+    """How a call that runs only some rows computes them (see ``StreamedExperts``)."""
+
+    SUBSET = "subset"
+    MASKED = "masked"
+
+
+def option(default, help: str, *, flag: str | None = "", **cli):
+    """A ``StreamConfig`` field: ``flag`` None for options no command exposes ("" : the
+    field's name as a flag); ``cli``: argparse's ``type``, ``action``..."""
+    return field(default=default, metadata={"help": help, "flag": flag, "cli": cli})
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """How a model streams its experts. Every choice has one default; None means "by
+    backend" where the help says so."""
+
+    slots: int | None = option(
+        None, "expert slots per MoE layer (default: half the layer's experts, at least top-k)"
+    )
+    budget_gb: float | None = option(None, "total GB for all expert pools, instead of slots")
+    pool_profile: str = option(
+        "auto", "slots per layer from a profile: auto (EXPERT_DIR/pool_profile.json or "
+        "EXPERT_POOL_PROFILE), none, or a path"
+    )  # fmt: skip
+    policy: str = option(DEFAULT_POLICY, "eviction policy", choices=sorted(POLICIES))
+    threads: int | None = option(
+        None, "read threads (default: 4 for the Python reader; one per core up to 15 for the "
+        "native reader on CUDA)"
+    )  # fmt: skip
+    reader: Reader | None = option(
+        None, "who reads records into slots (default: native for cuda pools, python for "
+        "host pools)", choices=[r.value for r in Reader]
+    )  # fmt: skip
+    direct_io: bool = option(False, "bypass the page cache (O_DIRECT / F_NOCACHE)")
+    verify: bool = option(
+        True, "check each record's checksum the first time it is read", flag="--no-verify"
+    )
+    pool_mode: PoolMode | None = option(
+        None, "how slots are written (default: by backend)", choices=[m.value for m in PoolMode]
+    )
+    zero_slot: bool | None = option(
+        None, "an all-zero slot per partial pool, for masked rows (default: off the CPU)",
+        flag=None,
+    )  # fmt: skip
+    record: bool = option(False, "count routing per expert (for pinning hot ones)", flag=None)
+    clear_on_evict: bool = option(False, "release MLX's buffer cache after evictions")
+    cache_limit_gb: float | None = option(
+        None, "cap on MLX's cache of freed buffers (default: 5%% of the pools, at least 32 MB)"
+    )
+    overlap: bool | None = option(
+        None, "compute resident experts while misses load (default: on the CPU only)"
+    )
+    prefetch: bool = option(False, "read the next layer's predicted experts ahead")
+    predictor: object = option(
+        "router", "next-layer predictor: router, or a predictor object", flag=None
+    )
+    rows: Rows | None = option(
+        None, "how partial calls run (default: subset on the CPU, masked on GPUs)",
+        choices=[r.value for r in Rows],
+    )  # fmt: skip
+    kernel_check: bool | None = option(
+        None, "check at start-up that pools take stock's kernels (default: on GPUs)",
+        flag="--no-kernel-check",
+    )  # fmt: skip
+    kernel_cache: str | Path | None = option(
+        None, "JSON file remembering the kernel checks passed", flag=None
+    )
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(
+                f"unknown cache policy {self.policy!r}; choose one of {sorted(POLICIES)}"
+            )
+        for name, enum in (("pool_mode", PoolMode), ("reader", Reader), ("rows", Rows)):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, enum):
+                try:
+                    object.__setattr__(self, name, enum(v))
+                except ValueError:
+                    raise ValueError(
+                        f"{name} must be one of {[e.value for e in enum]}, got {v!r}"
+                    ) from None
+        profile = {True: "auto", False: "none", None: "none"}.get(self.pool_profile)
+        if profile is not None:  # load(pool_profile=True/False), as before
+            object.__setattr__(self, "pool_profile", profile)
+
+    def replace(self, **changes) -> StreamConfig:
+        """A copy with ``changes`` (field names; an unknown name raises TypeError)."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(
+                f"unknown streaming option(s) {unknown}; the options are StreamConfig's "
+                f"fields: {[f.name for f in dataclasses.fields(self)]}"
+            )
+        return dataclasses.replace(self, **changes)
