@@ -65,7 +65,7 @@ def main():
     p.add_argument("--overlap", action="store_true", default=None)
     p.add_argument("--policy")
     p.add_argument("--pool-mode")
-    p.add_argument("--no-verify", action="store_true")
+    p.add_argument("--no-checksums", action="store_true")
     p.add_argument(
         "--reader",
         choices=["native", "python"],
@@ -111,7 +111,7 @@ def main():
     )
     load_kw = {
         "threads": a.threads,
-        "verify": not a.no_verify,
+        "checksums": not a.no_checksums,
         "options": opts,
         "pool_mode": a.pool_mode,
         "reader": a.reader,

@@ -34,7 +34,7 @@ class Settings:
     cache_dir: Path = Path("~/.cache/mlx_streaming").expanduser()
 
     @property
-    def kernel_cache_file(self) -> Path:
+    def kernel_check_file(self) -> Path:
         """Where the kernel-parity self-test remembers the shapes it found exact."""
         return self.cache_dir / "kernel_parity.json"
 

@@ -106,8 +106,8 @@ def load(
         caps = None
     capacity, layer_caps = store_slots(meta, cfg.slots, cfg.budget_gb, caps)
     store = FileExpertStore(meta, capacity, layer_caps, config=cfg)
-    if cfg.kernel_cache is None:
-        cfg = cfg.replace(kernel_cache=env.settings().kernel_cache_file)
+    if cfg.kernel_check_file is None:
+        cfg = cfg.replace(kernel_check_file=env.settings().kernel_check_file)
     try:
         patch_model_filebacked(model, store, options=cfg, model_fingerprint=model_fp)
     except Exception:

@@ -42,7 +42,9 @@ def test_streamed_equals_stock_on_cuda(models, tmp_path, preset, mode):
             ed,
             slots=slots,
             pool_mode=mode,
-            options=mlx_streaming.StreamConfig(kernel_check=True, kernel_cache=tmp_path / "k.json"),
+            options=mlx_streaming.StreamConfig(
+                kernel_check=True, kernel_check_file=tmp_path / "k.json"
+            ),
         )
         assert store.pool_mode == mode
         for chunk, ref_trace in want.items():

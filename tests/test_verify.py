@@ -57,7 +57,7 @@ def test_verify_finds_the_first_differing_layer(models, tmp_path, capsys):
                 str(ck),
                 "--expert-dir",
                 str(ed),
-                "--no-verify",
+                "--no-checksums",
                 "--layers",
                 "1",
                 "2",

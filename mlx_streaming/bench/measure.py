@@ -112,7 +112,7 @@ def _engine_read_gbps(meta, threads: int, records: int, rng, cold: bool) -> floa
     li = sorted(meta.layers)[0]
     lay = meta.layers[li]
     n = min(records, lay.num_experts)
-    reader = NativeReader(meta, {li: _HostRows(lay, n)}, threads=threads, verify=False)
+    reader = NativeReader(meta, {li: _HostRows(lay, n)}, threads=threads, checksums=False)
     try:
         ids = rng.choice(lay.num_experts, n, replace=False)
         for _ in range(1 if cold else 2):  # warm: the timed pass is the second

@@ -68,9 +68,10 @@ class StreamConfig:
         "host pools)", choices=[r.value for r in Reader]
     )  # fmt: skip
     direct_io: bool = option(False, "bypass the page cache (O_DIRECT / F_NOCACHE)")
-    verify: bool = option(
-        True, "check each record's checksum the first time it is read", flag="--no-verify"
-    )
+    checksums: bool = option(
+        True, "check each record's checksum the first time it is read (--no-checksums: "
+        "skip, for benchmarks of the raw read path)", flag="--no-checksums",
+    )  # fmt: skip
     pool_mode: PoolMode | None = option(
         None, "how slots are written (default: by backend)", choices=[m.value for m in PoolMode]
     )
@@ -95,10 +96,11 @@ class StreamConfig:
         choices=[r.value for r in Rows],
     )  # fmt: skip
     kernel_check: bool | None = option(
-        None, "check at start-up that pools take stock's kernels (default: on GPUs)",
+        None, "check at start-up that pools take stock's kernels (default: on GPUs; "
+        "--no-kernel-check: skip, exactness then rests on the kernel rule alone)",
         flag="--no-kernel-check",
     )  # fmt: skip
-    kernel_cache: str | Path | None = option(
+    kernel_check_file: str | Path | None = option(
         None, "JSON file remembering the kernel checks passed", flag=None
     )
 

@@ -44,13 +44,13 @@ class FileExpertStore:
             name for ``StreamConfig.slots``; default: half the experts, at least top-k).
         layer_caps: ``{layer: slots}`` overriding ``capacity`` for some layers.
         config: The streaming options (``StreamConfig``); the store reads ``policy``,
-            ``threads``, ``reader``, ``direct_io``, ``verify``, ``pool_mode``,
+            ``threads``, ``reader``, ``direct_io``, ``checksums``, ``pool_mode``,
             ``zero_slot``, ``record`` and ``clear_on_evict``.
         **options: Overrides of ``config``'s fields (e.g. ``policy="lru"``; the seed
             passes ``clear_on_evict`` and ``record``).
 
     ``clear_on_evict``: after a call that evicted experts, release MLX's buffer cache.
-    ``record``: count how often each expert is routed to (for ``hot``). ``verify``: check
+    ``record``: count how often each expert is routed to (for ``hot``). ``checksums``: check
     each record's checksum the first time the store reads it (a corrupt file is caught on
     first use; later reads of a checked record skip the hash, which costs about as much
     as a read from the page cache). ``zero_slot``: give each pool with fewer slots than
@@ -78,7 +78,7 @@ class FileExpertStore:
         self.expert_dir = meta.root
         self.top_k = meta.top_k
         self.clear_on_evict = cfg.clear_on_evict
-        self.verify = cfg.verify
+        self.checksums = cfg.checksums
         self.policy_name = cfg.policy
         if capacity is None:
             capacity = cfg.slots or default_slots(meta)
@@ -106,7 +106,7 @@ class FileExpertStore:
         self.lock = threading.RLock()  # the tables and policies, against the policy thread
         self.timeline = Timeline()  # phases of layer calls, when recording
         want = cfg.reader and cfg.reader.value
-        self.native = self._native_reader(want, cfg.threads, cfg.direct_io, cfg.verify)
+        self.native = self._native_reader(want, cfg.threads, cfg.direct_io, cfg.checksums)
         self.reader_name = "python" if self.native is None else "native"
         self.host = HostPath(
             self.caches,
@@ -123,7 +123,7 @@ class FileExpertStore:
             self._resident.pools,
             self.reader,
             self.stats,
-            cfg.verify,
+            cfg.checksums,
             cfg.clear_on_evict,
             self.host.guard,
             self.lock,
@@ -132,7 +132,7 @@ class FileExpertStore:
         self.host.loads = self.loads
 
     # ------------------------------------------------------------ set-up
-    def _native_reader(self, want: str | None, threads: int, direct: bool, verify: bool):
+    def _native_reader(self, want: str | None, threads: int, direct: bool, checksums: bool):
         """The native reader, chosen once: asked for, or by default for cuda pools."""
         if (
             want == "python"
@@ -157,7 +157,7 @@ class FileExpertStore:
             self._resident.pools,
             threads=threads,
             direct=direct,
-            verify=verify,
+            checksums=checksums,
             cuda=cuda if on_cuda else None,
         )
 

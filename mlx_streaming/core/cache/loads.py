@@ -64,14 +64,14 @@ class Loader:
         pools: dict[int, LayerPool],
         reader: RecordReader,
         stats: dict[int, LayerStats],
-        verify: bool,
+        checksums: bool,
         clear_on_evict: bool,
         before_write: Callable[[int], None],
         lock=None,
         native=None,
     ):
         self.meta, self.caches, self.pools, self.reader = meta, caches, pools, reader
-        self.stats, self.verify, self.clear_on_evict = stats, verify, clear_on_evict
+        self.stats, self.checksums, self.clear_on_evict = stats, checksums, clear_on_evict
         self._before_write = before_write  # settles lazy work reading a layer's pool
         self._lock = lock or contextlib.nullcontext()
         self._staging: dict[int, Staging] = {}
@@ -204,7 +204,7 @@ class Loader:
         want = self.meta.layers[layer].checksums
         nbytes = self.meta.layers[layer].record_bytes
         checked = self._checked[layer]
-        check = self.verify and bool(want) and not checked[expert]
+        check = self.checksums and bool(want) and not checked[expert]
 
         def after():
             if check:

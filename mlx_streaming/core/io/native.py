@@ -128,7 +128,7 @@ class NativeReader:
         pools: ``{layer: LayerPool}``; each slot's part rows are where records land.
         threads: Worker threads (the calling thread works too).
         direct: Open the files with O_DIRECT (bypass the page cache).
-        verify: Check each record's checksum the first time this reader reads it
+        checksums: Check each record's checksum the first time this reader reads it
             (``checked[layer][expert]`` says which passed).
         cuda: The CUDA runtime module (``io.cuda``) for device pools, else None.
         wave: Records staged at once.
@@ -144,7 +144,7 @@ class NativeReader:
         pools: dict,
         threads: int = 4,
         direct: bool = False,
-        verify: bool = True,
+        checksums: bool = True,
         cuda=None,
         wave: int = 8,
         piece_bytes: int = 4 << 20,
@@ -165,8 +165,8 @@ class NativeReader:
             self._staging = aligned_buffer(wave * stride)
             self._streams, copy, sync = [], None, None
         streams = (ctypes.c_void_p * max(1, len(self._streams)))(*self._streams)
-        h = hash_function() if verify else None
-        if verify and h is None:
+        h = hash_function() if checksums else None
+        if checksums and h is None:
             raise OSError("checksums need XXH3_64bits from the xxhash package: not found")
         self.handle = lib.mlxs_new(
             len(pools), threads, wave, stride, piece_bytes, _ptr(self._staging), copy, sync,
@@ -179,12 +179,12 @@ class NativeReader:
         self.counters = np.zeros((len(pools), N_COUNTERS), np.int64)
         try:
             for li, pos in self.pos.items():
-                self._add(li, pos, pools[li], direct, verify)
+                self._add(li, pos, pools[li], direct, checksums)
         except BaseException:
             self.close()
             raise
 
-    def _add(self, li, pos, pool, direct, verify) -> None:
+    def _add(self, li, pos, pool, direct, checksums) -> None:
         lay = self.meta.layers[li]
         flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
         fd = os.open(self.meta.file(li), flags)
@@ -196,7 +196,7 @@ class NativeReader:
             np.array([p.nbytes for p in lay.parts], np.int64),
             np.array([b for _, b in rows], np.int64),
             np.array([int(c, 16) for c in lay.checksums], np.uint64)
-            if verify and lay.checksums
+            if checksums and lay.checksums
             else None,
             np.zeros(lay.num_experts, np.uint8),
         ]

@@ -245,7 +245,7 @@ def patch_model_filebacked(
         proj_bits: ``{projection: bits}`` when projections differ (checked).
         layer_proj_bits: ``{layer: {projection: bits}}`` when layers differ (checked).
         options: The streaming options; the patch reads ``overlap``, ``prefetch``,
-            ``predictor``, ``rows``, ``kernel_check`` and ``kernel_cache`` (see
+            ``predictor``, ``rows``, ``kernel_check`` and ``kernel_check_file`` (see
             ``StreamConfig``; all give identical outputs).
         model_fingerprint: The whole model's ``fingerprint``, taken before mlx-lm's
             ``pipeline`` kept only this rank's layers (required for a pipelined model).
@@ -300,7 +300,7 @@ def patch_model_filebacked(
         )
     device = backend()
     if options.kernel_check or (options.kernel_check is None and device != "cpu"):
-        check_kernels(model, store, options.kernel_cache)
+        check_kernels(model, store, options.kernel_check_file)
     for pos, s in enumerate(sites):
         arrays = store.pool(s.layer).arrays
         lay = store.meta.layers[s.layer]
