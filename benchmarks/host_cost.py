@@ -33,7 +33,7 @@ def main():
         for policy in ("predictive", "lru"):
             model, tok, store = mlx_streaming.load(
                 ck, ed, slots=32, reader=reader, policy=policy, progress=False,
-                options=mlx_streaming.StreamConfig(overlap=False),
+                config=mlx_streaming.StreamConfig(overlap=False),
             )  # fmt: skip
             apply_trace_routing(model, trace, 5000)
             for _ in stream_generate(model, tok, "hello there", max_tokens=8):

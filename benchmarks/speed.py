@@ -102,22 +102,20 @@ def main():
     ids = tok.encode(PROMPT)
     if a.prompt_tokens:
         ids = (ids * (a.prompt_tokens // len(ids) + 1))[: a.prompt_tokens]
-    opts = StreamConfig(
+    cfg = StreamConfig(
         overlap=a.overlap,
         prefetch=a.prefetch,
         predictor=TransitionPredictor.from_trace(trace.split(0.5)[0], meta.top_k)
         if a.prefetch and trace is not None
         else "router",
+        threads=a.threads,
+        checksums=not a.no_checksums,
+        pool_mode=a.pool_mode,
+        reader=a.reader,
     )
-    load_kw = {
-        "threads": a.threads,
-        "checksums": not a.no_checksums,
-        "options": opts,
-        "pool_mode": a.pool_mode,
-        "reader": a.reader,
-    }
     if a.policy:
-        load_kw["policy"] = a.policy
+        cfg = cfg.replace(policy=a.policy)
+    load_kw = {"config": cfg}
 
     decode_run(ref, tok, ids, a.tokens)  # warm up stock (compiles kernels)
     h2d = measure_h2d_gbps()  # on a GPU the copy bounds the read path too
@@ -155,13 +153,10 @@ def main():
                 if pred == "transition"
                 else TraceOracle(float(pred))
             )
-            kw = {
-                **load_kw,
-                "options": StreamConfig(overlap=a.overlap, prefetch=True, predictor=guess),
-            }
+            kw = {"config": cfg.replace(prefetch=True, predictor=guess)}
         model, _, store, routing = streamed(ck, ed, trace, start, slots=slots, **kw)
-        if isinstance(kw["options"].predictor, TraceOracle):
-            kw["options"].predictor.routing = routing
+        if isinstance(kw["config"].predictor, TraceOracle):
+            kw["config"].predictor.routing = routing
         decode_run(model, tok, ids, a.tokens)  # warm up: fill the pool, compile
         s_runs, k_runs, per_run = [], [], []
         for _ in range(a.repeat):

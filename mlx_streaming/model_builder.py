@@ -109,7 +109,7 @@ def load(
     if cfg.kernel_check_file is None:
         cfg = cfg.replace(kernel_check_file=env.settings().kernel_check_file)
     try:
-        patch_model_filebacked(model, store, options=cfg, model_fingerprint=model_fp)
+        patch_model_filebacked(model, store, config=cfg, model_fingerprint=model_fp)
     except Exception:
         store.close()
         raise

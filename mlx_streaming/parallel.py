@@ -6,7 +6,8 @@ layers (rank 0 the last ones); hidden states pass rank to rank by send/recv and 
 output is all-gathered, so every rank ends each step with the same logits. This module
 holds what a streamed model adds around it: the group with a bounded start, which layers
 are this rank's, the cross-rank check that every rank loaded the same model and experts,
-and the translation of a lost peer into a clear error.
+the translation of a lost peer into a clear error, and ``PeerWatch``, which ends a rank
+whose peer stopped answering (MLX would wait on it forever).
 """
 
 from __future__ import annotations
@@ -16,11 +17,15 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
 
-DEFAULT_CONNECT_TIMEOUT_S = 60.0
+DEFAULT_CONNECT_TIMEOUT_S = 60.0  # to connect, and for a peer to answer during a step
+EXIT_PEER_SILENT = 6
 
 
 class PipelineError(RuntimeError):
@@ -182,3 +187,68 @@ def gather_lines(group, line: str) -> list[str]:
     rows = collective(lambda: mx.distributed.all_gather(mx.array(buf), group=group, stream=mx.cpu))
     rows = np.array(rows).reshape(len(sizes), -1)
     return [bytes(row[:n]).decode() for row, n in zip(rows, sizes)]
+
+
+class PeerWatch:
+    """Ends this rank when work that needs its peers makes no progress for ``timeout_s``.
+
+    MLX waits on a silent peer (stopped, hung, its host unreachable) without a limit.
+    While armed (``with watch:``), each ``beat()`` (every expert layer call makes one,
+    through ``FileExpertStore.on_request``) pushes the deadline back; past it, a thread
+    (MLX releases the GIL while it waits) runs ``on_silence(message)`` (the server answers
+    its request in flight), prints the message naming the rank this one waits on, and
+    exits the process with code ``EXIT_PEER_SILENT``.
+    """
+
+    def __init__(self, group, timeout_s: float, on_silence: Callable[[str], None] | None = None):
+        self.rank, self.size, self.timeout_s = group.rank(), group.size(), float(timeout_s)
+        self.on_silence = on_silence
+        self._armed, self._deadline, self._depth = False, 0.0, 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._watch, name="mlxs-peer-watch", daemon=True).start()
+
+    def waits_on(self) -> int:
+        """The rank this one waits on first in a step: mlx-lm's pipeline passes the
+        hidden states from rank r + 1 to rank r, and the last rank waits for rank 0's
+        share of the output."""
+        return self.rank + 1 if self.rank + 1 < self.size else 0
+
+    def message(self) -> str:
+        return (
+            f"mlx_streaming: error: rank {self.rank}: no answer within {self.timeout_s:.0f} s: "
+            f"rank {self.waits_on()} (or a rank it waits on) stopped answering; a stopped or "
+            "hung process or an unreachable host; its own output may say why (raise "
+            "--pipeline-timeout if one step can take longer)"
+        )
+
+    def beat(self) -> None:
+        """Progress: push the deadline back."""
+        self._deadline = time.monotonic() + self.timeout_s
+
+    def __enter__(self) -> PeerWatch:
+        with self._lock:
+            self._depth += 1
+            self.beat()
+            self._armed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._depth -= 1
+            self._armed = self._depth > 0
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout_s / 4))
+            if self._armed and time.monotonic() > self._deadline:
+                self._fire()
+
+    def _fire(self) -> None:
+        msg = self.message()
+        if self.on_silence is not None:
+            try:
+                self.on_silence(msg)
+            except Exception:  # noqa: BLE001 - the exit below must happen regardless
+                pass
+        print(msg, file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_SILENT)

@@ -42,7 +42,7 @@ def test_streamed_equals_stock_on_cuda(models, tmp_path, preset, mode):
             ed,
             slots=slots,
             pool_mode=mode,
-            options=mlx_streaming.StreamConfig(
+            config=mlx_streaming.StreamConfig(
                 kernel_check=True, kernel_check_file=tmp_path / "k.json"
             ),
         )

@@ -189,7 +189,7 @@ def test_patch_runs_the_self_test(models, tmp_path):
         64,
         64,
         4,
-        options=StreamConfig(rows="masked", kernel_check=True, kernel_check_file=cache),
+        config=StreamConfig(rows="masked", kernel_check=True, kernel_check_file=cache),
     )
     assert len(json.loads(cache.read_text())) == 3  # gate, up and down projections
     store.close()

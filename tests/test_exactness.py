@@ -26,12 +26,12 @@ TEXTS = [
 ]
 
 
-def patched(ck, ed, options=None, **store_kw):
+def patched(ck, ed, config=None, **store_kw):
     """The model patched by hand, as the seed script does (the quantization comes from
     the meta)."""
     model, _ = load(str(ck), lazy=True)
     store = FileExpertStore(ed, **store_kw)
-    patch_model_filebacked(model, store, options=options)
+    patch_model_filebacked(model, store, config=config)
     return model, store
 
 
@@ -66,22 +66,22 @@ CONFIGS = {
     "clear_on_evict": lambda m: {"capacity": m.top_k + 1, "clear_on_evict": True},
     "mlx_pool": lambda m: {"capacity": m.top_k + 1, "pool_mode": "mlx"},
     "direct_io": lambda m: {"capacity": m.top_k + 1, "direct_io": True},
-    "no_overlap": lambda m: {"capacity": m.top_k + 1, "options": StreamConfig(overlap=False)},
+    "no_overlap": lambda m: {"capacity": m.top_k + 1, "config": StreamConfig(overlap=False)},
     "masked_rows": lambda m: {
         "capacity": m.top_k + 1,
         "zero_slot": True,
-        "options": StreamConfig(rows="masked"),
+        "config": StreamConfig(rows="masked"),
     },
     "native_reader": lambda m: {"capacity": m.top_k + 1, "reader": "native"},
     "native_reader_masked": lambda m: {
         "capacity": 2 * m.top_k,
         "reader": "native",
         "zero_slot": True,
-        "options": StreamConfig(rows="masked"),
+        "config": StreamConfig(rows="masked"),
     },
     "prefetch": lambda m: {
         "capacity": 2 * m.top_k,
-        "options": StreamConfig(prefetch=True),
+        "config": StreamConfig(prefetch=True),
     },
 }
 
@@ -219,7 +219,7 @@ def test_transition_prefetch_with_trace_routing(models, tmp_path):
     ids = tok.encode(TEXTS[2])
     want = greedy_trace(ref, ids, NEW_TOKENS, PREFILL)
     opts = StreamConfig(prefetch=True, predictor=TransitionPredictor.from_trace(trace, k))
-    model, store = patched(ck, ed, options=opts, capacity=k + 2)
+    model, store = patched(ck, ed, config=opts, capacity=k + 2)
     apply_trace_routing(model, trace)
     got = greedy_trace(model, ids, NEW_TOKENS, PREFILL)
     assert compare_traces(want, got).exact
@@ -243,7 +243,7 @@ def test_kernel_thresholds(models, rows):
             ed,
             capacity=cap,
             zero_slot=rows == "masked",
-            options=StreamConfig(rows=rows, kernel_check=True),
+            config=StreamConfig(rows=rows, kernel_check=True),
         )
         for chunk, ref_trace in want.items():
             cmp = compare_traces(ref_trace, greedy_trace(model, ids, 8, chunk))

@@ -274,3 +274,104 @@ def test_plan_suggests_a_split(models):
     assert 0 < half.share < 1
     with pytest.raises(ValueError, match="cannot hold this model"):
         suggest_split(mb, [mb.shared / 1e9, mb.shared / 1e9])
+
+
+def _start_ranks(n: int, out: Path, argv: list[str]) -> list[subprocess.Popen]:
+    """``n`` ranks of ``python -m mlx_streaming ARGV`` on 127.0.0.1, each in its own
+    session (the caller kills them), output to OUT/rank<r>.out and .err."""
+    base = free_ports(n)
+    hostfile = out / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(n)]))
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "mlx_streaming", *argv],
+            env={**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(r)},
+            stdout=open(out / f"rank{r}.out", "w"),
+            stderr=open(out / f"rank{r}.err", "w"),
+            start_new_session=True,
+        )
+        for r in range(n)
+    ]
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)  # SIGKILL ends a stopped process too
+        p.wait(timeout=30)
+
+
+LONG = 600  # tokens: the stock generation of this prompt runs them all (no end token)
+
+
+def test_a_stopped_rank_ends_generate_in_bounded_time(models, tmp_path):
+    """SIGSTOP one rank mid-generation: the other exits within --pipeline-timeout,
+    naming it, instead of waiting forever."""
+    import signal
+
+    ck = models.checkpoint("tiny-qwen3_moe")
+    assert len(load(str(ck))[1].encode(_stock_text(ck, PROMPT, LONG, chat=True))) > LONG // 2
+    argv = ["generate", "--model", str(ck), "--expert-dir", str(tmp_path / "ed")]
+    argv += ["--slots", "5", "--pipeline", "--pipeline-timeout", "5", "--prompt", PROMPT]
+    argv += ["--max-tokens", str(LONG)]
+    procs = _start_ranks(2, tmp_path, argv)
+    try:
+        deadline = time.time() + 120
+        while (tmp_path / "rank0.out").stat().st_size < 40:  # the header, then tokens
+            assert time.time() < deadline and procs[0].poll() is None, (
+                tmp_path / "rank0.err"
+            ).read_text()
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGSTOP)
+        t0 = time.time()
+        code = procs[0].wait(timeout=60)
+        waited = time.time() - t0
+    finally:
+        _kill(procs)
+    err = (tmp_path / "rank0.err").read_text()
+    assert code == 6, err
+    assert "rank 0: no answer within 5 s: rank 1" in err
+    assert waited < 5 + 5  # the bound, plus the watch's polling and the exit
+
+
+def test_a_stopped_rank_fails_the_request_in_flight(models, tmp_path):
+    """serve under a pipeline: SIGSTOP the other rank while a streamed completion is
+    running; the client gets an error event naming it, and rank 0 exits."""
+    import http.client
+    import signal
+
+    ck = models.checkpoint("tiny-qwen3_moe")
+    port = free_ports(1)
+    argv = ["serve", "--model", str(ck), "--expert-dir", str(tmp_path / "ed"), "--slots", "5"]
+    argv += ["--pipeline", "--pipeline-timeout", "5", "--port", str(port)]
+    procs = _start_ranks(2, tmp_path, argv)
+    try:
+        deadline = time.time() + 120
+        while True:  # up once /health answers
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                c.request("GET", "/health")
+                if c.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.time() < deadline and procs[0].poll() is None, (
+                tmp_path / "rank0.err"
+            ).read_text()
+            time.sleep(0.5)
+        body = {"prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "stream": True}
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = c.getresponse()
+        assert resp.status == 200
+        while not resp.readline().startswith(b"data: "):  # keepalives while prefilling
+            pass  # the first token's event: generation is under way
+        procs[1].send_signal(signal.SIGSTOP)
+        t0 = time.time()
+        rest = resp.read().decode()  # ends when rank 0 answers with the error and exits
+        code = procs[0].wait(timeout=60)
+        waited = time.time() - t0
+    finally:
+        _kill(procs)
+    assert '"peer_silent"' in rest and "rank 1" in rest, rest[-500:]
+    assert code == 6 and waited < 5 + 5

@@ -47,7 +47,7 @@ def main():
         for mode, rows in combos:
             model, _, store = mlx_streaming.load(
                 ck, ed, slots=slots, pool_mode=mode, progress=False,
-                options=mlx_streaming.StreamConfig(rows=rows, kernel_check=False),
+                config=mlx_streaming.StreamConfig(rows=rows, kernel_check=False),
             )  # fmt: skip
             got = greedy_trace(model, ids, a.tokens, a.chunk)
             report(f"slots={slots} pool={mode} rows={rows}", want, got)

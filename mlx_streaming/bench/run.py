@@ -9,6 +9,7 @@ mlx-lm's speed on the same prompt and the exactness check.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import statistics
@@ -163,11 +164,12 @@ def _check_bits(cfg: BenchConfig, meta) -> None:
             )
 
 
-def run_bench(cfg: BenchConfig, group=None) -> dict:
+def run_bench(cfg: BenchConfig, group=None, watch=None) -> dict:
     """Run the benchmark; returns the JSON-ready result dict.
 
     With a pipeline ``group`` every rank runs it in step; each rank's result describes
-    its own layers, and ``pipeline.per_rank`` holds every rank's main figures.
+    its own layers, and ``pipeline.per_rank`` holds every rank's main figures. ``watch``
+    (a ``parallel.PeerWatch``) ends this rank if a peer stops answering once loaded.
     """
     if cfg.cold and not hasattr(os, "posix_fadvise"):
         drop_page_cache([])  # raises the clear error before anything is loaded
@@ -176,11 +178,18 @@ def run_bench(cfg: BenchConfig, group=None) -> dict:
             "--compare-stock loads the whole model in one process, which a pipeline "
             "exists to avoid: compare on one host (or check exactness with the tests)"
         )
-    with memory_limits(cfg.wired_gb, cfg.stream.cache_limit_gb):
-        out = _run(cfg, group)
-    if group is not None:
-        out["pipeline"] = _per_rank(cfg, group, out)
+    with memory_limits(cfg.wired_gb, cfg.stream.cache_limit_gb), contextlib.ExitStack() as on:
+        out = _run(cfg, group, lambda store: _watch(on, watch, store))
+        if group is not None:
+            out["pipeline"] = _per_rank(cfg, group, out)
     return out
+
+
+def _watch(stack: contextlib.ExitStack, watch, store) -> None:
+    """Arm ``watch`` (if any) for the rest of the run, beating on each layer call."""
+    if watch is not None:
+        store.on_request = watch.beat
+        stack.enter_context(watch)
 
 
 PER_RANK = (
@@ -214,11 +223,13 @@ def _per_rank(cfg: BenchConfig, group, out: dict) -> dict:
     }
 
 
-def _run(cfg: BenchConfig, group=None) -> dict:
+def _run(cfg: BenchConfig, group=None, loaded=None) -> dict:
     mem.reset_peak()
     t0 = time.perf_counter()
     model, tokenizer, store = open_model(cfg, group)
     load_s = time.perf_counter() - t0
+    if loaded is not None:
+        loaded(store)
     after_patch = mem.snapshot()
     ids = encode(tokenizer, cfg.prompt)
     meta = store.meta

@@ -108,13 +108,15 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
         "--pipeline-timeout",
         type=positive_float,
         default=DEFAULT_CONNECT_TIMEOUT_S,
-        help=f"seconds to wait for the other ranks to connect (default {DEFAULT_CONNECT_TIMEOUT_S:.0f})",
+        help="seconds to wait for the other ranks to connect, and for a peer to answer "
+        f"within a step (default {DEFAULT_CONNECT_TIMEOUT_S:.0f}); a silent peer ends the rank",
     )
 
 
 def pipeline_kwargs(a: argparse.Namespace) -> dict:
     """``load``'s pipeline arguments: joins the group (bounded by --pipeline-timeout);
-    with --rank-budget-gb, this rank's ``budget_gb``."""
+    with --rank-budget-gb, this rank's ``budget_gb``. ``peer_watch(a, group)`` makes the
+    watch that bounds each step."""
     from ..parallel import init_pipeline, parse_split
 
     if not a.pipeline:
@@ -148,3 +150,10 @@ def stream_config(a: argparse.Namespace, **changes) -> StreamConfig:
 def load_kwargs(a: argparse.Namespace) -> dict:
     """``mlx_streaming.load``'s keyword arguments from the streaming flags."""
     return {"expert_dir": a.expert_dir, "config": stream_config(a)}
+
+
+def peer_watch(a: argparse.Namespace, group, on_silence=None):
+    """The ``PeerWatch`` bounding each step by --pipeline-timeout (None off a pipeline)."""
+    from ..parallel import PeerWatch
+
+    return None if group is None else PeerWatch(group, a.pipeline_timeout, on_silence)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 from ..config import PREFILL_CHUNK
 from ._args import (
@@ -10,6 +11,7 @@ from ._args import (
     add_store_args,
     load_kwargs,
     nonneg_int,
+    peer_watch,
     pipeline_kwargs,
     positive_int,
 )
@@ -60,6 +62,9 @@ def main(argv=None) -> None:
     group = pipe.get("pipeline_group")
     primary = group is None or group.rank() == 0  # the rank that prints
     model, tok, store = load(a.model, **{**load_kwargs(a), **pipe})
+    watch = peer_watch(a, group)  # a peer that stops answering ends this rank
+    if watch is not None:
+        store.on_request = watch.beat
     recorder = None
     if a.record_trace:
         from ..planning.trace import TraceRecorder
@@ -75,22 +80,23 @@ def main(argv=None) -> None:
         msgs = [{"role": "system", "content": a.system_prompt}] if a.system_prompt else []
         msgs.append({"role": "user", "content": prompt})
         prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    text = generate(
-        model,
-        tok,
-        prompt,
-        max_tokens=a.max_tokens,
-        verbose=a.verbose and primary,
-        sampler=make_sampler(a.temp, a.top_p),
-        prefill_step_size=a.prefill_step_size or PREFILL_CHUNK,
-    )
-    if recorder is not None:
-        recorder.save(a.record_trace)
-    lines = [expert_line(store, group)]
-    if group is not None:
-        from ..parallel import gather_lines
+    with watch or contextlib.nullcontext():
+        text = generate(
+            model,
+            tok,
+            prompt,
+            max_tokens=a.max_tokens,
+            verbose=a.verbose and primary,
+            sampler=make_sampler(a.temp, a.top_p),
+            prefill_step_size=a.prefill_step_size or PREFILL_CHUNK,
+        )
+        if recorder is not None:
+            recorder.save(a.record_trace)
+        lines = [expert_line(store, group)]
+        if group is not None:
+            from ..parallel import gather_lines
 
-        lines = gather_lines(group, lines[0])
+            lines = gather_lines(group, lines[0])
     if primary and a.verbose:
         print("Memory plan:", memory_plan(model, store, a.cache_limit_gb).to_json())
         print("\n".join(lines))

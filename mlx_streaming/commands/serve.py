@@ -90,7 +90,7 @@ def main(argv=None) -> None:
     logging.basicConfig(level=getattr(logging, a.log_level), format="%(asctime)s %(message)s")
     pipe = pipeline_kwargs(a)  # joins the group first: mlx-lm's server then finds it
     pipe.pop("pipeline_group", None)  # the provider takes it from mlx-lm's own lookup
-    serve(a.host, a.port, cli_args_for_mlx_lm(a), {**load_kwargs(a), **pipe})
+    serve(a.host, a.port, cli_args_for_mlx_lm(a), {**load_kwargs(a), **pipe}, a.pipeline_timeout)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,10 @@ they share one pool of expert slots.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import threading
 
 import mlx.core as mx
 from mlx_lm import server as mlx_server
@@ -20,10 +22,11 @@ class StreamingModelProvider(mlx_server.ModelProvider):
     """Loads the served model with its experts streamed from disk. Only that model is
     served: its expert directory belongs to it."""
 
-    def __init__(self, cli_args, load_kwargs: dict):
+    def __init__(self, cli_args, load_kwargs: dict, watch=None):
         super().__init__(cli_args)
         self.load_kwargs = load_kwargs
         self.store = None
+        self.watch = watch  # beats on every layer call of the loaded store
 
     def load(self, model_path, adapter_path=None, draft_model_path=None):
         """The served model and tokenizer (mlx-lm's server asks for them per request)."""
@@ -54,6 +57,8 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         )
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
+        if self.watch is not None:
+            store.on_request = self.watch.beat
         self.model_key = (model_path, None, None)
         self.model, self.tokenizer, self.store = model, tokenizer, store
         self.processor = None
@@ -62,7 +67,42 @@ class StreamingModelProvider(mlx_server.ModelProvider):
 
 
 class StreamingAPIHandler(mlx_server.APIHandler):
-    """mlx-lm's API handler, plus the queue depth and the pools' counters."""
+    """mlx-lm's API handler, plus the queue depth and the pools' counters; in a pipeline,
+    a request in flight when a peer stops answering gets an HTTP 503 (``fail_inflight``)
+    before the server exits."""
+
+    inflight: set = set()  # handlers of POST requests being served
+    lock = threading.Lock()
+    watch = None  # the pipeline's PeerWatch, armed while a request is in flight
+
+    def do_POST(self):
+        self._headers_sent = False
+        with self.lock:
+            self.inflight.add(self)
+        try:
+            with self.watch or contextlib.nullcontext():
+                super().do_POST()
+        finally:
+            with self.lock:
+                self.inflight.discard(self)
+
+    @classmethod
+    def fail_inflight(cls, message: str) -> None:
+        """Answer every request in flight with the error (a 503, or an error event on a
+        stream already started)."""
+        with cls.lock:
+            handlers = list(cls.inflight)
+        for h in handlers:
+            try:
+                h.connection.settimeout(5)
+                body = json.dumps({"error": {"message": message, "type": "peer_silent"}})
+                if getattr(h, "_headers_sent", False):  # a stream: an error event, then end
+                    h.wfile.write(f"data: {body}\n\ndata: [DONE]\n\n".encode())
+                else:
+                    h._reply(503, json.loads(body))
+                h.wfile.flush()
+            except OSError:
+                pass
 
     def _queue_depth(self) -> int:
         return self.response_generator.requests.qsize()
@@ -71,6 +111,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         """Every response reports the request queue's depth."""
         self.send_header("X-Queue-Depth", str(self._queue_depth()))
         super().end_headers()
+        self._headers_sent = True
 
     def handle_models_request(self):
         """The served model (mlx-lm's version also scans the Hugging Face cache, and
@@ -115,18 +156,30 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         self.wfile.flush()
 
 
-def serve(host: str, port: int, cli_args, load_kwargs: dict) -> None:
+def serve(
+    host: str, port: int, cli_args, load_kwargs: dict, peer_timeout_s: float | None = None
+) -> None:
     """Run mlx-lm's server with the streamed model until interrupted.
 
     As in ``mlx_lm.server.run``: its response generator loads the model on its own
     thread (MLX streams are per thread) and serves one request at a time; the HTTP side
     is the standard library's threading server with mlx-lm's handler, extended. In a
     pipeline (``cli_args.pipeline`` under ``mlx.launch``) only rank 0 serves HTTP; the
-    generator shares each request with the other ranks, which run their layers.
+    generator shares each request with the other ranks, which run their layers. There,
+    with ``peer_timeout_s``, a request that makes no progress for that long (a peer
+    stopped answering) gets an HTTP 503 naming the silent rank, and rank 0 exits (code
+    ``parallel.EXIT_PEER_SILENT``); the other ranks then end on the lost connection.
     """
     from http.server import ThreadingHTTPServer
 
-    provider = StreamingModelProvider(cli_args, load_kwargs)
+    from ..parallel import PeerWatch
+
+    group = mx.distributed.init() if cli_args.pipeline and peer_timeout_s else None
+    watch = None
+    if group is not None and group.size() > 1 and group.rank() == 0:
+        watch = PeerWatch(group, peer_timeout_s, StreamingAPIHandler.fail_inflight)
+        StreamingAPIHandler.watch = watch
+    provider = StreamingModelProvider(cli_args, load_kwargs, watch)
     generator = mlx_server.ResponseGenerator(
         provider, mlx_server.LRUPromptCache(cli_args.prompt_cache_size)
     )

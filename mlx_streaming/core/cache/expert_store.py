@@ -102,6 +102,7 @@ class FileExpertStore:
         self.routing = RoutingCounts({li: meta.layers[li].num_experts for li in caps})
         self.routing.on = cfg.record
         self.observers: list[Callable] = []  # callables(layer, host_ids) seeing the routing
+        self.on_request: Callable[[], None] | None = None  # called at each layer call
         self._pending_hits: list = []  # lazy device counts of device-path lookups
         self.lock = threading.RLock()  # the tables and policies, against the policy thread
         self.timeline = Timeline()  # phases of layer calls, when recording
@@ -192,6 +193,8 @@ class FileExpertStore:
         predictor's guess, to ``call.also``) and starts the misses' reads at once; with
         ``overlap`` the resident experts' rows form a first step that needs no wait.
         """
+        if self.on_request is not None:  # e.g. a pipeline's watch: this rank progresses
+            self.on_request()
         if self.caches[layer].complete and not self.routing.on and not self.observers:
             t0 = time.perf_counter()
             self._note_device_call(layer, indices)

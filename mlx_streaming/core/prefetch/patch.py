@@ -227,7 +227,7 @@ def patch_model_filebacked(
     bits: int | None = None,
     proj_bits: dict | None = None,
     layer_proj_bits: dict | None = None,
-    options: StreamConfig | None = None,
+    config: StreamConfig | None = None,
     model_fingerprint: dict | None = None,
 ) -> int:
     """Swap every MoE layer's experts for file-backed ones served by ``store``.
@@ -244,7 +244,7 @@ def patch_model_filebacked(
         group_size, bits: Expert quantization (checked; None: the meta's).
         proj_bits: ``{projection: bits}`` when projections differ (checked).
         layer_proj_bits: ``{layer: {projection: bits}}`` when layers differ (checked).
-        options: The streaming options; the patch reads ``overlap``, ``prefetch``,
+        config: The streaming options; the patch reads ``overlap``, ``prefetch``,
             ``predictor``, ``rows``, ``kernel_check`` and ``kernel_check_file`` (see
             ``StreamConfig``; all give identical outputs).
         model_fingerprint: The whole model's ``fingerprint``, taken before mlx-lm's
@@ -260,7 +260,7 @@ def patch_model_filebacked(
         KernelParityError: pool-shaped matmuls are not bit-identical to stock-shaped
             ones on this device (the kernel check).
     """
-    options = options or StreamConfig()
+    options = config or StreamConfig()
     sites = find_expert_sites(model)
     if any(s.streamed is not None for s in sites):
         raise ValueError(
