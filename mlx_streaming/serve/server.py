@@ -27,6 +27,11 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         self.load_kwargs = load_kwargs
         self.store = None
         self.watch = watch  # beats on every layer call of the loaded store
+        cfg = load_kwargs.get("config")
+        self.cache_limit_gb = load_kwargs.get("cache_limit_gb", cfg and cfg.cache_limit_gb)
+        from ..core.mem import rss_bytes
+
+        self.baseline_rss = rss_bytes()  # before the model is loaded
 
     def load(self, model_path, adapter_path=None, draft_model_path=None):
         """The served model and tokenizer (mlx-lm's server asks for them per request)."""
@@ -143,7 +148,26 @@ class StreamingAPIHandler(mlx_server.APIHandler):
                 "bytes_read": t["bytes_read"],
                 "pool_gb": round(store.pool_bytes() / 1e9, 3),
             }
+            body["memory"] = self._memory(provider)
         self._reply(200 if healthy else 503, body)
+
+    def _memory(self, provider) -> dict:
+        """Bytes: the process's peak RSS over its RSS before the model was loaded, MLX's
+        peak, and what the budget accounts for (trunk, pools, MLX's buffer-cache cap, the
+        prompt cache's KV)."""
+        from ..core.mem import peak_rss_bytes, rss_bytes
+        from ..model_builder import memory_plan
+
+        plan = memory_plan(provider.model, provider.store, provider.cache_limit_gb)
+        return {
+            "rss": rss_bytes() - provider.baseline_rss,
+            "peak_rss": peak_rss_bytes() - provider.baseline_rss,
+            "mlx_peak": mx.get_peak_memory(),
+            "trunk": plan.trunk_bytes,
+            "pools": plan.pool_bytes,
+            "cache_cap": plan.cache_limit_bytes,
+            "prompt_cache_kv": self.response_generator.prompt_cache.nbytes,
+        }
 
     def _reply(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()
