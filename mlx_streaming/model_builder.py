@@ -104,6 +104,8 @@ def load(
         caps = read_pool_profile(cfg.pool_profile)
     else:
         caps = None
+    if cfg.budget_gb == "auto":
+        cfg = cfg.replace(budget_gb=auto_budget_for(model, cfg.context).budget_bytes / 1e9)
     capacity, layer_caps = store_slots(meta, cfg.slots, cfg.budget_gb, caps)
     store = FileExpertStore(meta, capacity, layer_caps, config=cfg)
     if cfg.kernel_check_file is None:
@@ -118,6 +120,32 @@ def load(
     if pipeline_group is not None:
         parallel.barrier(pipeline_group)
     return model, tokenizer, store
+
+
+def auto_budget_for(model, context: int, machine: tuple[int, int] | None = None):
+    """``budget_gb="auto"`` for a lazily loaded ``model`` (its trunk: every parameter
+    outside the experts) on this machine (``machine``: ``(total, available)`` bytes, to
+    simulate another); prints what it chose and why."""
+    import dataclasses
+    import sys
+
+    from mlx.utils import tree_flatten
+
+    from .core.mem import machine_memory
+    from .planning.budget import auto_budget, kv_bytes_per_token
+
+    params = tree_flatten(model.parameters())
+    experts = sum(
+        v.nbytes for s in find_expert_sites(model) for _, v in tree_flatten(s.module.parameters())
+    )
+    trunk = sum(v.nbytes for _, v in params) - experts
+    floats = [v for _, v in params if mx.issubdtype(v.dtype, mx.floating)]
+    args = model.args if isinstance(model.args, dict) else dataclasses.asdict(model.args)
+    kv = kv_bytes_per_token(args, floats[0].dtype.size if floats else 2)
+    total, available = machine or machine_memory()
+    plan = auto_budget(trunk, kv, context, total, available)
+    print(plan.why(), file=sys.stderr, flush=True)
+    return plan
 
 
 def pipeline_share(model, model_dir, expert_dir, group, split, progress=None):

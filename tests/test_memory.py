@@ -92,3 +92,35 @@ def test_budget_holds_under_concurrent_serving(model, tmp_path):
     m = health["memory"]
     # the KV cache: the prompt cache's entries, and the request in flight's (< 4 MB here)
     within_budget(m, m["prompt_cache_kv"] + (4 << 20))
+
+
+def test_auto_budget_fits_a_simulated_small_machine(model, capsys):
+    from mlx_lm import load
+
+    from mlx_streaming.model_builder import auto_budget_for
+    from mlx_streaming.planning.budget import MARGIN_BYTES
+
+    ck, _ = model
+    lazy, _ = load(str(ck), lazy=True)
+    for total, available in ((2 << 30, 1 << 30), (1 << 30, 3 << 30), (64 << 30, 48 << 30)):
+        p = auto_budget_for(lazy, 4096, machine=(total, available))
+        peak = p.trunk + p.budget_bytes + p.kv + p.cache_cap + MARGIN_BYTES
+        assert 0 < p.budget_bytes and peak + p.headroom <= min(total, available)
+        assert p.kv == 4096 * 5120  # as measured: mlx-lm's cache after 2,048 tokens holds 10.5 MB
+        assert "--budget-gb auto:" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="nothing is left for expert pools.*--context"):
+        auto_budget_for(lazy, 4096, machine=(300 << 20, 300 << 20))
+
+
+def test_auto_budget_from_this_machine(model, capsys):
+    import mlx_streaming
+    from mlx_streaming.core.mem import machine_memory
+
+    ck, ed = model
+    _, _, store = mlx_streaming.load(ck, ed, budget_gb="auto", context=512, progress=False)
+    err = capsys.readouterr().err
+    assert "--budget-gb auto:" in err and "KV cache for 512 tokens" in err
+    assert store.pool_bytes() <= machine_memory()[0]
+    store.close()
+    with pytest.raises(ValueError, match="budget_gb must be a number of GB or 'auto'"):
+        mlx_streaming.StreamConfig(budget_gb="lots")

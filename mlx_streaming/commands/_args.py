@@ -37,6 +37,11 @@ def nonneg_int(s: str) -> int:
     return v
 
 
+def budget_value(s: str) -> float | str:
+    """A positive number of GB, or ``auto``."""
+    return "auto" if s == "auto" else positive_float(s)
+
+
 def nonneg_float(s: str) -> float:
     try:
         v = float(s)
@@ -78,6 +83,8 @@ def add_store_args(p: argparse.ArgumentParser, several: bool = False) -> None:
             kw.update(action=argparse.BooleanOptionalAction, default=None)
         elif "choices" not in kw:
             kw["type"] = {"int": positive_int, "float": nonneg_float}.get(f.type.split(" ")[0], str)
+            if f.name == "budget_gb":
+                kw["type"] = budget_value
             kw["default"] = f.default
             if several and f.name in ("slots", "budget_gb"):
                 kw["nargs"] = "+"

@@ -119,3 +119,32 @@ class MemorySampler:
         self._stop.set()
         self._thread.join()
         self.peak_rss = max(self.peak_rss, rss_bytes())
+
+
+def machine_memory() -> tuple[int, int]:
+    """``(total, available)`` bytes of memory for this process's model: on Apple GPUs
+    MLX's recommended working set (for both); elsewhere the system's total and available
+    memory, capped by a cgroup limit if one is set."""
+    if mx.metal.is_available():
+        ws = int(mx.device_info()["max_recommended_working_set_size"])
+        return ws, ws
+    if not sys.platform.startswith("linux"):
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return int(vm.total), int(vm.available)
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            k, v = line.split(":")
+            info[k] = int(v.split()[0]) * 1024
+    total, avail = info["MemTotal"], info.get("MemAvailable", info["MemFree"])
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            raw = f.read().strip()
+        if raw != "max":
+            limit = int(raw)
+            total, avail = min(total, limit), min(avail, max(0, limit - rss_bytes()))
+    except OSError:
+        pass
+    return total, avail

@@ -53,7 +53,11 @@ class StreamConfig:
     slots: int | None = option(
         None, "expert slots per MoE layer (default: half the layer's experts, at least top-k)"
     )
-    budget_gb: float | None = option(None, "total GB for all expert pools, instead of slots")
+    budget_gb: float | str | None = option(
+        None, "total GB for all expert pools, instead of slots; auto: what the machine has "
+        "left after the trunk, the KV cache for --context tokens and a headroom"
+    )  # fmt: skip
+    context: int = option(4096, "tokens of context --budget-gb auto keeps KV cache room for")
     pool_profile: str = option(
         "auto", "slots per layer from a profile: auto (EXPERT_DIR/pool_profile.json or "
         "EXPERT_POOL_PROFILE), none, or a path"
@@ -105,6 +109,8 @@ class StreamConfig:
     )
 
     def __post_init__(self):
+        if isinstance(self.budget_gb, str) and self.budget_gb != "auto":
+            raise ValueError(f"budget_gb must be a number of GB or 'auto', got {self.budget_gb!r}")
         if self.policy not in POLICIES:
             raise ValueError(
                 f"unknown cache policy {self.policy!r}; choose one of {sorted(POLICIES)}"

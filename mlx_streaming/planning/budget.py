@@ -174,3 +174,78 @@ def default_cache_limit(pool_bytes: int) -> int:
     """MLX keeps freed buffers for reuse unless capped; cap them at 5% of the pools
     (at least 32 MB) so that memory the budget gives the experts stays theirs."""
     return max(32 << 20, pool_bytes // 20)
+
+
+AUTO_HEADROOM_SHARE = 0.10  # of the available memory, left to the system and other work
+AUTO_MIN_HEADROOM = 256 << 20
+MARGIN_BYTES = 32 << 20  # what the budget leaves out: staging, reader buffers, slack
+
+
+def kv_bytes_per_token(args: dict, dtype_bytes: int) -> int:
+    """The KV cache one token adds, from an mlx-lm model's config: multi-head latent
+    attention (DeepSeek) caches every head's keys and values; others ``2 x kv heads x
+    head dim`` per attention layer (every ``full_attention_interval``-th layer on hybrid
+    models such as Qwen3-Next)."""
+    layers = args["num_hidden_layers"]
+    if args.get("kv_lora_rank"):
+        width = args["num_attention_heads"] * (
+            args["qk_nope_head_dim"] + args["qk_rope_head_dim"] + args["v_head_dim"]
+        )
+    else:
+        heads = args.get("num_key_value_heads") or args["num_attention_heads"]
+        head_dim = args.get("head_dim") or args["hidden_size"] // args["num_attention_heads"]
+        width = 2 * heads * head_dim
+        layers = -(-layers // (args.get("full_attention_interval") or 1))
+    return layers * width * dtype_bytes
+
+
+@dataclass
+class AutoBudget:
+    """``budget_gb="auto"``: the pools get what the machine has left."""
+
+    budget_bytes: int
+    total: int
+    available: int
+    trunk: int
+    kv: int
+    context: int
+    headroom: int
+    cache_cap: int
+
+    def why(self) -> str:
+        gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
+        return (
+            f"--budget-gb auto: {gb(self.budget_bytes)} for the expert pools = "
+            f"{gb(self.available)} available - trunk {gb(self.trunk)} - KV cache for "
+            f"{self.context} tokens {gb(self.kv)} - MLX's buffer cache {gb(self.cache_cap)} - "
+            f"headroom {gb(self.headroom + MARGIN_BYTES)} (machine {gb(self.total)})"
+        )
+
+
+def auto_budget(
+    trunk: int, kv_per_token: int, context: int, total: int, available: int
+) -> AutoBudget:
+    """The largest pool budget whose peak (trunk + pools + KV for ``context`` tokens +
+    MLX's buffer-cache cap + the margin) fits the available memory less a headroom; never
+    more than physical memory.
+
+    Raises:
+        ValueError: the machine cannot hold the trunk and the KV cache (says how much
+            is missing and what to change).
+    """
+    available = min(available, total)
+    headroom = max(AUTO_MIN_HEADROOM, int(AUTO_HEADROOM_SHARE * available))
+    kv = kv_per_token * context
+    left = available - trunk - kv - headroom - MARGIN_BYTES
+    # pools + their buffer-cache cap (5% of the pools, at least 32 MB) fill what is left
+    pools = int(left / 1.05) if left / 1.05 >= 20 * (32 << 20) else left - (32 << 20)
+    if pools <= 0:
+        raise ValueError(
+            f"--budget-gb auto: this machine has {available / 1e9:.2f} GB available; the "
+            f"trunk needs {trunk / 1e9:.2f} GB and the KV cache for {context} tokens "
+            f"{kv / 1e9:.2f} GB, plus {(headroom + MARGIN_BYTES) / 1e9:.2f} GB of headroom: "
+            "nothing is left for expert pools; free memory, lower --context, or pass "
+            "--budget-gb explicitly"
+        )
+    return AutoBudget(pools, total, available, trunk, kv, context, headroom,
+                      default_cache_limit(pools))  # fmt: skip
