@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -60,6 +61,7 @@ def init_pipeline(timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S):
         raise PipelineError(
             "--pipeline needs two or more ranks: launch with mlx.launch -n 2 (or a hostfile)"
         )
+    gather_lines(group, f"rank {group.rank()}")  # a checked first exchange: the ring carries data
     return group
 
 
@@ -152,7 +154,14 @@ def check_same_everywhere(group, values: dict[str, str], what: dict[str, str]) -
 
 
 def collective(fn):
-    """Run and evaluate a collective; a lost peer becomes a ``PipelineError``."""
+    """Run and evaluate a collective; a lost peer becomes a ``PipelineError``.
+
+    Work still queued on other streams is finished first: mlx-lm's generate leaves the
+    next step's forward pass (with its own send, recv and all_gather) in flight, and two
+    streams sharing the ring's sockets interleave their bytes (this was the flaky
+    pipeline test: the exchange after a generation read the model's activations).
+    """
+    mx.synchronize()
     try:
         out = fn()
         mx.eval(out)
@@ -166,6 +175,14 @@ def barrier(group) -> None:
     collective(lambda: mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
 
 
+def finish_step(group) -> None:
+    """After a generation: finish the forward pass mlx-lm started ahead (its send, recv
+    and all_gather still in flight), then wait for every rank. Without it a rank that
+    exits, or exchanges anything, tears into its peers' last step."""
+    mx.synchronize()
+    barrier(group)
+
+
 def lost_peer(e: Exception) -> Exception:
     """A clear error for MLX's report of a lost connection; other errors unchanged."""
     if "[ring]" in str(e) or "peer" in str(e):
@@ -177,16 +194,35 @@ def lost_peer(e: Exception) -> Exception:
 
 
 def gather_lines(group, line: str) -> list[str]:
-    """Every rank's ``line``, in rank order (on every rank)."""
-    data = np.frombuffer(line.encode(), dtype=np.uint8)
+    """Every rank's ``line``, in rank order (on every rank).
+
+    Raises:
+        PipelineError: the bytes that arrived are not what a rank sent (each line travels
+            behind its CRC-32: MLX's ring can log a socket error and still return).
+    """
+    raw = line.encode()
+    data = np.frombuffer(zlib.crc32(raw).to_bytes(4, "little") + raw, dtype=np.uint8)
     sizes = collective(
         lambda: mx.distributed.all_gather(mx.array([data.size]), group=group, stream=mx.cpu)
     ).tolist()
-    buf = np.zeros(max(1, *sizes), dtype=np.uint8)
+    if min(sizes) < 4 or max(sizes) > 1 << 24:
+        raise PipelineError(f"a pipeline exchange arrived corrupt (line sizes {sizes})")
+    buf = np.zeros(max(sizes), dtype=np.uint8)
     buf[: data.size] = data
     rows = collective(lambda: mx.distributed.all_gather(mx.array(buf), group=group, stream=mx.cpu))
     rows = np.array(rows).reshape(len(sizes), -1)
-    return [bytes(row[:n]).decode() for row, n in zip(rows, sizes)]
+    out = [bytes(row[4:n]) for row, n in zip(rows, sizes)]
+    bad = [
+        r
+        for r, (row, b) in enumerate(zip(rows, out))
+        if zlib.crc32(b) != int.from_bytes(bytes(row[:4]), "little")
+    ]
+    if bad:
+        raise PipelineError(
+            f"a pipeline exchange arrived corrupt from ranks {bad} (the transport lost "
+            "bytes; see MLX's [ring] messages above): restart every rank"
+        )
+    return [b.decode() for b in out]
 
 
 class PeerWatch:

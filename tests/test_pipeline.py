@@ -44,13 +44,34 @@ def free_ports(n: int) -> int:
     raise RuntimeError("no free ports")
 
 
+def run_session(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in a session of its own; when it ends, fails or times out, whatever it
+    started (mlx.launch's ranks) is killed with it, so no rank outlives its test."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        _killpg(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _killpg(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, 9)  # SIGKILL: ends stopped and hung processes too
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
 def launch(n: int, out: Path, *args: str, timeout: float = 240) -> float:
     """Run ``n`` ranks of the rank script; returns the wall time."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [str(LAUNCH), "--backend", "ring", "-n", str(n), "-p", str(free_ports(n))]
     cmd += ["--", sys.executable, str(RANK_SCRIPT), "--out", str(out), *args]
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    r = run_session(cmd, timeout)
     (out / "launch.log").write_text(r.stdout + r.stderr)
     return time.perf_counter() - t0
 
@@ -70,10 +91,14 @@ def spawn(n: int, out: Path, *args: str, timeout: float = 120) -> tuple[float, l
             env={**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(r)},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         for r in range(n)
     ]
-    codes = [p.wait(timeout=timeout) for p in procs]
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        _kill(procs)
     return time.perf_counter() - t0, codes
 
 
@@ -212,7 +237,7 @@ def test_generate_command_under_launch(models, tmp_path):
     cmd += [sys.executable, "-m", "mlx_streaming", "generate", "--model", str(ck)]
     cmd += ["--expert-dir", str(tmp_path / "ed"), "--slots", "5", "--pipeline"]
     cmd += ["--prompt", PROMPT, "--max-tokens", "12", "--no-verbose"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    r = run_session(cmd, timeout=240)
     assert r.stdout.strip() == _stock_text(ck, PROMPT, 12, chat=True).strip(), r.stderr
 
 
@@ -248,8 +273,7 @@ def test_serve_under_launch(models, tmp_path):
                 time.sleep(0.5)
         assert got == _stock_text(ck, PROMPT, 12, chat=False)
     finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=30)
+        _killpg(proc)
 
 
 def test_plan_suggests_a_split(models):
@@ -296,9 +320,7 @@ def _start_ranks(n: int, out: Path, argv: list[str]) -> list[subprocess.Popen]:
 
 def _kill(procs) -> None:
     for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, 9)  # SIGKILL ends a stopped process too
-        p.wait(timeout=30)
+        _killpg(p)
 
 
 LONG = 600  # tokens: the stock generation of this prompt runs them all (no end token)

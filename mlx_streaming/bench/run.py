@@ -208,8 +208,9 @@ PER_RANK = (
 def _per_rank(cfg: BenchConfig, group, out: dict) -> dict:
     import json
 
-    from ..parallel import gather_lines
+    from ..parallel import finish_step, gather_lines
 
+    finish_step(group)  # the last generation's step ahead is still in flight
     mine = {k: out[k] for k in PER_RANK} | {
         "rank": group.rank(),
         "moe_layers": [int(k) for k in out["slots_per_layer"]],

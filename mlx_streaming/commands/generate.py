@@ -92,14 +92,14 @@ def main(argv=None) -> None:
         )
         if recorder is not None:
             recorder.save(a.record_trace)
-        lines = [expert_line(store, group)]
-        if group is not None:
-            from ..parallel import gather_lines
+        if group is not None:  # the last step's forward pass is still in flight
+            from ..parallel import finish_step
 
-            lines = gather_lines(group, lines[0])
-    if primary and a.verbose:
-        print("Memory plan:", memory_plan(model, store, a.cache_limit_gb).to_json())
-        print("\n".join(lines))
+            finish_step(group)
+    if a.verbose:
+        if primary:
+            print("Memory plan:", memory_plan(model, store, a.cache_limit_gb).to_json())
+        print(expert_line(store, group), flush=True)
     elif primary:
         print(text)
     store.close()
