@@ -8,7 +8,7 @@ on.
                         0 = mlx-lm's default of 2048)
   EXPERT_POOL_PROFILE   pool profile to use instead of EXPERT_DIR/pool_profile.json,
                         or "none" to use none
-  MLX_STREAMING_CACHE   where expert directories of downloaded models and the kernel
+  MLX_STREAMING_HOME    where expert directories of downloaded models and the kernel
                         self-test's results go (default ~/.cache/mlx_streaming)
 """
 
@@ -31,12 +31,12 @@ class Settings:
 
     prefill_chunk: int = SEED_PREFILL_CHUNK
     pool_profile: str | None = None  # a path, "none", or None (use EXPERT_DIR's)
-    cache_dir: Path = Path("~/.cache/mlx_streaming").expanduser()
+    home_dir: Path = Path("~/.cache/mlx_streaming").expanduser()
 
     @property
     def kernel_check_file(self) -> Path:
         """Where the kernel-parity self-test remembers the shapes it found exact."""
-        return self.cache_dir / "kernel_parity.json"
+        return self.home_dir / "kernel_parity.json"
 
 
 def settings() -> Settings:
@@ -48,9 +48,7 @@ def settings() -> Settings:
     return Settings(
         prefill_chunk=_int_env("PREFILL_CHUNK", SEED_PREFILL_CHUNK),
         pool_profile=os.environ.get("EXPERT_POOL_PROFILE") or None,
-        cache_dir=Path(
-            os.environ.get("MLX_STREAMING_CACHE", "~/.cache/mlx_streaming")
-        ).expanduser(),
+        home_dir=Path(os.environ.get("MLX_STREAMING_HOME", "~/.cache/mlx_streaming")).expanduser(),
     )
 
 

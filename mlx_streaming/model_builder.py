@@ -44,7 +44,7 @@ def default_expert_dir(model: str | Path) -> Path:
     p = Path(model).expanduser()
     key = str(p.resolve()) if p.exists() else str(model)
     name = Path(key).name or "model"
-    return env.settings().cache_dir / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+    return env.settings().home_dir / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
 def load(

@@ -104,11 +104,11 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--pipeline-split",
         help="decoder layers per rank, in rank order (rank 0 runs the last), e.g. 20,28; "
-        "default: even (python -m mlx_streaming plan --hosts-gb suggests one)",
+        "default: even (python -m mlx_streaming plan --machines-gb suggests one)",
     )
     g.add_argument(
         "--rank-budget-gb",
-        help="expert pool GB per rank, rank order (plan --hosts-gb suggests them); "
+        help="expert pool GB per rank, rank order (plan --machines-gb suggests them); "
         "instead of --budget-gb, which every rank would take alike",
     )
     g.add_argument(

@@ -21,7 +21,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
             "measured by `bench`). The trace's second half is replayed."
         ),
     )
-    p.add_argument("--trace", help="routing trace (.npz); not needed with --hosts-gb")
+    p.add_argument("--trace", help="routing trace (.npz); not needed with --machines-gb")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="model directory or repo id (its experts' sizes)")
     src.add_argument("--expert-dir", help="an expert directory (its meta)")
@@ -54,7 +54,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print a JSON list")
     p.add_argument("--plot", help="write a PNG of hit rate against budget (needs matplotlib)")
     p.add_argument(
-        "--hosts-gb",
+        "--machines-gb",
         help="pipeline planning: memory per host for the model, rank order (e.g. 48,24); "
         "prints the --pipeline-split and each rank's pool budget (needs --model)",
     )
@@ -62,16 +62,16 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 
 def plan_hosts(a) -> None:
-    """Print the pipeline split and per-rank pool budgets for ``--hosts-gb``."""
+    """Print the pipeline split and per-rank pool budgets for ``--machines-gb``."""
     from ..planning.pipeline import ModelBytes, suggest_split
     from ..prep.hub import load_lazy, resolve_model_path
 
     if not a.model:
-        raise ValueError("--hosts-gb needs --model (the trunk's size per layer)")
+        raise ValueError("--machines-gb needs --model (the trunk's size per layer)")
     try:
-        hosts = [float(x) for x in a.hosts_gb.split(",")]
+        hosts = [float(x) for x in a.machines_gb.split(",")]
     except ValueError:
-        raise ValueError(f"--hosts-gb {a.hosts_gb!r}: give GB per host, e.g. 48,24") from None
+        raise ValueError(f"--machines-gb {a.machines_gb!r}: give GB per host, e.g. 48,24") from None
     model, _ = load_lazy(resolve_model_path(a.model))
     sp = suggest_split(ModelBytes.from_model(model), hosts)
     if a.json:
@@ -143,10 +143,10 @@ def plot(rows: list[PlanRow], path: str) -> None:
 
 def main(argv=None) -> None:
     a = setup_arg_parser().parse_args(argv)
-    if a.hosts_gb:
+    if a.machines_gb:
         return plan_hosts(a)
     if not a.trace or not (a.budget_gb or a.slots):
-        raise ValueError("plan needs --trace and --budget-gb or --slots (or --hosts-gb)")
+        raise ValueError("plan needs --trace and --budget-gb or --slots (or --machines-gb)")
     trace = RoutingTrace.load(a.trace)
     shape = _shape(a, trace)
     t, b = _bounds(a)

@@ -96,20 +96,20 @@ def _pack(mb: ModelBytes, hosts: list[int], share: float) -> list[int] | None:
     return counts
 
 
-def suggest_split(mb: ModelBytes, hosts_gb: list[float]) -> SplitPlan:
+def suggest_split(mb: ModelBytes, machines_gb: list[float]) -> SplitPlan:
     """The split that holds the largest share of every MoE layer's experts in pools,
-    with each rank's memory ``hosts_gb[rank]`` (trunk share plus pools).
+    with each rank's memory ``machines_gb[rank]`` (trunk share plus pools).
 
     Raises:
         ValueError: the hosts cannot hold the model's trunk with top-k slots per layer.
     """
-    hosts = [int(g * 1e9) for g in hosts_gb]
+    hosts = [int(g * 1e9) for g in machines_gb]
     if len(hosts) > len(mb.trunk):
         raise ValueError(f"{len(hosts)} hosts for {len(mb.trunk)} layers: use fewer hosts")
     if _pack(mb, hosts, 0.0) is None:
         need = mb.shared * len(hosts) + sum(mb.layer_bytes(i, 0.0) for i in range(len(mb.trunk)))
         raise ValueError(
-            f"hosts of {hosts_gb} GB cannot hold this model even with top-k slots per layer "
+            f"hosts of {machines_gb} GB cannot hold this model even with top-k slots per layer "
             f"(about {need / 1e9:.2f} GB in all): add memory or hosts"
         )
     lo, hi = 0.0, 1.0

@@ -104,7 +104,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
                 if getattr(h, "_headers_sent", False):  # a stream: an error event, then end
                     h.wfile.write(f"data: {body}\n\ndata: [DONE]\n\n".encode())
                 else:
-                    h._reply(503, json.loads(body))
+                    h.reply(503, json.loads(body))
                 h.wfile.flush()
             except OSError:
                 pass
@@ -130,7 +130,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
             "object": "list",
             "data": [{"id": i, "object": "model", "created": self.created} for i in ids],
         }
-        self._reply(200, body)
+        self.reply(200, body)
 
     def handle_health_check(self):
         healthy = self.response_generator.is_healthy
@@ -149,7 +149,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
                 "pool_gb": round(store.pool_bytes() / 1e9, 3),
             }
             body["memory"] = self._memory(provider)
-        self._reply(200 if healthy else 503, body)
+        self.reply(200 if healthy else 503, body)
 
     def _memory(self, provider) -> dict:
         """Bytes: the process's peak RSS over its RSS before the model was loaded, MLX's
@@ -169,7 +169,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
             "prompt_cache_kv": self.response_generator.prompt_cache.nbytes,
         }
 
-    def _reply(self, status: int, body: dict) -> None:
+    def reply(self, status: int, body: dict) -> None:
         data = json.dumps(body).encode()
         # mlx-lm's own JSON response start (status, content type, CORS): the one place
         # this module leans on the handler's internals
