@@ -59,6 +59,22 @@ def test_load_with_budget(models, tmp_path):
     store.close()
 
 
+def test_every_flag_works_on_the_cpu(models, tmp_path):
+    """Options that need each other are set together: masked rows get their zero slot;
+    an unknown option is named."""
+    from mlx_streaming.analysis.verify import compare_traces, greedy_trace
+
+    ck, ed = models.experts("tiny-qwen3_moe")
+    ref, tok = load(str(ck))
+    ids = tok.encode(PROMPT)
+    model, _, store = mlx_streaming.load(ck, ed, slots=5, rows="masked", progress=False)
+    assert store.zero_slot
+    assert compare_traces(greedy_trace(ref, ids, 6), greedy_trace(model, ids, 6)).exact
+    store.close()
+    with pytest.raises(TypeError, match="unknown streaming option.*'slot'.*fields"):
+        mlx_streaming.load(ck, ed, slot=5)
+
+
 def test_mem_snapshot_is_real():
     mem.reset_peak()
     a = mx.ones((1024, 1024))
