@@ -18,6 +18,7 @@ COMMANDS = {
     "quality": "KL divergence, top-1 agreement and projection errors of requantized experts",
     "demo": "build a synthetic model, stream it and check it against stock mlx-lm",
     "synth": "write a synthetic MoE checkpoint",
+    "train-tiny": "train a small MoE on offline text (real routing, readable output)",
 }
 
 
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\nunknown command {argv[0]!r}", file=sys.stderr)
             sys.exit(2)
         return
-    module = importlib.import_module(f"mlx_streaming.commands.{argv[0]}")
+    module = importlib.import_module(f"mlx_streaming.commands.{argv[0].replace('-', '_')}")
     try:
         module.main(argv[1:])
     except (ValueError, FileNotFoundError, PermissionError) as e:

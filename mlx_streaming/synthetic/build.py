@@ -45,8 +45,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(vocab_size: int = 512):
-    """A deterministic byte-level BPE tokenizer with a ChatML-style chat template."""
+def build_tokenizer(vocab_size: int = 512, texts: list[str] | None = None):
+    """A deterministic byte-level BPE tokenizer with a ChatML-style chat template,
+    trained on ``texts`` (default: a small built-in corpus)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -59,7 +60,7 @@ def build_tokenizer(vocab_size: int = 512):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer)
+    tok.train_from_iterator(texts if texts is not None else _CORPUS * 4, trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token="<|endoftext|>"
     )
@@ -180,7 +181,7 @@ def make_checkpoint(
     Returns:
         The checkpoint directory.
     """
-    from mlx_lm.utils import quantize_model, save_config, save_model
+    from mlx_lm.utils import quantize_model
 
     p = PRESETS[preset] if isinstance(preset, str) else preset
     if isinstance(preset, str) and preset not in PRESETS:
@@ -219,25 +220,31 @@ def make_checkpoint(
         with contextlib.redirect_stdout(io.StringIO()):
             model, config = quantize_model(model, config, group_size, bits)
 
+    info = {
+        "preset": p.name,
+        "bits": bits,
+        "group_size": group_size,
+        "dtype": dtype,
+        "seed": seed,
+        "description": p.description,
+    }
+    return save_checkpoint(out, model, config, tokenizer, {"synthetic.json": info})
+
+
+def save_checkpoint(out: Path, model, config: dict, tokenizer, extra: dict) -> Path:
+    """Write an MLX-format checkpoint (weights, config, tokenizer, ``extra`` JSON files)
+    under a temporary name, then rename it: a directory that exists is complete."""
+    from mlx_lm.utils import save_config, save_model
+
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_model(tmp, model, donate_model=True)
     save_config(config, tmp / "config.json")
     tokenizer.save_pretrained(str(tmp))
-    with open(tmp / "synthetic.json", "w") as f:
-        json.dump(
-            {
-                "preset": p.name,
-                "bits": bits,
-                "group_size": group_size,
-                "dtype": dtype,
-                "seed": seed,
-                "description": p.description,
-            },
-            f,
-            indent=2,
-        )
+    for name, obj in extra.items():
+        with open(tmp / name, "w") as f:
+            json.dump(obj, f, indent=2)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

@@ -1,0 +1,39 @@
+"""``python -m mlx_streaming train-tiny --out DIR``: train a small MoE on offline text."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import fields
+
+from ..synthetic.train import TrainConfig, report_lines, train_tiny
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx_streaming train-tiny",
+        description=(
+            "Train a small qwen3_moe model (mlx-lm's architecture, load-balanced routing) on "
+            "the Python standard library's sources, hold some out, and save a checkpoint "
+            "mlx_lm.load reads, with its loss curve and routing statistics (training.json). "
+            "The defaults are a CPU-sized run; the same seed gives the same weights."
+        ),
+    )
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    for f in fields(TrainConfig):  # one flag per TrainConfig field, its default from there
+        kind = int if f.type in ("int", "int | None") else float
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
+    p.add_argument("--json", dest="json_out", help="also write the report here")
+    return p
+
+
+def main(argv=None) -> None:
+    a = setup_arg_parser().parse_args(argv)
+    cfg = TrainConfig(**{f.name: getattr(a, f.name) for f in fields(TrainConfig)})
+    if cfg.bits == 0:
+        cfg = TrainConfig(**{**cfg.__dict__, "bits": None})
+    report = train_tiny(a.out, cfg)
+    print(report_lines(report))
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(report, f, indent=2)
