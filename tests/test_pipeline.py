@@ -251,8 +251,9 @@ def test_serve_under_launch(models, tmp_path):
     cmd += [sys.executable, "-m", "mlx_streaming", "serve", "--model", str(ck)]
     cmd += ["--expert-dir", str(tmp_path / "ed"), "--slots", "5", "--pipeline"]
     cmd += ["--port", str(port)]
+    log = tmp_path / "serve.log"
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
         body = json.dumps({"prompt": PROMPT, "max_tokens": 12, "temperature": 0}).encode()
@@ -267,9 +268,9 @@ def test_serve_under_launch(models, tmp_path):
                 with urllib.request.urlopen(req, timeout=60) as resp:
                     got = json.loads(resp.read())["choices"][0]["text"]
                 break
-            except OSError:
+            except OSError as e:
                 if time.time() > deadline or proc.poll() is not None:
-                    raise
+                    raise AssertionError(f"no server ({e}): {log.read_text()[-3000:]}") from e
                 time.sleep(0.5)
         assert got == _stock_text(ck, PROMPT, 12, chat=False)
     finally:

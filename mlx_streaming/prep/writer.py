@@ -55,7 +55,7 @@ def prepare_out_dir(out: Path) -> None:
     """Create ``out`` and check that it can be written."""
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write_test"
+        probe = out / f".write_test.{os.getpid()}"  # ranks on one host probe at once
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
