@@ -61,7 +61,6 @@ def init_pipeline(timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S):
         raise PipelineError(
             "--pipeline needs two or more ranks: launch with mlx.launch -n 2 (or a hostfile)"
         )
-    gather_lines(group, f"rank {group.rank()}")  # a checked first exchange: the ring carries data
     return group
 
 
@@ -178,8 +177,8 @@ def barrier(group) -> None:
 def finish_step(group) -> None:
     """After a generation: finish the forward pass mlx-lm started ahead (its send, recv
     and all_gather still in flight), then wait for every rank. Without it a rank that
-    exits, or exchanges anything, tears into its peers' last step."""
-    mx.synchronize()
+    exits, or exchanges anything, tears into its peers' last step (``collective``
+    synchronises first)."""
     barrier(group)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import fields
-from enum import Enum
 
 from ..core.options import StreamConfig
 from ..parallel import DEFAULT_CONNECT_TIMEOUT_S
@@ -89,7 +88,7 @@ def add_store_args(p: argparse.ArgumentParser, several: bool = False) -> None:
             if several and f.name in ("slots", "budget_gb"):
                 kw["nargs"] = "+"
         else:
-            kw["default"] = f.default.value if isinstance(f.default, Enum) else f.default
+            kw["default"] = f.default
         (size if f.name in ("slots", "budget_gb") else g).add_argument(flag, dest=f.name, **kw)
 
 

@@ -6,6 +6,7 @@ import os
 import resource
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -139,12 +140,12 @@ def machine_memory() -> tuple[int, int]:
             k, v = line.split(":")
             info[k] = int(v.split()[0]) * 1024
     total, avail = info["MemTotal"], info.get("MemAvailable", info["MemFree"])
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            raw = f.read().strip()
+    try:  # a cgroup (v2) limit: what the group may still take
+        cg = Path("/sys/fs/cgroup")
+        raw = (cg / "memory.max").read_text().strip()
         if raw != "max":
-            limit = int(raw)
-            total, avail = min(total, limit), min(avail, max(0, limit - rss_bytes()))
-    except OSError:
+            used = int((cg / "memory.current").read_text())
+            total, avail = min(total, int(raw)), min(avail, max(0, int(raw) - used))
+    except (OSError, ValueError):
         pass
     return total, avail

@@ -103,6 +103,21 @@ class RouterTap(nn.Module):
         return logits
 
 
+@contextlib.contextmanager
+def tapped_routers(model):
+    """Within the block, every MoE block's router appends its logits of each call to the
+    list yielded; the routers are put back after."""
+    sink: list = []
+    blocks = [layer.mlp for layer in model.model.layers]
+    for b in blocks:
+        b.gate = RouterTap(b.gate, sink)
+    try:
+        yield sink
+    finally:
+        for b in blocks:
+            b.gate = b.gate.gate
+
+
 def balance_loss(logits: mx.array, top_k: int) -> mx.array:
     """Switch Transformer's load-balancing loss: experts x sum over experts of (share of
     top-k picks) x (mean router probability); 1.0 when routing is uniform."""
@@ -115,48 +130,24 @@ def balance_loss(logits: mx.array, top_k: int) -> mx.array:
 
 def routing_stats(model, tokens: np.ndarray, experts: int, top_k: int, seq: int) -> dict:
     """Per MoE layer, on held-out tokens: routing entropy (bits) and usage histogram."""
-    sink: list = []
-    blocks = [layer.mlp for layer in model.model.layers]
-    for b in blocks:
-        b.gate = RouterTap(b.gate, sink)
-    counts = np.zeros((len(blocks), experts))
-    for i in range(0, min(len(tokens) - 1, 16 * seq), seq):
-        sink.clear()
-        model(mx.array(tokens[i : i + seq])[None])
-        for li, logits in enumerate(sink):
-            picks = np.array(mx.argpartition(-logits, kth=top_k - 1, axis=-1)[..., :top_k])
-            counts[li] += np.bincount(picks.reshape(-1), minlength=experts)
-    for b in blocks:
-        b.gate = b.gate.gate
+    counts = np.zeros((len(model.model.layers), experts))
+    with tapped_routers(model) as sink:
+        for i in range(0, min(len(tokens) - 1, 16 * seq), seq):
+            sink.clear()
+            model(mx.array(tokens[i : i + seq])[None])
+            for li, logits in enumerate(sink):
+                picks = np.array(mx.argpartition(-logits, kth=top_k - 1, axis=-1)[..., :top_k])
+                counts[li] += np.bincount(picks.reshape(-1), minlength=experts)
     p = counts / counts.sum(1, keepdims=True)
     ent = -(p * np.log2(np.where(p > 0, p, 1))).sum(1)
     return {"entropy_bits": ent.round(3).tolist(), "max_bits": round(float(np.log2(experts)), 3),
             "usage": counts.astype(int).tolist()}  # fmt: skip
 
 
-def train_tiny(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=print) -> dict:
-    """Train, evaluate on held-out text and save an MLX checkpoint to ``out_dir``;
-    returns the report (also written there as ``training.json``)."""
+def _train(model, sink: list, train_ids: np.ndarray, rng, cfg: TrainConfig, log) -> list:
+    """AdamW steps on random windows of ``train_ids``; cross-entropy plus the balance
+    loss on the routers' logits (``sink``). Returns the loss curve."""
     import mlx.optimizers as optim
-    from mlx_lm.models import qwen3_moe
-    from mlx_lm.utils import quantize_model
-
-    from .build import EOS_TOKEN, build_tokenizer, save_checkpoint
-
-    t0 = time.perf_counter()
-    train_text, held_text, files = corpus(cfg.max_chars, cfg.held_out_every)
-    tok = build_tokenizer(
-        cfg.vocab, [train_text[i : i + 20000] for i in range(0, len(train_text), 20000)]
-    )
-    train_ids = np.array(tok.encode(train_text), dtype=np.int32)
-    held_ids = np.array(tok.encode(held_text), dtype=np.int32)
-    config = model_config(cfg, len(tok), tok.convert_tokens_to_ids(EOS_TOKEN))
-    mx.random.seed(cfg.seed)
-    model = qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(config))
-    sink: list = []
-    for layer in model.model.layers:
-        layer.mlp.gate = RouterTap(layer.mlp.gate, sink)
-    rng = np.random.default_rng(cfg.seed)
 
     def loss_fn(model, x, y):
         sink.clear()
@@ -176,8 +167,30 @@ def train_tiny(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=print)
         if i % max(1, cfg.steps // 20) == 0 or i == cfg.steps - 1:
             curve.append({"step": i, "loss": round(float(ce), 4), "aux": round(float(aux), 4)})
             log(f"step {i}: loss {curve[-1]['loss']} aux {curve[-1]['aux']}")
-    for layer in model.model.layers:
-        layer.mlp.gate = layer.mlp.gate.gate
+    return curve
+
+
+def train_tiny(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=print) -> dict:
+    """Train, evaluate on held-out text and save an MLX checkpoint to ``out_dir``;
+    returns the report (also written there as ``training.json``)."""
+    from mlx_lm.models import qwen3_moe
+    from mlx_lm.utils import quantize_model
+
+    from .build import EOS_TOKEN, build_tokenizer, save_checkpoint
+
+    t0 = time.perf_counter()
+    train_text, held_text, files = corpus(cfg.max_chars, cfg.held_out_every)
+    tok = build_tokenizer(
+        cfg.vocab, [train_text[i : i + 20000] for i in range(0, len(train_text), 20000)]
+    )
+    train_ids = np.array(tok.encode(train_text), dtype=np.int32)
+    held_ids = np.array(tok.encode(held_text), dtype=np.int32)
+    config = model_config(cfg, len(tok), tok.convert_tokens_to_ids(EOS_TOKEN))
+    mx.random.seed(cfg.seed)
+    model = qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(config))
+    rng = np.random.default_rng(cfg.seed)
+    with tapped_routers(model) as sink:
+        curve = _train(model, sink, train_ids, rng, cfg, log)
     held = held_ids[: 32 * cfg.seq + 1]
     x, y = mx.array(held[:-1].reshape(-1, cfg.seq)), mx.array(held[1:].reshape(-1, cfg.seq))
     held_loss = float(nn.losses.cross_entropy(model(x), y, reduction="mean"))

@@ -187,24 +187,23 @@ class Predictive(_Scored):
         self.aged[idx] = self.aged[idx] * self.AGE ** (self.t - self.aged_at[idx]) + 1
         self.aged_at[idx] = self.t
 
-    def features(self, current: np.ndarray) -> np.ndarray:
-        """Per expert: log recency, windowed counts, transition score, aged count."""
+    def _columns(self, current: np.ndarray) -> list[np.ndarray]:
+        """The features, one array over experts each, in ``PREDICTIVE_WEIGHTS``' order:
+        log recency, windowed counts, transition score, aged count."""
         rec = np.where(self.last >= 0, self.t - self.last, 10**6).astype(np.float64)
         if len(current):
             tr = (self.trans[current] / np.maximum(self.row[current], 1)[:, None]).sum(0)
         else:
             tr = np.zeros(self.num_experts)
         aged = self.aged * self.AGE ** (self.t - 1 - self.aged_at)
-        return np.stack([np.log1p(rec), *self.win, tr, aged], axis=-1)
+        return [np.log1p(rec), *self.win, tr, aged]
+
+    def features(self, current: np.ndarray) -> np.ndarray:
+        """Per expert: log recency, windowed counts, transition score, aged count."""
+        return np.stack(self._columns(current), axis=-1)
 
     def scores(self):
-        # features(current) @ w, without stacking the features
-        w, now = self.w, self._now
-        rec = np.where(self.last >= 0, self.t - self.last, 10**6).astype(np.float64)
-        s = w[0] * np.log1p(rec) + w[1:4] @ self.win
-        if len(now):
-            s += w[4] * (self.trans[now] / np.maximum(self.row[now], 1)[:, None]).sum(0)
-        return s + w[5] * (self.aged * self.AGE ** (self.t - 1 - self.aged_at))
+        return self.w @ np.stack(self._columns(self._now))  # features(current) @ w
 
     def victims(self, n, protect):
         # the call being served is what the next one will most likely follow
