@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import fields
 
 from ..synthetic.train import TrainConfig, report_lines, train_tiny
@@ -23,6 +24,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     for f in fields(TrainConfig):  # one flag per TrainConfig field, its default from there
         kind = int if f.type in ("int", "int | None") else float
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
+    p.add_argument("--float-out", help="also keep the unquantized model here")
     p.add_argument("--json", dest="json_out", help="also write the report here")
     return p
 
@@ -32,7 +34,10 @@ def main(argv=None) -> None:
     cfg = TrainConfig(**{f.name: getattr(a, f.name) for f in fields(TrainConfig)})
     if cfg.bits == 0:
         cfg = TrainConfig(**{**cfg.__dict__, "bits": None})
-    report = train_tiny(a.out, cfg)
+    command = "python -m mlx_streaming train-tiny " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    report = train_tiny(a.out, cfg, float_dir=a.float_out, command=command)
     print(report_lines(report))
     if a.json_out:
         with open(a.json_out, "w") as f:

@@ -231,20 +231,23 @@ def make_checkpoint(
     return save_checkpoint(out, model, config, tokenizer, {"synthetic.json": info})
 
 
-def save_checkpoint(out: Path, model, config: dict, tokenizer, extra: dict) -> Path:
+def save_checkpoint(
+    out: Path, model, config: dict, tokenizer, extra: dict, *, donate: bool = True
+) -> Path:
     """Write an MLX-format checkpoint (weights, config, tokenizer, ``extra`` JSON files)
-    under a temporary name, then rename it: a directory that exists is complete."""
+    under a temporary name, then rename it: a directory that exists is complete.
+    ``extra``: file name -> JSON-able object, or a string written as text. ``donate``: the model's weights are freed as they are written."""
     from mlx_lm.utils import save_config, save_model
 
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_model(tmp, model, donate_model=True)
+    save_model(tmp, model, donate_model=donate)
     save_config(config, tmp / "config.json")
     tokenizer.save_pretrained(str(tmp))
-    for name, obj in extra.items():
+    for name, obj in extra.items():  # JSON, or text as it is
         with open(tmp / name, "w") as f:
-            json.dump(obj, f, indent=2)
+            f.write(obj) if isinstance(obj, str) else json.dump(obj, f, indent=2)
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)

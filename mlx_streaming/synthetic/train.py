@@ -24,6 +24,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+HELD_OUT_NAME = "held_out.txt"  # saved beside the weights: held-out text for evaluations
+HELD_OUT_CHARS = 400_000
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -144,6 +147,26 @@ def routing_stats(model, tokens: np.ndarray, experts: int, top_k: int, seq: int)
             "usage": counts.astype(int).tolist()}  # fmt: skip
 
 
+def held_out_text(model_dir: str | Path) -> str:
+    """The held-out text saved with a ``train_tiny`` checkpoint (the start of the held-out
+    files, as read on the machine that trained it)."""
+    path = Path(model_dir) / HELD_OUT_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: {model_dir} is not a train-tiny checkpoint")
+    return path.read_text(encoding="utf-8")
+
+
+def held_out_loss(model, ids: np.ndarray, seq: int, windows: int = 32) -> float:
+    """Mean next-token cross-entropy (nats) over the first ``windows`` windows of ``seq``
+    tokens of ``ids`` (the held-out text)."""
+    n = min(windows, (len(ids) - 1) // seq)
+    if n < 1:
+        raise ValueError(f"held-out text has {len(ids)} tokens, fewer than one window of {seq}")
+    held = ids[: n * seq + 1]
+    x, y = mx.array(held[:-1].reshape(n, seq)), mx.array(held[1:].reshape(n, seq))
+    return float(nn.losses.cross_entropy(model(x), y, reduction="mean"))
+
+
 def _train(model, sink: list, train_ids: np.ndarray, rng, cfg: TrainConfig, log) -> list:
     """AdamW steps on random windows of ``train_ids``; cross-entropy plus the balance
     loss on the routers' logits (``sink``). Returns the loss curve."""
@@ -157,7 +180,7 @@ def _train(model, sink: list, train_ids: np.ndarray, rng, cfg: TrainConfig, log)
 
     step = nn.value_and_grad(model, loss_fn)
     opt = optim.AdamW(optim.cosine_decay(cfg.lr, cfg.steps), weight_decay=0.01)
-    curve = []
+    curve, t0 = [], time.perf_counter()
     for i in range(cfg.steps):
         starts = rng.integers(0, len(train_ids) - cfg.seq - 1, cfg.batch)
         batch = np.stack([train_ids[s : s + cfg.seq + 1] for s in starts])
@@ -165,14 +188,23 @@ def _train(model, sink: list, train_ids: np.ndarray, rng, cfg: TrainConfig, log)
         opt.update(model, grads)
         mx.eval(model.parameters(), opt.state)
         if i % max(1, cfg.steps // 20) == 0 or i == cfg.steps - 1:
-            curve.append({"step": i, "loss": round(float(ce), 4), "aux": round(float(aux), 4)})
-            log(f"step {i}: loss {curve[-1]['loss']} aux {curve[-1]['aux']}")
+            tps = (i + 1) * cfg.batch * cfg.seq / (time.perf_counter() - t0)
+            curve.append({"step": i, "loss": round(float(ce), 4), "aux": round(float(aux), 4),
+                          "tokens_per_s": round(tps)})  # fmt: skip
+            log(f"step {i}: loss {curve[-1]['loss']} aux {curve[-1]['aux']} ({tps:,.0f} tok/s)")
     return curve
 
 
-def train_tiny(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=print) -> dict:
+def train_tiny(
+    out_dir: str | Path,
+    cfg: TrainConfig = TrainConfig(),
+    log=print,
+    float_dir: str | Path | None = None,
+    command: str = "",
+) -> dict:
     """Train, evaluate on held-out text and save an MLX checkpoint to ``out_dir``;
-    returns the report (also written there as ``training.json``)."""
+    returns the report (also written there as ``training.json``). ``float_dir`` also
+    keeps the unquantized model (the reference for quality measurements)."""
     from mlx_lm.models import qwen3_moe
     from mlx_lm.utils import quantize_model
 
@@ -191,11 +223,10 @@ def train_tiny(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=print)
     rng = np.random.default_rng(cfg.seed)
     with tapped_routers(model) as sink:
         curve = _train(model, sink, train_ids, rng, cfg, log)
-    held = held_ids[: 32 * cfg.seq + 1]
-    x, y = mx.array(held[:-1].reshape(-1, cfg.seq)), mx.array(held[1:].reshape(-1, cfg.seq))
-    held_loss = float(nn.losses.cross_entropy(model(x), y, reduction="mean"))
+    held_loss = held_out_loss(model, held_ids, cfg.seq)
     report = {
         "config": asdict(cfg),
+        "command": command,
         "train_tokens_seen": cfg.steps * cfg.batch * cfg.seq,
         "train_tokens": int(len(train_ids)),
         "held_out_tokens": int(len(held_ids)),
@@ -210,10 +241,17 @@ def train_tiny(out_dir: str | Path, cfg: TrainConfig = TrainConfig(), log=print)
             "held_out": f"every {cfg.held_out_every}th file",
         },  # fmt: skip
     }
+    if float_dir is not None:
+        extra = {"training.json": report, HELD_OUT_NAME: held_text[:HELD_OUT_CHARS]}
+        save_checkpoint(Path(float_dir), model, config, tok, extra, donate=False)
     if cfg.bits is not None:
         with contextlib.redirect_stdout(io.StringIO()):
             model, config = quantize_model(model, config, 64, cfg.bits)
-    save_checkpoint(Path(out_dir), model, config, tok, {"training.json": report})
+        q_loss = held_out_loss(model, held_ids, cfg.seq)
+        report["held_out_loss_quantized"] = round(q_loss, 4)
+        report["held_out_perplexity_quantized"] = round(float(np.exp(q_loss)), 3)
+    extra = {"training.json": report, HELD_OUT_NAME: held_text[:HELD_OUT_CHARS]}
+    save_checkpoint(Path(out_dir), model, config, tok, extra)
     return report
 
 
