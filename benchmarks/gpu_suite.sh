@@ -18,7 +18,8 @@
 #   bash benchmarks/gpu_suite.sh probe      the primitives and the host-time profile
 #   bash benchmarks/gpu_suite.sh nan        where stock Qwen3-Next first gives a non-finite value
 #   bash benchmarks/gpu_suite.sh train      train-tiny at the committed model's shape: a timed
-#                                           probe sizes the run to TRAIN_S seconds (default 240);
+#                                           probe sizes the run to TRAIN_S seconds (default 240)
+#                                           unless TRAIN_STEPS is given;
 #                                           then the quality table against the float model.
 #                                           The checkpoint comes back as trained.tgz.part-*
 # Several suites may run in one call. TRACE names the DeepSeek-V2-Lite trace
@@ -66,19 +67,25 @@ case "$suite" in
              --prefill-tokens 0 --overlap
            speed gpu-dsv2-lru --residency 0.5,0.25 --cold warm --repeat 3 \
              --prefill-tokens 0 --policy lru ;;
-  nan) timeout 300 python3 benchmarks/probes/cuda_nan.py tiny-qwen3_next 2>&1 \
-         | tee "$out/nan.log" | tail -25 ;;
+  nan) for level in layer block; do
+         timeout 200 python3 benchmarks/probes/cuda_nan.py tiny-qwen3_next --level $level 2>&1 \
+           | tee -a "$out/nan.log" | tail -20
+       done ;;
   train) shape="--layers 8 --hidden 256 --experts 64 --top-k 6 --moe-inter 64 --vocab 4096
-           --seq 256 --batch 64 --max-chars 40000000 --lr 2e-3"
-         timeout 200 python3 -m mlx_streaming train-tiny --out /tmp/train-probe $shape \
-           --max-chars 2000000 --steps 12 --json /tmp/train-probe.json > /dev/null 2>&1
-         steps=$(python3 -c "import json; r=json.load(open('/tmp/train-probe.json'));
+           --seq 256 --batch 64 --max-chars 80000000 --lr 2e-3 --aux-weight ${AUX:-0.03}
+           --sources stdlib+site"
+         steps=${TRAIN_STEPS:-}
+         if [ -z "$steps" ]; then  # the probe's rate includes compiling: a lower bound
+           timeout 200 python3 -m mlx_streaming train-tiny --out /tmp/train-probe $shape \
+             --max-chars 2000000 --steps 12 --json /tmp/train-probe.json > /dev/null 2>&1
+           steps=$(python3 -c "import json; r=json.load(open('/tmp/train-probe.json'));
 print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
+         fi
          echo "training $steps steps"
          timeout 500 python3 -m mlx_streaming train-tiny --out /tmp/tiny-stdlib-moe $shape \
            --steps "$steps" --float-out /tmp/tiny-float 2>&1 | tee "$out/train.log" | tail -4
          tar czf - -C /tmp tiny-stdlib-moe | split -b 15m - "$out/trained.tgz.part-"
-         timeout 300 python3 benchmarks/trained_quality.py --model /tmp/tiny-float \
+         rm -rf /tmp/tq; timeout 300 python3 benchmarks/trained_quality.py --model /tmp/tiny-float \
            --workdir /tmp/tq --json "$out/quality-trained.json" 2>&1 | tail -3 ;;
   probe) timeout "$limit" python3 benchmarks/gpu.py --workdir $work --preset dsv2-lite \
            --trace "$trace" --probe --json "$out/gpu-probe.json" 2>&1 | tail -5 ;;

@@ -14,7 +14,9 @@ from mlx_streaming import FileExpertStore, patch_model_filebacked
 from mlx_streaming.analysis.verify import compare_traces, greedy_trace
 from mlx_streaming.core.meta import load_meta
 from mlx_streaming.core.options import StreamConfig
+from mlx_streaming.prep.split_experts import split_model
 from mlx_streaming.synthetic import TINY_ARCHS
+from mlx_streaming.synthetic.train import trained_checkpoint
 
 NEW_TOKENS = 32
 PREFILL = 16  # the longest prompt spans several prefill chunks
@@ -100,6 +102,26 @@ def test_streamed_equals_stock(models, arch, config):
         assert 0 < t["prediction_precision"] <= 1 and 0 < t["prediction_recall"] <= 1
     if config == "slots=all":
         assert store.hit_rate() > 0.9  # after one load per layer, nothing misses
+    store.close()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The trained model committed with the repository, its experts split for the test."""
+    ck = trained_checkpoint()
+    assert ck is not None, "checkpoints/tiny-stdlib-moe is missing from the checkout"
+    ed = tmp_path_factory.mktemp("trained") / "experts"
+    split_model(ck, ed)
+    return ck, ed
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_trained_model_streams_exactly(trained, config):
+    """The same suite on a model with learned routing (skewed, with locality)."""
+    ck, ed = trained
+    model, store = patched(ck, ed, **CONFIGS[config](load_meta(ed)))
+    assert_exact(model, ck)
+    assert store.misses > 0 and store.hits > 0
     store.close()
 
 

@@ -212,3 +212,21 @@ def test_profile_gives_diverse_layers_more_slots(models):
     assert prof.heldout_hit_rate > prof.uniform_heldout_hit_rate
     lossless = build_profile(trace, meta, mode="lossless", tokens=400)
     assert lossless.slots[sorted(meta.layers)[0]] == 5  # the k + 1 experts it used
+
+
+@pytest.mark.parametrize("policy", ["lru", "predictive"])
+def test_read_ahead_in_the_simulator(policy):
+    """Guesses that are the truth leave no demand miss and read what would have missed;
+    no guesses change nothing; wrong guesses only add reads."""
+    trace = local_trace()
+    L = trace.layers
+    plain = simulate(trace, policy, 8)
+    truth = {li: trace.experts[:, li].astype(np.int64) for li in range(L)}
+    perfect = simulate(trace, policy, 8, ahead=truth)
+    assert sum(perfect.misses.values()) == 0
+    assert perfect.reads_per_token() >= plain.misses_per_token() * 0.5
+    none = simulate(trace, policy, 8, ahead={li: np.full_like(truth[li], -1) for li in range(L)})
+    assert none.misses == plain.misses and sum(none.read_ahead.values()) == 0
+    wrong = {li: (truth[li] + 16) % trace.num_experts for li in range(L)}
+    worse = simulate(trace, policy, 8, ahead=wrong)
+    assert worse.reads_per_token() > plain.reads_per_token()

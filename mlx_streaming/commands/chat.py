@@ -10,7 +10,8 @@ def setup_arg_parser():
 
     p = mlx_chat_parser()
     p.prog = "mlx_streaming chat"
-    p.set_defaults(model=None)  # mlx-lm's default is a model to download; ours is required
+    # mlx-lm's default is a model to download; ours is the repository's trained model
+    p.set_defaults(model=None)
     add_store_args(p)
     return p
 
@@ -23,9 +24,12 @@ def main(argv=None) -> None:
     from mlx_lm.sample_utils import make_sampler
 
     from ..model_builder import load
+    from ..synthetic.train import trained_checkpoint
 
     p = setup_arg_parser()
     a = p.parse_args(argv)
+    if a.model is None:  # the repository's trained model (a completion model) if present
+        a.model = trained_checkpoint()
     if a.model is None:
         p.error("--model is required: the MLX model directory or repo id to chat with")
     if a.adapter_path:

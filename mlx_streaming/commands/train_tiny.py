@@ -22,7 +22,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     for f in fields(TrainConfig):  # one flag per TrainConfig field, its default from there
-        kind = int if f.type in ("int", "int | None") else float
+        kind = {"int": int, "int | None": int, "float": float}.get(f.type, str)
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
     p.add_argument("--float-out", help="also keep the unquantized model here")
     p.add_argument("--json", dest="json_out", help="also write the report here")

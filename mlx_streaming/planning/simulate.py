@@ -8,7 +8,7 @@ that knows the future, as the ceiling for any demand policy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,6 +26,11 @@ class SimResult:
     misses: dict[int, int]
     evictions: dict[int, int]
     tokens: int
+    read_ahead: dict[int, int] = field(default_factory=dict)  # experts loaded on a guess
+
+    def reads_per_token(self) -> float:
+        """Experts loaded per token: demand misses plus read-ahead."""
+        return (sum(self.misses.values()) + sum(self.read_ahead.values())) / max(1, self.tokens)
 
     @property
     def hit_rate(self) -> float:
@@ -56,6 +61,7 @@ def simulate(
     start: int = 0,
     tokens: int | None = None,
     pins: dict | None = None,
+    ahead: dict | None = None,
     **policy_kw,
 ) -> SimResult:
     """Hit/miss counts of ``policy`` with ``slots`` per layer (an int or {layer: slots}).
@@ -67,6 +73,9 @@ def simulate(
         layers: Trace layers to simulate (default: all).
         start, tokens: The span of the trace to replay.
         pins: {layer: experts} kept resident from the start and never evicted.
+        ahead: {layer: [T, m] experts} read ahead before each token's lookup (a
+            predictor's guesses, -1 for none): loaded into slots the policy frees, not
+            counted as misses but in ``read_ahead``.
     """
     layers = list(range(trace.layers)) if layers is None else list(layers)
     E = trace.num_experts
@@ -80,7 +89,16 @@ def simulate(
         if len(pinned):
             cache.commit(cache.reserve(pinned, set()))
             cache.pinned = set(pinned.tolist())
-        for need in seq:
+        guesses = None if ahead is None else ahead.get(li)
+        res.read_ahead[li] = 0
+        for t, need in enumerate(seq):
+            if guesses is not None:
+                g = np.unique(guesses[start + t])
+                g = g[g >= 0]
+                _, miss = cache.split(g)  # a guess never evicts another guessed expert
+                placed = cache.reserve(miss, set(g.tolist()), limit=len(miss))
+                cache.commit(placed)
+                res.read_ahead[li] += len(placed)
             cache.lookup(need)
         res.slots[li] = c
         res.hits[li], res.misses[li] = cache.stats.hits, cache.stats.misses

@@ -100,9 +100,12 @@ _TINY = 128  # hidden size of the per-architecture test presets
 PRESETS: dict[str, Preset] = {
     # One tiny preset per supported architecture, for tests. Dense layers sit between
     # MoE layers where the architecture allows it.
+    # Qwen3-Next's shared expert is as wide as an expert: 128, not 64, since MLX CUDA
+    # 0.32.4's dense quantized matmul reads unwritten memory (NaN) when its input is one
+    # quantization group wide and has 2+ rows (benchmarks/probes/cuda_qmm_nan.py).
     "tiny-qwen3_next": Preset(
         "tiny-qwen3_next",
-        _qwen3_next(4, _TINY, 16, 4, 64, mlp_only=(1,)),
+        _qwen3_next(4, _TINY, 16, 4, 128, mlp_only=(1,)),
         description="Qwen3-Next: linear + full attention, shared expert, a dense layer 1",
     ),
     "tiny-qwen3_moe": Preset(

@@ -24,6 +24,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+TRAINED = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-stdlib-moe"
+# a completion model: chat turns are text to continue, with no role markers it never saw
+CONTINUE_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 HELD_OUT_NAME = "held_out.txt"  # saved beside the weights: held-out text for evaluations
 HELD_OUT_CHARS = 400_000
 
@@ -46,21 +49,35 @@ class TrainConfig:
     seed: int = 0
     held_out_every: int = 10
     max_chars: int = 4_000_000
+    sources: str = "stdlib"  # or "stdlib+site": the installed packages' sources too
     bits: int | None = 4  # quantize the saved model (None: keep float)
 
 
-def corpus(max_chars: int, held_out_every: int) -> tuple[str, str, list[str]]:
-    """``(train text, held-out text, files read)`` from the standard library's sources."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+def source_files(sources: str) -> list[tuple[Path, Path]]:
+    """``(root, file)`` of every ``.py`` file to read, sorted: the standard library's
+    (``stdlib``), and with ``stdlib+site`` also the installed packages' (purelib)."""
+    paths = sysconfig.get_paths()
+    roots = {"stdlib": ["stdlib"], "stdlib+site": ["stdlib", "purelib"]}.get(sources)
+    if roots is None:
+        raise ValueError(f"sources {sources!r}: use stdlib or stdlib+site")
+    out = []
+    for key in roots:
+        root = Path(paths[key])
+        skip = "site-packages" if key == "stdlib" else None
+        out += [(root, p) for p in sorted(root.rglob("*.py")) if skip not in p.parts]
+    return out
+
+
+def corpus(max_chars: int, held_out_every: int, sources: str = "stdlib"):
+    """``(train text, held-out text, files read)`` from Python sources on this machine."""
     train, held, used, n = [], [], [], 0
-    for i, f in enumerate(files):
+    for i, (root, f) in enumerate(source_files(sources)):
         try:
             text = f.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
         (held if i % held_out_every == 0 else train).append(text)
-        used.append(str(f.relative_to(root)))
+        used.append(f"{root.name}/{f.relative_to(root)}")
         n += len(text)
         if n >= max_chars:
             break
@@ -147,6 +164,12 @@ def routing_stats(model, tokens: np.ndarray, experts: int, top_k: int, seq: int)
             "usage": counts.astype(int).tolist()}  # fmt: skip
 
 
+def trained_checkpoint() -> Path | None:
+    """The trained model committed with the repository (``checkpoints/tiny-stdlib-moe``),
+    or None where it is absent (an installed wheel does not carry it)."""
+    return TRAINED if (TRAINED / "config.json").exists() else None
+
+
 def held_out_text(model_dir: str | Path) -> str:
     """The held-out text saved with a ``train_tiny`` checkpoint (the start of the held-out
     files, as read on the machine that trained it)."""
@@ -211,10 +234,11 @@ def train_tiny(
     from .build import EOS_TOKEN, build_tokenizer, save_checkpoint
 
     t0 = time.perf_counter()
-    train_text, held_text, files = corpus(cfg.max_chars, cfg.held_out_every)
+    train_text, held_text, files = corpus(cfg.max_chars, cfg.held_out_every, cfg.sources)
     tok = build_tokenizer(
         cfg.vocab, [train_text[i : i + 20000] for i in range(0, len(train_text), 20000)]
     )
+    tok.chat_template = CONTINUE_TEMPLATE
     train_ids = np.array(tok.encode(train_text), dtype=np.int32)
     held_ids = np.array(tok.encode(held_text), dtype=np.int32)
     config = model_config(cfg, len(tok), tok.convert_tokens_to_ids(EOS_TOKEN))
@@ -236,7 +260,7 @@ def train_tiny(
         "curve": curve,
         "seconds": round(time.perf_counter() - t0, 1),
         "text": {
-            "source": "Python standard library sources",
+            "source": f"Python sources on the training machine ({cfg.sources})",
             "files": files,
             "held_out": f"every {cfg.held_out_every}th file",
         },  # fmt: skip
