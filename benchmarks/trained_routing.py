@@ -7,9 +7,10 @@ next-layer prediction from real hidden states buys.
    expert was last used at that layer), and hit rates per policy at 1/8, 1/4 and 1/2 of
    the experts (demand caching; Belady is the ceiling for demand policies).
 3. Prediction: layer L+1's experts guessed from layer L, through layer L+1's own router,
-   (a) on layer L's MoE input (what the streamed model has in hand; ``RouterPredictor``)
-   and (b) on layer L's output through layer L+1's post-attention norm (streamlx's
-   choice); recall of the true top-k per layer.
+   (a) on layer L's MoE input (what the streamed model has in hand), (b) the same input
+   re-normed with layer L+1's norm weights (``RouterPredictor`` with ``renorm``: before
+   layer L's experts run), and (c) on layer L's output through layer L+1's
+   post-attention norm (streamlx's choice, after them); recall of the true top-k.
 4. Read-ahead (simulated on the trace): the guesses loaded before each lookup; misses and
    reads per token beside LRU and Belady, and the share of the gap from LRU's misses to
    Belady's that policy plus read-ahead close. Beside it, the DeepSeek-V2-Lite trace with
@@ -49,7 +50,7 @@ def _tap(inner, sink):
 
 
 def record(model, ids: np.ndarray, seq: int, windows: int):
-    """True top-k [T, L, k] and the two next-layer guesses [T, L, k] (-1 at layer 0)."""
+    """True top-k [T, L, k] and three next-layer guesses [T, L, k] (-1 at layer 0)."""
     import mlx.core as mx
 
     layers = model.model.layers
@@ -63,7 +64,7 @@ def record(model, ids: np.ndarray, seq: int, windows: int):
     def top(logits):
         return np.array(mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k])[0].astype(np.int64)
 
-    true, by_input, by_output = [], [], []
+    true, by_input, by_output, by_residual = [], [], [], []
     try:
         for w in range(windows):
             moe_io.clear(), layer_io.clear()
@@ -76,13 +77,20 @@ def record(model, ids: np.ndarray, seq: int, windows: int):
                 top(mlps[i + 1].gate(layers[i + 1].post_attention_layernorm(layer_io[i][1])))
                 for i in range(len(layers) - 1)
             ]
+            # layer L's MoE input re-normed with layer L+1's weights: RMSNorm ignores
+            # scale, so x * w[L+1] / w[L] is norm[L+1] of the residual before the MoE
+            w = [layer.post_attention_layernorm.weight for layer in layers]
+            c = [np.full_like(t[0], -1)] + [
+                top(mlps[i + 1].gate(moe_io[i][0] * (w[i + 1] / w[i])))
+                for i in range(len(layers) - 1)
+            ]
             true.append(np.stack(t, 1)), by_input.append(np.stack(a, 1))
-            by_output.append(np.stack(b, 1))
+            by_output.append(np.stack(b, 1)), by_residual.append(np.stack(c, 1))
     finally:
         model.model.layers = layers
         for layer, mlp in zip(layers, mlps):
             layer.mlp = mlp
-    return E, *(np.concatenate(x) for x in (true, by_input, by_output))
+    return E, *(np.concatenate(x) for x in (true, by_input, by_output, by_residual))
 
 
 def recall(true: np.ndarray, guess: np.ndarray, layers=None) -> list[float]:
@@ -198,7 +206,7 @@ def main():
     seq = 256
     ids = np.array(tok.encode(held_out_text(a.model)), dtype=np.int32)
     windows = min(a.windows, len(ids) // seq)
-    E, true, by_input, by_output = record(model, ids, seq, windows)
+    E, true, by_input, by_output, by_residual = record(model, ids, seq, windows)
     offsets = np.arange(0, windows * seq + 1, seq, dtype=np.int64)
     trace = RoutingTrace(true.astype(np.uint8), offsets, E, f"{a.model} on held-out text")
     if a.save_trace:
@@ -209,11 +217,13 @@ def main():
         "model": a.model,
         "trace": {"tokens": T, "layers": L, "top_k": trace.top_k, "experts": E},
         "recall": {"router on layer L's MoE input": recall(true, by_input),
+                   "router on layer L's MoE input, re-normed for L+1": recall(true, by_residual),
                    "router on layer L's output (norm of L+1)": recall(true, by_output)},
         "stats": {"trained": stats(trace, list(range(L)), T)},
     }  # fmt: skip
     log(result["recall"])
-    guesses = {"router on input": by_input, "router on output": by_output}
+    guesses = {"router on input": by_input, "router on input re-normed": by_residual,
+               "router on output": by_output}  # fmt: skip
     result["read_ahead"] = {
         f"{E // f} of {E}": readahead(trace, guesses, E // f, list(range(L)), T) for f in (4, 2)
     }

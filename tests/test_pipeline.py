@@ -398,3 +398,44 @@ def test_a_stopped_rank_fails_the_request_in_flight(models, tmp_path):
         _kill(procs)
     assert '"peer_silent"' in rest and "rank 1" in rest, rest[-500:]
     assert code == 6 and waited < 5 + 5
+
+
+def test_bench_under_ranks_then_a_stopped_rank(models, tmp_path):
+    """bench over 2 ranks: both exit cleanly after their timed runs (each run ends at a
+    step boundary on every rank), rank 0 reports for both; then, with one rank stopped
+    mid-run, the other exits within --pipeline-timeout, naming it."""
+    import signal
+
+    ck = models.checkpoint("tiny-qwen3_moe")
+    argv = ["bench", "--model", str(ck), "--expert-dir", str(tmp_path / "ed"), "--slots", "5"]
+    argv += ["--pipeline", "--pipeline-timeout", "5", "--prompt", PROMPT]
+    procs = _start_ranks(2, tmp_path, argv + ["--max-tokens", "8", "--repeat", "2"])
+    try:
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        _kill(procs)
+    assert codes == [0, 0], (tmp_path / "rank0.err").read_text()[-2000:]
+    result = json.loads((tmp_path / "rank0.out").read_text())
+    assert result["generated_tokens"] == 8 and result["tok_per_s"] > 0
+    assert (tmp_path / "rank1.out").read_text().strip() == ""
+
+    run = tmp_path / "stopped"
+    run.mkdir()
+    procs = _start_ranks(2, run, argv + ["--max-tokens", str(LONG), "--repeat", "3"])
+    try:
+        time.sleep(1)
+        deadline = time.time() + 120
+        while "run 1/3" not in (run / "rank0.err").read_text():  # the timed runs began
+            assert time.time() < deadline and procs[0].poll() is None, (
+                run / "rank0.err"
+            ).read_text()
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGSTOP)
+        t0 = time.time()
+        code = procs[0].wait(timeout=60)
+        waited = time.time() - t0
+    finally:
+        _kill(procs)
+    err = (run / "rank0.err").read_text()
+    assert code == 6, err[-2000:]
+    assert "no answer within 5 s: rank 1" in err and waited < 5 + 5

@@ -13,6 +13,7 @@ import contextlib
 import gc
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ class BenchConfig:
     read_gbps: float | None = None  # storage bandwidth for the bound (default: measured)
     memory_series: bool = False  # keep RSS / MLX memory over time (for --report plots)
     pipeline_split: tuple[int, ...] | None = None  # with a pipeline group: layers per rank
+    progress: bool = False  # a line on stderr after each timed run
 
 
 def encode(tokenizer, prompt: str) -> list[int]:
@@ -106,6 +108,9 @@ def _timed_runs(
                 "generation_tps": last.generation_tps,
             }
         )
+        if cfg.progress:
+            print(f"bench: run {r + 1}/{cfg.repeat}: {last.generation_tokens} tokens, "
+                  f"{last.generation_tps:.1f} tok/s decode", file=sys.stderr, flush=True)  # fmt: skip
     tps = [round(r["tokens"] / r["wall_s"], 2) for r in runs]
     return {
         "tok_per_s": statistics.median(tps),

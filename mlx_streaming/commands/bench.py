@@ -129,7 +129,7 @@ CONFIG_FLAGS = (
 def main(argv=None) -> None:
     a = setup_arg_parser().parse_args(argv)
     kw = {k: getattr(a, k) for k in CONFIG_FLAGS}
-    kw.update(memory_series=bool(a.report))
+    kw.update(memory_series=bool(a.report), progress=True)
     sizes = [{"slots": s, "budget_gb": None} for s in a.slots or []] + [
         {"slots": None, "budget_gb": g} for g in a.budget_gb or []
     ]
