@@ -349,6 +349,7 @@ def test_a_stopped_rank_ends_generate_in_bounded_time(models, tmp_path):
         t0 = time.time()
         code = procs[0].wait(timeout=60)
         waited = time.time() - t0
+        print(f"the silent rank was detected in {waited:.1f} s")  # with -s
     finally:
         _kill(procs)
     err = (tmp_path / "rank0.err").read_text()
@@ -394,6 +395,7 @@ def test_a_stopped_rank_fails_the_request_in_flight(models, tmp_path):
         rest = resp.read().decode()  # ends when rank 0 answers with the error and exits
         code = procs[0].wait(timeout=60)
         waited = time.time() - t0
+        print(f"the silent rank was detected in {waited:.1f} s")  # with -s
     finally:
         _kill(procs)
     assert '"peer_silent"' in rest and "rank 1" in rest, rest[-500:]
@@ -434,6 +436,7 @@ def test_bench_under_ranks_then_a_stopped_rank(models, tmp_path):
         t0 = time.time()
         code = procs[0].wait(timeout=60)
         waited = time.time() - t0
+        print(f"the silent rank was detected in {waited:.1f} s")  # with -s
     finally:
         _kill(procs)
     err = (run / "rank0.err").read_text()

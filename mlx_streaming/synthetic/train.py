@@ -49,22 +49,26 @@ class TrainConfig:
     seed: int = 0
     held_out_every: int = 10
     max_chars: int = 4_000_000
-    sources: str = "stdlib"  # or "stdlib+site": the installed packages' sources too
+    sources: str = "stdlib"  # "stdlib+site": the installed packages' too; or a directory
     bits: int | None = 4  # quantize the saved model (None: keep float)
 
 
 def source_files(sources: str) -> list[tuple[Path, Path]]:
     """``(root, file)`` of every ``.py`` file to read, sorted: the standard library's
-    (``stdlib``), and with ``stdlib+site`` also the installed packages' (purelib)."""
+    (``stdlib``), with ``stdlib+site`` also the installed packages' (purelib), or those
+    under a directory given by its path (a corpus carried to the training machine)."""
     paths = sysconfig.get_paths()
-    roots = {"stdlib": ["stdlib"], "stdlib+site": ["stdlib", "purelib"]}.get(sources)
-    if roots is None:
-        raise ValueError(f"sources {sources!r}: use stdlib or stdlib+site")
+    named = {"stdlib": ["stdlib"], "stdlib+site": ["stdlib", "purelib"]}
+    if sources in named:
+        roots = [(Path(paths[key]), key == "stdlib") for key in named[sources]]
+    elif Path(sources).is_dir():
+        roots = [(Path(sources), False)]
+    else:
+        raise ValueError(f"sources {sources!r}: use stdlib, stdlib+site or a directory")
     out = []
-    for key in roots:
-        root = Path(paths[key])
-        skip = "site-packages" if key == "stdlib" else None
-        out += [(root, p) for p in sorted(root.rglob("*.py")) if skip not in p.parts]
+    for root, skip_site in roots:
+        files = sorted(root.rglob("*.py"))
+        out += [(root, p) for p in files if not (skip_site and "site-packages" in p.parts)]
     return out
 
 
