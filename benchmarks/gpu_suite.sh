@@ -21,7 +21,13 @@
 #                                           probe sizes the run to TRAIN_S seconds (default 240)
 #                                           unless TRAIN_STEPS is given;
 #                                           then the quality table against the float model.
-#                                           The checkpoint comes back as trained.tgz.part-*
+#                                           The checkpoint comes back as trained.tgz.part-*.
+#                                           Text: .gpu/corpus.tar.xz when present (the .py
+#                                           files of this machine's standard library, tests
+#                                           included: 1,790 files, 4.7 MB; in STDLIB,
+#                                           find . -name '*.py' -not -path './site-packages/*'
+#                                           | sort | tar cJf corpus.tar.xz -T -), else
+#                                           SOURCES (default stdlib: 574 files there)
 # Several suites may run in one call. TRACE names the DeepSeek-V2-Lite trace
 # (default .gpu/deepseek-v2-lite.npz, copied from ../shared/traces). MLX compiles each
 # kernel variant on first use; .gpu/ptx.tgz (a former run's $OUT/ptx.tgz) seeds its cache.
@@ -79,9 +85,13 @@ case "$suite" in
          timeout 200 python3 benchmarks/probes/cuda_nan.py tiny-qwen3_next --level $level 2>&1 \
            | tee -a "$out/nan.log" | tail -20
        done ;;
-  train) shape="--layers 8 --hidden 256 --experts 64 --top-k 6 --moe-inter 64 --vocab 4096
+  train) sources=${SOURCES:-stdlib}
+         if [ -f .gpu/corpus.tar.xz ]; then  # a carried corpus (see the header)
+           mkdir -p /tmp/corpus && tar xJf .gpu/corpus.tar.xz -C /tmp/corpus && sources=/tmp/corpus
+         fi
+         shape="--layers 8 --hidden 256 --experts 64 --top-k 6 --moe-inter 64 --vocab 4096
            --seq 256 --batch 64 --max-chars 80000000 --lr 2e-3 --aux-weight ${AUX:-0.03}
-           --sources stdlib+site"
+           --sources $sources"
          steps=${TRAIN_STEPS:-}
          if [ -z "$steps" ]; then  # the probe's rate includes compiling: a lower bound
            timeout 200 python3 -m mlx_streaming train-tiny --out /tmp/train-probe $shape \
