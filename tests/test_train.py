@@ -111,3 +111,18 @@ def test_corpus_from_a_directory(tmp_path):
     assert "x0 = 0" in held and "x3 = 3" in held and "x1 = 1" in train
     with pytest.raises(ValueError, match="stdlib, stdlib\\+site or a directory"):
         corpus(100, 3, sources=str(tmp_path / "missing"))
+
+
+def test_the_committed_model_is_predictable(tmp_path):
+    """On learned routing the next layer's router, read ahead, guesses most of the next
+    layer's experts (random-weight routing gives no such signal)."""
+    from mlx_lm import stream_generate
+
+    ck = trained_checkpoint()
+    cfg = mlx_streaming.StreamConfig(slots=32, prefetch=True)
+    model, tok, store = mlx_streaming.load(ck, tmp_path / "ed", config=cfg, progress=False)
+    for _ in stream_generate(model, tok, held_out_text(ck)[:400], max_tokens=32):
+        pass
+    t = store.totals()
+    store.close()
+    assert t["prefetched"] > 0 and t["prediction_recall"] > 0.5, t
