@@ -126,3 +126,19 @@ def test_the_committed_model_is_predictable(tmp_path):
     t = store.totals()
     store.close()
     assert t["prefetched"] > 0 and t["prediction_recall"] > 0.5, t
+
+
+def test_chat_takes_the_trained_model(tmp_path):
+    """`chat` without --model: the trained model continues the text typed; a blank line
+    asks for nothing; q ends it."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_streaming", "chat", "--slots", "32", "--max-tokens", "16",
+         "--expert-dir", str(tmp_path / "ed")],
+        input="def add(a, b):\n\nq\n", capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tiny-stdlib-moe" in r.stdout and "16 tokens" in r.stdout, r.stdout[-2000:]
+    assert "bye" in r.stdout

@@ -30,6 +30,8 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if a.model is None:  # the repository's trained model (a completion model) if present
         a.model = trained_checkpoint()
+        if a.model is not None and a.temp == p.get_default("temp"):
+            a.temp, a.top_p = 0.8, 0.95  # greedy decoding loops on a model this small
     if a.model is None:
         p.error("--model is required: the MLX model directory or repo id to chat with")
     if a.adapter_path:
@@ -49,6 +51,8 @@ def main(argv=None) -> None:
                 continue
             if query == "h":
                 ui.say_help()
+                continue
+            if not query.strip():  # an empty line asks for nothing
                 continue
             messages = [{"role": "system", "content": a.system_prompt}] if a.system_prompt else []
             messages.append({"role": "user", "content": query})
