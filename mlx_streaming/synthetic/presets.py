@@ -102,7 +102,7 @@ PRESETS: dict[str, Preset] = {
     # MoE layers where the architecture allows it.
     # Qwen3-Next's shared expert is as wide as an expert: 128, not 64, since MLX CUDA
     # 0.32.4's dense quantized matmul reads unwritten memory (NaN) when its input is one
-    # quantization group wide and has 2+ rows (benchmarks/probes/cuda_qmm_nan.py).
+    # quantization group wide, at most row counts from 2 on (benchmarks/probes/cuda_qmm_nan.py).
     "tiny-qwen3_next": Preset(
         "tiny-qwen3_next",
         _qwen3_next(4, _TINY, 16, 4, 128, mlp_only=(1,)),
