@@ -64,6 +64,9 @@ def record(model, ids: np.ndarray, seq: int, windows: int):
     def top(logits):
         return np.array(mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k])[0].astype(np.int64)
 
+    # layer L's MoE input re-normed with layer L+1's weights: RMSNorm ignores scale, so
+    # x * w[L+1] / w[L] is norm[L+1] of the residual before the MoE
+    norm_w = [layer.post_attention_layernorm.weight for layer in layers]
     true, by_input, by_output, by_residual = [], [], [], []
     try:
         for w in range(windows):
@@ -77,11 +80,8 @@ def record(model, ids: np.ndarray, seq: int, windows: int):
                 top(mlps[i + 1].gate(layers[i + 1].post_attention_layernorm(layer_io[i][1])))
                 for i in range(len(layers) - 1)
             ]
-            # layer L's MoE input re-normed with layer L+1's weights: RMSNorm ignores
-            # scale, so x * w[L+1] / w[L] is norm[L+1] of the residual before the MoE
-            w = [layer.post_attention_layernorm.weight for layer in layers]
             c = [np.full_like(t[0], -1)] + [
-                top(mlps[i + 1].gate(moe_io[i][0] * (w[i + 1] / w[i])))
+                top(mlps[i + 1].gate(moe_io[i][0] * (norm_w[i + 1] / norm_w[i])))
                 for i in range(len(layers) - 1)
             ]
             true.append(np.stack(t, 1)), by_input.append(np.stack(a, 1))
@@ -104,12 +104,10 @@ def recall(true: np.ndarray, guess: np.ndarray, layers=None) -> list[float]:
 
 def stats(trace, layers, tokens: int) -> dict:
     """Entropy, reuse distance and hit rates per policy and budget."""
-    from mlx_streaming.planning.simulate import routing_counts, simulate
+    from mlx_streaming.planning.simulate import routing_counts, routing_entropy, simulate
 
     E = trace.num_experts
-    counts = routing_counts(trace, 0, tokens)[layers]
-    p = counts / counts.sum(1, keepdims=True)
-    ent = -(p * np.log2(np.where(p > 0, p, 1))).sum(1)
+    ent = routing_entropy(routing_counts(trace, 0, tokens)[layers])
     dists = []
     for li in layers:
         last = np.full(E, -1)

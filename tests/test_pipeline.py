@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -327,29 +328,32 @@ def _kill(procs) -> None:
 LONG = 600  # tokens: the stock generation of this prompt runs them all (no end token)
 
 
+def _stop_rank_1(procs, out: Path, started) -> tuple[int, float]:
+    """Once ``started(rank 0's stdout, stderr)`` (within 120 s), SIGSTOP rank 1; rank 0's
+    exit code and the seconds it took to exit."""
+    deadline = time.time() + 120
+    while not started((out / "rank0.out").read_text(), (out / "rank0.err").read_text()):
+        assert time.time() < deadline and procs[0].poll() is None, (out / "rank0.err").read_text()
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGSTOP)
+    t0 = time.time()
+    code = procs[0].wait(timeout=60)
+    waited = time.time() - t0
+    print(f"the silent rank was detected in {waited:.1f} s")  # with -s
+    return code, waited
+
+
 def test_a_stopped_rank_ends_generate_in_bounded_time(models, tmp_path):
     """SIGSTOP one rank mid-generation: the other exits within --pipeline-timeout,
     naming it, instead of waiting forever."""
-    import signal
-
     ck = models.checkpoint("tiny-qwen3_moe")
     assert len(load(str(ck))[1].encode(_stock_text(ck, PROMPT, LONG, chat=True))) > LONG // 2
     argv = ["generate", "--model", str(ck), "--expert-dir", str(tmp_path / "ed")]
     argv += ["--slots", "5", "--pipeline", "--pipeline-timeout", "5", "--prompt", PROMPT]
     argv += ["--max-tokens", str(LONG)]
     procs = _start_ranks(2, tmp_path, argv)
-    try:
-        deadline = time.time() + 120
-        while (tmp_path / "rank0.out").stat().st_size < 40:  # the header, then tokens
-            assert time.time() < deadline and procs[0].poll() is None, (
-                tmp_path / "rank0.err"
-            ).read_text()
-            time.sleep(0.05)
-        procs[1].send_signal(signal.SIGSTOP)
-        t0 = time.time()
-        code = procs[0].wait(timeout=60)
-        waited = time.time() - t0
-        print(f"the silent rank was detected in {waited:.1f} s")  # with -s
+    try:  # the header, then tokens
+        code, waited = _stop_rank_1(procs, tmp_path, lambda o, e: len(o) >= 40)
     finally:
         _kill(procs)
     err = (tmp_path / "rank0.err").read_text()
@@ -362,7 +366,6 @@ def test_a_stopped_rank_fails_the_request_in_flight(models, tmp_path):
     """serve under a pipeline: SIGSTOP the other rank while a streamed completion is
     running; the client gets an error event naming it, and rank 0 exits."""
     import http.client
-    import signal
 
     ck = models.checkpoint("tiny-qwen3_moe")
     port = free_ports(1)
@@ -406,8 +409,6 @@ def test_bench_under_ranks_then_a_stopped_rank(models, tmp_path):
     """bench over 2 ranks: both exit cleanly after their timed runs (each run ends at a
     step boundary on every rank), rank 0 reports for both; then, with one rank stopped
     mid-run, the other exits within --pipeline-timeout, naming it."""
-    import signal
-
     ck = models.checkpoint("tiny-qwen3_moe")
     argv = ["bench", "--model", str(ck), "--expert-dir", str(tmp_path / "ed"), "--slots", "5"]
     argv += ["--pipeline", "--pipeline-timeout", "5", "--prompt", PROMPT]
@@ -424,19 +425,8 @@ def test_bench_under_ranks_then_a_stopped_rank(models, tmp_path):
     run = tmp_path / "stopped"
     run.mkdir()
     procs = _start_ranks(2, run, argv + ["--max-tokens", str(LONG), "--repeat", "3"])
-    try:
-        time.sleep(1)
-        deadline = time.time() + 120
-        while "run 1/3" not in (run / "rank0.err").read_text():  # the timed runs began
-            assert time.time() < deadline and procs[0].poll() is None, (
-                run / "rank0.err"
-            ).read_text()
-            time.sleep(0.2)
-        procs[1].send_signal(signal.SIGSTOP)
-        t0 = time.time()
-        code = procs[0].wait(timeout=60)
-        waited = time.time() - t0
-        print(f"the silent rank was detected in {waited:.1f} s")  # with -s
+    try:  # once the timed runs began
+        code, waited = _stop_rank_1(procs, run, lambda o, e: "run 1/3" in e)
     finally:
         _kill(procs)
     err = (run / "rank0.err").read_text()

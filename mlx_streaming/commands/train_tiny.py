@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from ..synthetic.train import TrainConfig, report_lines, train_tiny
 
@@ -33,7 +33,7 @@ def main(argv=None) -> None:
     a = setup_arg_parser().parse_args(argv)
     cfg = TrainConfig(**{f.name: getattr(a, f.name) for f in fields(TrainConfig)})
     if cfg.bits == 0:
-        cfg = TrainConfig(**{**cfg.__dict__, "bits": None})
+        cfg = replace(cfg, bits=None)
     command = "python -m mlx_streaming train-tiny " + " ".join(
         sys.argv[1:] if argv is None else argv
     )

@@ -118,6 +118,13 @@ def routing_counts(trace: RoutingTrace, start: int = 0, tokens: int | None = Non
     )
 
 
+def routing_entropy(counts: np.ndarray) -> np.ndarray:
+    """Bits of each layer's routing distribution, from counts per expert [L, E]
+    (``log2(E)`` when uniform)."""
+    p = counts / np.maximum(counts.sum(-1, keepdims=True), 1)
+    return -(p * np.log2(np.where(p > 0, p, 1))).sum(-1)
+
+
 def static_hot(
     trace: RoutingTrace, n: int, start: int = 0, tokens: int | None = None
 ) -> dict[int, list[int]]:

@@ -236,7 +236,8 @@ def save_checkpoint(
 ) -> Path:
     """Write an MLX-format checkpoint (weights, config, tokenizer, ``extra`` JSON files)
     under a temporary name, then rename it: a directory that exists is complete.
-    ``extra``: file name -> JSON-able object, or a string written as text. ``donate``: the model's weights are freed as they are written."""
+    ``extra``: file name -> JSON-able object, or a string written as text. ``donate``:
+    the model's weights are freed as they are written."""
     from mlx_lm.utils import save_config, save_model
 
     tmp = out.with_name(out.name + ".partial")

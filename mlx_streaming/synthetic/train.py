@@ -154,6 +154,8 @@ def balance_loss(logits: mx.array, top_k: int) -> mx.array:
 
 def routing_stats(model, tokens: np.ndarray, experts: int, top_k: int, seq: int) -> dict:
     """Per MoE layer, on held-out tokens: routing entropy (bits) and usage histogram."""
+    from ..planning.simulate import routing_entropy
+
     counts = np.zeros((len(model.model.layers), experts))
     with tapped_routers(model) as sink:
         for i in range(0, min(len(tokens) - 1, 16 * seq), seq):
@@ -162,8 +164,7 @@ def routing_stats(model, tokens: np.ndarray, experts: int, top_k: int, seq: int)
             for li, logits in enumerate(sink):
                 picks = np.array(mx.argpartition(-logits, kth=top_k - 1, axis=-1)[..., :top_k])
                 counts[li] += np.bincount(picks.reshape(-1), minlength=experts)
-    p = counts / counts.sum(1, keepdims=True)
-    ent = -(p * np.log2(np.where(p > 0, p, 1))).sum(1)
+    ent = routing_entropy(counts)
     return {"entropy_bits": ent.round(3).tolist(), "max_bits": round(float(np.log2(experts)), 3),
             "usage": counts.astype(int).tolist()}  # fmt: skip
 
