@@ -11,6 +11,8 @@
 #   bash benchmarks/gpu_suite.sh compare    50% and 25% warm: the Python reader, overlap on, and
 #                                           the LRU policy, beside the default
 #   bash benchmarks/gpu_suite.sh parity     every expert resident against stock, 7 alternating pairs
+#   bash benchmarks/gpu_suite.sh readprobe  the native reader's time for 1-4 records by threads and
+#                                           piece size, alone and beside device work
 #   bash benchmarks/gpu_suite.sh stall      the probe of why the removed kernel transport stalled
 #   bash benchmarks/gpu_suite.sh oracle     50%: read-ahead by the trace's transitions and by a
 #                                           simulated predictor right 0/50/70/90/100% of the time
@@ -59,7 +61,10 @@ for suite in "$@"; do
 case "$suite" in
   tests) timeout "$limit" python3 -m pytest -v --durations=0 -m cuda tests/test_cuda.py 2>&1 \
            | tee "$out/tests-cuda.log" | tail -15 ;;
-  quick) speed gpu-dsv2-quick --residency 0.5 --cold warm --repeat 3 --prefill-tokens 0 ;;
+  quick) speed gpu-dsv2-quick --residency 0.5 --cold warm --repeat 3 --prefill-tokens 0 \
+           --timeline "$out/timeline-gpu-dsv2-quick.json" ;;
+  readprobe) timeout 200 python3 benchmarks/probes/native_read.py --workdir $work \
+               --json "$out/native-read.json" 2>&1 | tee "$out/native-read.log" | tail -3 ;;
   speed) speed gpu-dsv2 --residency 0.5,0.25,0.125 --cold warm --repeat 3 \
            --prefill-tokens 2048 --prefill-residency 0.25 --prefill-chunk 2048 \
            --timeline "$out/timeline-gpu-dsv2.json" ;;

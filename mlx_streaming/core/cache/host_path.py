@@ -1,9 +1,11 @@
 """The host path of a layer call: the routing read on the host, the misses loaded by
 the store's ``Loader``, the rows computed in steps.
 
-One host synchronisation per call reads the routing; the misses start loading at once
-(on the reader's threads); with overlap, the resident experts' rows form a first step
-that needs no wait. A call with more distinct experts than slots runs expert-major:
+One host synchronisation per call reads the routing. While the device computes it, the
+host does work that needs no routing: the previous call's policy update and the
+caller's ``during_wait`` (a read-ahead of this layer's predicted experts). Then the
+misses start loading at once (on the reader's threads); with overlap, the resident
+experts' rows form a first step that needs no wait. A call with more distinct experts than slots runs expert-major:
 one group of experts at a time, each read at most once per call. Outputs that read a
 pool written behind MLX's back (host and cuda modes) are tracked and evaluated before
 the pool is next written.
@@ -45,20 +47,37 @@ class HostPath:
         self.routing, self.observers, self.mode = routing, observers, mode
         self.loads: Loader | None = None  # set by the store (the loader guards with us)
         self._readers: dict[int, list] = {li: [] for li in caches}  # lazy outputs per layer
+        self._previous: int | None = None  # the layer last served
 
     def call(
-        self, layer: int, indices: mx.array, overlap: bool = True, also: mx.array | None = None
+        self,
+        layer: int,
+        indices: mx.array,
+        overlap: bool = True,
+        also: mx.array | None = None,
+        during_wait: Callable[[], None] | None = None,
     ) -> LayerCall:
-        """Read the routing (with ``also``), start the misses' reads, plan the steps."""
+        """Read the routing (with ``also``), start the misses' reads, plan the steps.
+        ``during_wait`` runs while the device computes the routing."""
         t0 = time.perf_counter()
         self.timeline.mark(layer, "request")
         cache, st = self.caches[layer], self.stats[layer]
+        wanted = [indices] if also is None else [indices, also]
+        mx.async_eval(wanted)  # the device computes the routing while the host works
+        if self._previous is not None:
+            self.loads.flush(self._previous)
+        self._previous = layer
+        if during_wait is not None:
+            during_wait()
+        t1 = time.perf_counter()
+        st.ahead_s += t1 - t0
+        self.timeline.mark(layer, "ahead")
         # the one host synchronisation of this layer call; mx.eval first: it raises
         # what the graph's evaluation raised (a lost pipeline peer), where a numpy
         # conversion would not (MLX 0.32)
-        mx.eval(indices) if also is None else mx.eval(indices, also)
+        mx.eval(wanted)
         host = np.array(indices)
-        waited = time.perf_counter() - t0
+        t0, waited = t1, time.perf_counter() - t1
         self.timeline.mark(layer, "routed")
         st.sync_s += waited
         t0 += waited  # host time counts the store's own work, not the wait

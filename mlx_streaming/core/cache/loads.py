@@ -108,6 +108,11 @@ class Loader:
                 placed = cache.reserve(np.sort(load), protect=set(experts.tolist()))
         return self.issue(layer, experts, misses, placed, prefetch=False, now=now)
 
+    def flush(self, layer: int) -> None:
+        """Apply ``layer``'s queued policy updates now (see ``SlotCache.flush``)."""
+        with self._lock:
+            self.caches[layer].flush()
+
     def fetch(self, layer: int, experts: np.ndarray) -> int:
         """Make distinct ``experts`` resident now; returns the number of misses loaded."""
         return self.begin(layer, experts, now=True).wait()

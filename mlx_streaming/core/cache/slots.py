@@ -6,6 +6,11 @@ Placing experts is two-phase: ``reserve`` evicts the victims and marks the chose
 pending (the data is not there yet), the caller loads the data, then ``commit`` makes
 the experts resident, or ``abort`` frees the slots if the load failed. A slot is never
 marked resident before its data is in place.
+
+A lookup's policy update (``access``) is queued and applied before the policy's next
+event (or by ``flush``), so the live store can run it while the device computes
+instead of on a layer call's critical path; the policy sees the same events in the
+same order either way.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ class SlotCache:
     def __init__(self, num_experts: int, capacity: int, policy: Policy):
         self.num_experts = num_experts
         self.capacity = capacity
-        self.policy = policy
+        self._policy = policy
+        self._later: list[list[int]] = []  # lookups not yet told to the policy
         # the tables are arrays (the native engine may fill slots in them too): a slot
         # is free when it holds no expert and none is being loaded into it
         self.slot_of = np.full(num_experts, -1, dtype=np.int32)
@@ -46,6 +52,17 @@ class SlotCache:
         self.pinned_mask = np.zeros(num_experts, dtype=np.uint8)
         self.pending: dict[int, int] = {}  # expert -> slot being loaded
         self.stats = CacheStats()
+
+    @property
+    def policy(self) -> Policy:
+        """The eviction policy, up to date with every lookup."""
+        self.flush()
+        return self._policy
+
+    def flush(self) -> None:
+        """Tell the policy the lookups queued by ``access``."""
+        while self._later:
+            self._policy.access(self._later.pop(0))
 
     @property
     def pinned(self) -> set[int]:
@@ -120,7 +137,7 @@ class SlotCache:
         for e, s, v in placed:
             if v >= 0:
                 self.slot_of[v] = -1
-                self.policy.remove(v)
+                self._policy.remove(v)
                 self.stats.evictions += 1
             self.expert_in[s] = e
             self.pending[e] = s
@@ -128,10 +145,11 @@ class SlotCache:
 
     def commit(self, placements: list[Placement]) -> None:
         """Reserved experts are loaded: make them resident."""
+        policy = self.policy
         for e, s, _ in placements:
             del self.pending[e]
             self.slot_of[e] = s
-            self.policy.insert(e)
+            policy.insert(e)
 
     def abort(self, placements: list[Placement]) -> None:
         """A load failed: its slots become free; nothing new becomes resident."""
@@ -140,11 +158,12 @@ class SlotCache:
                 self.expert_in[s] = -1
 
     def access(self, experts: np.ndarray, n_misses: int) -> None:
-        """Count one lookup of distinct ``experts`` of which ``n_misses`` missed."""
+        """Count one lookup of distinct ``experts`` of which ``n_misses`` missed (the
+        policy hears of it at its next event, or at ``flush``)."""
         self.stats.calls += 1
         self.stats.hits += len(experts) - n_misses
         self.stats.misses += n_misses
-        self.policy.access(experts.tolist())
+        self._later.append(experts.tolist())
 
     def lookup(self, experts: np.ndarray) -> list[Placement]:
         """Simulate one call: reserve, commit and count. Returns the placements."""

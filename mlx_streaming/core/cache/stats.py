@@ -25,6 +25,7 @@ class LayerStats:
     fallback: int = 0  # calls that loaded misses
     host_s: float = 0.0  # host time of the store's own work per call (planning the misses)
     sync_s: float = 0.0  # host time waiting for the routing to reach the host
+    ahead_s: float = 0.0  # host work done while the device computed the routing
     graph_s: float = 0.0  # host time building the expert graph on slot ids
     prefetched: int = 0  # experts read ahead
     prefetch_used: int = 0  # ... that a later call needed (misses avoided)
@@ -70,8 +71,9 @@ def summarize(report: dict[int, dict]) -> dict:
     lookups = tot["hits"] + tot["misses"]
     tot["hit_rate"] = tot["hits"] / lookups if lookups else 0.0
     tot["host_us_per_call"] = 1e6 * tot["host_s"] / calls if calls else 0.0
-    # everything the host does in a layer call: routing wait, planning, reads, graph
-    busy = tot["sync_s"] + tot["host_s"] + tot["read_s"] + tot["graph_s"]
+    # everything the host does in a layer call: work while the device computes the
+    # routing, routing wait, planning, reads, graph
+    busy = tot["ahead_s"] + tot["sync_s"] + tot["host_s"] + tot["read_s"] + tot["graph_s"]
     tot["layer_call_us"] = 1e6 * busy / calls if calls else 0.0
     # the host blocked inside a step: for the routing, then for demand reads
     tot["host_wait_us_per_call"] = 1e6 * (tot["sync_s"] + tot["read_s"]) / calls if calls else 0.0
@@ -90,8 +92,8 @@ def summarize(report: dict[int, dict]) -> dict:
 
 
 class Timeline:
-    """Host timestamps of layer-call phases (``request``, ``routed``, ``planned``,
-    ``built``), kept while ``on``: one decode step's timeline, for ``bench`` and
+    """Host timestamps of layer-call phases (``request``, ``ahead``: the work done while
+    the device computes the routing, ``routed``, ``read``, ``planned``, ``built``), kept while ``on``: one decode step's timeline, for ``bench`` and
     ``benchmarks/speed.py``."""
 
     def __init__(self):

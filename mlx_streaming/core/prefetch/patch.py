@@ -63,7 +63,10 @@ class StreamedExperts(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         pf = self._prefetcher
         guess = pf.lazy(self.pos, x, indices) if pf else None
-        call = self._store.request(self.layer, indices, self._overlap, also=guess)
+        ahead = (lambda: pf.issue(self.pos)) if pf else None
+        call = self._store.request(
+            self.layer, indices, self._overlap, also=guess, during_wait=ahead
+        )
         t0 = time.perf_counter()
         if call.slots is not None:  # nothing can miss: the ids were remapped on the device
             return call.done(self.experts(x, call.slots))

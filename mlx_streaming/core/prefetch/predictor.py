@@ -9,8 +9,11 @@ Two predictors:
   ``l`` and ``e'`` at ``l + 1`` for the same token), learned from a recorded trace. It
   needs no hidden state, so it also works when a trace replaces the routing.
 
-``Prefetcher`` turns predictions into ``FileExpertStore.prefetch`` calls; the store scores
-them against the routing that follows (precision and recall in its report).
+``Prefetcher`` turns predictions into ``FileExpertStore.prefetch`` calls, issued at the
+start of the predicted layer's call while the device computes its routing (so issuing
+costs the critical path nothing, and no read-ahead holds the reader while the current
+layer's misses wait); the store scores them against the routing that follows
+(precision and recall in its report).
 """
 
 from __future__ import annotations
@@ -84,14 +87,22 @@ class Prefetcher:
         self.store, self.layers, self.predictor = store, layers, predictor
         self.max_tokens = max_tokens
         self._last: dict[int, np.ndarray] = {}  # layer position -> prediction for it
+        self._todo: dict[int, np.ndarray] = {}  # ... not yet read ahead
 
     def lazy(self, pos: int, x: mx.array, indices: mx.array) -> mx.array | None:
         if indices.size // indices.shape[-1] > self.max_tokens:
             return None
         return self.predictor.lazy(pos, x)
 
+    def issue(self, pos: int) -> None:
+        """Read ahead the experts predicted for layer position ``pos`` (called at the
+        start of its call, before its routing is known)."""
+        pred = self._todo.pop(pos, None)
+        if pred is not None:
+            self.store.prefetch(self.layers[pos], pred)
+
     def step(self, pos: int, host_ids: np.ndarray, lazy: np.ndarray | None) -> None:
-        """Score the prediction made for this layer, then predict and read the next."""
+        """Score the prediction made for this layer, then predict the next."""
         guess = self._last.pop(pos, None)
         if guess is not None:
             self.store.note_prediction(self.layers[pos], guess, np.unique(host_ids))
@@ -99,5 +110,4 @@ class Prefetcher:
             return
         pred = self.predictor.predict(pos, host_ids, lazy)
         if len(pred):
-            self._last[pos + 1] = pred
-            self.store.prefetch(self.layers[pos + 1], pred)
+            self._last[pos + 1] = self._todo[pos + 1] = pred

@@ -1,0 +1,82 @@
+"""How long the native reader takes to bring n records into pool slots, by thread count
+and piece size, alone and while the device computes (the decode case).
+
+A decode layer call at 50% residency reads about 1.2 records of 4.87 MB; the host
+profile put that at ~640 µs (9 GB/s) where batches of 64 records read at 26-29 GB/s.
+This probe times ``NativeReader.read`` on the preset's expert files (warm page cache)
+for 1, 2 and 4 records, and reports the engine's own counters: the summed time its
+threads spent in ``pread`` plus copies, and its wall time per call.
+
+    python benchmarks/probes/native_read.py --preset dsv2-lite --workdir /tmp/mlxs
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from harness import build, finish, log, parser  # noqa: E402
+
+
+def main():
+    p = parser(__doc__, preset="dsv2-lite", workdir="/tmp/mlxs")
+    p.add_argument("--repeat", type=int, default=21)
+    a = p.parse_args()
+    from mlx_streaming.core.cache.expert_store import FileExpertStore
+    from mlx_streaming.core.io import cuda
+    from mlx_streaming.core.io.native import NativeReader
+
+    ck, ed, meta = build(a)
+    slots = meta.num_experts // 2
+    store = FileExpertStore(ed, slots)
+    pools = store._resident.pools
+    layer = store.layers[len(store.layers) // 2]
+    on_cuda = store.pool_mode == "cuda"
+    rng = np.random.default_rng(0)
+    x = mx.random.normal((4096, 4096))
+    mx.eval(x)
+    rows = []
+    cores = os.cpu_count() or 2
+    for threads in sorted({3, 7, min(15, cores - 1)}):
+        for piece_kb in (128, 512, 4096):
+            r = NativeReader(
+                meta, pools, threads=threads, checksums=False,
+                cuda=cuda if on_cuda else None, piece_bytes=piece_kb << 10,
+            )  # fmt: skip
+            for n in (1, 2, 4):
+                for busy in (False, True):
+                    ts = []
+                    for i in range(a.repeat):
+                        experts = rng.choice(meta.num_experts, n, replace=False)
+                        if busy:  # the device computes meanwhile, as in decode
+                            y = x
+                            for _ in range(8):
+                                y = y @ x * 1e-3
+                            mx.async_eval(y)
+                        t = time.perf_counter()
+                        r.read(layer, experts, np.arange(n))
+                        ts.append(time.perf_counter() - t)
+                        if busy:
+                            mx.eval(y)
+                    us = 1e6 * statistics.median(ts[1:])
+                    nbytes = n * meta.layers[layer].record_bytes
+                    rows.append(
+                        {"threads": threads, "piece_kb": piece_kb, "records": n,
+                         "device_busy": busy, "us": round(us, 1),
+                         "gbps": round(nbytes / us / 1e3, 2)}
+                    )  # fmt: skip
+                    log(rows[-1])
+            r.close()
+    store.close()
+    finish(a, "native_read", {"layer": layer, "pool_mode": store.pool_mode, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
