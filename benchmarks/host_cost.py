@@ -44,7 +44,8 @@ def main():
             t = store.totals()
             calls = t["host_calls"] + t["device_calls"]
             us = {
-                k: round(1e6 * t[k] / calls, 1) for k in ("ahead_s", "sync_s", "host_s", "read_s", "graph_s")
+                k: round(1e6 * t[k] / calls, 1)
+                for k in ("ahead_s", "sync_s", "host_s", "read_s", "graph_s")
             }
             rows.append(
                 {"reader": reader, "policy": policy, "hit_rate": round(t["hit_rate"], 4), **us}

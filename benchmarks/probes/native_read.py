@@ -53,7 +53,7 @@ def main():
             for n in (1, 2, 4):
                 for busy in (False, True):
                     ts = []
-                    for i in range(a.repeat):
+                    for _ in range(a.repeat):
                         experts = rng.choice(meta.num_experts, n, replace=False)
                         if busy:  # the device computes meanwhile, as in decode
                             y = x
