@@ -10,6 +10,8 @@
 #   bash benchmarks/gpu_suite.sh cold       the same at 50/25/12.5% with a cold page cache
 #   bash benchmarks/gpu_suite.sh compare    50% and 25% warm: the Python reader, overlap on, and
 #                                           the LRU policy, beside the default
+#   bash benchmarks/gpu_suite.sh lazy       50% and 25%: layer outputs not launched per call (one
+#                                           evaluation per layer), then launched (the default)
 #   bash benchmarks/gpu_suite.sh parity     every expert resident against stock, 7 alternating pairs
 #   bash benchmarks/gpu_suite.sh readprobe  the native reader's time for 1-4 records by threads and
 #                                           piece size, alone and beside device work
@@ -68,6 +70,9 @@ case "$suite" in
   speed) speed gpu-dsv2 --residency 0.5,0.25,0.125 --cold warm --repeat 3 \
            --prefill-tokens 2048 --prefill-residency 0.25 --prefill-chunk 2048 \
            --timeline "$out/timeline-gpu-dsv2.json" ;;
+  lazy) speed gpu-dsv2-lazy --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
+          --lazy-outputs
+        speed gpu-dsv2-eager --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 ;;
   parity) speed gpu-dsv2-parity --residency 1 --repeat 7 --prefill-tokens 0 ;;
   oracle) speed gpu-dsv2-oracle --residency 0.5 --cold warm --repeat 3 --tokens 64 \
             --prefill-tokens 0 --oracle 0,0.5,0.7,0.9,1 ;;
