@@ -95,7 +95,7 @@ def test_demo_speaks(tmp_path, capsys):
     main(["demo", "--workdir", str(tmp_path), "--max-tokens", "24", "--repeat", "1"])
     out = capsys.readouterr().out
     assert "trained" in out and "exact      True" in out
-    text = out.split("sampled    (temperature 0.8)\n", 1)[1]
+    text = out.split("sampled    (temp 0.6, top p 0.9, repetition penalty 1.2)\n", 1)[1]
     assert text.startswith("import os") and sum(c.isalpha() for c in text) > 40
 
 

@@ -24,14 +24,14 @@ def main(argv=None) -> None:
     from mlx_lm.sample_utils import make_sampler
 
     from ..model_builder import load
-    from ..synthetic.train import trained_checkpoint
+    from ..synthetic.train import TRAINED_SAMPLING, trained_checkpoint
 
     p = setup_arg_parser()
     a = p.parse_args(argv)
     if a.model is None:  # the repository's trained model (a completion model) if present
         a.model = trained_checkpoint()
         if a.model is not None and a.temp == p.get_default("temp"):
-            a.temp, a.top_p = 0.8, 0.95  # greedy decoding loops on a model this small
+            a.temp, a.top_p = TRAINED_SAMPLING["temp"], TRAINED_SAMPLING["top_p"]
     if a.model is None:
         p.error("--model is required: the MLX model directory or repo id to chat with")
     if a.adapter_path:

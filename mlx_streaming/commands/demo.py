@@ -76,21 +76,32 @@ def demo(
 
 
 def sampled_text(model, expert_dir, slots: int, prompt: str, max_tokens: int) -> str:
-    """The streamed model's continuation of ``prompt``, sampled (temperature 0.8, seed 0):
-    greedy decoding, which the exactness check uses, repeats itself on a small model."""
+    """The streamed model's continuation of ``prompt``, sampled as ``TRAINED_SAMPLING``
+    says (seed 0): greedy decoding, which the exactness check uses, repeats itself on a
+    small model."""
     import mlx.core as mx
     from mlx_lm import generate
-    from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
     from ..model_builder import load
+    from ..synthetic.train import TRAINED_SAMPLING as S
 
     mx.random.seed(0)
     m, tok, store = load(model, expert_dir, slots=slots, progress=False)
     try:
-        out = generate(m, tok, prompt, max_tokens=max_tokens, sampler=make_sampler(0.8, 0.95))
+        out = generate(
+            m, tok, prompt, max_tokens=max_tokens, sampler=make_sampler(S["temp"], S["top_p"]),
+            logits_processors=make_logits_processors(repetition_penalty=S["repetition_penalty"]),
+        )  # fmt: skip
     finally:
         store.close()
     return prompt + out
+
+
+def sampling() -> str:
+    from ..synthetic.train import TRAINED_SAMPLING as S
+
+    return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in S.items())
 
 
 def summary(r: dict) -> str:
@@ -111,11 +122,7 @@ def summary(r: dict) -> str:
             f"equal: {e['logits_equal']}, max |diff| {e['max_abs_logit_diff']})",
             f"  greedy     {r['sample'][:100]!r}",
         ]
-        + (
-            [f"  sampled    (temperature 0.8)\n{r['sampled_text']}"]
-            if r.get("sampled_text")
-            else []
-        )
+        + ([f"  sampled    ({sampling()})\n{r['sampled_text']}"] if r.get("sampled_text") else [])
     )
 
 

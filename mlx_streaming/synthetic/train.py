@@ -169,6 +169,11 @@ def routing_stats(model, tokens: np.ndarray, experts: int, top_k: int, seq: int)
             "usage": counts.astype(int).tolist()}  # fmt: skip
 
 
+# how the demo and chat sample the trained model: greedy decoding loops on a model this
+# small, and higher temperatures drift off Python (read on the committed model)
+TRAINED_SAMPLING = {"temp": 0.6, "top_p": 0.9, "repetition_penalty": 1.2}
+
+
 def trained_checkpoint() -> Path | None:
     """The trained model committed with the repository (``checkpoints/tiny-stdlib-moe``),
     or None where it is absent (an installed wheel does not carry it)."""
