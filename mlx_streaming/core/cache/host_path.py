@@ -118,6 +118,8 @@ class HostPath:
             self.timeline.mark(call.layer, "read")
             return iter([(None, pool.slots_of(host))]), time.perf_counter() - t0
 
+        call.overlaps = True
+
         def steps():
             miss = np.isin(host, ticket.misses)
             yield ~miss, pool.slots_of(host)  # resident rows: nothing to wait for

@@ -73,10 +73,12 @@ class StreamedExperts(nn.Module):
         if pf:
             pf.step(self.pos, call.host_ids, call.also)
         y = None
-        for rows, slots in call.steps():
+        for i, (rows, slots) in enumerate(call.steps()):
             y = self._rows(x, indices, rows, slots, y)
             if call.settle:
                 mx.eval(y)  # the next step may reuse these slots
+            elif call.overlaps and i == 0:
+                mx.async_eval(y)  # the resident rows compute while the misses load
         y = call.done(y)
         self._store.stats[self.layer].graph_s += time.perf_counter() - t0
         self._store.timeline.mark(self.layer, "built")
