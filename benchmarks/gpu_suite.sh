@@ -10,8 +10,6 @@
 #   bash benchmarks/gpu_suite.sh cold       the same at 50/25/12.5% with a cold page cache
 #   bash benchmarks/gpu_suite.sh compare    50% and 25% warm: the Python reader, overlap on, and
 #                                           the LRU policy, beside the default
-#   bash benchmarks/gpu_suite.sh lazy       50% and 25%: layer outputs not launched per call (one
-#                                           evaluation per layer), then launched (the default)
 #   bash benchmarks/gpu_suite.sh prefill    a 2048-token prompt at 25% against stock (and a short
 #                                           decode at 25%)
 #   bash benchmarks/gpu_suite.sh parity     every expert resident against stock, 7 alternating pairs
@@ -72,9 +70,6 @@ case "$suite" in
   speed) speed gpu-dsv2 --residency 0.5,0.25,0.125 --cold warm --repeat 3 \
            --prefill-tokens 2048 --prefill-residency 0.25 --prefill-chunk 2048 \
            --timeline "$out/timeline-gpu-dsv2.json" ;;
-  lazy) speed gpu-dsv2-lazy --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
-          --lazy-outputs
-        speed gpu-dsv2-eager --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 ;;
   prefill) speed gpu-dsv2-prefill --residency 0.25 --cold warm --repeat 2 --tokens 16 \
              --prefill-tokens 2048 --prefill-residency 0.25 --prefill-chunk 2048 ;;
   parity) speed gpu-dsv2-parity --residency 1 --repeat 7 --prefill-tokens 0 ;;

@@ -67,10 +67,6 @@ def main():
     )
     p.add_argument("--overlap", action="store_true", default=None)
     p.add_argument("--policy")
-    p.add_argument(
-        "--lazy-outputs", action="store_true",
-        help="experiment: do not launch each layer call's output (one evaluation per layer)",
-    )  # fmt: skip
     p.add_argument("--pool-mode")
     p.add_argument("--no-checksums", action="store_true")
     p.add_argument(
@@ -162,7 +158,6 @@ def main():
             )
             kw = {"config": cfg.replace(prefetch=True, predictor=guess)}
         model, _, store, routing = streamed(ck, ed, trace, start, slots=slots, **kw)
-        store.host.launch_outputs = not a.lazy_outputs
         if isinstance(kw["config"].predictor, TraceOracle):
             kw["config"].predictor.routing = routing
         decode_run(model, tok, ids, a.tokens)  # warm up: fill the pool, compile

@@ -230,3 +230,13 @@ def test_read_ahead_in_the_simulator(policy):
     wrong = {li: (truth[li] + 16) % trace.num_experts for li in range(L)}
     worse = simulate(trace, policy, 8, ahead=wrong)
     assert worse.reads_per_token() > plain.reads_per_token()
+
+
+def test_queued_lookups_reach_the_policy():
+    """A lookup's policy update is queued; the policy's next decision sees it."""
+    cache = SlotCache(4, 2, make_policy("lru", 4, 2))
+    for e in ([0], [1], [0]):
+        cache.lookup(np.array(e))
+    assert cache.policy.victims(1, set()) == [1]  # 0 was used last
+    cache.lookup(np.array([2]))  # the reservation evicts the least recent: 1
+    assert cache.slot_of[1] < 0 and cache.slot_of[0] >= 0

@@ -99,6 +99,7 @@ def sampled_text(model, expert_dir, slots: int, prompt: str, max_tokens: int) ->
 
 
 def sampling() -> str:
+    """``TRAINED_SAMPLING`` as the summary prints it."""
     from ..synthetic.train import TRAINED_SAMPLING as S
 
     return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in S.items())

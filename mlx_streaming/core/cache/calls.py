@@ -30,7 +30,6 @@ class LayerCall:
         self.layer, self.slots, self.host_ids = layer, slots, host_ids
         self.settle = settle
         self.misses = 0  # experts this call loaded
-        self.overlaps = False  # the first step's rows need no wait: start them early
         self.plan: Iterator | None = None  # the steps, set by the store
         self.also: np.ndarray | None = None  # request(also=...) read on the host
         self._complete = complete

@@ -5,8 +5,8 @@ One host synchronisation per call reads the routing. While the device computes i
 host does work that needs no routing: the previous call's policy update and the
 caller's ``during_wait`` (a read-ahead of this layer's predicted experts). Then the
 misses start loading at once (on the reader's threads); with overlap, the resident
-experts' rows form a first step that needs no wait. A call with more distinct experts than slots runs expert-major:
-one group of experts at a time, each read at most once per call. Outputs that read a
+experts' rows form a first step that needs no wait. A call with more distinct experts
+than slots runs expert-major: one group of experts at a time, each read at most once per call. Outputs that read a
 pool written behind MLX's back (host and cuda modes) are tracked and evaluated before
 the pool is next written.
 """
@@ -48,9 +48,6 @@ class HostPath:
         self.loads: Loader | None = None  # set by the store (the loader guards with us)
         self._readers: dict[int, list] = {li: [] for li in caches}  # lazy outputs per layer
         self._previous: int | None = None  # the layer last served
-        # start each call's output on the device at once (else the next layer's routing
-        # evaluation takes it along: one evaluation per layer call instead of two)
-        self.launch_outputs = True
 
     def call(
         self,
@@ -80,10 +77,9 @@ class HostPath:
         # conversion would not (MLX 0.32)
         mx.eval(wanted)
         host = np.array(indices)
-        t0, waited = t1, time.perf_counter() - t1
+        t0 = time.perf_counter()  # host time counts the store's own work, not the wait
         self.timeline.mark(layer, "routed")
-        st.sync_s += waited
-        t0 += waited  # host time counts the store's own work, not the wait
+        st.sync_s += t0 - t1
         st.host_calls += 1
         for obs in self.observers:
             obs(layer, host)
@@ -118,8 +114,6 @@ class HostPath:
             self.timeline.mark(call.layer, "read")
             return iter([(None, pool.slots_of(host))]), time.perf_counter() - t0
 
-        call.overlaps = True
-
         def steps():
             miss = np.isin(host, ticket.misses)
             yield ~miss, pool.slots_of(host)  # resident rows: nothing to wait for
@@ -144,8 +138,7 @@ class HostPath:
             st.fallback += 1
         else:
             st.fastpath += 1
-        if self.launch_outputs:
-            mx.async_eval(y)  # the device starts on it while the next layer is built
+        mx.async_eval(y)  # the device starts on it while the next layer is built
         self._track_output(call.layer, y)
         st.host_s += time.perf_counter() - t0
         return y

@@ -92,9 +92,10 @@ def summarize(report: dict[int, dict]) -> dict:
 
 
 class Timeline:
-    """Host timestamps of layer-call phases (``request``, ``ahead``: the work done while
-    the device computes the routing, ``routed``, ``read``, ``planned``, ``built``), kept while ``on``: one decode step's timeline, for ``bench`` and
-    ``benchmarks/speed.py``."""
+    """Host timestamps of layer-call phases (``request``; ``ahead``: the routing
+    launched and the work done while the device computes it; ``routed``, ``read``,
+    ``planned``, ``built``), kept while ``on``: one decode step's timeline, for
+    ``bench`` and ``benchmarks/speed.py``."""
 
     def __init__(self):
         self.on = False

@@ -77,8 +77,8 @@ class StreamedExperts(nn.Module):
             y = self._rows(x, indices, rows, slots, y)
             if call.settle:
                 mx.eval(y)  # the next step may reuse these slots
-            elif call.overlaps and i == 0:
-                mx.async_eval(y)  # the resident rows compute while the misses load
+            elif rows is not None and i == 0:  # an overlap split's resident rows:
+                mx.async_eval(y)  # they compute while the misses load
         y = call.done(y)
         self._store.stats[self.layer].graph_s += time.perf_counter() - t0
         self._store.timeline.mark(self.layer, "built")

@@ -87,7 +87,6 @@ class Prefetcher:
         self.store, self.layers, self.predictor = store, layers, predictor
         self.max_tokens = max_tokens
         self._last: dict[int, np.ndarray] = {}  # layer position -> prediction for it
-        self._todo: dict[int, np.ndarray] = {}  # ... not yet read ahead
 
     def lazy(self, pos: int, x: mx.array, indices: mx.array) -> mx.array | None:
         if indices.size // indices.shape[-1] > self.max_tokens:
@@ -97,7 +96,7 @@ class Prefetcher:
     def issue(self, pos: int) -> None:
         """Read ahead the experts predicted for layer position ``pos`` (called at the
         start of its call, before its routing is known)."""
-        pred = self._todo.pop(pos, None)
+        pred = self._last.get(pos)  # popped, and scored, by this call's ``step``
         if pred is not None:
             self.store.prefetch(self.layers[pos], pred)
 
@@ -110,4 +109,4 @@ class Prefetcher:
             return
         pred = self.predictor.predict(pos, host_ids, lazy)
         if len(pred):
-            self._last[pos + 1] = self._todo[pos + 1] = pred
+            self._last[pos + 1] = pred
