@@ -106,7 +106,7 @@ def load(
         caps = None
     if cfg.budget_gb == "auto":
         cfg = cfg.replace(budget_gb=auto_budget_for(model, cfg.context).budget_bytes / 1e9)
-    if cfg.rows == "masked" and cfg.zero_slot is None:  # masked rows need the zero slot
+    if cfg.rows in ("masked", "mixed") and cfg.zero_slot is None:  # they need the zero slot
         cfg = cfg.replace(zero_slot=True)
     capacity, layer_caps = store_slots(meta, cfg.slots, cfg.budget_gb, caps)
     store = FileExpertStore(meta, capacity, layer_caps, config=cfg)

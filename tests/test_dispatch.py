@@ -172,6 +172,19 @@ def test_self_test_catches_a_kernel_mismatch(monkeypatch, tmp_path):
     assert bad and all("differ" in b for b in bad)
 
 
+def test_self_test_checks_row_subsets(monkeypatch):
+    """Long calls' expert groups run as row subsets (rows='mixed'): exact on one-kernel
+    backends, and caught where the kernel choice reads the row count (Metal's rule)."""
+    from dataclasses import replace
+
+    case = replace(CASE, subset=True)
+    assert selftest.check_case(case, [9, 80]) == []  # CPU: one kernel
+    _metal_like(monkeypatch)
+    bad = selftest.check_case(case, [80])  # 640 rows: stock takes rhs, a quarter does not
+    assert any("row subset" in b for b in bad), bad
+    assert selftest.check_case(CASE, [80]) == []  # without subsets nothing differs
+
+
 def test_patch_runs_the_self_test(models, tmp_path):
     from mlx_lm import load
 

@@ -74,6 +74,11 @@ CONFIGS = {
         "zero_slot": True,
         "config": StreamConfig(rows="masked"),
     },
+    "mixed_rows": lambda m: {
+        "capacity": m.top_k + 1,
+        "zero_slot": True,
+        "config": StreamConfig(rows="mixed"),
+    },
     "native_reader": lambda m: {"capacity": m.top_k + 1, "reader": "native"},
     "native_reader_masked": lambda m: {
         "capacity": 2 * m.top_k,
@@ -249,7 +254,7 @@ def test_transition_prefetch_with_trace_routing(models, tmp_path):
     store.close()
 
 
-@pytest.mark.parametrize("rows", ["subset", "masked"])
+@pytest.mark.parametrize("rows", ["subset", "masked", "mixed"])
 def test_kernel_thresholds(models, rows):
     """128 experts, top-8, prefill chunks of 8-64 tokens (64-512 routed rows): every row
     threshold of MLX's kernel choice is crossed, for pools of top-k, 2x, half and all
@@ -264,7 +269,7 @@ def test_kernel_thresholds(models, rows):
             ck,
             ed,
             capacity=cap,
-            zero_slot=rows == "masked",
+            zero_slot=rows != "subset",
             config=StreamConfig(rows=rows, kernel_check=True),
         )
         for chunk, ref_trace in want.items():

@@ -35,8 +35,9 @@ class Reader(str, Enum):
 class Rows(str, Enum):
     """How a call that runs only some rows computes them (see ``StreamedExperts``)."""
 
-    SUBSET = "subset"
-    MASKED = "masked"
+    SUBSET = "subset"  # only the call's rows run
+    MASKED = "masked"  # every row runs, the others against the zero slot
+    MIXED = "mixed"  # masked below mlx-lm's sort threshold (64 rows), subset from it up
 
 
 def option(default, help: str, *, flag: str | None = "", **cli):
@@ -96,7 +97,8 @@ class StreamConfig:
         "router", "next-layer predictor: router, or a predictor object", flag=None
     )
     rows: Rows | None = option(
-        None, "how partial calls run (default: subset on the CPU, masked on GPUs)",
+        None, "how partial calls run (default: subset on the CPU, masked on Metal, "
+        "mixed on CUDA)",
         choices=[r.value for r in Rows],
     )  # fmt: skip
     kernel_check: bool | None = option(

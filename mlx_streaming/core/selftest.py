@@ -32,6 +32,20 @@ SORT_ROWS = 64  # mlx-lm's SwitchGLU sorts the rows of calls this large
 THRESHOLD_ROWS = (8, 16, SORT_ROWS)  # CUDA qmv/qmm; Metal rhs minimum; the sort
 
 
+def pad_subset(tok: np.ndarray, run: np.ndarray, call_rows: int, pad_slot: int | None):
+    """A row subset of a call of ``call_rows`` rows (``tok``: each kept row's token,
+    ``run``: its slot), padded to ``SORT_ROWS`` rows when the call had that many, so that
+    mlx-lm sorts it as it sorts the call (and MLX takes the same kernels). Padding rows
+    point at ``pad_slot`` (the zero slot: every expert keeps stock's group of rows), or
+    repeat the last row where there is none."""
+    n = len(tok)
+    if call_rows >= SORT_ROWS > n:
+        pad = SORT_ROWS - n
+        tok = np.concatenate([tok, np.full(pad, tok[-1])])
+        run = np.concatenate([run, np.full(pad, run[-1] if pad_slot is None else pad_slot)])
+    return tok, run
+
+
 @dataclass(frozen=True)
 class ProjectionCase:
     """One projection of one pool, as the self-test builds it."""
@@ -44,6 +58,7 @@ class ProjectionCase:
     pool_slots: int  # slots holding experts
     zero_slot: bool
     top_k: int
+    subset: bool = False  # long calls' expert groups run as padded row subsets
 
     def key(self) -> str:
         dev = mx.device_info().get("device_name", str(mx.default_device()))
@@ -63,7 +78,7 @@ def token_counts(
 
 
 def cases_for(
-    layout: LayerLayout, slots: int, zero_slot: bool, top_k: int, x_dtype: str
+    layout: LayerLayout, slots: int, zero_slot: bool, top_k: int, x_dtype: str, subset=False
 ) -> list[ProjectionCase]:
     """The distinct projections of one layer's pool."""
     out = []
@@ -83,6 +98,7 @@ def cases_for(
                 slots,
                 zero_slot,
                 top_k,
+                subset,
             )
         )
     return out
@@ -172,7 +188,25 @@ def check_case(case: ProjectionCase, tokens: list[int], seed: int = 0) -> list[s
         same = mx.all(mx.where(keep, _bits(want) == _bits(got), True)).item()
         if not same:
             bad.append(f"{case.name}: {T} tokens ({T * k} rows) differ")
+        if case.subset and ids.size >= SORT_ROWS and not _subset_same(
+            pool_proj, x, ids, slot_of, want, S if case.zero_slot else None, rng
+        ):
+            bad.append(f"{case.name}: a row subset of {T} tokens ({T * k} rows) differs")
     return bad
+
+
+def _subset_same(pool_proj, x, ids, slot_of, want, zero, rng) -> bool:
+    """Whether one expert group's rows, run alone as the store runs them (``pad_subset``),
+    equal those rows of the stock-shaped call ``want``."""
+    experts = np.unique(ids)
+    group = rng.choice(experts, max(1, len(experts) // 4), replace=False)
+    keep = np.nonzero(np.isin(ids.reshape(-1), group))[0]
+    k = ids.shape[-1]
+    tok, run = pad_subset(keep // k, slot_of[ids.reshape(-1)[keep]], ids.size, zero)
+    got = _call(pool_proj, x[mx.array(tok)], mx.array(run.astype(np.int32))[:, None])
+    got = got[: len(keep), 0]
+    ref = want.reshape(-1, *want.shape[2:])[mx.array(keep)]
+    return mx.all(_bits(got) == _bits(ref)).item()
 
 
 def _bits(a: mx.array) -> mx.array:

@@ -10,6 +10,7 @@ the same matmul on the same bytes as in stock mlx-lm, so outputs are bit-identic
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from ..discovery import (
 from ..dispatch import PoolQuantizedSwitchLinear, PoolSwitchLinear, backend
 from ..format import ExpertDirError, LayerLayout, mx_dtype_name
 from ..options import StreamConfig
-from ..selftest import SORT_ROWS, cases_for, ensure_kernel_parity
+from ..selftest import SORT_ROWS, cases_for, ensure_kernel_parity, pad_subset
 from .predictor import Prefetcher, RouterPredictor
 
 
@@ -46,15 +47,15 @@ class StreamedExperts(nn.Module):
         pos: int,
         overlap: bool,
         prefetcher: Prefetcher | None,
-        masked: bool,
+        masked_below: int,
     ):
         super().__init__()
         self.experts = experts  # the layer's SwitchGLU / SwitchMLP over pool slots
         self.layer, self.pos = layer, pos
         self._store, self._prefetcher = store, prefetcher
-        self._masked = masked
-        # a partial (masked) call points the other rows at the pool's zero slot
-        self._overlap = overlap and (not masked or store.pool(layer).dummy is not None)
+        self._masked_below = masked_below  # partial calls of fewer rows run masked
+        # a masked call points the other rows at the pool's zero slot
+        self._overlap = overlap and (not masked_below or store.pool(layer).dummy is not None)
 
     @property
     def num_experts(self) -> int:
@@ -88,31 +89,40 @@ class StreamedExperts(nn.Module):
         """``out`` with the experts' outputs filled in on ``rows`` (a boolean mask shaped
         like ``indices``; None: all), the rows' experts at ``slots``.
 
-        Masked: every row runs, the others against the pool's zero slot, so the kernels
-        get exactly stock mlx-lm's shapes. Subset: only the kept rows run; as mlx-lm sorts
-        calls of 64 or more rows (and then takes other kernels), a subset of such a call
-        is padded to 64 rows so it takes the same ones.
+        Masked (calls below ``masked_below`` rows): every row runs, the others against the
+        pool's zero slot, so the kernels get exactly stock mlx-lm's shapes. Subset: only
+        the kept rows run. As mlx-lm sorts calls of 64 or more rows (and then takes other
+        kernels), a subset of such a call is padded to 64 rows, on the zero slot where
+        the pool has one, so that every expert's group of rows is stock's.
         """
         if rows is None:
             return self.experts(x, mx.array(slots.astype(np.int32)))
-        if self._masked:
-            dummy = self._store.pool(self.layer).dummy
+        dummy = self._store.pool(self.layer).dummy
+        if rows.size < self._masked_below:
             y = self.experts(x, mx.array(np.where(rows, slots, dummy).astype(np.int32)))
             return y if out is None else mx.where(mx.array(rows)[..., None], y, out)
         k = indices.shape[-1]
         xf, flat = x.reshape(-1, x.shape[-1]), slots.reshape(-1)  # [T, D], [T*k]
         keep = np.nonzero(rows.reshape(-1))[0]
         n = len(keep)
-        if flat.size >= SORT_ROWS > n:
-            keep = np.concatenate([keep, np.full(SORT_ROWS - n, keep[-1])])
-        y = self.experts(xf[mx.array(keep // k)], mx.array(flat[keep].astype(np.int32))[:, None])[
+        tok, run = pad_subset(keep // k, flat[keep], flat.size, dummy)
+        y = self.experts(xf[mx.array(tok)], mx.array(run.astype(np.int32))[:, None])[
             :n, 0
         ]  # [n, D]
         if out is None:
             out = mx.zeros((*indices.shape, y.shape[-1]), dtype=y.dtype)
         flat_out = out.reshape(-1, y.shape[-1])
-        flat_out[mx.array(keep[:n])] = y
+        flat_out[mx.array(keep)] = y
         return flat_out.reshape(out.shape)
+
+
+def default_rows(device: str) -> str:
+    """How partial calls run on ``device``'s backend: ``subset`` on the CPU (one kernel
+    for every shape); ``masked`` on Metal (whose kernel choice reads the row count and
+    the experts per array, so only stock's own shapes are safe); ``mixed`` on CUDA, whose
+    quantized kernel computes each row on its own from 8 rows up (``dispatch``), so a
+    long prompt's expert groups run only their own rows."""
+    return {"cpu": "subset", "metal": "masked"}.get(device, "mixed")
 
 
 def _pool_projection(name: str, layout: LayerLayout, arrays: dict, device: str) -> nn.Module:
@@ -297,15 +307,16 @@ def patch_model_filebacked(
     overlap = (
         options.overlap if options.overlap is not None else on_cpu and store.pool_mode != "mlx"
     )
-    rows = options.rows or ("subset" if mx.default_device() == mx.cpu else "masked")
-    if rows == "masked" and not store.zero_slot:
+    device = backend()
+    rows = options.rows or default_rows(device)
+    if rows != "subset" and not store.zero_slot:
         raise ValueError(
-            "rows='masked' points skipped rows at a zero slot: create the store "
+            f"rows={rows!r} points skipped rows at a zero slot: create the store "
             "with FileExpertStore(..., zero_slot=True)"
         )
-    device = backend()
+    masked_below = {"subset": 0, "masked": sys.maxsize, "mixed": SORT_ROWS}[rows]
     if options.kernel_check or (options.kernel_check is None and device != "cpu"):
-        check_kernels(model, store, options.kernel_check_file)
+        check_kernels(model, store, options.kernel_check_file, subset=rows != "masked")
     for pos, s in enumerate(sites):
         arrays = store.pool(s.layer).arrays
         lay = store.meta.layers[s.layer]
@@ -316,7 +327,7 @@ def patch_model_filebacked(
         s.parent.update_modules(
             {
                 s.attr: StreamedExperts(
-                    s.module, store, s.layer, pos, overlap, prefetcher, rows == "masked"
+                    s.module, store, s.layer, pos, overlap, prefetcher, masked_below
                 )
             }
         )
@@ -330,9 +341,11 @@ def _int_keys(d: dict | None) -> dict | None:
 _CHECKED: set = set()  # kernel-parity cases found exact in this process
 
 
-def check_kernels(model: nn.Module, store: FileExpertStore, cache_file=None) -> None:
+def check_kernels(
+    model: nn.Module, store: FileExpertStore, cache_file=None, subset: bool = False
+) -> None:
     """Check that every distinct pool of ``store`` computes exactly what stock's arrays
-    would on this device (see ``selftest``).
+    would on this device (see ``selftest``); ``subset``: also long calls' row subsets.
 
     Raises:
         KernelParityError: MLX picks another kernel for a pool than for stock.
@@ -348,7 +361,12 @@ def check_kernels(model: nn.Module, store: FileExpertStore, cache_file=None) -> 
     for li in store.layers:
         pool = store.pool(li)
         cases += cases_for(
-            store.meta.layers[li], pool.slots, pool.dummy is not None, store.top_k, x_dtype
+            store.meta.layers[li],
+            pool.slots,
+            pool.dummy is not None,
+            store.top_k,
+            x_dtype,
+            subset,
         )
     todo = [c for c in dict.fromkeys(cases) if c not in _CHECKED]
     ensure_kernel_parity(todo, cache_file=Path(cache_file) if cache_file else None)
