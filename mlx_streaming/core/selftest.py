@@ -188,8 +188,12 @@ def check_case(case: ProjectionCase, tokens: list[int], seed: int = 0) -> list[s
         same = mx.all(mx.where(keep, _bits(want) == _bits(got), True)).item()
         if not same:
             bad.append(f"{case.name}: {T} tokens ({T * k} rows) differ")
-        if case.subset and ids.size >= SORT_ROWS and not _subset_same(
-            pool_proj, x, ids, slot_of, want, S if case.zero_slot else None, rng
+        if (
+            case.subset
+            and ids.size >= SORT_ROWS
+            and not _subset_same(
+                pool_proj, x, ids, slot_of, want, S if case.zero_slot else None, rng
+            )
         ):
             bad.append(f"{case.name}: a row subset of {T} tokens ({T * k} rows) differs")
     return bad
