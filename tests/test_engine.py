@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlx_streaming.core.format import ExpertChecksumError
-from mlx_streaming.core.io.native import NativeReader, library, library_path
+from mlx_streaming.core.io.native import COUNTERS, NativeReader, library, library_path
 from mlx_streaming.core.io.reader import RecordReadError
 from mlx_streaming.core.meta import load_meta
 
@@ -72,9 +72,10 @@ def test_library_is_built_into_the_package():
 
 
 @needs_library
-def test_reads_records_into_the_slots_asked(models):
+@pytest.mark.parametrize("whole", [False, True])
+def test_reads_records_into_the_slots_asked(models, whole):
     _, ed = models.experts("tiny-qwen3_moe")
-    meta, pools, reader = reader_over(ed, 12, threads=3, wave=4)  # 12 records: 3 waves
+    meta, pools, reader = reader_over(ed, 12, threads=3, wave=4, copy_whole=whole)  # 3 waves
     rng = np.random.default_rng(0)
     for li in meta.layers:
         experts = rng.choice(meta.num_experts, 12, replace=False)
@@ -82,6 +83,8 @@ def test_reads_records_into_the_slots_asked(models):
         assert reader.read(li, experts, slots) == 12 * meta.layers[li].record_bytes
         for e, s in zip(experts, slots):
             assert_slot_holds(meta, pools, li, s, e)
+    c = dict(zip(COUNTERS, reader.counters.sum(0).tolist()))
+    assert c["records"] == 12 * len(meta.layers) and 0 < c["pread_ns"] <= c["read_ns"]
     reader.close()
     reader.close()  # idempotent
 
@@ -141,14 +144,17 @@ def fuzz_reader(models):
 
 
 @needs_library
-def test_corrupt_record_names_file_and_expert(models, tmp_path):
+@pytest.mark.parametrize("whole", [False, True])
+def test_corrupt_record_names_file_and_expert(models, tmp_path, whole):
     ed, meta, li = copied_experts(models, tmp_path)
     data = np.fromfile(meta.file(li), np.uint8)
     data[5 * meta.layers[li].stride + 100] ^= 0xFF
     data.tofile(meta.file(li))
-    meta, pools, reader = reader_over(ed, 4, threads=2)
+    meta, pools, reader = reader_over(ed, 4, threads=2, copy_whole=whole)
     with pytest.raises(ExpertChecksumError, match=r"layer_.*checksum mismatch.*expert 5 "):
         reader.read(li, [6, 5], [0, 1])
+    if whole:  # a corrupt record is never copied into its slot
+        assert not any(rows[1].any() for rows in pools[li].parts)
     reader.read(li, [6, 7], [0, 1])  # the next call works
     assert_slot_holds(meta, pools, li, 1, 7)
     # each record is checked the first time it is read: 6 and 7 passed, 5 never did
@@ -234,10 +240,10 @@ def test_fuzzed_layouts_never_crash(models, n_layers, threads, wave, max_stride,
     if not ok_new:  # sizes the staging area could not hold are the caller's to avoid
         if not (1 <= wave <= 256 and 1 <= max_stride and wave * max_stride > staging.size):
             assert not lib.mlxs_new(n_layers, threads, wave, max_stride, piece, None,
-                                    None, None, None, None)  # fmt: skip
+                                    None, None, None, None, 0)  # fmt: skip
         return
     e = lib.mlxs_new(n_layers, threads, wave, max_stride, piece, staging.ctypes.data,
-                     None, None, None, None)  # fmt: skip
+                     None, None, None, None, pos % 2)  # fmt: skip
     assert e
     rows = [np.zeros((max(capacity, 1), max(r, 1)), np.uint8) for _, _, r in parts]
     arr = [np.array([p[i] for p in parts] or [0], np.int64) for i in range(3)]

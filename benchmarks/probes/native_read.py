@@ -4,8 +4,9 @@ and piece size, alone and while the device computes (the decode case).
 A decode layer call at 50% residency reads about 1.2 records of 4.87 MB; the host
 profile put that at ~640 µs (9 GB/s) where batches of 64 records read at 26-29 GB/s.
 This probe times ``NativeReader.read`` on the preset's expert files (warm page cache)
-for 1, 2 and 4 records, and reports the engine's own counters: the summed time its
-threads spent in ``pread`` plus copies, and its wall time per call.
+for 1, 2 and 4 records, copying piece by piece or whole records, and reports the
+engine's own counters per call: its wall time, and the time its threads spent in
+``pread``, in copy calls and in stream synchronization (summed over the threads).
 
     python benchmarks/probes/native_read.py --preset dsv2-lite --workdir /tmp/mlxs
 """
@@ -31,7 +32,7 @@ def main():
     a = p.parse_args()
     from mlx_streaming.core.cache.expert_store import FileExpertStore
     from mlx_streaming.core.io import cuda
-    from mlx_streaming.core.io.native import NativeReader
+    from mlx_streaming.core.io.native import COUNTERS, NativeReader
 
     ck, ed, meta = build(a)
     slots = meta.num_experts // 2
@@ -40,40 +41,49 @@ def main():
     layer = store.layers[len(store.layers) // 2]
     on_cuda = store.pool_mode == "cuda"
     rng = np.random.default_rng(0)
-    x = mx.random.normal((4096, 4096))
+    x = mx.random.normal((4096, 4096) if on_cuda else (256, 256))  # CPU: a smoke run
     mx.eval(x)
     rows = []
     cores = os.cpu_count() or 2
-    for threads in sorted({3, 7, min(15, cores - 1)}):
-        for piece_kb in (128, 512, 4096):
-            r = NativeReader(
-                meta, pools, threads=threads, checksums=False,
-                cuda=cuda if on_cuda else None, piece_bytes=piece_kb << 10,
-            )  # fmt: skip
-            for n in (1, 2, 4):
-                for busy in (False, True):
-                    ts = []
-                    for _ in range(a.repeat):
-                        experts = rng.choice(meta.num_experts, n, replace=False)
-                        if busy:  # the device computes meanwhile, as in decode
-                            y = x
-                            for _ in range(8):
-                                y = y @ x * 1e-3
-                            mx.async_eval(y)
-                        t = time.perf_counter()
-                        r.read(layer, experts, np.arange(n))
-                        ts.append(time.perf_counter() - t)
-                        if busy:
-                            mx.eval(y)
-                    us = 1e6 * statistics.median(ts[1:])
-                    nbytes = n * meta.layers[layer].record_bytes
-                    rows.append(
-                        {"threads": threads, "piece_kb": piece_kb, "records": n,
-                         "device_busy": busy, "us": round(us, 1),
-                         "gbps": round(nbytes / us / 1e3, 2)}
-                    )  # fmt: skip
-                    log(rows[-1])
-            r.close()
+    top = min(15, cores - 1)
+    configs = [(t, kb, whole) for t in sorted({3, top}) for kb in (128, 4096) for whole in (0, 1)]
+    for threads, piece_kb, whole in configs:
+        r = NativeReader(
+            meta, pools, threads=threads, checksums=False,
+            cuda=cuda if on_cuda else None, piece_bytes=piece_kb << 10, copy_whole=bool(whole),
+        )  # fmt: skip
+        pos = r.pos[layer]
+        for n in (1, 2, 4):
+            for busy in (False, True):
+                ts = []
+                r.counters[:] = 0
+                for _ in range(a.repeat):
+                    experts = rng.choice(meta.num_experts, n, replace=False)
+                    if busy:  # the device computes meanwhile, as in decode
+                        y = x
+                        for _ in range(8):
+                            y = y @ x * 1e-3
+                        mx.async_eval(y)
+                    t = time.perf_counter()
+                    r.read(layer, experts, np.arange(n))
+                    ts.append(time.perf_counter() - t)
+                    if busy:
+                        mx.eval(y)
+                us = 1e6 * statistics.median(ts[1:])
+                nbytes = n * meta.layers[layer].record_bytes
+                c = dict(zip(COUNTERS, r.counters[pos].tolist()))
+                per = {  # µs per call, summed over the threads (wall for busy)
+                    f"{k[:-3]}_us": round(c[k] / 1e3 / c["calls"], 1)
+                    for k in ("busy_ns", "pread_ns", "copy_ns", "sync_ns")
+                }
+                rows.append(
+                    {"threads": threads, "piece_kb": piece_kb, "copy_whole": whole,
+                     "records": n, "device_busy": busy, "us": round(us, 1),
+                     "gbps": round(nbytes / us / 1e3, 2), **per,
+                     "copies": round(c["copies"] / c["calls"], 1)}
+                )  # fmt: skip
+                log(rows[-1])
+        r.close()
     store.close()
     finish(a, "native_read", {"layer": layer, "pool_mode": store.pool_mode, "rows": rows})
 

@@ -3,10 +3,11 @@
  * One call, mlxs_read, reads records ``experts[i]`` of one layer's file into slots
  * ``slots[i]`` that the caller (the store, whose policy chose them) reserved. Records are
  * cut into pieces read with pread on worker threads (the calling thread works too) into
- * a staging area, each piece is copied into its slot's part rows with the copy function
- * given (cudaMemcpyAsync on a per-thread stream; memcpy without one), and each record's
- * checksum is checked once all its pieces have landed. Every input is checked: a bad
- * layer, expert, slot or size is refused with a status, never followed.
+ * a staging area. Each piece is copied into its slot's part rows with the copy function
+ * given (cudaMemcpyAsync on a per-thread stream; memcpy without one), or, with
+ * copy_whole, each record once all its pieces have landed and its checksum passed (one
+ * copy per part). A record's checksum is checked once all its pieces have landed. Every input is
+ * checked: a bad layer, expert, slot or size is refused with a status, never followed.
  *
  * Built by pip install as a plain shared library and driven through ctypes (io/native.py).
  */
@@ -29,7 +30,20 @@
 #define MAX_BYTES ((int64_t)1 << 40) /* bound on any size, so that no product overflows */
 
 enum { ST_OK = 0, ST_READ = 1, ST_CHECKSUM = 2, ST_SHORT = 3, ST_ARGS = 4, ST_COPY = 5 };
-enum { C_CALLS, C_RECORDS, C_BYTES, C_READ_NS, C_BUSY_NS, N_COUNTERS };
+/* counters per layer: read ns is pread plus copy calls, summed over threads; busy ns is
+ * wall time in mlxs_read; pread, copy-call and sync ns split the threads' time */
+enum {
+  C_CALLS,
+  C_RECORDS,
+  C_BYTES,
+  C_READ_NS,
+  C_BUSY_NS,
+  C_PREAD_NS,
+  C_COPY_NS,
+  C_SYNC_NS,
+  C_COPIES,
+  N_COUNTERS
+};
 
 typedef int (*copy_fn_t)(void *dst, const void *src, size_t n, int kind, void *stream);
 typedef int (*sync_fn_t)(void *stream);
@@ -51,6 +65,7 @@ typedef struct { /* one piece of one record */
 
 typedef struct Engine {
   int n_layers, n_threads, wave;
+  int copy_whole; /* copy each record once all its pieces landed (else piece by piece) */
   Layer *layers;
   copy_fn_t copy;
   sync_fn_t sync;
@@ -62,7 +77,7 @@ typedef struct Engine {
   int n_jobs;
   int next_job, workers_done;
   int pieces_left[MAX_WAVE], rec_status[MAX_WAVE], rec_errno[MAX_WAVE];
-  int64_t read_ns;
+  int64_t read_ns, pread_ns, copy_ns, sync_ns, copies;
   pthread_mutex_t call_lock; /* one mlxs_read at a time */
   pthread_mutex_t m;
   pthread_cond_t cv, done_cv;
@@ -99,38 +114,54 @@ static int read_full(int fd, char *buf, int64_t n, int64_t off) {
   return 0;
 }
 
+/* Copy bytes [lo, hi) of a staged record to its slot's part rows; 0 or ST_COPY. */
+static int copy_range(Engine *e, int w, const Layer *L, int slot, const char *rec, int64_t lo,
+                      int64_t hi) {
+  int rc = ST_OK;
+  for (int p = 0; p < L->n_parts; p++) { /* the range's bytes that belong to part p */
+    int64_t a = lo > L->part_off[p] ? lo : L->part_off[p];
+    int64_t pe = L->part_off[p] + L->part_bytes[p];
+    int64_t b = hi < pe ? hi : pe;
+    if (a >= b) continue;
+    char *dst = L->part_dst[p] + (int64_t)slot * L->part_row[p] + (a - L->part_off[p]);
+    if (!e->copy) {
+      memcpy(dst, rec + a, (size_t)(b - a));
+      continue;
+    }
+    int64_t t0 = now_ns();
+    if (e->copy(dst, rec + a, (size_t)(b - a), 1, e->streams[w])) rc = ST_COPY;
+    __atomic_fetch_add(&e->copy_ns, now_ns() - t0, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&e->copies, 1, __ATOMIC_RELAXED);
+  }
+  return rc;
+}
+
 static void run_job(Engine *e, int w, const Job *j) {
   Layer *L = &e->layers[j->layer];
   char *rec = e->staging + (int64_t)j->rec * e->max_stride;
   int64_t t0 = now_ns();
   int rc = read_full(L->fd, rec + j->start, j->end - j->start,
                      (int64_t)j->expert * L->stride + j->start);
+  __atomic_fetch_add(&e->pread_ns, now_ns() - t0, __ATOMIC_RELAXED);
   if (rc) {
     __atomic_store_n(&e->rec_status[j->rec], rc < 0 ? ST_SHORT : ST_READ, __ATOMIC_RELAXED);
     __atomic_store_n(&e->rec_errno[j->rec], rc, __ATOMIC_RELAXED);
-  } else {
-    for (int p = 0; p < L->n_parts; p++) { /* the piece's bytes that belong to part p */
-      int64_t lo = j->start > L->part_off[p] ? j->start : L->part_off[p];
-      int64_t pe = L->part_off[p] + L->part_bytes[p];
-      int64_t hi = j->end < pe ? j->end : pe;
-      if (lo >= hi) continue;
-      char *dst = L->part_dst[p] + (int64_t)j->slot * L->part_row[p] + (lo - L->part_off[p]);
-      if (!e->copy) {
-        memcpy(dst, rec + lo, (size_t)(hi - lo));
-      } else if (e->copy(dst, rec + lo, (size_t)(hi - lo), 1, e->streams[w])) {
-        __atomic_store_n(&e->rec_status[j->rec], ST_COPY, __ATOMIC_RELAXED);
-      }
-    }
+  } else if (!e->copy_whole && copy_range(e, w, L, j->slot, rec, j->start, j->end)) {
+    __atomic_store_n(&e->rec_status[j->rec], ST_COPY, __ATOMIC_RELAXED);
   }
   __atomic_fetch_add(&e->read_ns, now_ns() - t0, __ATOMIC_RELAXED);
-  if (__atomic_sub_fetch(&e->pieces_left[j->rec], 1, __ATOMIC_ACQ_REL) == 0 &&
-      __atomic_load_n(&e->rec_status[j->rec], __ATOMIC_ACQUIRE) == ST_OK && L->checksums &&
-      !(L->checked && __atomic_load_n(&L->checked[j->expert], __ATOMIC_RELAXED))) {
-    if (e->hash(rec, (size_t)L->record_bytes) != L->checksums[j->expert])
+  if (__atomic_sub_fetch(&e->pieces_left[j->rec], 1, __ATOMIC_ACQ_REL) != 0 ||
+      __atomic_load_n(&e->rec_status[j->rec], __ATOMIC_ACQUIRE) != ST_OK)
+    return; /* the record's last piece checks and (copy_whole) copies it */
+  if (L->checksums && !(L->checked && __atomic_load_n(&L->checked[j->expert], __ATOMIC_RELAXED))) {
+    if (e->hash(rec, (size_t)L->record_bytes) != L->checksums[j->expert]) {
       __atomic_store_n(&e->rec_status[j->rec], ST_CHECKSUM, __ATOMIC_RELAXED);
-    else if (L->checked)
-      __atomic_store_n(&L->checked[j->expert], 1, __ATOMIC_RELAXED);
+      return; /* a corrupt record is never copied whole */
+    }
+    if (L->checked) __atomic_store_n(&L->checked[j->expert], 1, __ATOMIC_RELAXED);
   }
+  if (e->copy_whole && copy_range(e, w, L, j->slot, rec, 0, L->record_bytes))
+    __atomic_store_n(&e->rec_status[j->rec], ST_COPY, __ATOMIC_RELAXED);
 }
 
 /* Take pieces until none is left; then wait for this thread's copies. */
@@ -142,7 +173,11 @@ static void work(Engine *e, int w) {
     run_job(e, w, &e->jobs[i]);
     did = 1;
   }
-  if (did && e->copy && e->sync(e->streams[w])) /* a failed copy fails every record */
+  if (!did || !e->copy) return;
+  int64_t t0 = now_ns();
+  int bad = e->sync(e->streams[w]);
+  __atomic_fetch_add(&e->sync_ns, now_ns() - t0, __ATOMIC_RELAXED);
+  if (bad) /* a failed copy fails every record */
     for (int r = 0; r < e->wave; r++)
       __atomic_store_n(&e->rec_status[r], ST_COPY, __ATOMIC_RELAXED);
 }
@@ -251,7 +286,8 @@ static int check_read(Engine *e, int layer, int n, const int32_t *experts, const
 /* ------------------------------------------------------------------ the API */
 
 Engine *mlxs_new(int n_layers, int n_threads, int wave, int64_t max_stride, int64_t piece_bytes,
-                 char *staging, void *copy, void *sync, void **streams, void *hash) {
+                 char *staging, void *copy, void *sync, void **streams, void *hash,
+                 int copy_whole) {
   if (n_layers < 1 || n_threads < 0 || n_threads >= MAX_THREADS || wave < 1 || wave > MAX_WAVE ||
       max_stride < 1 || max_stride > MAX_BYTES / wave || piece_bytes < 4096 ||
       piece_bytes > MAX_BYTES || !staging || (copy && (!sync || !streams)))
@@ -271,6 +307,7 @@ Engine *mlxs_new(int n_layers, int n_threads, int wave, int64_t max_stride, int6
   e->copy = (copy_fn_t)copy;
   e->sync = (sync_fn_t)sync;
   e->hash = (hash_fn_t)hash;
+  e->copy_whole = copy_whole != 0;
   for (int i = 0; copy && i <= n_threads; i++) e->streams[i] = streams[i];
   pthread_mutex_init(&e->m, NULL);
   pthread_mutex_init(&e->call_lock, NULL);
@@ -369,8 +406,12 @@ int mlxs_read(Engine *e, int layer, int n, const int32_t *experts, const int32_t
     counters[C_BYTES] += first == ST_OK ? (int64_t)n * e->layers[layer].record_bytes : 0;
     counters[C_READ_NS] += e->read_ns;
     counters[C_BUSY_NS] += now_ns() - t0;
+    counters[C_PREAD_NS] += e->pread_ns;
+    counters[C_COPY_NS] += e->copy_ns;
+    counters[C_SYNC_NS] += e->sync_ns;
+    counters[C_COPIES] += e->copies;
   }
-  e->read_ns = 0;
+  e->read_ns = e->pread_ns = e->copy_ns = e->sync_ns = e->copies = 0;
   pthread_mutex_unlock(&e->call_lock);
   return first;
 }

@@ -32,7 +32,11 @@ STATUS = {
     4: "bad request",
     5: "copy to the device failed",
 }
-N_COUNTERS = 5  # calls, records, bytes, read ns, busy ns
+# calls, records, bytes, read ns (pread + copy calls), busy ns (wall), pread ns, copy-call ns,
+# sync ns, copy calls: the threads' times are summed over threads
+COUNTERS = ("calls", "records", "bytes", "read_ns", "busy_ns", "pread_ns", "copy_ns", "sync_ns",
+            "copies")  # fmt: skip
+N_COUNTERS = len(COUNTERS)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None | bool = None
@@ -93,7 +97,7 @@ def why_unavailable() -> str:
 def _declare(lib) -> None:
     P, Int, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.mlxs_new.restype = P
-    lib.mlxs_new.argtypes = [Int, Int, Int, L, L, P, P, P, P, P]
+    lib.mlxs_new.argtypes = [Int, Int, Int, L, L, P, P, P, P, P, Int]
     lib.mlxs_layer.restype = Int
     lib.mlxs_layer.argtypes = [P, Int, Int, L, L, Int, Int, Int, P, P, P, P, P, P]
     lib.mlxs_read.restype = Int
@@ -133,6 +137,8 @@ class NativeReader:
         cuda: The CUDA runtime module (``io.cuda``) for device pools, else None.
         wave: Records staged at once.
         piece_bytes: Largest piece one ``pread`` covers.
+        copy_whole: Copy each record to its slot once all its pieces landed (one copy
+            per part), rather than each piece as it lands.
 
     Raises:
         OSError: the engine is unavailable or refuses a layer (the message says why).
@@ -148,6 +154,7 @@ class NativeReader:
         cuda=None,
         wave: int = 8,
         piece_bytes: int = 4 << 20,
+        copy_whole: bool = False,
     ):
         lib = library()
         if lib is None:
@@ -170,7 +177,7 @@ class NativeReader:
             raise OSError("checksums need XXH3_64bits from the xxhash package: not found")
         self.handle = lib.mlxs_new(
             len(pools), threads, wave, stride, piece_bytes, _ptr(self._staging), copy, sync,
-            streams, h,
+            streams, h, int(copy_whole),
         )  # fmt: skip
         if not self.handle:
             raise OSError("the native reader could not be created")
