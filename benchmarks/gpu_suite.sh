@@ -15,6 +15,8 @@
 #   bash benchmarks/gpu_suite.sh parity     every expert resident against stock, 7 alternating pairs
 #   bash benchmarks/gpu_suite.sh readprobe  the native reader's time for 1-4 records by threads and
 #                                           piece size, alone and beside device work
+#   bash benchmarks/gpu_suite.sh hostprof   cProfile of decode, stock against 50% and 25%: where the
+#                                           host's time goes, MLX's eval calls shown apart
 #   bash benchmarks/gpu_suite.sh stall      the probe of why the removed kernel transport stalled
 #   bash benchmarks/gpu_suite.sh oracle     50%: read-ahead by the trace's transitions and by a
 #                                           simulated predictor right 0/50/70/90/100% of the time
@@ -112,6 +114,8 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
          tar czf - -C /tmp tiny-stdlib-moe | split -b 15m - "$out/trained.tgz.part-"
          rm -rf /tmp/tq; timeout 300 python3 benchmarks/trained_quality.py --model /tmp/tiny-float \
            --workdir /tmp/tq --json "$out/quality-trained.json" 2>&1 | tail -3 ;;
+  hostprof) timeout "$limit" python3 benchmarks/probes/host_profile.py --workdir $work \
+              --trace "$trace" --json "$out/host-profile.json" 2>&1 | tail -3 ;;
   probe) timeout "$limit" python3 benchmarks/gpu.py --workdir $work --preset dsv2-lite \
            --trace "$trace" --probe --json "$out/gpu-probe.json" 2>&1 | tail -5 ;;
   *) echo "unknown suite $suite" >&2; exit 2 ;;

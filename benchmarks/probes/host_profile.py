@@ -1,0 +1,98 @@
+"""Where the host's time goes in one decode, by function: stock mlx-lm against streamed
+at the given residencies, under cProfile.
+
+MLX's own calls (``mx.eval``, ``mx.async_eval``, array conversion) are wrapped in named
+Python functions so that the profile shows them apart from the Python that calls them:
+``mlx:async_eval`` is MLX encoding and launching a graph, ``mlx:eval`` that plus waiting
+for it. Each row: total µs per decoded token, and per MoE layer call.
+
+    python benchmarks/probes/host_profile.py --preset dsv2-lite --residency 0.5,0.25
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+from harness import PROMPT, build, finish, log, parser, rewind, routing_trace, stock, streamed  # noqa: E402
+
+
+def _wrap_mlx() -> None:
+    """Make MLX's evaluation calls visible to cProfile under their own names."""
+    real_eval, real_async = mx.eval, mx.async_eval
+
+    def eval_(*a, **k):
+        return real_eval(*a, **k)
+
+    def async_eval_(*a, **k):
+        return real_async(*a, **k)
+
+    eval_.__qualname__, async_eval_.__qualname__ = "mlx:eval", "mlx:async_eval"
+    mx.eval, mx.async_eval = eval_, async_eval_
+
+
+def _profile(model, tok, ids, tokens: int, layers: int, top: int) -> dict:
+    from mlx_lm import stream_generate
+
+    for _ in stream_generate(model, tok, ids, max_tokens=4):  # warm
+        pass
+    pr = cProfile.Profile()
+    pr.enable()
+    *_, last = stream_generate(model, tok, ids, max_tokens=tokens)
+    pr.disable()
+    n = last.generation_tokens
+    st = pstats.Stats(pr, stream=io.StringIO())
+    rows = []
+    for (file, line, name), (_, calls, tt, ct, _) in st.stats.items():
+        where = name if name.startswith("mlx:") else f"{Path(file).name}:{line}:{name}"
+        rows.append(
+            {
+                "function": where,
+                "calls_per_token": round(calls / n, 1),
+                "self_us_per_token": round(1e6 * tt / n, 1),
+                "self_us_per_layer": round(1e6 * tt / n / layers, 1),
+                "cum_us_per_token": round(1e6 * ct / n, 1),
+            }
+        )
+    rows.sort(key=lambda r: -r["self_us_per_token"])
+    return {"tok_per_s": round(last.generation_tps, 2), "tokens": n, "top": rows[:top]}
+
+
+def main():
+    p = parser(__doc__, preset="dsv2-lite", workdir="/tmp/mlxs")
+    p.add_argument("--residency", default="0.5,0.25")
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--top", type=int, default=30)
+    a = p.parse_args()
+    ck, ed, meta = build(a)
+    trace, start = routing_trace(a)
+    layers = len(meta.layers)
+    ids = PROMPT
+    _wrap_mlx()
+    out = {}
+    model, tok, routing = stock(ck, trace, start)
+    rewind(start, routing)
+    out["stock"] = _profile(model, tok, ids, a.tokens, layers, a.top)
+    log("stock", out["stock"]["tok_per_s"], out["stock"]["top"][:8])
+    del model
+    for r in [float(x) for x in a.residency.split(",")]:
+        slots = max(meta.top_k, round(r * meta.num_experts))
+        model, tok, store, routing = streamed(ck, ed, trace, start, slots=slots)
+        rewind(start, routing)
+        res = _profile(model, tok, ids, a.tokens, layers, a.top)
+        res["slots"], res["hit_rate"] = slots, round(store.totals()["hit_rate"], 4)
+        out[f"streamed_{r}"] = res
+        log(f"streamed {r}", res["tok_per_s"], res["top"][:8])
+        store.close()
+        del model
+    finish(a, "host_profile", {"moe_layers": layers, "runs": out})
+
+
+if __name__ == "__main__":
+    main()
