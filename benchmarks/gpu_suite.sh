@@ -15,6 +15,8 @@
 #   bash benchmarks/gpu_suite.sh parity     every expert resident against stock, 7 alternating pairs
 #   bash benchmarks/gpu_suite.sh readprobe  the native reader's time for 1-4 records by threads and
 #                                           piece size, alone and beside device work
+#   bash benchmarks/gpu_suite.sh launch     MLX's host cost per evaluation call and per op, with and
+#                                           without CUDA graphs
 #   bash benchmarks/gpu_suite.sh hostprof   cProfile of decode, stock against 50% and 25%: where the
 #                                           host's time goes, MLX's eval calls shown apart
 #   bash benchmarks/gpu_suite.sh stall      the probe of why the removed kernel transport stalled
@@ -114,6 +116,10 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
          tar czf - -C /tmp tiny-stdlib-moe | split -b 15m - "$out/trained.tgz.part-"
          rm -rf /tmp/tq; timeout 300 python3 benchmarks/trained_quality.py --model /tmp/tiny-float \
            --workdir /tmp/tq --json "$out/quality-trained.json" 2>&1 | tail -3 ;;
+  launch) for g in 1 0; do
+            MLX_USE_CUDA_GRAPHS=$g timeout 200 python3 benchmarks/probes/mlx_launch.py \
+              --json "$out/mlx-launch-graphs$g.json" 2>&1 | tail -8
+          done ;;
   hostprof) timeout "$limit" python3 benchmarks/probes/host_profile.py --workdir $work \
               --trace "$trace" --json "$out/host-profile.json" 2>&1 | tail -3 ;;
   probe) timeout "$limit" python3 benchmarks/gpu.py --workdir $work --preset dsv2-lite \

@@ -1,0 +1,92 @@
+"""What MLX's evaluation calls cost the host: a fixed part per call and a part per op.
+
+A chain of ``n`` small elementwise ops is launched with one ``mx.async_eval`` (its host
+time is MLX encoding and launching them), or in ``k`` pieces of ``n / k`` ops each; then
+the cost of reading a tiny array on the host (``mx.eval`` plus ``np.array``) once the
+device is idle, and of making a tiny array from NumPy. Medians over repeats, µs.
+
+    python benchmarks/probes/mlx_launch.py --json out.json
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from harness import finish, log, parser  # noqa: E402
+
+
+def _median_us(f, repeat: int) -> float:
+    ts = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t)
+    return round(1e6 * statistics.median(ts[2:]), 1)
+
+
+def chain(n: int, pieces: int, x: mx.array) -> float:
+    """Host µs to launch ``n`` ops in ``pieces`` async_evals (the device drained after)."""
+    per = max(1, n // pieces)
+
+    def run():
+        y = x
+        for i in range(n):
+            y = y * 1.0001 + 1e-6 if i % 2 else mx.exp(y * 1e-3)
+            if (i + 1) % per == 0:
+                mx.async_eval(y)
+        mx.async_eval(y)
+
+    ts = []
+    for _ in range(9):
+        t = time.perf_counter()
+        run()
+        ts.append(time.perf_counter() - t)
+        mx.synchronize()
+    return round(1e6 * statistics.median(ts[2:]), 1)
+
+
+def main():
+    p = parser(__doc__, preset=None, trace=False)
+    p.add_argument("--repeat", type=int, default=50)
+    a = p.parse_args()
+    x = mx.random.normal((8, 2048))
+    mx.eval(x)
+    rows = []
+    for n in (8, 32, 128):
+        for pieces in (1, 2, 8, n):
+            if pieces > n:
+                continue
+            us = chain(n, pieces, x)
+            rows.append({"ops": n, "evals": pieces, "host_us": us, "us_per_op": round(us / n, 2)})
+            log(rows[-1])
+    small = mx.array(np.arange(6, dtype=np.int32))
+    idx = small + 1
+    mx.eval(idx)
+
+    def read_back():
+        z = small + 1
+        mx.eval(z)
+        np.array(z)
+
+    prims = {
+        "eval_and_read_6_ints_us": _median_us(read_back, a.repeat),
+        "np_array_of_evaluated_us": _median_us(lambda: np.array(idx), a.repeat),
+        "tolist_of_evaluated_us": _median_us(lambda: idx.tolist(), a.repeat),
+        "mx_array_from_numpy_us": _median_us(
+            lambda: mx.array(np.arange(6, dtype=np.int32)), a.repeat
+        ),
+        "empty_async_eval_us": _median_us(lambda: mx.async_eval(idx), a.repeat),
+    }
+    log(prims)
+    finish(a, "mlx_launch", {"device": str(mx.default_device()), "chains": rows, **prims})
+
+
+if __name__ == "__main__":
+    main()
