@@ -27,6 +27,27 @@ from .slots import SlotCache
 from .stats import LayerStats, Timeline
 
 TRACK_EVAL_BYTES = 1 << 20  # outputs larger than this are evaluated, not held
+SMALL_CALL = 64  # routed rows up to which Python sets beat np.unique (a decode step)
+
+
+def distinct(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(ids, return_counts=True)``, cheaper for a decode step's few ids."""
+    if ids.size > SMALL_CALL:
+        return np.unique(ids, return_counts=True)
+    flat = ids.ravel().tolist()
+    u = sorted(set(flat))
+    if len(u) == len(flat):
+        counts = np.ones(len(u), np.int64)
+    else:
+        counts = np.array([flat.count(e) for e in u], np.int64)
+    return np.array(u, dtype=ids.dtype), counts
+
+
+def member(values: np.ndarray, ids: np.ndarray, size: int) -> np.ndarray:
+    """``np.isin(values, ids)`` for ids below ``size``, by a table (cheaper)."""
+    table = np.zeros(size, bool)
+    table[ids] = True
+    return table[values]
 
 
 class HostPath:
@@ -83,7 +104,7 @@ class HostPath:
         st.host_calls += 1
         for obs in self.observers:
             obs(layer, host)
-        experts, counts = np.unique(host, return_counts=True)
+        experts, counts = distinct(host)
         if self.routing.on:
             self.routing.add(layer, experts, counts)
         self.loads.settle(layer, experts)
@@ -115,7 +136,7 @@ class HostPath:
             return iter([(None, pool.slots_of(host))]), time.perf_counter() - t0
 
         def steps():
-            miss = np.isin(host, ticket.misses)
+            miss = member(host, ticket.misses, cache.num_experts)
             yield ~miss, pool.slots_of(host)  # resident rows: nothing to wait for
             ticket.wait()
             yield miss, pool.slots_of(host)
@@ -128,7 +149,7 @@ class HostPath:
         pool, host = self.pools[call.layer], call.host_ids
         for g in groups:
             call.misses += self.loads.fetch(call.layer, g)
-            yield np.isin(host, g), pool.slots_of(host)
+            yield member(host, g, self.caches[call.layer].num_experts), pool.slots_of(host)
 
     def complete(self, call: LayerCall, y: mx.array) -> mx.array:
         """Count the call, start its output on the device, track it."""

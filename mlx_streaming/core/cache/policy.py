@@ -162,28 +162,33 @@ class Predictive(_Scored):
         self.trans = np.zeros((E, E), dtype=np.float32)  # counts: e at t -> e' at t+1
         self.row = np.zeros(E, dtype=np.float32)
         self.prev = np.zeros(0, dtype=np.int64)
-        self.ring: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * max(self.WINDOWS)
-        self.win = np.zeros((len(self.WINDOWS), E))
-        self._offsets = (np.arange(len(self.WINDOWS)) * E)[:, None]
+        # windowed counts as differences of running counts: cum[t % H] holds each
+        # expert's lookups up to and including lookup t (integers, so exact)
+        self.cum = np.zeros((max(self.WINDOWS) + 1, E))
         self.aged = np.zeros(E)  # decayed count as of aged_at
         self.aged_at = np.zeros(E, dtype=np.int64)
         self._now = self.prev
+
+    @property
+    def win(self) -> np.ndarray:
+        """Lookups of each expert within each window of the latest lookups, [windows, E]."""
+        H, last = len(self.cum), self.t - 1
+        if last < 0:
+            return np.zeros((len(self.WINDOWS), self.num_experts))
+        now = self.cum[last % H]
+        return np.stack(
+            [now - self.cum[(last - w) % H] if last >= w else now for w in self.WINDOWS]
+        )
 
     def _observe(self, idx):
         if len(self.prev):
             self.trans[self.prev[:, None], idx] += 1
             self.row[self.prev] += 1
         self.prev = idx
-        H, E, flat = len(self.ring), self.num_experts, self.win.reshape(-1)
-        # the lookup leaving each window, then this one entering all three (one op each;
-        # a lookup's experts are distinct, so no index repeats within an op)
-        old = [
-            self.ring[(self.t - w) % H] + i * E for i, w in enumerate(self.WINDOWS) if self.t >= w
-        ]
-        if old:
-            flat[np.concatenate(old)] -= 1
-        self.ring[self.t % H] = idx
-        flat[(idx + self._offsets).reshape(-1)] += 1
+        H = len(self.cum)
+        cur = self.cum[self.t % H]
+        cur[:] = self.cum[(self.t - 1) % H] if self.t else 0
+        cur[idx] += 1
         self.aged[idx] = self.aged[idx] * self.AGE ** (self.t - self.aged_at[idx]) + 1
         self.aged_at[idx] = self.t
 
