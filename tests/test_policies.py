@@ -240,3 +240,37 @@ def test_queued_lookups_reach_the_policy():
     assert cache.policy.victims(1, set()) == [1]  # 0 was used last
     cache.lookup(np.array([2]))  # the reservation evicts the least recent: 1
     assert cache.slot_of[1] < 0 and cache.slot_of[0] >= 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 200), st.integers(1, 64), st.integers(0, 2**31))
+def test_host_path_set_helpers_equal_numpy(n, E, seed):
+    """The host path's cheap ``distinct`` and ``member`` give numpy's answers, for a
+    decode step's few ids and for long calls alike."""
+    from mlx_streaming.core.cache.host_path import distinct, member
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, E, (max(1, n // 4), min(n, 8))).astype(np.uint32)
+    got, counts = distinct(ids)
+    want, want_counts = np.unique(ids, return_counts=True)
+    assert got.dtype == want.dtype and np.array_equal(got, want)
+    assert np.array_equal(counts, want_counts)
+    some = rng.choice(E, rng.integers(0, E + 1), replace=False)
+    assert np.array_equal(member(ids, some, E), np.isin(ids, some))
+
+
+def test_predictive_windows_count_the_latest_lookups():
+    """The windowed counts (running-count differences) equal a direct count over the
+    last 4, 16 and 64 lookups."""
+    from mlx_streaming.core.cache.policy import Predictive
+
+    rng = np.random.default_rng(1)
+    p = Predictive(16, 8)
+    seen = []
+    for t in range(150):
+        idx = np.sort(rng.choice(16, 3, replace=False))
+        p.access(idx)
+        seen.append(idx)
+        for w, row in zip(Predictive.WINDOWS, p.win):
+            want = np.bincount(np.concatenate(seen[-w:]), minlength=16)
+            assert np.array_equal(row, want), (t, w)
