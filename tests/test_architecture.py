@@ -13,12 +13,14 @@ REF = re.compile(r"`((?:[a-z_]+/)*[a-z_]+\.(?:py|c))(?:::([A-Za-z_][\w.]*))?`")
 
 
 def _names(path: Path) -> set[str]:
-    """Top-level functions and classes, and ``Class.member`` for their methods,
-    properties and class attributes."""
+    """Top-level functions, classes and constants, and ``Class.member`` for their
+    methods, properties and class attributes."""
     out = set()
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             out.add(node.name)
+        if isinstance(node, ast.Assign):
+            out.update(t.id for t in node.targets if isinstance(t, ast.Name))
         if isinstance(node, ast.ClassDef):
             for sub in ast.walk(node):
                 if isinstance(sub, (ast.FunctionDef, ast.ClassDef)):
