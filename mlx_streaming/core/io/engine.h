@@ -1,0 +1,93 @@
+/* The native record reader's shared definitions: limits, statuses, counters, the engine
+ * and its layers (engine.c: the API; engine_io.c: the threads that read and copy). */
+#ifndef MLXS_ENGINE_H
+#define MLXS_ENGINE_H
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_PARTS 32
+#define MAX_THREADS 64
+#define MAX_WAVE 256
+#define MAX_PIECES 32 /* per record */
+#define EAGAIN_TRIES 1000
+#define MAX_BYTES ((int64_t)1 << 40) /* bound on any size, so that no product overflows */
+
+enum { ST_OK = 0, ST_READ = 1, ST_CHECKSUM = 2, ST_SHORT = 3, ST_ARGS = 4, ST_COPY = 5 };
+/* counters per layer: read ns is pread plus copy calls, summed over threads; busy ns is
+ * wall time in mlxs_read; pread, copy-call and sync ns split the threads' time */
+enum {
+  C_CALLS,
+  C_RECORDS,
+  C_BYTES,
+  C_READ_NS,
+  C_BUSY_NS,
+  C_PREAD_NS,
+  C_COPY_NS,
+  C_SYNC_NS,
+  C_COPIES,
+  N_COUNTERS
+};
+
+typedef int (*copy_fn_t)(void *dst, const void *src, size_t n, int kind, void *stream);
+typedef int (*sync_fn_t)(void *stream);
+typedef uint64_t (*hash_fn_t)(const void *data, size_t n);
+
+typedef struct {
+  int fd, num_experts, capacity, n_parts, ready;
+  int64_t stride, record_bytes;
+  int64_t part_off[MAX_PARTS], part_bytes[MAX_PARTS], part_row[MAX_PARTS];
+  char *part_dst[MAX_PARTS];
+  const uint64_t *checksums;
+  uint8_t *checked; /* checked[e]: record e passed its checksum (NULL: check every read) */
+} Layer;
+
+typedef struct { /* one piece of one record */
+  int layer, expert, slot, rec;
+  int64_t start, end;
+} Job;
+
+typedef struct Engine {
+  int n_layers, n_threads, wave;
+  int copy_whole; /* copy each record once all its pieces landed (else piece by piece) */
+  Layer *layers;
+  copy_fn_t copy;
+  sync_fn_t sync;
+  hash_fn_t hash;
+  void *streams[MAX_THREADS + 1];
+  char *staging; /* wave records of max_stride bytes, page-locked when copying to a GPU */
+  int64_t max_stride, piece_bytes;
+  Job jobs[MAX_WAVE * MAX_PIECES];
+  int n_jobs;
+  int next_job, workers_done;
+  int pieces_left[MAX_WAVE], rec_status[MAX_WAVE], rec_errno[MAX_WAVE];
+  int64_t read_ns, pread_ns, copy_ns, sync_ns, copies;
+  pthread_mutex_t call_lock; /* one mlxs_read at a time */
+  pthread_mutex_t m;
+  pthread_cond_t cv, done_cv;
+  int64_t generation;
+  int stop, n_started;
+  pthread_t workers[MAX_THREADS];
+  char err[512];
+} Engine;
+
+int64_t mlxs_now_ns(void);
+/* Run the wave's jobs on every worker and the calling thread; wait for all of them. */
+void mlxs_run_wave(Engine *e);
+/* Cut nr records into pieces (whole pages, so O_DIRECT reads work too) for every thread. */
+void mlxs_plan_wave(Engine *e, int layer, int nr, const int32_t *experts, const int32_t *slots);
+/* The worker threads' loop (started by mlxs_new with a malloc'd WorkerArg). */
+typedef struct {
+  Engine *e;
+  int w;
+} WorkerArg;
+void *mlxs_worker_main(void *arg);
+
+#endif

@@ -1,0 +1,159 @@
+/* The native record reader's threads: each takes pieces of the wave's records, reads them
+ * with pread into the staging area and copies them on to their slots (engine.h). */
+#include "engine.h"
+
+int64_t mlxs_now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* pread all of [off, off + n): retried on EINTR, EAGAIN and short reads; returns 0, or
+ * the errno of a persistent failure (-1 for the end of the file). */
+static int read_full(int fd, char *buf, int64_t n, int64_t off) {
+  int again = 0;
+  while (n > 0) {
+    ssize_t k = pread(fd, buf, (size_t)n, (off_t)off);
+    if (k < 0 && errno == EINTR) continue;
+    if (k < 0 && errno == EAGAIN && ++again < EAGAIN_TRIES) {
+      struct timespec ts = {0, 100000};
+      nanosleep(&ts, NULL);
+      continue;
+    }
+    if (k < 0) return errno ? errno : EIO;
+    if (k == 0) return -1;
+    buf += k;
+    off += k;
+    n -= k;
+  }
+  return 0;
+}
+
+/* Copy bytes [lo, hi) of a staged record to its slot's part rows; 0 or ST_COPY. */
+static int copy_range(Engine *e, int w, const Layer *L, int slot, const char *rec, int64_t lo,
+                      int64_t hi) {
+  int rc = ST_OK;
+  for (int p = 0; p < L->n_parts; p++) { /* the range's bytes that belong to part p */
+    int64_t a = lo > L->part_off[p] ? lo : L->part_off[p];
+    int64_t pe = L->part_off[p] + L->part_bytes[p];
+    int64_t b = hi < pe ? hi : pe;
+    if (a >= b) continue;
+    char *dst = L->part_dst[p] + (int64_t)slot * L->part_row[p] + (a - L->part_off[p]);
+    if (!e->copy) {
+      memcpy(dst, rec + a, (size_t)(b - a));
+      continue;
+    }
+    int64_t t0 = mlxs_now_ns();
+    if (e->copy(dst, rec + a, (size_t)(b - a), 1, e->streams[w])) rc = ST_COPY;
+    __atomic_fetch_add(&e->copy_ns, mlxs_now_ns() - t0, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&e->copies, 1, __ATOMIC_RELAXED);
+  }
+  return rc;
+}
+
+static void run_job(Engine *e, int w, const Job *j) {
+  Layer *L = &e->layers[j->layer];
+  char *rec = e->staging + (int64_t)j->rec * e->max_stride;
+  int64_t t0 = mlxs_now_ns();
+  int rc = read_full(L->fd, rec + j->start, j->end - j->start,
+                     (int64_t)j->expert * L->stride + j->start);
+  __atomic_fetch_add(&e->pread_ns, mlxs_now_ns() - t0, __ATOMIC_RELAXED);
+  if (rc) {
+    __atomic_store_n(&e->rec_status[j->rec], rc < 0 ? ST_SHORT : ST_READ, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->rec_errno[j->rec], rc, __ATOMIC_RELAXED);
+  } else if (!e->copy_whole && copy_range(e, w, L, j->slot, rec, j->start, j->end)) {
+    __atomic_store_n(&e->rec_status[j->rec], ST_COPY, __ATOMIC_RELAXED);
+  }
+  __atomic_fetch_add(&e->read_ns, mlxs_now_ns() - t0, __ATOMIC_RELAXED);
+  if (__atomic_sub_fetch(&e->pieces_left[j->rec], 1, __ATOMIC_ACQ_REL) != 0 ||
+      __atomic_load_n(&e->rec_status[j->rec], __ATOMIC_ACQUIRE) != ST_OK)
+    return; /* the record's last piece checks and (copy_whole) copies it */
+  if (L->checksums && !(L->checked && __atomic_load_n(&L->checked[j->expert], __ATOMIC_RELAXED))) {
+    if (e->hash(rec, (size_t)L->record_bytes) != L->checksums[j->expert]) {
+      __atomic_store_n(&e->rec_status[j->rec], ST_CHECKSUM, __ATOMIC_RELAXED);
+      return; /* a corrupt record is never copied whole */
+    }
+    if (L->checked) __atomic_store_n(&L->checked[j->expert], 1, __ATOMIC_RELAXED);
+  }
+  if (e->copy_whole && copy_range(e, w, L, j->slot, rec, 0, L->record_bytes))
+    __atomic_store_n(&e->rec_status[j->rec], ST_COPY, __ATOMIC_RELAXED);
+}
+
+/* Take pieces until none is left; then wait for this thread's copies. */
+static void work(Engine *e, int w) {
+  int did = 0;
+  for (;;) {
+    int i = __atomic_fetch_add(&e->next_job, 1, __ATOMIC_ACQ_REL);
+    if (i >= e->n_jobs) break;
+    run_job(e, w, &e->jobs[i]);
+    did = 1;
+  }
+  if (!did || !e->copy) return;
+  int64_t t0 = mlxs_now_ns();
+  int bad = e->sync(e->streams[w]);
+  __atomic_fetch_add(&e->sync_ns, mlxs_now_ns() - t0, __ATOMIC_RELAXED);
+  if (bad) /* a failed copy fails every record */
+    for (int r = 0; r < e->wave; r++)
+      __atomic_store_n(&e->rec_status[r], ST_COPY, __ATOMIC_RELAXED);
+}
+
+void *mlxs_worker_main(void *arg) {
+  Engine *e = ((WorkerArg *)arg)->e;
+  int w = ((WorkerArg *)arg)->w;
+  free(arg);
+  int64_t seen = 0;
+  for (;;) {
+    pthread_mutex_lock(&e->m);
+    while (e->generation == seen && !e->stop) pthread_cond_wait(&e->cv, &e->m);
+    if (e->stop) {
+      pthread_mutex_unlock(&e->m);
+      return NULL;
+    }
+    seen = e->generation;
+    pthread_mutex_unlock(&e->m);
+    work(e, w);
+    pthread_mutex_lock(&e->m);
+    e->workers_done++;
+    pthread_cond_broadcast(&e->done_cv);
+    pthread_mutex_unlock(&e->m);
+  }
+}
+
+void mlxs_run_wave(Engine *e) {
+  __atomic_store_n(&e->next_job, 0, __ATOMIC_RELEASE);
+  pthread_mutex_lock(&e->m);
+  e->workers_done = 0;
+  e->generation++;
+  pthread_cond_broadcast(&e->cv);
+  pthread_mutex_unlock(&e->m);
+  work(e, e->n_started);
+  pthread_mutex_lock(&e->m);
+  while (e->workers_done < e->n_started) pthread_cond_wait(&e->done_cv, &e->m);
+  pthread_mutex_unlock(&e->m);
+}
+
+void mlxs_plan_wave(Engine *e, int layer, int nr, const int32_t *experts, const int32_t *slots) {
+  Layer *L = &e->layers[layer];
+  int64_t per = (L->stride * nr + e->n_started) / (e->n_started + 1);
+  if (per > e->piece_bytes) per = e->piece_bytes;
+  if (per < L->stride / MAX_PIECES + 1) per = L->stride / MAX_PIECES + 1;
+  if (per < 65536) per = 65536;
+  per = (per + 4095) / 4096 * 4096;
+  e->n_jobs = 0;
+  for (int r = 0; r < nr; r++) {
+    int pieces = 0;
+    for (int64_t a = 0; a < L->stride; a += per) {
+      Job *j = &e->jobs[e->n_jobs++];
+      j->layer = layer;
+      j->expert = experts[r];
+      j->slot = slots[r];
+      j->rec = r;
+      j->start = a;
+      j->end = a + per < L->stride ? a + per : L->stride;
+      pieces++;
+    }
+    e->pieces_left[r] = pieces;
+    e->rec_status[r] = ST_OK;
+    e->rec_errno[r] = 0;
+  }
+}
