@@ -52,6 +52,52 @@ def chain(n: int, pieces: int, x: mx.array) -> float:
     return round(1e6 * statistics.median(ts[2:]), 1)
 
 
+def _mapped_read(repeat: int) -> dict:
+    """A decode step's routing (6 ids) read on the host two ways, the device idle: MLX's
+    own (``mx.eval`` then ``np.array``: the host touches MLX's managed buffer), and a
+    one-thread kernel that writes the ids into page-locked mapped host memory, read there
+    after ``mx.eval`` of the kernel's output (no managed-memory migration)."""
+    from mlx_streaming.core.io import cuda
+
+    if not cuda.available():
+        return {}
+    host, dev = cuda.mapped(64)
+    kernel = mx.fast.cuda_kernel(
+        name="mlxs_probe_routing_out",
+        input_names=["ids", "dst"],
+        output_names=["done"],
+        source="""
+            unsigned int* out = (unsigned int*)(dst[0]);
+            for (int i = 0; i < 6; i++) out[i] = (unsigned int)ids[i];
+            __threadfence_system();
+            done[0] = 1;
+        """,
+    )
+    addr = mx.array(np.array([dev], np.uint64))
+    small = mx.array(np.arange(6, dtype=np.int32))
+
+    def managed():
+        z = small + 1
+        mx.eval(z)
+        return np.array(z)
+
+    def mapped():
+        z = small + 1
+        (done,) = kernel(
+            inputs=[z, addr], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+            output_shapes=[(1,)], output_dtypes=[mx.int32],
+        )  # fmt: skip
+        mx.eval(done)
+        return host[:24].view(np.uint32).copy()
+
+    same = np.array_equal(managed(), mapped())
+    return {
+        "routing_read_managed_us": _median_us(managed, repeat),
+        "routing_read_mapped_us": _median_us(mapped, repeat),
+        "routing_read_mapped_equal": bool(same),
+    }
+
+
 def main():
     p = parser(__doc__, preset=None, trace=False)
     p.add_argument("--repeat", type=int, default=50)
@@ -84,6 +130,8 @@ def main():
         ),
         "empty_async_eval_us": _median_us(lambda: mx.async_eval(idx), a.repeat),
     }
+    if mx.default_device() != mx.cpu:
+        prims.update(_mapped_read(a.repeat))
     log(prims)
     finish(a, "mlx_launch", {"device": str(mx.default_device()), "chains": rows, **prims})
 
