@@ -208,6 +208,35 @@ def test_patch_runs_the_self_test(models, tmp_path):
     store.close()
 
 
+def test_default_rows_fall_back_to_masked_where_subsets_differ(models, monkeypatch):
+    """Where the self-test finds row subsets inexact, the default 'mixed' rows become
+    masked (stock's shapes) instead of refusing the model; asked-for rows still raise."""
+    import sys
+
+    from mlx_lm import load
+
+    from mlx_streaming import FileExpertStore, patch_model_filebacked
+    from mlx_streaming.core.options import StreamConfig
+    from mlx_streaming.core.prefetch import patch
+
+    monkeypatch.setattr(patch, "default_rows", lambda device: "mixed")
+    monkeypatch.setattr(selftest, "_subset_same", lambda *a: False)
+    monkeypatch.setattr(patch, "_CHECKED", set())
+    ck, ed = models.experts("tiny-qwen3_moe")
+    for rows in (None, "mixed"):
+        model, _ = load(str(ck), lazy=True)
+        store = FileExpertStore(ed, capacity=6, zero_slot=True)
+        cfg = StreamConfig(rows=rows, kernel_check=True)
+        if rows is None:
+            patch_model_filebacked(model, store, config=cfg)
+            layers = [m for _, m in model.named_modules() if getattr(m, "is_streamed_experts", 0)]
+            assert layers and all(m._masked_below == sys.maxsize for m in layers)
+        else:
+            with pytest.raises(KernelParityError, match="differ"):
+                patch_model_filebacked(model, store, config=cfg)
+        store.close()
+
+
 def test_rule_unknown_backend():
     with pytest.raises(ValueError, match="unknown backend"):
         kernel(GatherCall("tpu", True, 1, 8, 8, False))
