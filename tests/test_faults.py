@@ -148,14 +148,17 @@ def test_corrupt_record_mid_generation_then_recovery(models, tmp_path):
     store.close()
 
 
-def test_read_error_mid_generation_then_recovery(models):
+@pytest.mark.parametrize("reader", ["python", "native"])
+def test_read_error_mid_generation_then_recovery(models, reader):
     ck, ed = models.experts("tiny-mixtral")
     meta = load_meta(ed)
     ref, tok = load(str(ck))
     ids = tok.encode("Reads fail sometimes; the store must stay consistent.")
     want = greedy_trace(ref, ids, 12)
-    model, store = patched(ck, ed, capacity=meta.top_k)
-    real = store.reader._read_piece
+    model, store = patched(ck, ed, capacity=meta.top_k, reader=reader)
+    # the fault is injected where each reader meets the file: a piece, or a native call
+    owner, name = (store.reader, "_read_piece") if reader == "python" else (store.native, "read")
+    real = getattr(owner, name)
     fails = {"n": 0}
 
     def flaky(*a):
@@ -164,7 +167,7 @@ def test_read_error_mid_generation_then_recovery(models):
             raise OSError(5, "Input/output error (injected)")
         return real(*a)
 
-    store.reader._read_piece = flaky
+    setattr(owner, name, flaky)
     with pytest.raises(OSError, match="injected"):
         greedy_trace(model, ids, 12)
     for cache in store.caches.values():

@@ -65,12 +65,12 @@ class StreamConfig:
     )  # fmt: skip
     policy: str = option(DEFAULT_POLICY, "eviction policy", choices=sorted(POLICIES))
     threads: int | None = option(
-        None, "read threads (default: 4 for the Python reader; one per core up to 15 for the "
-        "native reader on CUDA)"
+        None, "read threads (default: 4; one per core up to 15 for the native reader on "
+        "CUDA)"
     )  # fmt: skip
     reader: Reader | None = option(
-        None, "who reads records into slots (default: native for cuda pools, python for "
-        "host pools)", choices=[r.value for r in Reader]
+        None, "who reads records into slots (default: native on CUDA and the CPU, python "
+        "on Metal)", choices=[r.value for r in Reader]
     )  # fmt: skip
     direct_io: bool = option(False, "bypass the page cache (O_DIRECT / F_NOCACHE)")
     checksums: bool = option(

@@ -134,12 +134,13 @@ class FileExpertStore:
 
     # ------------------------------------------------------------ set-up
     def _native_reader(self, want: str | None, threads: int, direct: bool, checksums: bool):
-        """The native reader, chosen once: asked for, or by default for cuda pools."""
-        if (
-            want == "python"
-            or self.pool_mode == "mlx"
-            or (want is None and self.pool_mode != "cuda")
-        ):
+        """The native reader, chosen once: asked for, or by default for cuda pools and for
+        host pools on the CPU (where it holds no GIL while the main thread plans; Metal's
+        host pools keep the Python reader, untested natively there)."""
+        default = self.pool_mode == "cuda" or (
+            self.pool_mode == "host" and mx.default_device() == mx.cpu
+        )
+        if want == "python" or self.pool_mode == "mlx" or (want is None and not default):
             if want == "native":
                 raise ExpertDirError("reader='native' needs host or cuda pools, not mlx")
             return None

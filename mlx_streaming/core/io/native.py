@@ -236,8 +236,15 @@ class NativeReader:
             why = self.lib.mlxs_error(self.handle).decode()
             if rc == 4:
                 raise ValueError(f"the native reader refused a request: {why} (layer {layer})")
-            cls = ExpertChecksumError if rc == 2 else RecordReadError
-            raise cls(f"{self.meta.file(layer)}: {why} (layer {layer}); split the model again")
+            if rc == 2:  # worded as the Python reader words it
+                bad = int(e[np.flatnonzero(st == 2)[0]])
+                raise ExpertChecksumError(
+                    f"expert {bad} of layer {layer} in {self.meta.file(layer)} fails its "
+                    "checksum: the file is corrupt; split the model again"
+                )
+            raise RecordReadError(
+                f"{self.meta.file(layer)}: {why} (layer {layer}); split the model again"
+            )
         return len(e) * self.meta.layers[layer].record_bytes
 
     @property
