@@ -4,9 +4,9 @@ and piece size, alone and while the device computes (the decode case).
 A decode layer call at 50% residency reads about 1.2 records of 4.87 MB; the host
 profile put that at ~640 µs (9 GB/s) where batches of 64 records read at 26-29 GB/s.
 This probe times ``NativeReader.read`` on the preset's expert files (warm page cache)
-for 1, 2 and 4 records, copying piece by piece or whole records, and reports the
-engine's own counters per call: its wall time, and the time its threads spent in
-``pread``, in copy calls and in stream synchronization (summed over the threads).
+for 1, 2 and 4 records, and reports the engine's own counters per call: its wall time,
+and the time its threads spent in ``pread``, in copy calls and in stream
+synchronization (summed over the threads).
 
     python benchmarks/probes/native_read.py --preset dsv2-lite --workdir /tmp/mlxs
 """
@@ -46,11 +46,10 @@ def main():
     rows = []
     cores = os.cpu_count() or 2
     top = min(15, cores - 1)
-    configs = [(t, kb, whole) for t in sorted({3, top}) for kb in (128, 4096) for whole in (0, 1)]
-    for threads, piece_kb, whole in configs:
+    for threads, piece_kb in [(t, kb) for t in sorted({3, top}) for kb in (128, 4096)]:
         r = NativeReader(
             meta, pools, threads=threads, checksums=False,
-            cuda=cuda if on_cuda else None, piece_bytes=piece_kb << 10, copy_whole=bool(whole),
+            cuda=cuda if on_cuda else None, piece_bytes=piece_kb << 10,
         )  # fmt: skip
         pos = r.pos[layer]
         for n in (1, 2, 4):
@@ -77,8 +76,7 @@ def main():
                     for k in ("busy_ns", "pread_ns", "copy_ns", "sync_ns")
                 }
                 rows.append(
-                    {"threads": threads, "piece_kb": piece_kb, "copy_whole": whole,
-                     "records": n, "device_busy": busy, "us": round(us, 1),
+                    {"threads": threads, "piece_kb": piece_kb, "records": n, "device_busy": busy, "us": round(us, 1),
                      "gbps": round(nbytes / us / 1e3, 2), **per,
                      "copies": round(c["copies"] / c["calls"], 1)}
                 )  # fmt: skip

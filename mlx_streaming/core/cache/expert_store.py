@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..format import ExpertDirError, ExpertMeta
+from ..io.native import COUNTERS
 from ..io.reader import RecordReader
 from ..meta import load_meta
 from ..options import StreamConfig
@@ -344,8 +345,8 @@ class FileExpertStore:
         prediction precision, and the reader's bandwidth."""
         t = summarize(self.layer_report())
         if self.native is not None:  # bytes over the wall time of its reads
-            c = self.native.counters.sum(0)
-            t["read_gbps"] = c[2] / c[4] if c[4] else 0.0
+            c = dict(zip(COUNTERS, self.native.counters.sum(0).tolist()))
+            t["read_gbps"] = c["bytes"] / c["busy_ns"] if c["busy_ns"] else 0.0
         else:
             t["read_gbps"] = self.reader.stats.gbps()
         t["pool_bytes"] = self.pool_bytes()

@@ -170,15 +170,14 @@ class Predictive(_Scored):
         self._now = self.prev
 
     @property
-    def win(self) -> np.ndarray:
-        """Lookups of each expert within each window of the latest lookups, [windows, E]."""
+    def win(self) -> list[np.ndarray]:
+        """Lookups of each expert within each window of the latest lookups, a row per
+        window."""
         H, last = len(self.cum), self.t - 1
         if last < 0:
-            return np.zeros((len(self.WINDOWS), self.num_experts))
+            return [np.zeros(self.num_experts) for _ in self.WINDOWS]
         now = self.cum[last % H]
-        return np.stack(
-            [now - self.cum[(last - w) % H] if last >= w else now for w in self.WINDOWS]
-        )
+        return [now - self.cum[(last - w) % H] if last >= w else now for w in self.WINDOWS]
 
     def _observe(self, idx):
         if len(self.prev):

@@ -3,10 +3,9 @@
  * One call, mlxs_read, reads records ``experts[i]`` of one layer's file into slots
  * ``slots[i]`` that the caller (the store, whose policy chose them) reserved. Records are
  * cut into pieces read with pread on worker threads (the calling thread works too) into
- * a staging area. Each piece is copied into its slot's part rows with the copy function
- * given (cudaMemcpyAsync on a per-thread stream; memcpy without one), or, with
- * copy_whole, each record once all its pieces have landed and its checksum passed (one
- * copy per part). A record's checksum is checked once all its pieces have landed. Every input is
+ * a staging area, each piece is copied into its slot's part rows with the copy function
+ * given (cudaMemcpyAsync on a per-thread stream; memcpy without one) as it lands, and
+ * each record's checksum is checked once all its pieces have landed. Every input is
  * checked: a bad layer, expert, slot or size is refused with a status, never followed.
  *
  * This file is the API; the threads that read and copy are in engine_io.c, the shared
@@ -51,8 +50,7 @@ static int check_read(Engine *e, int layer, int n, const int32_t *experts, const
 /* ------------------------------------------------------------------ the API */
 
 Engine *mlxs_new(int n_layers, int n_threads, int wave, int64_t max_stride, int64_t piece_bytes,
-                 char *staging, void *copy, void *sync, void **streams, void *hash,
-                 int copy_whole) {
+                 char *staging, void *copy, void *sync, void **streams, void *hash) {
   if (n_layers < 1 || n_threads < 0 || n_threads >= MAX_THREADS || wave < 1 || wave > MAX_WAVE ||
       max_stride < 1 || max_stride > MAX_BYTES / wave || piece_bytes < 4096 ||
       piece_bytes > MAX_BYTES || !staging || (copy && (!sync || !streams)))
@@ -72,7 +70,6 @@ Engine *mlxs_new(int n_layers, int n_threads, int wave, int64_t max_stride, int6
   e->copy = (copy_fn_t)copy;
   e->sync = (sync_fn_t)sync;
   e->hash = (hash_fn_t)hash;
-  e->copy_whole = copy_whole != 0;
   for (int i = 0; copy && i <= n_threads; i++) e->streams[i] = streams[i];
   pthread_mutex_init(&e->m, NULL);
   pthread_mutex_init(&e->call_lock, NULL);

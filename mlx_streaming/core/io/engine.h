@@ -56,7 +56,6 @@ typedef struct { /* one piece of one record */
 
 typedef struct Engine {
   int n_layers, n_threads, wave;
-  int copy_whole; /* copy each record once all its pieces landed (else piece by piece) */
   Layer *layers;
   copy_fn_t copy;
   sync_fn_t sync;

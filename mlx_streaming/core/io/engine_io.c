@@ -61,22 +61,19 @@ static void run_job(Engine *e, int w, const Job *j) {
   if (rc) {
     __atomic_store_n(&e->rec_status[j->rec], rc < 0 ? ST_SHORT : ST_READ, __ATOMIC_RELAXED);
     __atomic_store_n(&e->rec_errno[j->rec], rc, __ATOMIC_RELAXED);
-  } else if (!e->copy_whole && copy_range(e, w, L, j->slot, rec, j->start, j->end)) {
+  } else if (copy_range(e, w, L, j->slot, rec, j->start, j->end)) {
     __atomic_store_n(&e->rec_status[j->rec], ST_COPY, __ATOMIC_RELAXED);
   }
   __atomic_fetch_add(&e->read_ns, mlxs_now_ns() - t0, __ATOMIC_RELAXED);
   if (__atomic_sub_fetch(&e->pieces_left[j->rec], 1, __ATOMIC_ACQ_REL) != 0 ||
       __atomic_load_n(&e->rec_status[j->rec], __ATOMIC_ACQUIRE) != ST_OK)
-    return; /* the record's last piece checks and (copy_whole) copies it */
+    return; /* the record's last piece checks it */
   if (L->checksums && !(L->checked && __atomic_load_n(&L->checked[j->expert], __ATOMIC_RELAXED))) {
-    if (e->hash(rec, (size_t)L->record_bytes) != L->checksums[j->expert]) {
+    if (e->hash(rec, (size_t)L->record_bytes) != L->checksums[j->expert])
       __atomic_store_n(&e->rec_status[j->rec], ST_CHECKSUM, __ATOMIC_RELAXED);
-      return; /* a corrupt record is never copied whole */
-    }
-    if (L->checked) __atomic_store_n(&L->checked[j->expert], 1, __ATOMIC_RELAXED);
+    else if (L->checked)
+      __atomic_store_n(&L->checked[j->expert], 1, __ATOMIC_RELAXED);
   }
-  if (e->copy_whole && copy_range(e, w, L, j->slot, rec, 0, L->record_bytes))
-    __atomic_store_n(&e->rec_status[j->rec], ST_COPY, __ATOMIC_RELAXED);
 }
 
 /* Take pieces until none is left; then wait for this thread's copies. */

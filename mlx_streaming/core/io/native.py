@@ -24,14 +24,8 @@ from ..format import ExpertChecksumError
 from .reader import RecordReadError
 
 HERE = Path(__file__).parent
-STATUS = {
-    0: "ok",
-    1: "read failed",
-    2: "checksum mismatch",
-    3: "file too short",
-    4: "bad request",
-    5: "copy to the device failed",
-}
+# mlxs_read's statuses that the reader words itself (engine.h: ST_CHECKSUM, ST_ARGS)
+CHECKSUM, REFUSED = 2, 4
 # calls, records, bytes, read ns (pread + copy calls), busy ns (wall), pread ns, copy-call ns,
 # sync ns, copy calls: the threads' times are summed over threads
 COUNTERS = ("calls", "records", "bytes", "read_ns", "busy_ns", "pread_ns", "copy_ns", "sync_ns",
@@ -97,7 +91,7 @@ def why_unavailable() -> str:
 def _declare(lib) -> None:
     P, Int, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.mlxs_new.restype = P
-    lib.mlxs_new.argtypes = [Int, Int, Int, L, L, P, P, P, P, P, Int]
+    lib.mlxs_new.argtypes = [Int, Int, Int, L, L, P, P, P, P, P]
     lib.mlxs_layer.restype = Int
     lib.mlxs_layer.argtypes = [P, Int, Int, L, L, Int, Int, Int, P, P, P, P, P, P]
     lib.mlxs_read.restype = Int
@@ -137,8 +131,6 @@ class NativeReader:
         cuda: The CUDA runtime module (``io.cuda``) for device pools, else None.
         wave: Records staged at once.
         piece_bytes: Largest piece one ``pread`` covers.
-        copy_whole: Copy each record to its slot once all its pieces landed (one copy
-            per part), rather than each piece as it lands.
 
     Raises:
         OSError: the engine is unavailable or refuses a layer (the message says why).
@@ -154,7 +146,6 @@ class NativeReader:
         cuda=None,
         wave: int = 8,
         piece_bytes: int = 4 << 20,
-        copy_whole: bool = False,
     ):
         lib = library()
         if lib is None:
@@ -177,7 +168,7 @@ class NativeReader:
             raise OSError("checksums need XXH3_64bits from the xxhash package: not found")
         self.handle = lib.mlxs_new(
             len(pools), threads, wave, stride, piece_bytes, _ptr(self._staging), copy, sync,
-            streams, h, int(copy_whole),
+            streams, h,
         )  # fmt: skip
         if not self.handle:
             raise OSError("the native reader could not be created")
@@ -234,10 +225,10 @@ class NativeReader:
         )
         if rc:
             why = self.lib.mlxs_error(self.handle).decode()
-            if rc == 4:
+            if rc == REFUSED:
                 raise ValueError(f"the native reader refused a request: {why} (layer {layer})")
-            if rc == 2:  # worded as the Python reader words it
-                bad = int(e[np.flatnonzero(st == 2)[0]])
+            if rc == CHECKSUM:  # worded as the Python reader words it
+                bad = int(e[np.flatnonzero(st == CHECKSUM)[0]])
                 raise ExpertChecksumError(
                     f"expert {bad} of layer {layer} in {self.meta.file(layer)} fails its "
                     "checksum: the file is corrupt; split the model again"
