@@ -15,6 +15,10 @@
 #   bash benchmarks/gpu_suite.sh parity     every expert resident against stock, 7 alternating pairs
 #   bash benchmarks/gpu_suite.sh readprobe  the native reader's time for 1-4 records by threads and
 #                                           piece size, alone and beside device work
+#   bash benchmarks/gpu_suite.sh mapab      decode at 50% and 25%: records read with pread into
+#                                           staging, then from page-locked file mappings (default)
+#   bash benchmarks/gpu_suite.sh direct     copies to the device straight from the page cache (a
+#                                           registered file mapping) against the staged path
 #   bash benchmarks/gpu_suite.sh launch     MLX's host cost per evaluation call and per op, with and
 #                                           without CUDA graphs
 #   bash benchmarks/gpu_suite.sh hostprof   cProfile of decode, stock against 50% and 25%: where the
@@ -69,8 +73,14 @@ case "$suite" in
            | tee "$out/tests-cuda.log" | tail -15 ;;
   quick) speed gpu-dsv2-quick --residency 0.5 --cold warm --repeat 3 --prefill-tokens 0 \
            --timeline "$out/timeline-gpu-dsv2-quick.json" ;;
+  mapab) speed gpu-dsv2-pread --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
+           --no-map-files
+         speed gpu-dsv2-mapped --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
+           --timeline "$out/timeline-gpu-dsv2-mapped.json" ;;
   readprobe) timeout 200 python3 benchmarks/probes/native_read.py --workdir $work \
                --json "$out/native-read.json" 2>&1 | tee "$out/native-read.log" | tail -3 ;;
+  direct) timeout 200 python3 benchmarks/probes/direct_read.py --workdir $work \
+            --json "$out/direct-read.json" 2>&1 | tee "$out/direct-read.log" | tail -3 ;;
   speed) speed gpu-dsv2 --residency 0.5,0.25,0.125 --cold warm --repeat 3 \
            --prefill-tokens 2048 --prefill-residency 0.25 --prefill-chunk 2048 \
            --timeline "$out/timeline-gpu-dsv2.json" ;;

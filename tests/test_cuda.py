@@ -37,16 +37,22 @@ def test_streamed_equals_stock_on_cuda(models, tmp_path, preset, mode):
         assert np.isfinite(trace.logits).all(), f"stock mlx-lm gives NaN logits (chunk {c})"
     meta = load_meta(ed)
     for slots in (meta.top_k, meta.num_experts // 2, meta.num_experts):
+        pread = mode == "cuda" and slots == meta.top_k  # else the files are mapped (default)
         model, _, store = mlx_streaming.load(
             ck,
             ed,
             slots=slots,
             pool_mode=mode,
             config=mlx_streaming.StreamConfig(
-                kernel_check=True, kernel_check_file=tmp_path / "k.json"
+                kernel_check=True,
+                kernel_check_file=tmp_path / "k.json",
+                map_files=False if pread else None,
             ),
         )
         assert store.pool_mode == mode
+        if mode == "cuda":  # copies straight from page-locked mappings; routing read mapped
+            assert (store.totals()["mapped_bytes"] > 0) == (not pread)
+            assert store.host.mapped is not None
         for chunk, ref_trace in want.items():
             cmp = compare_traces(ref_trace, greedy_trace(model, ids, 12, chunk))
             assert cmp.exact, (slots, chunk, cmp.to_json())

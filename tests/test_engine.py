@@ -72,9 +72,11 @@ def test_library_is_built_into_the_package():
 
 
 @needs_library
-def test_reads_records_into_the_slots_asked(models):
+@pytest.mark.parametrize("map_files", [False, True])
+def test_reads_records_into_the_slots_asked(models, map_files):
     _, ed = models.experts("tiny-qwen3_moe")
-    meta, pools, reader = reader_over(ed, 12, threads=3, wave=4)  # 12 records: 3 waves
+    meta, pools, reader = reader_over(ed, 12, threads=3, wave=4, map_files=map_files)  # 3 waves
+    assert (reader.mapped_bytes > 0) == map_files
     rng = np.random.default_rng(0)
     for li in meta.layers:
         experts = rng.choice(meta.num_experts, 12, replace=False)
@@ -86,6 +88,7 @@ def test_reads_records_into_the_slots_asked(models):
     assert c["records"] == 12 * len(meta.layers) and 0 < c["pread_ns"] <= c["read_ns"]
     reader.close()
     reader.close()  # idempotent
+    assert reader.mapped_bytes == 0
 
 
 @needs_library
@@ -134,21 +137,22 @@ def test_fuzzed_requests_never_crash(fuzz_reader, experts, slots):
             reader.read(li, experts, slots)
 
 
-@pytest.fixture(scope="module")
-def fuzz_reader(models):
+@pytest.fixture(scope="module", params=[False, True], ids=["pread", "mapped"])
+def fuzz_reader(models, request):
     _, ed = models.experts("tiny-qwen3_moe")
-    meta, pools, reader = reader_over(ed, 8, threads=2, wave=3)
+    meta, pools, reader = reader_over(ed, 8, threads=2, wave=3, map_files=request.param)
     yield meta, pools, reader
     reader.close()
 
 
 @needs_library
-def test_corrupt_record_names_file_and_expert(models, tmp_path):
+@pytest.mark.parametrize("map_files", [False, True])
+def test_corrupt_record_names_file_and_expert(models, tmp_path, map_files):
     ed, meta, li = copied_experts(models, tmp_path)
     data = np.fromfile(meta.file(li), np.uint8)
     data[5 * meta.layers[li].stride + 100] ^= 0xFF
     data.tofile(meta.file(li))
-    meta, pools, reader = reader_over(ed, 4, threads=2)
+    meta, pools, reader = reader_over(ed, 4, threads=2, map_files=map_files)
     with pytest.raises(ExpertChecksumError, match=r"expert 5 of layer .* in .*layer_.*fails its"):
         reader.read(li, [6, 5], [0, 1])
     reader.read(li, [6, 7], [0, 1])  # the next call works
@@ -161,10 +165,12 @@ def test_corrupt_record_names_file_and_expert(models, tmp_path):
 
 
 @needs_library
-def test_short_and_shrinking_files(models, tmp_path):
+@pytest.mark.parametrize("map_files", [False, True])
+def test_short_and_shrinking_files(models, tmp_path, map_files):
+    """A mapped file that shrank fails the read (its pages past the end would fault)."""
     ed, meta, li = copied_experts(models, tmp_path)
     lay = meta.layers[li]
-    meta, pools, reader = reader_over(ed, 4, threads=2)
+    meta, pools, reader = reader_over(ed, 4, threads=2, map_files=map_files)
     os.truncate(meta.file(li), 3 * lay.stride)  # shrinks underneath the open reader
     with pytest.raises(RecordReadError, match=r"shrank.*expert 9 .*split the model again"):
         reader.read(li, [9], [0])
@@ -219,11 +225,13 @@ SMALL = st.integers(-2, 70000)
     experts=st.integers(-1, 70),
     capacity=st.integers(-1, 9),
     parts=st.lists(st.tuples(st.one_of(SMALL, I64), st.one_of(SMALL, I64), SMALL), max_size=3),
+    mapped=st.one_of(st.none(), SMALL, I64),
 )
 def test_fuzzed_layouts_never_crash(models, n_layers, threads, wave, max_stride, piece, pos,
-                                    stride, record, experts, capacity, parts):  # fmt: skip
+                                    stride, record, experts, capacity, parts, mapped):  # fmt: skip
     """The engine's set-up entry points refuse any bad size, count or layout (raw
-    arguments, no Python checks in between) and accept only layouts inside the file."""
+    arguments, no Python checks in between) and accept only layouts inside the file, and
+    mappings (``mapped`` bytes of the file) that hold every record."""
     import ctypes
 
     lib = library()
@@ -257,6 +265,10 @@ def test_fuzzed_layouts_never_crash(models, n_layers, threads, wave, max_stride,
                 assert 0 <= off and 0 <= nb and off + nb <= record and row >= nb
         else:
             assert rc == -1 and lib.mlxs_error(e)
+        if mapped is not None:  # the mapping's address is never read before a read call
+            src = lib.mlxs_layer_source(e, pos, staging.ctypes.data, mapped)
+            holds = 0 <= mapped <= 2**40 and (experts - 1) * stride + record <= mapped
+            assert src == (0 if rc == 0 and holds else -1)
         st_ = np.zeros(1, np.int32)
         assert lib.mlxs_read(e, pos, 0, None, None, st_.ctypes.data, None) in (0, 4)
     finally:
@@ -271,3 +283,26 @@ def test_sanitizer_build_is_the_one_under_test():
         assert library()._name == want
     else:
         assert Path(library()._name) == library_path()
+
+
+@needs_library
+def test_store_reading_mapped_files_is_exact(models):
+    """``map_files``: the store's reads come from the files' mappings, output equal to
+    stock's; it excludes direct_io and needs the native reader."""
+    from mlx_lm import load
+    from test_exactness import patched
+
+    from mlx_streaming.analysis.verify import compare_traces, greedy_trace
+
+    ck, ed = models.experts("tiny-qwen3_moe")
+    ref, tok = load(str(ck))
+    ids = tok.encode("Mapped files feed the slots without a read call.")
+    model, store = patched(ck, ed, capacity=load_meta(ed).top_k, map_files=True)
+    assert store.totals()["mapped_bytes"] > 0
+    assert compare_traces(greedy_trace(ref, ids, 12), greedy_trace(model, ids, 12)).exact
+    assert store.totals()["misses"] > 0
+    store.close()
+    for bad, match in [({"direct_io": True}, "exclude each other"),
+                       ({"reader": "python"}, "needs the native reader")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            patched(ck, ed, map_files=True, **bad)

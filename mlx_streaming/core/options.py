@@ -73,6 +73,12 @@ class StreamConfig:
         "on Metal)", choices=[r.value for r in Reader]
     )  # fmt: skip
     direct_io: bool = option(False, "bypass the page cache (O_DIRECT / F_NOCACHE)")
+    map_files: bool | None = option(
+        None, "the native reader copies records from a mapping of the expert files instead "
+        "of reading them; on CUDA the mapping is page-locked, so the device copies straight "
+        "from the page cache and the files stay in host memory (default: on CUDA when they "
+        "fit in half the available memory; off elsewhere and with --direct-io)",
+    )  # fmt: skip
     checksums: bool = option(
         True, "check each record's checksum the first time it is read (--no-checksums: "
         "skip, for benchmarks of the raw read path)", flag="--no-checksums",

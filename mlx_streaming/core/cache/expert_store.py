@@ -23,8 +23,9 @@ import numpy as np
 from ..format import ExpertDirError, ExpertMeta
 from ..io.native import COUNTERS
 from ..io.reader import RecordReader
+from ..mem import machine_memory
 from ..meta import load_meta
-from ..options import StreamConfig
+from ..options import Reader, StreamConfig
 from .calls import LayerCall
 from .host_path import HostPath
 from .loads import Loader
@@ -73,6 +74,13 @@ class FileExpertStore:
         **options,
     ):
         cfg = (config or StreamConfig()).replace(**options)
+        if cfg.map_files and cfg.direct_io:
+            raise ValueError(
+                "map_files and direct_io exclude each other (a mapping reads through the "
+                "page cache, which direct_io bypasses): drop one"
+            )
+        if cfg.map_files and cfg.reader == Reader.PYTHON:
+            raise ValueError("map_files needs the native reader, not reader='python'")
         meta = expert_dir if isinstance(expert_dir, ExpertMeta) else load_meta(expert_dir)
         self.meta: ExpertMeta = meta
         self.config = cfg
@@ -108,8 +116,11 @@ class FileExpertStore:
         self.lock = threading.RLock()  # the tables and policies, against the policy thread
         self.timeline = Timeline()  # phases of layer calls, when recording
         want = cfg.reader and cfg.reader.value
-        self.native = self._native_reader(want, cfg.threads, cfg.direct_io, cfg.checksums)
+        self.native = self._native_reader(want, cfg)
         self.reader_name = "python" if self.native is None else "native"
+        if cfg.map_files and self.native is None:  # mlx pools, or no compiled reader
+            self.reader.close()
+            raise ValueError("map_files needs the native reader (host or cuda pools)")
         self.host = HostPath(
             self.caches,
             self._resident.pools,
@@ -134,7 +145,7 @@ class FileExpertStore:
         self.host.loads = self.loads
 
     # ------------------------------------------------------------ set-up
-    def _native_reader(self, want: str | None, threads: int, direct: bool, checksums: bool):
+    def _native_reader(self, want: str | None, cfg: StreamConfig):
         """The native reader, chosen once: asked for, or by default for cuda pools and for
         host pools on the CPU (where it holds no GIL while the main thread plans; Metal's
         host pools keep the Python reader, untested natively there)."""
@@ -153,16 +164,29 @@ class FileExpertStore:
                 raise OSError("reader='native': the compiled reader is not installed")
             return None
         on_cuda = self.pool_mode == "cuda"
+        threads = cfg.threads
         if threads is None:
             threads = min(15, (os.cpu_count() or 2) - 1) if on_cuda else 4
         return NativeReader(
             self.meta,
             self._resident.pools,
             threads=threads,
-            direct=direct,
-            checksums=checksums,
+            direct=cfg.direct_io,
+            checksums=cfg.checksums,
             cuda=cuda if on_cuda else None,
+            map_files=self._map_files(cfg, on_cuda),
         )
+
+    def _map_files(self, cfg: StreamConfig, on_cuda: bool) -> bool:
+        """Whether the native reader copies from mappings of the files (``map_files``):
+        by default on CUDA when the files fit in half the available host memory (they
+        stay page-locked there), so that the device copies straight from the page cache."""
+        if cfg.map_files is not None:
+            return cfg.map_files
+        if not on_cuda or cfg.direct_io:
+            return False
+        files = sum(self.meta.file(li).stat().st_size for li in self.caches)
+        return files <= machine_memory()[1] // 2
 
     @property
     def layers(self) -> list[int]:
@@ -350,6 +374,7 @@ class FileExpertStore:
         else:
             t["read_gbps"] = self.reader.stats.gbps()
         t["pool_bytes"] = self.pool_bytes()
+        t["mapped_bytes"] = self.native.mapped_bytes if self.native is not None else 0
         return t
 
     def close(self) -> None:

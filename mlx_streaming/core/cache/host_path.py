@@ -1,7 +1,8 @@
 """The host path of a layer call: the routing read on the host, the misses loaded by
 the store's ``Loader``, the rows computed in steps.
 
-One host synchronisation per call reads the routing. While the device computes it, the
+One host synchronisation per call reads the routing (on CUDA a decode step's through
+mapped memory, ``io.routing_read``). While the device computes it, the
 host does work that needs no routing: the previous call's policy update and the
 caller's ``during_wait`` (a read-ahead of this layer's predicted experts). Then the
 misses start loading at once (on the reader's threads); with overlap, the resident
@@ -19,6 +20,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
+from ..io.routing_read import mapped_routing
 from .calls import LayerCall
 from .loads import Loader
 from .pool import LayerPool
@@ -69,6 +71,8 @@ class HostPath:
         self.loads: Loader | None = None  # set by the store (the loader guards with us)
         self._readers: dict[int, list] = {li: [] for li in caches}  # lazy outputs per layer
         self._previous: int | None = None  # the layer last served
+        # cuda pools: a decode step's routing read through mapped memory (io.routing_read)
+        self.mapped = mapped_routing() if mode == "cuda" else None
 
     def call(
         self,
@@ -83,7 +87,8 @@ class HostPath:
         t0 = time.perf_counter()
         self.timeline.mark(layer, "request")
         cache, st = self.caches[layer], self.stats[layer]
-        wanted = [indices] if also is None else [indices, also]
+        done = self.mapped.start(indices) if self.mapped is not None else None
+        wanted = [indices if done is None else done] + ([] if also is None else [also])
         mx.async_eval(wanted)  # the device computes the routing while the host works
         if self._previous is not None:
             self.loads.flush(self._previous)
@@ -97,7 +102,7 @@ class HostPath:
         # what the graph's evaluation raised (a lost pipeline peer), where a numpy
         # conversion would not (MLX 0.32)
         mx.eval(wanted)
-        host = np.array(indices)
+        host = np.array(indices) if done is None else self.mapped.read(indices)
         t0 = time.perf_counter()  # host time counts the store's own work, not the wait
         self.timeline.mark(layer, "routed")
         st.sync_s += t0 - t1

@@ -25,6 +25,7 @@ H2D = 1  # cudaMemcpyHostToDevice
 NON_BLOCKING = 1  # cudaStreamNonBlocking
 ATTR_DEVICE = 2  # cudaMemoryTypeDevice
 ATTR_MANAGED = 3  # cudaMemoryTypeManaged
+REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly
 
 
 class CudaError(RuntimeError):
@@ -136,6 +137,20 @@ def mapped(nbytes: int):
     arr[:] = 0
     weakref.finalize(raw, lib().cudaFreeHost, ptr)
     return arr, dev.value
+
+
+def register_read_only(ptr: int, nbytes: int) -> None:
+    """Page-lock ``nbytes`` of host memory at ``ptr`` (a read-only file mapping: the
+    file's page-cache pages) so that copies from it go straight to the device."""
+    _check(
+        lib().cudaHostRegister(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), REGISTER_READ_ONLY),
+        "cudaHostRegister",
+    )
+
+
+def unregister(ptr: int) -> None:
+    """Undo ``register_read_only``."""
+    _check(lib().cudaHostUnregister(ctypes.c_void_p(ptr)), "cudaHostUnregister")
 
 
 def new_stream() -> int:

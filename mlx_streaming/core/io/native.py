@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.machinery
+import mmap
 import os
 import threading
 import warnings
@@ -94,6 +95,8 @@ def _declare(lib) -> None:
     lib.mlxs_new.argtypes = [Int, Int, Int, L, L, P, P, P, P, P]
     lib.mlxs_layer.restype = Int
     lib.mlxs_layer.argtypes = [P, Int, Int, L, L, Int, Int, Int, P, P, P, P, P, P]
+    lib.mlxs_layer_source.restype = Int
+    lib.mlxs_layer_source.argtypes = [P, Int, P, L]
     lib.mlxs_read.restype = Int
     lib.mlxs_read.argtypes = [P, Int, Int, P, P, P, P]
     lib.mlxs_free.argtypes = [P]
@@ -131,6 +134,10 @@ class NativeReader:
         cuda: The CUDA runtime module (``io.cuda``) for device pools, else None.
         wave: Records staged at once.
         piece_bytes: Largest piece one ``pread`` covers.
+        map_files: Read records in place from a mapping of each file instead of with
+            ``pread``: one host copy fewer; with ``cuda`` the mapping is page-locked
+            (registered) so that the device copies straight from the page cache, which
+            keeps every expert file in host memory while the reader lives.
 
     Raises:
         OSError: the engine is unavailable or refuses a layer (the message says why).
@@ -146,6 +153,7 @@ class NativeReader:
         cuda=None,
         wave: int = 8,
         piece_bytes: int = 4 << 20,
+        map_files: bool = False,
     ):
         lib = library()
         if lib is None:
@@ -172,12 +180,16 @@ class NativeReader:
         )  # fmt: skip
         if not self.handle:
             raise OSError("the native reader could not be created")
-        self._fds, self._keep = [], []
+        self._fds, self._keep, self._maps = [], [], []
+        self._cuda = cuda
+        self.mapped_bytes = 0  # of the files mapped (page-locked with cuda)
         self.checked: dict[int, np.ndarray] = {}
         self.counters = np.zeros((len(pools), N_COUNTERS), np.int64)
         try:
             for li, pos in self.pos.items():
                 self._add(li, pos, pools[li], direct, checksums)
+                if map_files:
+                    self._map(li, pos)
         except BaseException:
             self.close()
             raise
@@ -206,6 +218,28 @@ class NativeReader:
             _ptr(row), _ptr(sums), _ptr(self.checked[li]),
         )  # fmt: skip
         if rc:
+            raise OSError(f"{self.meta.file(li)}: {self.lib.mlxs_error(self.handle).decode()}")
+
+    def _map(self, li: int, pos: int) -> None:
+        """Map layer ``li``'s file for in-place reads (registered with CUDA if given)."""
+        fd = self._fds[-1]
+        size = os.fstat(fd).st_size
+        m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        view = np.frombuffer(m, np.uint8)
+        addr = view.ctypes.data  # stays valid while m is open
+        del view  # no exported buffer: m can be closed
+        if self._cuda is not None:
+            try:
+                self._cuda.register_read_only(addr, size)
+            except Exception as e:
+                m.close()
+                raise OSError(
+                    f"{self.meta.file(li)}: could not page-lock its mapping ({e}); "
+                    "read without map_files"
+                ) from e
+        self._maps.append((m, addr))
+        self.mapped_bytes += size
+        if self.lib.mlxs_layer_source(self.handle, pos, addr, size):
             raise OSError(f"{self.meta.file(li)}: {self.lib.mlxs_error(self.handle).decode()}")
 
     def read(self, layer: int, experts, slots) -> int:
@@ -243,10 +277,15 @@ class NativeReader:
         return self.lib.mlxs_threads(self.handle)
 
     def close(self) -> None:
-        """Stop the threads and close the files (idempotent)."""
+        """Stop the threads, unmap and close the files (idempotent)."""
         if self.handle:
             self.lib.mlxs_free(self.handle)
             self.handle = None
+        for m, addr in self._maps:  # the engine, which read them, is gone
+            if self._cuda is not None:
+                self._cuda.unregister(addr)
+            m.close()
+        self._maps, self.mapped_bytes = [], 0
         for fd in self._fds:
             os.close(fd)
         self._fds = []
