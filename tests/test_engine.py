@@ -117,8 +117,9 @@ def test_bad_requests_raise_and_leave_the_reader_usable(models):
 @given(
     experts=st.lists(st.integers(-3, 40), min_size=0, max_size=10),
     slots=st.lists(st.integers(-3, 10), min_size=0, max_size=10),
+    started=st.booleans(),
 )
-def test_fuzzed_requests_never_crash(fuzz_reader, experts, slots):
+def test_fuzzed_requests_never_crash(fuzz_reader, experts, slots, started):
     meta, pools, reader = fuzz_reader
     li = sorted(meta.layers)[0]
     n = min(len(experts), len(slots))
@@ -127,14 +128,16 @@ def test_fuzzed_requests_never_crash(fuzz_reader, experts, slots):
         all(0 <= e < meta.num_experts for e in experts)
         and all(0 <= s < 8 for s in slots)
         and len(set(slots)) == n
+        and (not started or n <= reader.wave)
     )
+    read = (lambda *a: reader.start(*a).result()) if started else reader.read
     if ok:
-        reader.read(li, experts, slots)
+        read(li, experts, slots)
         for e, s in zip(experts, slots):
             assert_slot_holds(meta, pools, li, s, e)
     else:
         with pytest.raises(ValueError, match="refused"):
-            reader.read(li, experts, slots)
+            read(li, experts, slots)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["pread", "mapped"])
@@ -143,6 +146,39 @@ def fuzz_reader(models, request):
     meta, pools, reader = reader_over(ed, 8, threads=2, wave=3, map_files=request.param)
     yield meta, pools, reader
     reader.close()
+
+
+@needs_library
+def test_started_reads_land_like_reads(models, tmp_path):
+    """``start`` returns at once and ``result()`` waits; one started read at a time; a
+    plain read meanwhile keeps the started one's outcome; errors come back on
+    ``result()``; closing with a read in flight is clean."""
+    ed, meta, li = copied_experts(models, tmp_path)
+    meta, pools, reader = reader_over(ed, 8, threads=3, wave=4)
+    r = reader.start(li, [3, 9, 4], [0, 1, 2])
+    with pytest.raises(ValueError, match="not finished"):
+        reader.start(li, [5], [3])
+    assert r.result() == 3 * meta.layers[li].record_bytes and r.done()
+    for e, s in [(3, 0), (9, 1), (4, 2)]:
+        assert_slot_holds(meta, pools, li, s, e)
+    with pytest.raises(ValueError, match="at most one wave"):
+        reader.start(li, [1, 2, 3, 4, 5], [0, 1, 2, 3, 4])
+    r = reader.start(li, [6], [3])
+    reader.read(li, [7, 8], [4, 5])  # waits for the started read first, keeps its outcome
+    assert r.result() == meta.layers[li].record_bytes
+    for e, s in [(6, 3), (7, 4), (8, 5)]:
+        assert_slot_holds(meta, pools, li, s, e)
+    assert reader.lib.mlxs_finish(reader.handle, None, None) == 4  # nothing started
+    data = np.fromfile(meta.file(li), np.uint8)
+    data[2 * meta.layers[li].stride + 5] ^= 0xFF
+    data.tofile(meta.file(li))
+    r = reader.start(li, [2], [6])
+    with pytest.raises(ExpertChecksumError, match="expert 2 of"):
+        r.result()
+    with pytest.raises(ExpertChecksumError):  # the same error again, not a new wait
+        r.result()
+    reader.start(li, [1], [7])
+    reader.close()  # the workers finish the started read, then stop
 
 
 @needs_library

@@ -32,6 +32,8 @@ class LayerCall:
         self.misses = 0  # experts this call loaded
         self.plan: Iterator | None = None  # the steps, set by the store
         self.also: np.ndarray | None = None  # request(also=...) read on the host
+        self.before_launch: Callable[[], None] | None = None  # waits for the misses' reads
+        self.waited_s = 0.0  # of the steps' and completion's time, spent waiting for reads
         self._complete = complete
 
     def steps(self) -> Iterator[tuple[np.ndarray | None, np.ndarray]]:

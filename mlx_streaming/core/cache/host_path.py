@@ -2,14 +2,15 @@
 the store's ``Loader``, the rows computed in steps.
 
 One host synchronisation per call reads the routing (on CUDA a decode step's through
-mapped memory, ``io.routing_read``). While the device computes it, the
-host does work that needs no routing: the previous call's policy update and the
-caller's ``during_wait`` (a read-ahead of this layer's predicted experts). Then the
-misses start loading at once (on the reader's threads); with overlap, the resident
-experts' rows form a first step that needs no wait. A call with more distinct experts
-than slots runs expert-major: one group of experts at a time, each read at most once per call. Outputs that read a
-pool written behind MLX's back (host and cuda modes) are tracked and evaluated before
-the pool is next written.
+mapped memory, ``io.routing_read``). While the device computes it, the host does work
+that needs no routing: the previous call's policy update and the caller's
+``during_wait`` (a read-ahead of this layer's predicted experts). Then the misses start
+loading at once, on the reader's threads, while the expert graph is built (launched once
+they have landed); with overlap, the resident experts' rows form a first step that needs
+no wait. A call with more distinct experts than slots runs expert-major: one group of
+experts at a time, each read at most once per call. Outputs that read a pool written
+behind MLX's back (host and cuda modes) are tracked and evaluated before the pool is
+next written.
 """
 
 from __future__ import annotations
@@ -117,47 +118,62 @@ class HostPath:
         call = LayerCall(layer, self.complete, host_ids=host, settle=len(groups) > 1)
         call.also = None if also is None else np.array(also)
         if len(groups) == 1:
-            call.plan, read_s = self._one_group(call, groups[0], overlap)
+            call.plan = self._one_group(call, groups[0], overlap)
         else:
-            call.plan, read_s = self._expert_major(call, groups), 0.0
-        st.read_s += read_s
-        st.host_s += time.perf_counter() - t0 - read_s
+            call.plan = self._expert_major(call, groups)
+        st.host_s += time.perf_counter() - t0 - call.waited_s
         self.timeline.mark(layer, "planned")
         return call
 
     def _one_group(self, call: LayerCall, experts: np.ndarray, overlap: bool):
-        """``(steps, seconds read)``. With ``overlap`` (and some experts resident), the
-        misses' reads start now and the resident rows form a first step that does not
-        wait for them; otherwise the misses are read now and one step runs every row."""
+        """The steps. The misses' reads start now, on the reader's threads. With
+        ``overlap`` (and some experts resident) the resident rows form a first step that
+        does not wait for them; otherwise one step runs every row, its graph built while
+        the reads land (``before_launch`` waits for them)."""
         pool, host = self.pools[call.layer], call.host_ids
         cache = self.caches[call.layer]
         split = overlap and 0 < int((cache.slot_of[experts] < 0).sum()) < len(experts)
-        t0 = time.perf_counter()
-        ticket = self.loads.begin(call.layer, experts, now=not split)
+        ticket = self.loads.begin(call.layer, experts)
         call.misses = len(ticket.misses)
-        if not split:
-            ticket.wait()
-            self.timeline.mark(call.layer, "read")
-            return iter([(None, pool.slots_of(host))]), time.perf_counter() - t0
+        if not split and pool.mode == "mlx":  # its writes make new arrays: wait first
+            self._wait(call, ticket)
+            return iter([(None, pool.slots_of(host))])
+        if not split:  # host and cuda pools are written in place: build, then wait
+            slots = pool.slots_of(host)
+            for e, s, _ in ticket.placed:  # the misses' slots, reserved (resident on wait)
+                slots[host == e] = s
+            call.before_launch = lambda: self._wait(call, ticket)
+            return iter([(None, slots)])
 
         def steps():
             miss = member(host, ticket.misses, cache.num_experts)
             yield ~miss, pool.slots_of(host)  # resident rows: nothing to wait for
-            ticket.wait()
+            self._wait(call, ticket)
             yield miss, pool.slots_of(host)
 
-        return steps(), 0.0
+        return steps()
+
+    def _wait(self, call: LayerCall, ticket) -> None:
+        t0 = time.perf_counter()
+        ticket.wait()
+        call.waited_s += time.perf_counter() - t0
+        self.timeline.mark(call.layer, "read")
 
     def _expert_major(self, call: LayerCall, groups: list[np.ndarray]):
         """More distinct experts than slots: one group at a time, each expert read at
         most once per call; rows computed exactly as in one shot."""
         pool, host = self.pools[call.layer], call.host_ids
         for g in groups:
+            t0 = time.perf_counter()
             call.misses += self.loads.fetch(call.layer, g)
+            call.waited_s += time.perf_counter() - t0
             yield member(host, g, self.caches[call.layer].num_experts), pool.slots_of(host)
 
     def complete(self, call: LayerCall, y: mx.array) -> mx.array:
-        """Count the call, start its output on the device, track it."""
+        """Wait for the misses' reads if they are still landing; count the call,
+        start its output on the device, track it."""
+        if call.before_launch is not None:
+            call.before_launch()
         t0 = time.perf_counter()
         st = self.stats[call.layer]
         if call.misses:

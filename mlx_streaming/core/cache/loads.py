@@ -19,6 +19,7 @@ import numpy as np
 import xxhash
 
 from ..format import ExpertChecksumError, ExpertMeta
+from ..io.native import Started
 from ..io.reader import Done, RecordJob, RecordReader
 from .pool import LayerPool
 from .slots import SlotCache
@@ -43,6 +44,7 @@ class Ticket:
         self.layer, self.experts, self.misses, self.placed = layer, experts, misses, placed
         self.future, self.rows, self.prefetch = future, rows, prefetch
         self.t0 = time.perf_counter()
+        self.overlapped = False  # the read ran while the caller worked (not begin(now=))
         self.done = False
         self._finish = finish
 
@@ -77,7 +79,8 @@ class Loader:
         self._staging: dict[int, Staging] = {}
         self._inflight: dict[int, list[Ticket]] = {li: [] for li in caches}  # read-aheads
         self.native = native  # the native reader (host and cuda pools), or None
-        self._helper = None  # one thread for native reads that must not block the caller
+        self._helper = None  # one thread for native read-aheads that must not block
+        self._started: Ticket | None = None  # the native reader's one started read
         # records that passed their checksum: each is checked the first time it is read
         self._checked = {li: np.zeros(meta.layers[li].num_experts, bool) for li in caches}
 
@@ -161,8 +164,12 @@ class Loader:
             return Ticket(layer, experts, misses, placed, Done(0), None, prefetch, self._finish)
         self._before_write(layer)
         if self.native is not None:
-            fut = self._native_read(layer, placed, now)
-            return Ticket(layer, experts, misses, placed, fut, None, prefetch, self._finish)
+            fut = self._native_read(layer, placed, now, prefetch)
+            t = Ticket(layer, experts, misses, placed, fut, None, prefetch, self._finish)
+            t.overlapped = not now
+            if isinstance(fut, Started):
+                self._started = t
+            return t
         direct = pool.mode == "host" and not self.reader.aligned
         rows = None if direct else self._stage(layer).take(len(placed))
         jobs = []
@@ -188,14 +195,25 @@ class Loader:
         fut = self.reader.submit(layer, jobs)
         return Ticket(layer, experts, misses, placed, fut, rows, prefetch, self._finish)
 
-    def _native_read(self, layer, placed, now: bool):
+    def _native_read(self, layer, placed, now: bool, prefetch: bool):
         """The native reader reads and copies without the GIL: on the calling thread
-        (``now``), else on one helper thread so that the caller computes meanwhile."""
+        (``now``), else started on its threads (a demand load of at most a wave: the
+        caller builds its graph meanwhile), else on one helper thread (read-aheads,
+        which stay in flight across calls)."""
         experts = [e for e, _, _ in placed]
         slots = [s for _, s, _ in placed]
         if now:
             try:
                 return Done(self.native.read(layer, experts, slots))
+            except Exception as e:  # noqa: BLE001 - raised by Ticket.wait, after the abort
+                return Done(error=e)
+        if not prefetch and len(placed) <= self.native.wave:
+            if self._started is not None and not self._started.done:
+                # one started read at a time; its own call has been abandoned (it raised)
+                with contextlib.suppress(Exception):
+                    self._started.wait()
+            try:
+                return self.native.start(layer, experts, slots)
             except Exception as e:  # noqa: BLE001 - raised by Ticket.wait, after the abort
                 return Done(error=e)
         if self._helper is None:
@@ -231,8 +249,11 @@ class Loader:
         return after
 
     def _finish(self, t: Ticket) -> None:
+        t0 = time.perf_counter()
         with self._lock:
             self._finish_locked(t)
+        if not t.prefetch:  # the time the caller waited: the read's own, or what was left
+            self.stats[t.layer].read_s += time.perf_counter() - (t0 if t.overlapped else t.t0)
 
     def _finish_locked(self, t: Ticket) -> None:
         cache, pool, st = self.caches[t.layer], self.pools[t.layer], self.stats[t.layer]
@@ -253,7 +274,6 @@ class Loader:
             pool.set_lut([e for e, _, _ in t.placed], [s for _, s, _ in t.placed])
         cache.commit(t.placed)
         if not t.prefetch:
-            st.read_s += time.perf_counter() - t.t0
             cache.access(t.experts, len(t.misses))
             if any(v >= 0 for _, _, v in t.placed) and self.clear_on_evict:
                 mx.clear_cache()

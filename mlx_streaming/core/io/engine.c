@@ -161,6 +161,38 @@ int mlxs_layer_source(Engine *e, int pos, const char *map, int64_t map_bytes) {
   return 0;
 }
 
+/* The work counted since the last take (read, pread, copy, sync ns, copies), reset. */
+static void take_counts(Engine *e, int64_t ns[5]) {
+  ns[0] = e->read_ns, ns[1] = e->pread_ns, ns[2] = e->copy_ns, ns[3] = e->sync_ns;
+  ns[4] = e->copies;
+  e->read_ns = e->pread_ns = e->copy_ns = e->sync_ns = e->copies = 0;
+}
+
+static void add_counts(int64_t *c, int n, int64_t bytes, int64_t busy, const int64_t ns[5]) {
+  if (!c) return;
+  c[C_CALLS] += 1;
+  c[C_RECORDS] += n;
+  c[C_BYTES] += bytes;
+  c[C_BUSY_NS] += busy;
+  c[C_READ_NS] += ns[0];
+  c[C_PREAD_NS] += ns[1];
+  c[C_COPY_NS] += ns[2];
+  c[C_SYNC_NS] += ns[3];
+  c[C_COPIES] += ns[4];
+}
+
+/* A started read still on the workers: wait for it and hold its outcome for mlxs_finish. */
+static void settle(Engine *e) {
+  if (e->pending != 1) return;
+  mlxs_join(e);
+  for (int r = 0; r < e->held_n; r++) {
+    e->held_status[r] = e->rec_status[r];
+    e->held_errno[r] = e->rec_errno[r];
+  }
+  take_counts(e, e->held_ns);
+  __atomic_store_n(&e->pending, 2, __ATOMIC_RELEASE);
+}
+
 /* Read records ``experts`` of layer position ``layer`` into ``slots``; ``status[i]`` says
  * how each went and ``counters`` (N_COUNTERS) add up the work. Returns the first failure
  * (mlxs_error describes it) or ST_OK. A record whose status is not ST_OK may have written
@@ -169,7 +201,8 @@ int mlxs_read(Engine *e, int layer, int n, const int32_t *experts, const int32_t
               int32_t *status, int64_t *counters) {
   if (!e) return ST_ARGS;
   pthread_mutex_lock(&e->call_lock);
-  int64_t t0 = mlxs_now_ns();
+  settle(e); /* a started read's workers and staging are needed here */
+  int64_t t0 = mlxs_now_ns(), ns[5];
   int first = check_read(e, layer, n, experts, slots);
   if (first == ST_OK && !status) first = ST_ARGS;
   for (int w0 = 0; first == ST_OK && w0 < n; w0 += e->wave) {
@@ -185,24 +218,85 @@ int mlxs_read(Engine *e, int layer, int n, const int32_t *experts, const int32_t
     }
   }
   if (first == ST_OK) e->err[0] = 0;
-  if (counters) {
-    counters[C_CALLS] += 1;
-    counters[C_RECORDS] += n;
-    counters[C_BYTES] += first == ST_OK ? (int64_t)n * e->layers[layer].record_bytes : 0;
-    counters[C_READ_NS] += e->read_ns;
-    counters[C_BUSY_NS] += mlxs_now_ns() - t0;
-    counters[C_PREAD_NS] += e->pread_ns;
-    counters[C_COPY_NS] += e->copy_ns;
-    counters[C_SYNC_NS] += e->sync_ns;
-    counters[C_COPIES] += e->copies;
-  }
-  e->read_ns = e->pread_ns = e->copy_ns = e->sync_ns = e->copies = 0;
+  take_counts(e, ns);
+  int64_t bytes = first == ST_OK ? (int64_t)n * e->layers[layer].record_bytes : 0;
+  add_counts(counters, n, bytes, mlxs_now_ns() - t0, ns);
   pthread_mutex_unlock(&e->call_lock);
   return first;
 }
 
+/* Start reading at most one wave of records on the workers and return at once; the
+ * caller computes meanwhile and collects the outcome with mlxs_finish (which must come
+ * before the next mlxs_start). Returns ST_OK or ST_ARGS (mlxs_error says why). */
+int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_t *slots) {
+  if (!e) return ST_ARGS;
+  pthread_mutex_lock(&e->call_lock);
+  settle(e);
+  int st = check_read(e, layer, n, experts, slots);
+  if (st == ST_OK && (e->pending || n > e->wave)) {
+    snprintf(e->err, sizeof e->err, "%s",
+             e->pending ? "the read started before is not finished"
+                        : "a started read takes at most one wave");
+    st = ST_ARGS;
+  }
+  if (st == ST_OK) {
+    e->held_n = n, e->held_layer = layer, e->held_t0 = mlxs_now_ns();
+    for (int i = 0; i < n; i++) e->held_experts[i] = experts[i];
+    mlxs_plan_wave(e, layer, n, experts, slots);
+    __atomic_store_n(&e->pending, 1, __ATOMIC_RELEASE);
+    if (e->n_started && e->n_jobs)
+      mlxs_wake(e);
+    else { /* no workers: read it now */
+      mlxs_run_wave(e);
+      settle(e);
+    }
+  }
+  pthread_mutex_unlock(&e->call_lock);
+  return st;
+}
+
+/* Wait for the read mlxs_start began; statuses and counters as mlxs_read's. */
+int mlxs_finish(Engine *e, int32_t *status, int64_t *counters) {
+  if (!e) return ST_ARGS;
+  pthread_mutex_lock(&e->call_lock);
+  settle(e);
+  int first = ST_OK;
+  if (e->pending != 2 || !status) {
+    snprintf(e->err, sizeof e->err, "no started read to finish");
+    first = ST_ARGS;
+  }
+  for (int r = 0; first != ST_ARGS && r < e->held_n; r++) {
+    status[r] = e->held_status[r];
+    if (e->held_status[r] != ST_OK && first == ST_OK) {
+      first = e->held_status[r];
+      describe(e, first, e->held_errno[r], e->held_experts[r], e->held_layer);
+    }
+  }
+  if (first != ST_ARGS) {
+    int64_t rb = e->layers[e->held_layer].record_bytes;
+    add_counts(counters, e->held_n, first == ST_OK ? e->held_n * rb : 0, mlxs_now_ns() - e->held_t0,
+               e->held_ns);
+    __atomic_store_n(&e->pending, 0, __ATOMIC_RELEASE);
+    if (first == ST_OK) e->err[0] = 0;
+  }
+  pthread_mutex_unlock(&e->call_lock);
+  return first;
+}
+
+/* 1 when no started read is still on the workers. */
+int mlxs_idle(Engine *e) {
+  if (!e) return 1;
+  pthread_mutex_lock(&e->m);
+  int idle = __atomic_load_n(&e->pending, __ATOMIC_ACQUIRE) != 1 || e->workers_done >= e->n_started;
+  pthread_mutex_unlock(&e->m);
+  return idle;
+}
+
 void mlxs_free(Engine *e) {
   if (!e) return;
+  pthread_mutex_lock(&e->call_lock);
+  settle(e); /* the workers finish what was started before they stop */
+  pthread_mutex_unlock(&e->call_lock);
   pthread_mutex_lock(&e->m);
   e->stop = 1;
   pthread_cond_broadcast(&e->cv);

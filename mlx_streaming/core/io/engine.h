@@ -70,7 +70,12 @@ typedef struct Engine {
   int next_job, workers_done;
   int pieces_left[MAX_WAVE], rec_status[MAX_WAVE], rec_errno[MAX_WAVE];
   int64_t read_ns, pread_ns, copy_ns, sync_ns, copies;
-  pthread_mutex_t call_lock; /* one mlxs_read at a time */
+  /* a started read (mlxs_start): 1 on the workers, 2 landed and held for mlxs_finish */
+  int pending, held_n, held_layer;
+  int32_t held_experts[MAX_WAVE];
+  int held_status[MAX_WAVE], held_errno[MAX_WAVE];
+  int64_t held_t0, held_ns[5]; /* read, pread, copy, sync ns and copies of that read */
+  pthread_mutex_t call_lock;   /* one call at a time */
   pthread_mutex_t m;
   pthread_cond_t cv, done_cv;
   int64_t generation;
@@ -82,6 +87,9 @@ typedef struct Engine {
 int64_t mlxs_now_ns(void);
 /* Run the wave's jobs on every worker and the calling thread; wait for all of them. */
 void mlxs_run_wave(Engine *e);
+/* Hand the wave's jobs to the workers only (mlxs_join waits for them). */
+void mlxs_wake(Engine *e);
+void mlxs_join(Engine *e);
 /* Cut nr records into pieces (whole pages, so O_DIRECT reads work too) for every thread. */
 void mlxs_plan_wave(Engine *e, int layer, int nr, const int32_t *experts, const int32_t *slots);
 /* The worker threads' loop (started by mlxs_new with a malloc'd WorkerArg). */

@@ -126,21 +126,30 @@ void *mlxs_worker_main(void *arg) {
   }
 }
 
-void mlxs_run_wave(Engine *e) {
+void mlxs_wake(Engine *e) {
   __atomic_store_n(&e->next_job, 0, __ATOMIC_RELEASE);
-  if (e->n_jobs == 1) { /* one piece: waking the workers would cost more than it saves */
-    work(e, e->n_started);
-    return;
-  }
   pthread_mutex_lock(&e->m);
   e->workers_done = 0;
   e->generation++;
   pthread_cond_broadcast(&e->cv);
   pthread_mutex_unlock(&e->m);
-  work(e, e->n_started);
+}
+
+void mlxs_join(Engine *e) {
   pthread_mutex_lock(&e->m);
   while (e->workers_done < e->n_started) pthread_cond_wait(&e->done_cv, &e->m);
   pthread_mutex_unlock(&e->m);
+}
+
+void mlxs_run_wave(Engine *e) {
+  if (e->n_jobs == 1 || !e->n_started) { /* one piece: waking the workers costs more */
+    __atomic_store_n(&e->next_job, 0, __ATOMIC_RELEASE);
+    work(e, e->n_started);
+    return;
+  }
+  mlxs_wake(e);
+  work(e, e->n_started);
+  mlxs_join(e);
 }
 
 void mlxs_plan_wave(Engine *e, int layer, int nr, const int32_t *experts, const int32_t *slots) {

@@ -99,6 +99,12 @@ def _declare(lib) -> None:
     lib.mlxs_layer_source.argtypes = [P, Int, P, L]
     lib.mlxs_read.restype = Int
     lib.mlxs_read.argtypes = [P, Int, Int, P, P, P, P]
+    lib.mlxs_start.restype = Int
+    lib.mlxs_start.argtypes = [P, Int, Int, P, P]
+    lib.mlxs_finish.restype = Int
+    lib.mlxs_finish.argtypes = [P, P, P]
+    lib.mlxs_idle.restype = Int
+    lib.mlxs_idle.argtypes = [P]
     lib.mlxs_free.argtypes = [P]
     lib.mlxs_threads.restype = Int
     lib.mlxs_threads.argtypes = [P]
@@ -158,7 +164,7 @@ class NativeReader:
         lib = library()
         if lib is None:
             raise OSError(f"the native reader is unavailable: {why_unavailable()}")
-        self.lib, self.meta = lib, meta
+        self.lib, self.meta, self._wave = lib, meta, wave
         self.pos = {li: i for i, li in enumerate(sorted(pools))}
         stride = max(meta.layers[li].stride for li in pools)
         if cuda is not None:
@@ -257,6 +263,33 @@ class NativeReader:
         rc = self.lib.mlxs_read(
             self.handle, pos, len(e), _ptr(e), _ptr(s), _ptr(st), _ptr(self.counters[pos])
         )
+        return self._outcome(rc, layer, e, st)
+
+    @property
+    def wave(self) -> int:
+        """The most records ``start`` takes."""
+        return self._wave
+
+    def start(self, layer: int, experts, slots) -> Started:
+        """Start reading records ``experts`` of ``layer`` into ``slots`` (at most
+        ``wave``) on the engine's threads and return at once; ``Started.result()`` waits
+        and raises as ``read`` would. Finish it before starting another."""
+        e = np.ascontiguousarray(experts, np.int32)
+        s = np.ascontiguousarray(slots, np.int32)
+        rc = self.lib.mlxs_start(self.handle, self.pos[layer], len(e), _ptr(e), _ptr(s))
+        if rc:
+            why = self.lib.mlxs_error(self.handle).decode()
+            raise ValueError(f"the native reader refused a request: {why} (layer {layer})")
+        return Started(self, layer, e)
+
+    def _finish(self, layer: int, e: np.ndarray) -> int:
+        st = np.zeros(len(e), np.int32)
+        pos = self.pos[layer]
+        rc = self.lib.mlxs_finish(self.handle, _ptr(st), _ptr(self.counters[pos]))
+        return self._outcome(rc, layer, e, st)
+
+    def _outcome(self, rc: int, layer: int, e: np.ndarray, st: np.ndarray) -> int:
+        """Bytes read, or the error that ``rc`` (a call's status) stands for."""
         if rc:
             why = self.lib.mlxs_error(self.handle).decode()
             if rc == REFUSED:
@@ -289,3 +322,25 @@ class NativeReader:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+
+
+class Started:
+    """A read ``NativeReader.start`` began: ``result()`` waits for it (bytes read, or the
+    read's error), ``done()`` says whether it has landed."""
+
+    def __init__(self, reader: NativeReader, layer: int, experts: np.ndarray):
+        self._reader, self._layer, self._experts = reader, layer, experts
+        self._out: int | BaseException | None = None
+
+    def done(self) -> bool:
+        return self._out is not None or bool(self._reader.lib.mlxs_idle(self._reader.handle))
+
+    def result(self) -> int:
+        if self._out is None:
+            try:
+                self._out = self._reader._finish(self._layer, self._experts)
+            except Exception as e:  # noqa: BLE001 - raised again on each result()
+                self._out = e
+        if isinstance(self._out, BaseException):
+            raise self._out
+        return self._out

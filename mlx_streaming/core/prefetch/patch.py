@@ -68,7 +68,7 @@ class StreamedExperts(nn.Module):
         call = self._store.request(
             self.layer, indices, self._overlap, also=guess, during_wait=ahead
         )
-        t0 = time.perf_counter()
+        t0, waited = time.perf_counter(), call.waited_s  # (mlx pools wait while planning)
         if call.slots is not None:  # nothing can miss: the ids were remapped on the device
             return call.done(self.experts(x, call.slots))
         if pf:
@@ -81,7 +81,7 @@ class StreamedExperts(nn.Module):
             elif rows is not None and i == 0:  # an overlap split's resident rows:
                 mx.async_eval(y)  # they compute while the misses load
         y = call.done(y)
-        self._store.stats[self.layer].graph_s += time.perf_counter() - t0
+        self._store.stats[self.layer].graph_s += time.perf_counter() - t0 - (call.waited_s - waited)
         self._store.timeline.mark(self.layer, "built")
         return y
 
