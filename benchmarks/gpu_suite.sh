@@ -17,6 +17,7 @@
 #                                           piece size, alone and beside device work
 #   bash benchmarks/gpu_suite.sh mapab      decode at 50% and 25%: records read with pread into
 #                                           staging, then from page-locked file mappings (default)
+#   bash benchmarks/gpu_suite.sh lruab      decode at 50% and 25% under lru (beside mapab's default)
 #   bash benchmarks/gpu_suite.sh direct     copies to the device straight from the page cache (a
 #                                           registered file mapping) against the staged path
 #   bash benchmarks/gpu_suite.sh launch     MLX's host cost per evaluation call and per op, with and
@@ -77,6 +78,8 @@ case "$suite" in
            --no-map-files
          speed gpu-dsv2-mapped --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
            --timeline "$out/timeline-gpu-dsv2-mapped.json" ;;
+  lruab) speed gpu-dsv2-lru --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
+           --policy lru ;;
   readprobe) timeout 200 python3 benchmarks/probes/native_read.py --workdir $work \
                --json "$out/native-read.json" 2>&1 | tee "$out/native-read.log" | tail -3 ;;
   direct) timeout 200 python3 benchmarks/probes/direct_read.py --workdir $work \
