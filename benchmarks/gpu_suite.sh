@@ -17,6 +17,7 @@
 #                                           piece size, alone and beside device work
 #   bash benchmarks/gpu_suite.sh mapab      decode at 50% and 25%: records read with pread into
 #                                           staging, then from page-locked file mappings (default)
+#   bash benchmarks/gpu_suite.sh final      decode at 50% and 25%, defaults, with a timeline
 #   bash benchmarks/gpu_suite.sh lruab      decode at 50% and 25% under lru (beside mapab's default)
 #   bash benchmarks/gpu_suite.sh direct     copies to the device straight from the page cache (a
 #                                           registered file mapping) against the staged path
@@ -78,6 +79,8 @@ case "$suite" in
            --no-map-files
          speed gpu-dsv2-mapped --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
            --timeline "$out/timeline-gpu-dsv2-mapped.json" ;;
+  final) speed gpu-dsv2-final --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
+           --timeline "$out/timeline-gpu-dsv2-final.json" ;;
   lruab) speed gpu-dsv2-lru --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
            --policy lru ;;
   readprobe) timeout 200 python3 benchmarks/probes/native_read.py --workdir $work \

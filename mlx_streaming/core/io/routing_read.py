@@ -1,11 +1,17 @@
-"""Reading a decode step's routing on the host, on CUDA through mapped memory.
+"""Small transfers between host and device on CUDA, through page-locked mapped memory.
 
 MLX's own read of a small array (``mx.eval`` then ``np.array``) touches MLX's managed
 buffer from the host, which migrates its page: ~130 µs on an H200 for six ids, once per
-MoE layer call. ``MappedRouting`` instead launches, with the routing, a one-thread kernel
-that writes the ids into page-locked host memory mapped into the device; once its output
-is evaluated the host reads them there (~46 µs). The values are the same integers; a
-check at start-up compares the two reads and keeps MLX's where they differ.
+MoE layer call. ``MappedRouting.start`` instead launches, with the routing, a one-thread
+kernel that writes the ids into page-locked host memory mapped into the device; once its
+output is evaluated the host reads them there (~46 µs).
+
+The other way, ``mx.array(ids)`` of a few host ids (the slots a call runs) may take a
+cached device buffer, which MLX first moves to managed memory (``cudaMallocManaged`` and
+a blocking copy, MLX 0.32 ``CudaAllocator::malloc_async``). ``MappedRouting.to_device``
+writes the ids into a ring of mapped host buffers and a one-thread kernel copies them
+into a device array. The values are the same integers either way; a check at start-up
+compares both transfers with MLX's own and keeps MLX's where they differ.
 """
 
 from __future__ import annotations
@@ -15,6 +21,11 @@ import numpy as np
 
 MAX_IDS = 64  # a decode step's ids (longer calls read the usual way)
 _DTYPES = {mx.uint32: np.uint32, mx.int32: np.int32}
+_TO_DEVICE = """
+    const int* src = (const int*)(addr[0]);
+    for (int i = 0; i < N; i++) out[i] = src[i];
+"""
+RING = 64  # host buffers for to_device: one is rewritten only 64 calls later
 _SOURCE = """
     unsigned int* out = (unsigned int*)(dst[0]);
     for (int i = 0; i < N; i++) out[i] = (unsigned int)ids[i];
@@ -37,6 +48,20 @@ class MappedRouting:
             output_names=["done"],
             source=_SOURCE,
         )
+        # to_device: RING buffers of MAX_IDS ids, each with its address as a device array
+        self._ring, ring_dev = cuda.mapped(4 * MAX_IDS * RING)
+        self._ring = self._ring.view(np.int32).reshape(RING, MAX_IDS)
+        self._ring_addr = [
+            mx.array(np.array([ring_dev + 4 * MAX_IDS * i], np.uint64)) for i in range(RING)
+        ]
+        mx.eval(self._ring_addr)
+        self._next = 0
+        self._copy = mx.fast.cuda_kernel(
+            name="mlxs_ids_to_device",
+            input_names=["addr"],
+            output_names=["out"],
+            source=_TO_DEVICE,
+        )
 
     def start(self, ids: mx.array) -> mx.array | None:
         """The kernel's output (evaluate it, then ``read``), or None where ``ids`` is
@@ -58,6 +83,23 @@ class MappedRouting:
         n = ids.size
         return self._host[: 4 * n].view(_DTYPES[ids.dtype]).reshape(ids.shape).copy()
 
+    def to_device(self, ids: np.ndarray) -> mx.array:
+        """``mx.array(ids)`` (int32) without a host-made MLX buffer (``ids`` at most
+        ``MAX_IDS``; larger arrays take ``mx.array``)."""
+        if ids.size > MAX_IDS:
+            return mx.array(ids.astype(np.int32))
+        i, self._next = self._next, (self._next + 1) % RING
+        self._ring[i, : ids.size] = ids.ravel()
+        (out,) = self._copy(
+            inputs=[self._ring_addr[i]],
+            template=[("N", ids.size)],
+            grid=(1, 1, 1),
+            threadgroup=(1, 1, 1),
+            output_shapes=[ids.shape],
+            output_dtypes=[mx.int32],
+        )
+        return out
+
 
 def mapped_routing() -> MappedRouting | None:
     """A ``MappedRouting`` that read a test array exactly as MLX does, or None (no CUDA
@@ -76,6 +118,10 @@ def mapped_routing() -> MappedRouting | None:
             done = r.start(ids)
             mx.eval(done, ids)
             if not np.array_equal(r.read(ids), np.array(ids)):
+                return None
+        for _ in range(RING + 1):  # every ring buffer, and one reused
+            want = np.random.default_rng(r._next).integers(0, 2**31, (1, 6), np.int32)
+            if not np.array_equal(np.array(r.to_device(want)), want):
                 return None
         return r
     except Exception:  # noqa: BLE001 (any failure: read the usual way)

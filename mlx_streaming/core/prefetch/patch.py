@@ -85,6 +85,12 @@ class StreamedExperts(nn.Module):
         self._store.timeline.mark(self.layer, "built")
         return y
 
+    def _ids(self, slots: np.ndarray) -> mx.array:
+        """Slot ids on the device (on CUDA without a host-made MLX buffer, which MLX may
+        first move to managed memory: ``io.routing_read``)."""
+        mapped = self._store.host.mapped
+        return mx.array(slots.astype(np.int32)) if mapped is None else mapped.to_device(slots)
+
     def _rows(self, x, indices, rows, slots, out):
         """``out`` with the experts' outputs filled in on ``rows`` (a boolean mask shaped
         like ``indices``; None: all), the rows' experts at ``slots``.
@@ -96,10 +102,10 @@ class StreamedExperts(nn.Module):
         the pool has one, so that every expert's group of rows is stock's.
         """
         if rows is None:
-            return self.experts(x, mx.array(slots.astype(np.int32)))
+            return self.experts(x, self._ids(slots))
         dummy = self._store.pool(self.layer).dummy
         if rows.size < self._masked_below:
-            y = self.experts(x, mx.array(np.where(rows, slots, dummy).astype(np.int32)))
+            y = self.experts(x, self._ids(np.where(rows, slots, dummy)))
             return y if out is None else mx.where(mx.array(rows)[..., None], y, out)
         k = indices.shape[-1]
         xf, flat = x.reshape(-1, x.shape[-1]), slots.reshape(-1)  # [T, D], [T*k]
