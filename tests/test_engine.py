@@ -342,3 +342,25 @@ def test_store_reading_mapped_files_is_exact(models):
                        ({"reader": "python"}, "needs the native reader")]:  # fmt: skip
         with pytest.raises(ValueError, match=match):
             patched(ck, ed, map_files=True, **bad)
+
+
+@needs_library
+def test_default_mapping_that_fails_falls_back_to_pread(models, monkeypatch):
+    """Where the default maps the files (CUDA) and the mapping cannot be page-locked, the
+    store warns and reads with pread; asked for explicitly, the error stands."""
+    from test_exactness import patched
+
+    from mlx_streaming import FileExpertStore
+
+    def refuse(self, li, pos):
+        raise OSError(f"{self.meta.file(li)}: could not page-lock its mapping (injected)")
+
+    ck, ed = models.experts("tiny-qwen3_moe")
+    monkeypatch.setattr(NativeReader, "_map", refuse)
+    monkeypatch.setattr(FileExpertStore, "_map_files", lambda self, cfg, on_cuda: True)
+    with pytest.warns(RuntimeWarning, match="injected.*reads with pread instead"):
+        _, store = patched(ck, ed, capacity=load_meta(ed).top_k)
+    assert store.native is not None and store.totals()["mapped_bytes"] == 0
+    store.close()
+    with pytest.raises(OSError, match="injected"):
+        patched(ck, ed, map_files=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -116,7 +117,11 @@ class FileExpertStore:
         self.lock = threading.RLock()  # the tables and policies, against the policy thread
         self.timeline = Timeline()  # phases of layer calls, when recording
         want = cfg.reader and cfg.reader.value
-        self.native = self._native_reader(want, cfg)
+        try:
+            self.native = self._native_reader(want, cfg)
+        except BaseException:
+            self.reader.close()  # nothing of a store that failed to open stays behind
+            raise
         self.reader_name = "python" if self.native is None else "native"
         if cfg.map_files and self.native is None:  # mlx pools, or no compiled reader
             self.reader.close()
@@ -167,15 +172,16 @@ class FileExpertStore:
         threads = cfg.threads
         if threads is None:
             threads = min(15, (os.cpu_count() or 2) - 1) if on_cuda else 4
-        return NativeReader(
-            self.meta,
-            self._resident.pools,
-            threads=threads,
-            direct=cfg.direct_io,
-            checksums=cfg.checksums,
-            cuda=cuda if on_cuda else None,
-            map_files=self._map_files(cfg, on_cuda),
-        )
+        mapped = self._map_files(cfg, on_cuda)
+        kw = dict(threads=threads, direct=cfg.direct_io, checksums=cfg.checksums)
+        kw["cuda"] = cuda if on_cuda else None
+        try:
+            return NativeReader(self.meta, self._resident.pools, map_files=mapped, **kw)
+        except OSError as e:
+            if not mapped or cfg.map_files:  # asked for: the error is the answer
+                raise
+            warnings.warn(f"{e}; the store reads with pread instead", RuntimeWarning, stacklevel=3)
+            return NativeReader(self.meta, self._resident.pools, map_files=False, **kw)
 
     def _map_files(self, cfg: StreamConfig, on_cuda: bool) -> bool:
         """Whether the native reader copies from mappings of the files (``map_files``):

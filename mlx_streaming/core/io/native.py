@@ -282,7 +282,8 @@ class NativeReader:
             raise ValueError(f"the native reader refused a request: {why} (layer {layer})")
         return Started(self, layer, e)
 
-    def _finish(self, layer: int, e: np.ndarray) -> int:
+    def finish(self, layer: int, e: np.ndarray) -> int:
+        """Wait for the read ``start`` began (records ``e`` of ``layer``): as ``read``."""
         st = np.zeros(len(e), np.int32)
         pos = self.pos[layer]
         rc = self.lib.mlxs_finish(self.handle, _ptr(st), _ptr(self.counters[pos]))
@@ -338,7 +339,7 @@ class Started:
     def result(self) -> int:
         if self._out is None:
             try:
-                self._out = self._reader._finish(self._layer, self._experts)
+                self._out = self._reader.finish(self._layer, self._experts)
             except Exception as e:  # noqa: BLE001 - raised again on each result()
                 self._out = e
         if isinstance(self._out, BaseException):
