@@ -364,3 +364,31 @@ def test_default_mapping_that_fails_falls_back_to_pread(models, monkeypatch):
     store.close()
     with pytest.raises(OSError, match="injected"):
         patched(ck, ed, map_files=True)
+
+
+@needs_library
+def test_abandoned_started_read_is_settled_before_new_reservations(models):
+    """A call that raised between starting its reads and waiting for them (a client gone,
+    an error while building its graph) leaves a started read; the next load finishes it
+    first, so the slot table stays consistent and output stays exact."""
+    from mlx_lm import load
+    from test_exactness import patched
+
+    from mlx_streaming.analysis.verify import compare_traces, greedy_trace
+
+    ck, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    model, store = patched(ck, ed, capacity=meta.top_k)
+    li = sorted(meta.layers)[0]
+    abandoned = store.loads.begin(li, np.arange(meta.top_k))  # started, never waited
+    assert not abandoned.done and store.caches[li].pending
+    t = store.loads.begin(li, np.arange(meta.top_k, 2 * meta.top_k))
+    assert abandoned.done  # finished before the new reservation
+    t.wait()
+    cache = store.caches[li]
+    held = cache.slot_of[cache.slot_of >= 0]
+    assert len(set(held.tolist())) == len(held) and not cache.pending
+    ref, tok = load(str(ck))
+    ids = tok.encode("After an abandoned read the store still computes exactly.")
+    assert compare_traces(greedy_trace(ref, ids, 8), greedy_trace(model, ids, 8)).exact
+    store.close()

@@ -100,6 +100,7 @@ class Loader:
         issue the reads (``now``: read them before returning, on the native reader's
         threads where there is one). ``Ticket.wait()`` finishes; until then only the
         experts that were already resident (``ticket.misses`` excluded) may be used."""
+        self._settle_started()
         cache = self.caches[layer]
         _, misses = cache.split(experts)
         load = misses
@@ -110,6 +111,14 @@ class Loader:
             with self._lock:  # the policy picks victims (prefetch may run beside)
                 placed = cache.reserve(np.sort(load), protect=set(experts.tolist()))
         return self.issue(layer, experts, misses, placed, prefetch=False, now=now)
+
+    def _settle_started(self) -> None:
+        """Finish a started read whose call was abandoned (it raised before waiting):
+        its slots are committed or freed before any new reservation."""
+        t, self._started = self._started, None
+        if t is not None and not t.done:
+            with contextlib.suppress(Exception):  # its call has already raised
+                t.wait()
 
     def flush(self, layer: int) -> None:
         """Apply ``layer``'s queued policy updates now (see ``SlotCache.flush``)."""
@@ -124,6 +133,7 @@ class Loader:
         """Read ahead experts a coming call of ``layer`` is expected to need, into free
         or evictable slots (never pinned ones, nor ``experts`` themselves). Best effort;
         the next call of the layer settles them. Returns how many were issued."""
+        self._settle_started()
         cache = self.caches[layer]
         experts = np.asarray(experts, dtype=np.int64)
         todo = [int(e) for e in experts if cache.slot_of[e] < 0 and e not in cache.pending]
@@ -208,10 +218,6 @@ class Loader:
             except Exception as e:  # noqa: BLE001 - raised by Ticket.wait, after the abort
                 return Done(error=e)
         if not prefetch and len(placed) <= self.native.wave:
-            if self._started is not None and not self._started.done:
-                # one started read at a time; its own call has been abandoned (it raised)
-                with contextlib.suppress(Exception):
-                    self._started.wait()
             try:
                 return self.native.start(layer, experts, slots)
             except Exception as e:  # noqa: BLE001 - raised by Ticket.wait, after the abort
