@@ -18,6 +18,10 @@
 #   bash benchmarks/gpu_suite.sh mapab      decode at 50% and 25%: records read with pread into
 #                                           staging, then from page-locked file mappings (default)
 #   bash benchmarks/gpu_suite.sh final      decode at 50% and 25%, defaults, with a timeline
+#   bash benchmarks/gpu_suite.sh xferab     decode at 50% and 25%: routing and slot ids through MLX,
+#                                           then through mapped memory (the default)
+#   bash benchmarks/gpu_suite.sh graphops   decode at 50% with MLX's CUDA graphs cut at 25 and 50
+#                                           ops (MLX_MAX_OPS_PER_BUFFER; 100 by default on an H200)
 #   bash benchmarks/gpu_suite.sh lruab      decode at 50% and 25% under lru (beside mapab's default)
 #   bash benchmarks/gpu_suite.sh direct     copies to the device straight from the page cache (a
 #                                           registered file mapping) against the staged path
@@ -41,7 +45,13 @@
 #                                           included: 1,790 files, 4.7 MB; in STDLIB,
 #                                           find . -name '*.py' -not -path './site-packages/*'
 #                                           | sort | tar cJf corpus.tar.xz -T -), else
-#                                           SOURCES (default stdlib: 574 files there)
+#                                           SOURCES (default stdlib: 574 files there).
+#                                           CORPUS names another carried corpus, e.g.
+#                                           .gpu/corpus-site.tar.xz: the same standard
+#                                           library plus the .py files of numpy, pip,
+#                                           setuptools, huggingface_hub, mlx_lm,
+#                                           hypothesis and jinja2 from this machine's
+#                                           venv (3,408 files, 55.5 MB, 8.5 MB as xz)
 # Several suites may run in one call. TRACE names the DeepSeek-V2-Lite trace
 # (default .gpu/deepseek-v2-lite.npz, copied from ../shared/traces). MLX compiles each
 # kernel variant on first use; .gpu/ptx.tgz (a former run's $OUT/ptx.tgz) seeds its cache.
@@ -81,6 +91,13 @@ case "$suite" in
            --timeline "$out/timeline-gpu-dsv2-mapped.json" ;;
   final) speed gpu-dsv2-final --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
            --timeline "$out/timeline-gpu-dsv2-final.json" ;;
+  xferab) speed gpu-dsv2-mlxxfer --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
+            --no-mapped-transfers
+          speed gpu-dsv2-mapxfer --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 ;;
+  graphops) for n in 25 50; do
+              MLX_MAX_OPS_PER_BUFFER=$n speed gpu-dsv2-ops$n --residency 0.5 --cold warm --repeat 3 \
+                --prefill-tokens 0
+            done ;;
   lruab) speed gpu-dsv2-lru --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
            --policy lru ;;
   readprobe) timeout 200 python3 benchmarks/probes/native_read.py --workdir $work \
@@ -113,8 +130,9 @@ case "$suite" in
            | tee -a "$out/nan.log" | tail -20
        done ;;
   train) sources=${SOURCES:-stdlib}
-         if [ -f .gpu/corpus.tar.xz ]; then  # a carried corpus (see the header)
-           mkdir -p /tmp/corpus && tar xJf .gpu/corpus.tar.xz -C /tmp/corpus && sources=/tmp/corpus
+         corpus=${CORPUS:-.gpu/corpus.tar.xz}
+         if [ -f "$corpus" ]; then  # a carried corpus (see the header)
+           mkdir -p /tmp/corpus && tar xJf "$corpus" -C /tmp/corpus && sources=/tmp/corpus
          fi
          shape="--layers 8 --hidden 256 --experts 64 --top-k 6 --moe-inter 64 --vocab 4096
            --seq 256 --batch 64 --max-chars 80000000 --lr 2e-3 --aux-weight ${AUX:-0.03}

@@ -82,6 +82,12 @@ def main():
         help="copy records from mappings of the files (default: the store's; on CUDA "
         "page-locked, so the bound's bandwidth is the host-to-device copy's)",
     )
+    p.add_argument(
+        "--no-mapped-transfers",
+        action="store_true",
+        help="read the routing and send slot ids through MLX, not mapped memory (an A/B "
+        "of io/routing_read on CUDA)",
+    )
     p.add_argument("--timeline", help="write one decode step's host timeline (JSON) here")
     p.add_argument("--profile", help="write a cProfile of one streamed decode run here")
     p.add_argument(
@@ -167,6 +173,8 @@ def main():
             )
             kw = {"config": cfg.replace(prefetch=True, predictor=guess)}
         model, _, store, routing = streamed(ck, ed, trace, start, slots=slots, **kw)
+        if a.no_mapped_transfers:
+            store.host.mapped = None
         if isinstance(kw["config"].predictor, TraceOracle):
             kw["config"].predictor.routing = routing
         decode_run(model, tok, ids, a.tokens)  # warm up: fill the pool, compile
