@@ -34,6 +34,8 @@ def summarize(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, sam
         "budget_gb": cfg.stream.budget_gb,
         "policy": cfg.stream.policy,
         "pool_mode": store.pool_mode,
+        "reader": store.reader_name,
+        "mapped_gb": round(store.totals()["mapped_bytes"] / 1e9, 2),  # page-locked on CUDA
         "overlap": cfg.stream.overlap,
         "prefetch": cfg.stream.prefetch,
         "pool_profile": len(set(caps)) > 1 or cfg.stream.pool_profile not in ("auto", "none", None),
