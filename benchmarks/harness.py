@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -107,6 +108,16 @@ def decode_run(model, tok, ids, tokens: int, prefill: int = 2048):
 
     *_, last = stream_generate(model, tok, ids, max_tokens=tokens, prefill_step_size=prefill)
     return last.generation_tps, last.prompt_tps, last.generation_tokens
+
+
+def median_us(f, repeat: int, skip: int = 1) -> float:
+    """Median µs of ``repeat`` calls of ``f``, the first ``skip`` left out (warm-up)."""
+    ts = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t)
+    return round(1e6 * statistics.median(ts[skip:]), 1)
 
 
 def machine() -> str:

@@ -86,7 +86,7 @@ def main():
         "--no-mapped-transfers",
         action="store_true",
         help="read the routing and send slot ids through MLX, not mapped memory (an A/B "
-        "of io/routing_read on CUDA)",
+        "of io/mapped on CUDA)",
     )
     p.add_argument("--timeline", help="write one decode step's host timeline (JSON) here")
     p.add_argument("--profile", help="write a cProfile of one streamed decode run here")

@@ -92,6 +92,23 @@ def test_reads_records_into_the_slots_asked(models, map_files):
 
 
 @needs_library
+def test_a_mapped_layer_reads_from_its_mapping(models):
+    """Records of a layer given a source come from that memory, not from the file: a
+    source holding the file's bytes inverted lands inverted."""
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta, pools, reader = reader_over(ed, 4, threads=2, checksums=False)
+    li = sorted(meta.layers)[0]
+    flipped = np.fromfile(meta.file(li), np.uint8) ^ 0xFF
+    assert reader.lib.mlxs_layer_source(reader.handle, reader.pos[li], flipped.ctypes.data,
+                                        flipped.size) == 0  # fmt: skip
+    reader.read(li, [3], [1])
+    rec = record(meta, li, 3) ^ 0xFF
+    for p, rows in zip(meta.layers[li].parts, pools[li].parts):
+        assert np.array_equal(rows[1], rec[p.offset : p.offset + p.nbytes])
+    reader.close()
+
+
+@needs_library
 def test_bad_requests_raise_and_leave_the_reader_usable(models):
     _, ed = models.experts("tiny-qwen3_moe")
     meta, pools, reader = reader_over(ed, 4, threads=2)
@@ -352,7 +369,7 @@ def test_default_mapping_that_fails_falls_back_to_pread(models, monkeypatch):
 
     from mlx_streaming import FileExpertStore
 
-    def refuse(self, li, pos):
+    def refuse(self, li, *_):
         raise OSError(f"{self.meta.file(li)}: could not page-lock its mapping (injected)")
 
     ck, ed = models.experts("tiny-qwen3_moe")

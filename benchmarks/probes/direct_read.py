@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,18 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
-from harness import build, finish, log, parser  # noqa: E402
+from harness import build, finish, log, median_us, parser  # noqa: E402
 
 READ_ONLY = 8  # cudaHostRegisterReadOnly
-
-
-def _us(f, repeat: int) -> float:
-    ts = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t)
-    return round(1e6 * statistics.median(ts[1:]), 1)
 
 
 def main():
@@ -97,11 +87,14 @@ def main():
 
     # host copies, one thread, one record
     buf = staging[:rec]
-    row("pread into pinned, 1 thread", us=_us(lambda: os.preadv(fd, [buf], 5 * stride), a.repeat))
+    row(
+        "pread into pinned, 1 thread",
+        us=median_us(lambda: os.preadv(fd, [buf], 5 * stride), a.repeat),
+    )
     row("memcpy mapping to pinned, 1 thread",
-        us=_us(lambda: ctypes.memmove(stage, base + 5 * stride, rec), a.repeat))  # fmt: skip
+        us=median_us(lambda: ctypes.memmove(stage, base + 5 * stride, rec), a.repeat))  # fmt: skip
     row("pageable copy (unregistered mapping)", records=1, pieces=1,
-        us=_us(lambda: copy(base, 1, 1), a.repeat))  # fmt: skip
+        us=median_us(lambda: copy(base, 1, 1), a.repeat))  # fmt: skip
     # register one record, then the whole file
     one = base + 20 * stride
 
@@ -111,7 +104,7 @@ def main():
         cuda._check(rt.cudaHostUnregister(ctypes.c_void_p(one)), "cudaHostUnregister")
 
     try:
-        row("register + unregister one record", us=_us(reg_one, a.repeat))
+        row("register + unregister one record", us=median_us(reg_one, a.repeat))
     except cuda.CudaError as e:
         row("register one record failed", error=str(e))
     t = time.perf_counter()
@@ -124,12 +117,12 @@ def main():
         row("register whole file", ms=reg_ms, gb=round(size / 1e9, 2))
         for nrec in (1, 2, 4):
             for pieces in (1, 4, 16):
-                us = _us(lambda n=nrec, k=pieces: copy(base, n, k), a.repeat)
+                us = median_us(lambda n=nrec, k=pieces: copy(base, n, k), a.repeat)
                 row("direct copy (registered mapping)", records=nrec, pieces=pieces, us=us,
                     gbps=round(nrec * rec / us / 1e3, 1))  # fmt: skip
         # the same copies from pinned staging, for the side-by-side
         for nrec in (1, 2, 4):
-            us = _us(lambda n=nrec: copy(stage, n, 4, spread=False), a.repeat)
+            us = median_us(lambda n=nrec: copy(stage, n, 4, spread=False), a.repeat)
             row("staged copy (pinned to device)", records=nrec, pieces=4, us=us,
                 gbps=round(nrec * rec / us / 1e3, 1))  # fmt: skip
         # correctness: bytes on the device equal the file's

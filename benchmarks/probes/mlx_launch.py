@@ -19,16 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from harness import finish, log, parser  # noqa: E402
-
-
-def _median_us(f, repeat: int) -> float:
-    ts = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t)
-    return round(1e6 * statistics.median(ts[2:]), 1)
+from harness import finish, log, median_us, parser  # noqa: E402
 
 
 def chain(n: int, pieces: int, x: mx.array) -> float:
@@ -92,8 +83,8 @@ def _mapped_read(repeat: int) -> dict:
 
     same = np.array_equal(managed(), mapped())
     return {
-        "routing_read_managed_us": _median_us(managed, repeat),
-        "routing_read_mapped_us": _median_us(mapped, repeat),
+        "routing_read_managed_us": median_us(managed, repeat, skip=2),
+        "routing_read_mapped_us": median_us(mapped, repeat, skip=2),
         "routing_read_mapped_equal": bool(same),
     }
 
@@ -120,13 +111,13 @@ def main():
         np.array(z)
 
     prims = {
-        "eval_and_read_6_ints_us": _median_us(read_back, a.repeat),
-        "np_array_of_evaluated_us": _median_us(lambda: np.array(idx), a.repeat),
-        "tolist_of_evaluated_us": _median_us(lambda: idx.tolist(), a.repeat),
-        "mx_array_from_numpy_us": _median_us(
-            lambda: mx.array(np.arange(6, dtype=np.int32)), a.repeat
+        "eval_and_read_6_ints_us": median_us(read_back, a.repeat, skip=2),
+        "np_array_of_evaluated_us": median_us(lambda: np.array(idx), a.repeat, skip=2),
+        "tolist_of_evaluated_us": median_us(lambda: idx.tolist(), a.repeat, skip=2),
+        "mx_array_from_numpy_us": median_us(
+            lambda: mx.array(np.arange(6, dtype=np.int32)), a.repeat, skip=2
         ),
-        "empty_async_eval_us": _median_us(lambda: mx.async_eval(idx), a.repeat),
+        "empty_async_eval_us": median_us(lambda: mx.async_eval(idx), a.repeat, skip=2),
     }
     if mx.default_device() != mx.cpu:
         prims.update(_mapped_read(a.repeat))

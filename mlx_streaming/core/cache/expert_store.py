@@ -26,7 +26,7 @@ from ..io.native import COUNTERS
 from ..io.reader import RecordReader
 from ..mem import machine_memory
 from ..meta import load_meta
-from ..options import Reader, StreamConfig
+from ..options import StreamConfig
 from .calls import LayerCall
 from .host_path import HostPath
 from .loads import Loader
@@ -75,13 +75,6 @@ class FileExpertStore:
         **options,
     ):
         cfg = (config or StreamConfig()).replace(**options)
-        if cfg.map_files and cfg.direct_io:
-            raise ValueError(
-                "map_files and direct_io exclude each other (a mapping reads through the "
-                "page cache, which direct_io bypasses): drop one"
-            )
-        if cfg.map_files and cfg.reader == Reader.PYTHON:
-            raise ValueError("map_files needs the native reader, not reader='python'")
         meta = expert_dir if isinstance(expert_dir, ExpertMeta) else load_meta(expert_dir)
         self.meta: ExpertMeta = meta
         self.config = cfg
@@ -123,7 +116,7 @@ class FileExpertStore:
             self.reader.close()  # nothing of a store that failed to open stays behind
             raise
         self.reader_name = "python" if self.native is None else "native"
-        if cfg.map_files and self.native is None:  # mlx pools, or no compiled reader
+        if cfg.map_files and self.native is None:  # python reader, mlx pools, none built
             self.reader.close()
             raise ValueError("map_files needs the native reader (host or cuda pools)")
         self.host = HostPath(
@@ -173,8 +166,12 @@ class FileExpertStore:
         if threads is None:
             threads = min(15, (os.cpu_count() or 2) - 1) if on_cuda else 4
         mapped = self._map_files(cfg, on_cuda)
-        kw = dict(threads=threads, direct=cfg.direct_io, checksums=cfg.checksums)
-        kw["cuda"] = cuda if on_cuda else None
+        kw = dict(
+            threads=threads,
+            direct=cfg.direct_io,
+            checksums=cfg.checksums,
+            cuda=cuda if on_cuda else None,
+        )
         try:
             return NativeReader(self.meta, self._resident.pools, map_files=mapped, **kw)
         except OSError as e:
@@ -187,6 +184,11 @@ class FileExpertStore:
         """Whether the native reader copies from mappings of the files (``map_files``):
         by default on CUDA when the files fit in half the available host memory (they
         stay page-locked there), so that the device copies straight from the page cache."""
+        if cfg.map_files and cfg.direct_io:
+            raise ValueError(
+                "map_files and direct_io exclude each other (a mapping reads through the "
+                "page cache, which direct_io bypasses): drop one"
+            )
         if cfg.map_files is not None:
             return cfg.map_files
         if not on_cuda or cfg.direct_io:

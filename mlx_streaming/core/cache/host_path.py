@@ -2,7 +2,7 @@
 the store's ``Loader``, the rows computed in steps.
 
 One host synchronisation per call reads the routing (on CUDA a decode step's through
-mapped memory, ``io.routing_read``). While the device computes it, the host does work
+mapped memory, ``io.mapped``). While the device computes it, the host does work
 that needs no routing: the previous call's policy update and the caller's
 ``during_wait`` (a read-ahead of this layer's predicted experts). Then the misses start
 loading at once, on the reader's threads, while the expert graph is built (launched once
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from ..io.routing_read import mapped_routing
+from ..io.mapped import mapped_transfers
 from .calls import LayerCall
 from .loads import Loader
 from .pool import LayerPool
@@ -72,8 +72,8 @@ class HostPath:
         self.loads: Loader | None = None  # set by the store (the loader guards with us)
         self._readers: dict[int, list] = {li: [] for li in caches}  # lazy outputs per layer
         self._previous: int | None = None  # the layer last served
-        # cuda pools: a decode step's routing read through mapped memory (io.routing_read)
-        self.mapped = mapped_routing() if mode == "cuda" else None
+        # cuda pools: a decode step's routing read through mapped memory (io.mapped)
+        self.mapped = mapped_transfers() if mode == "cuda" else None
 
     def call(
         self,

@@ -44,7 +44,7 @@ class Ticket:
         self.layer, self.experts, self.misses, self.placed = layer, experts, misses, placed
         self.future, self.rows, self.prefetch = future, rows, prefetch
         self.t0 = time.perf_counter()
-        self.overlapped = False  # the read ran while the caller worked (not begin(now=))
+        self.read_in_issue = False  # read before issue returned (native, begin(now=))
         self.done = False
         self._finish = finish
 
@@ -176,7 +176,7 @@ class Loader:
         if self.native is not None:
             fut = self._native_read(layer, placed, now, prefetch)
             t = Ticket(layer, experts, misses, placed, fut, None, prefetch, self._finish)
-            t.overlapped = not now
+            t.read_in_issue = now
             if isinstance(fut, Started):
                 self._started = t
             return t
@@ -258,8 +258,9 @@ class Loader:
         t0 = time.perf_counter()
         with self._lock:
             self._finish_locked(t)
-        if not t.prefetch:  # the time the caller waited: the read's own, or what was left
-            self.stats[t.layer].read_s += time.perf_counter() - (t0 if t.overlapped else t.t0)
+        if not t.prefetch:  # the time the caller waited: what was left of the read, or,
+            # read on the caller's thread, all of it
+            self.stats[t.layer].read_s += time.perf_counter() - (t.t0 if t.read_in_issue else t0)
 
     def _finish_locked(self, t: Ticket) -> None:
         cache, pool, st = self.caches[t.layer], self.pools[t.layer], self.stats[t.layer]

@@ -193,14 +193,15 @@ class NativeReader:
         self.counters = np.zeros((len(pools), N_COUNTERS), np.int64)
         try:
             for li, pos in self.pos.items():
-                self._add(li, pos, pools[li], direct, checksums)
+                fd = self._add(li, pos, pools[li], direct, checksums)
                 if map_files:
-                    self._map(li, pos)
+                    self._map(li, pos, fd)
         except BaseException:
             self.close()
             raise
 
-    def _add(self, li, pos, pool, direct, checksums) -> None:
+    def _add(self, li, pos, pool, direct, checksums) -> int:
+        """Open layer ``li``'s file and register its layout with the engine; its fd."""
         lay = self.meta.layers[li]
         flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
         fd = os.open(self.meta.file(li), flags)
@@ -225,10 +226,11 @@ class NativeReader:
         )  # fmt: skip
         if rc:
             raise OSError(f"{self.meta.file(li)}: {self.lib.mlxs_error(self.handle).decode()}")
+        return fd
 
-    def _map(self, li: int, pos: int) -> None:
-        """Map layer ``li``'s file for in-place reads (registered with CUDA if given)."""
-        fd = self._fds[-1]
+    def _map(self, li: int, pos: int, fd: int) -> None:
+        """Map layer ``li``'s file (open as ``fd``) for in-place reads (registered with
+        CUDA if given)."""
         size = os.fstat(fd).st_size
         m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         view = np.frombuffer(m, np.uint8)

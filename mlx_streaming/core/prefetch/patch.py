@@ -87,7 +87,7 @@ class StreamedExperts(nn.Module):
 
     def _ids(self, slots: np.ndarray) -> mx.array:
         """Slot ids on the device (on CUDA without a host-made MLX buffer, which MLX may
-        first move to managed memory: ``io.routing_read``)."""
+        first move to managed memory: ``io.mapped``)."""
         mapped = self._store.host.mapped
         return mx.array(slots.astype(np.int32)) if mapped is None else mapped.to_device(slots)
 
