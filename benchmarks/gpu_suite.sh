@@ -38,7 +38,8 @@
 #   bash benchmarks/gpu_suite.sh train      train-tiny at the committed model's shape: a timed
 #                                           probe sizes the run to TRAIN_S seconds (default 240)
 #                                           unless TRAIN_STEPS is given;
-#                                           then the quality table against the float model.
+#                                           then the quality table against the float model
+#                                           (QUALITY=0 leaves it to a later `quality` suite).
 #                                           The checkpoint comes back as trained.tgz.part-*.
 #                                           Text: .gpu/corpus.tar.xz when present (the .py
 #                                           files of this machine's standard library, tests
@@ -78,6 +79,10 @@ speed() {  # name, args...
   timeout "$limit" python3 benchmarks/speed.py --workdir $work --preset dsv2-lite \
     --trace "$trace" --tokens 96 --prompt-tokens 32 --json "$out/speed-$name.json" "$@" 2>&1 \
     | grep -v "PyTorch was not found" | tee "$out/speed-$name.log" | grep -v "^{" | tail -5
+}
+quality() {  # the quality table of the float model that train left in /tmp/tiny-float
+  rm -rf /tmp/tq; timeout 300 python3 benchmarks/trained_quality.py --model /tmp/tiny-float \
+    --workdir /tmp/tq --json "$out/quality-trained.json" 2>&1 | tail -3
 }
 for suite in "$@"; do
 case "$suite" in
@@ -148,8 +153,8 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
          timeout 500 python3 -m mlx_streaming train-tiny --out /tmp/tiny-stdlib-moe $shape \
            --steps "$steps" --float-out /tmp/tiny-float 2>&1 | tee "$out/train.log" | tail -4
          tar czf - -C /tmp tiny-stdlib-moe | split -b 15m - "$out/trained.tgz.part-"
-         rm -rf /tmp/tq; timeout 300 python3 benchmarks/trained_quality.py --model /tmp/tiny-float \
-           --workdir /tmp/tq --json "$out/quality-trained.json" 2>&1 | tail -3 ;;
+         [ "${QUALITY:-1}" = 1 ] && quality ;;
+  quality) quality ;;
   launch) for g in 1 0; do
             MLX_USE_CUDA_GRAPHS=$g timeout 200 python3 benchmarks/probes/mlx_launch.py \
               --json "$out/mlx-launch-graphs$g.json" 2>&1 | tail -8
