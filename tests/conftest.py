@@ -16,6 +16,10 @@ if os.environ.get("MLX_STREAMING_TEST_ENGINE"):  # .ci/sanitize: the ASan/UBSan 
     from mlx_streaming.core.io.native import use_library
 
     use_library(os.environ["MLX_STREAMING_TEST_ENGINE"])
+if os.environ.get("MLX_STREAMING_TEST_POLICY"):  # .ci/sanitize: the policy's ASan/UBSan build
+    from mlx_streaming.core.cache import native_policy
+
+    native_policy.use_library(os.environ["MLX_STREAMING_TEST_POLICY"])
 from mlx_streaming.synthetic import make_checkpoint  # noqa: E402
 
 

@@ -262,7 +262,7 @@ def test_host_path_set_helpers_equal_numpy(n, E, seed):
 def test_predictive_windows_count_the_latest_lookups():
     """The windowed counts (running-count differences) equal a direct count over the
     last 4, 16 and 64 lookups."""
-    from mlx_streaming.core.cache.policy import Predictive
+    from mlx_streaming.core.cache.predictive import Predictive
 
     rng = np.random.default_rng(1)
     p = Predictive(16, 8)
@@ -274,3 +274,56 @@ def test_predictive_windows_count_the_latest_lookups():
         for w, row in zip(Predictive.WINDOWS, p.win):
             want = np.bincount(np.concatenate(seen[-w:]), minlength=16)
             assert np.array_equal(row, want), (t, w)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    E=st.sampled_from([8, 16, 64]),
+    cap=st.integers(1, 12),
+    pins=st.integers(0, 3),
+)
+def test_native_predictive_equals_numpy(seed, E, cap, pins):
+    """The native predictive policy (policy.c) picks the numpy reference's victims, in
+    the same order, and its state stays the reference's, on random routing with pins."""
+    from mlx_streaming.core.cache.predictive import Predictive
+
+    if Predictive(E).native is False:
+        pytest.skip("the native policy is not built (pip install builds it)")
+    rng = np.random.default_rng(seed)
+    cap = min(cap, E)
+    caches = [SlotCache(E, cap, Predictive(E, cap, native=n)) for n in (True, False)]
+    pinned = set(rng.choice(E, min(pins, cap - 1), replace=False).tolist()) if cap > 1 else set()
+    for c in caches:
+        c.pinned = pinned
+    for _ in range(300):
+        k = int(rng.integers(1, cap - len(pinned) + 1))
+        need = np.sort(rng.choice(E, k, replace=False))
+        got = [c.lookup(need) for c in caches]
+        assert got[0] == got[1]
+        p, q = caches[0].policy, caches[1].policy
+        protect = set(rng.choice(E, int(rng.integers(0, E)), replace=False).tolist())
+        assert p.victims(3, protect) == q.victims(3, protect)
+    for name in ("last", "trans", "row", "cum", "aged", "aged_at", "prev"):
+        assert np.array_equal(getattr(p, name), getattr(q, name)), name
+    assert p.t == q.t
+
+
+def test_native_predictive_refuses_bad_ids():
+    """An expert id outside the layer is refused with an error, never written."""
+    import os
+
+    from mlx_streaming.core.cache import native_policy
+    from mlx_streaming.core.cache.predictive import Predictive
+
+    p = Predictive(8)
+    if not p.native:
+        pytest.skip("the native policy is not built (pip install builds it)")
+    want = os.environ.get("MLX_STREAMING_TEST_POLICY")  # .ci/sanitize's build, if any
+    assert want is None or native_policy.library()._name == want
+    for bad in ([8], [-1], list(range(9))):
+        with pytest.raises(ValueError, match="out of range"):
+            p.access(np.array(bad))
+    with pytest.raises(ValueError, match="out of range"):
+        p.victims(1, {9})
+    assert p.t == 0 and not p.trans.any()

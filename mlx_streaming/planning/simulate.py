@@ -141,7 +141,7 @@ def fit_predictive(
     The target for each expert at each lookup is its discounted use over the next
     ``horizon`` lookups; the features are exactly those the policy computes live.
     """
-    from ..core.cache.policy import Predictive
+    from ..core.cache.predictive import Predictive
 
     layers = list(range(0, trace.layers, max(1, trace.layers // 6))) if layers is None else layers
     E = trace.num_experts

@@ -20,32 +20,11 @@ lookups of the layer.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
 
 import numpy as np
 
-
-class Policy:
-    """Base class; subclasses keep their own order over resident experts."""
-
-    name = "base"
-
-    def __init__(self, num_experts: int = 0, capacity: int | None = None):
-        self.num_experts = num_experts
-        self.c = capacity or max(1, num_experts // 2)  # slots, for policies that size lists
-
-    def access(self, experts: Iterable[int]) -> None:
-        """Experts looked up by one layer call (hits and misses), after admission."""
-
-    def insert(self, expert: int) -> None:
-        """``expert`` became resident."""
-
-    def remove(self, expert: int) -> None:
-        """``expert`` left the pool."""
-
-    def victims(self, n: int, protect: set[int]) -> list[int]:
-        """``n`` resident experts not in ``protect`` to evict, best first."""
-        raise NotImplementedError
+from .base_policy import Policy, Scored
+from .predictive import Predictive
 
 
 class LRU(Policy):
@@ -79,47 +58,7 @@ class LRU(Policy):
         return out
 
 
-class _Scored(Policy):
-    """Evicts the resident experts with the lowest ``scores()``; ties go to the least
-    recently used."""
-
-    def __init__(self, num_experts: int, capacity: int | None = None):
-        super().__init__(num_experts, capacity)
-        self.t = 0
-        self.last = np.full(num_experts, -1, dtype=np.int64)
-        self.resident = np.zeros(num_experts, dtype=bool)
-
-    def insert(self, expert):
-        self.resident[expert] = True
-
-    def remove(self, expert):
-        self.resident[expert] = False
-
-    def access(self, experts):
-        idx = np.asarray(experts, dtype=np.int64)
-        self._observe(idx)
-        self.last[idx] = self.t
-        self.t += 1
-
-    def _observe(self, idx: np.ndarray) -> None:
-        pass
-
-    def scores(self) -> np.ndarray:
-        raise NotImplementedError
-
-    def victims(self, n, protect):
-        ok = self.resident.copy()
-        if protect:
-            ok[np.fromiter(protect, dtype=np.int64, count=len(protect))] = False
-        cand = np.flatnonzero(ok)
-        if len(cand) <= n:
-            return cand.tolist()
-        s = self.scores()[cand]
-        order = np.lexsort((self.last[cand], s))  # lowest score, then oldest
-        return cand[order[:n]].tolist()
-
-
-class LFU(_Scored):
+class LFU(Scored):
     """Least frequently used, counts aged by ``decay`` per lookup of the layer."""
 
     name = "lfu"
@@ -136,85 +75,6 @@ class LFU(_Scored):
 
     def scores(self):
         return self.count * self.decay ** (self.t - self.stamp)
-
-
-# Weights of the predictive score, fitted by least squares on the first half of the
-# DeepSeek-V2-Lite trace (target: discounted use over the next 8 lookups); features in
-# the order of Predictive.features. Re-fit with `mlx_streaming.planning.simulate.fit_predictive`.
-PREDICTIVE_WEIGHTS = (0.00541, -0.01885, -0.00014, 0.0169, 0.44336, 0.11748)
-
-
-class Predictive(_Scored):
-    """Evicts the experts least likely to be needed soon, by a linear score of recency,
-    windowed counts (4, 16, 64 lookups), an aged count and the transition score (the
-    chance, learned online from consecutive lookups of this layer, that each expert
-    follows the experts of the call being served). Each lookup costs O(k) updates; the
-    scores are computed only when a victim is needed."""
-
-    name = "predictive"
-    WINDOWS = (4, 16, 64)
-    AGE = 0.9
-
-    def __init__(self, num_experts: int, capacity: int | None = None, weights=PREDICTIVE_WEIGHTS):
-        super().__init__(num_experts, capacity)
-        self.w = np.asarray(weights, dtype=np.float64)
-        E = num_experts
-        self.trans = np.zeros((E, E), dtype=np.float32)  # counts: e at t -> e' at t+1
-        self.row = np.zeros(E, dtype=np.float32)
-        self.prev = np.zeros(0, dtype=np.int64)
-        # windowed counts as differences of running counts: cum[t % H] holds each
-        # expert's lookups up to and including lookup t (integers, so exact)
-        self.cum = np.zeros((max(self.WINDOWS) + 1, E))
-        self.aged = np.zeros(E)  # decayed count as of aged_at
-        self.aged_at = np.zeros(E, dtype=np.int64)
-        self._now = self.prev
-
-    @property
-    def win(self) -> list[np.ndarray]:
-        """Lookups of each expert within each window of the latest lookups, a row per
-        window."""
-        H, last = len(self.cum), self.t - 1
-        if last < 0:
-            return [np.zeros(self.num_experts) for _ in self.WINDOWS]
-        now = self.cum[last % H]
-        return [now - self.cum[(last - w) % H] if last >= w else now for w in self.WINDOWS]
-
-    def _observe(self, idx):
-        if len(self.prev):
-            self.trans[self.prev[:, None], idx] += 1
-            self.row[self.prev] += 1
-        self.prev = idx
-        H = len(self.cum)
-        cur = self.cum[self.t % H]
-        cur[:] = self.cum[(self.t - 1) % H] if self.t else 0
-        cur[idx] += 1
-        self.aged[idx] = self.aged[idx] * self.AGE ** (self.t - self.aged_at[idx]) + 1
-        self.aged_at[idx] = self.t
-
-    def _columns(self, current: np.ndarray) -> list[np.ndarray]:
-        """The features, one array over experts each, in ``PREDICTIVE_WEIGHTS``' order:
-        log recency, windowed counts, transition score, aged count."""
-        rec = np.where(self.last >= 0, self.t - self.last, 10**6).astype(np.float64)
-        if len(current):
-            tr = (self.trans[current] / np.maximum(self.row[current], 1)[:, None]).sum(0)
-        else:
-            tr = np.zeros(self.num_experts)
-        aged = self.aged * self.AGE ** (self.t - 1 - self.aged_at)
-        return [np.log1p(rec), *self.win, tr, aged]
-
-    def features(self, current: np.ndarray) -> np.ndarray:
-        """Per expert: log recency, windowed counts, transition score, aged count."""
-        return np.stack(self._columns(current), axis=-1)
-
-    def scores(self):
-        return self.w @ np.stack(self._columns(self._now))  # features(current) @ w
-
-    def victims(self, n, protect):
-        # the call being served is what the next one will most likely follow
-        self._now = (
-            np.fromiter(protect, dtype=np.int64, count=len(protect)) if protect else self.prev
-        )
-        return super().victims(n, protect)
 
 
 class ARC(Policy):
