@@ -66,7 +66,10 @@ def main():
         help="also run streamed alone at this residency with MLX's memory "
         "limited to trunk + pool + 1 GB",
     )
-    p.add_argument("--overlap", action="store_true", default=None)
+    p.add_argument(
+        "--overlap", action=argparse.BooleanOptionalAction, default=None,
+        help="compute resident rows while misses load (default: the store's)",
+    )  # fmt: skip
     p.add_argument("--policy")
     p.add_argument("--pool-mode")
     p.add_argument("--no-checksums", action="store_true")
