@@ -222,6 +222,7 @@ def main():
         mapped = store.totals()["mapped_bytes"]
         calls = max(1, tot["host_calls"] + tot["device_calls"])
         stock_tps, tps = statistics.median(k_runs), statistics.median(s_runs)
+        pairs = [x / y for x, y in zip(s_runs, k_runs)]
         bpt = tot["bytes_read"] / tot["tokens"]
         rec = {
             "residency": r,
@@ -232,6 +233,10 @@ def main():
             "stock_tok_per_s": round(stock_tps, 3),
             "stock_runs": [round(x, 3) for x in k_runs],
             "ratio_vs_stock": round(tps / stock_tps, 4),
+            # each streamed run over the stock run just before it (the machine's speed
+            # drifts less within a pair than across the run): median and range
+            "pair_ratio_median": round(statistics.median(pairs), 4),
+            "pair_ratio_range": [round(min(pairs), 4), round(max(pairs), 4)],
             "hit_rate": round(tot["hits"] / max(1, tot["hits"] + tot["misses"]), 4),
             "bytes_read_per_token": round(bpt),
             "read_gbps": round(per_run[-1]["read_gbps"], 3),
