@@ -6,11 +6,12 @@ missing; ``Predictive`` then computes the same in numpy, to the bit (``policy.c`
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
 import threading
 from pathlib import Path
 
 import numpy as np
+
+from ..extensions import extension_path
 
 HERE = Path(__file__).parent
 _lock = threading.Lock()
@@ -32,11 +33,7 @@ class State(ctypes.Structure):
 
 def library_path() -> Path | None:
     """The compiled policy inside the installed package, if it was built."""
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        p = HERE / f"_policy{suffix}"
-        if p.exists():
-            return p
-    return None
+    return extension_path(HERE, "_policy")
 
 
 def _load(path: Path) -> ctypes.CDLL:

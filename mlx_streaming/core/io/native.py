@@ -12,7 +12,6 @@ says what that costs, and the store reads with the Python reader (``io.reader``)
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
 import mmap
 import os
 import threading
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..extensions import extension_path
 from ..format import ExpertChecksumError
 from .reader import RecordReadError
 
@@ -40,11 +40,7 @@ _why = ""
 
 def library_path() -> Path | None:
     """The compiled engine inside the installed package, if it was built."""
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        p = HERE / f"_engine{suffix}"
-        if p.exists():
-            return p
-    return None
+    return extension_path(HERE, "_engine")
 
 
 def library() -> ctypes.CDLL | None:
