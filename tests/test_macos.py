@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent("""
 
     import mlx_streaming
     for m in pkgutil.walk_packages(mlx_streaming.__path__, "mlx_streaming."):
-        if not m.name.endswith(("__main__", "._engine")):  # _engine: a ctypes library
+        if not m.name.endswith(("__main__", "._engine", "._policy")):  # ctypes libraries
             importlib.import_module(m.name)
     from mlx_streaming.cli import main
     ck, ed, out = sys.argv[1:4]

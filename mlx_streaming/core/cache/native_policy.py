@@ -67,24 +67,39 @@ def use_library(path: str | Path) -> None:
 
 
 class NativeState:
-    """A ``State`` over a ``Predictive``'s arrays, and the calls on it."""
+    """A ``State`` over a ``Predictive``'s arrays, and the calls on it. Ids pass through
+    buffers of its own, whose addresses are taken once."""
 
     def __init__(self, lib: ctypes.CDLL, arrays: dict[str, np.ndarray], sizes: dict[str, int]):
         self.lib, self._arrays = lib, arrays  # the arrays stay alive with the state
         self.state = State(**sizes, **{k: a.ctypes.data for k, a in arrays.items()})
         self._ref = ctypes.byref(self.state)
-        self._out = np.zeros(sizes["experts"], np.int64)
+        E = sizes["experts"]
+        self._ids = np.zeros((2, E), np.int64)  # a lookup's or protected ids; victims out
+        self._in, self._out = (r.ctypes.data for r in self._ids)
+        self._prev, self._nprev = arrays["prev"].ctypes.data, arrays["nprev"]
 
-    def access(self, idx: np.ndarray) -> None:
-        if self.lib.mlxs_pred_access(self._ref, idx.ctypes.data, len(idx)):
-            raise ValueError(f"expert ids out of range: {idx.tolist()}")
+    def _load(self, ids) -> int:
+        """Copy distinct expert ids into the input buffer; their count."""
+        n = len(ids)
+        if n > self._ids.shape[1]:
+            raise ValueError(f"expert ids out of range: {sorted(ids)} (more than the layer has)")
+        if n:
+            self._ids[0, :n] = list(ids) if isinstance(ids, (set, frozenset)) else ids
+        return n
 
-    def victims(self, n: int, protect: np.ndarray, current: np.ndarray) -> list[int]:
-        out = self._out
-        got = self.lib.mlxs_pred_victims(
-            self._ref, n, protect.ctypes.data, len(protect), current.ctypes.data,
-            len(current), out.ctypes.data,
-        )  # fmt: skip
+    def access(self, experts) -> None:
+        """One lookup of distinct ``experts``."""
+        n = self._load(experts)
+        if self.lib.mlxs_pred_access(self._ref, self._in, n):
+            raise ValueError(f"expert ids out of range: {list(experts)}")
+
+    def victims(self, n: int, protect) -> list[int]:
+        """``n`` victims outside ``protect``; the transition score follows ``protect``,
+        or the latest lookup where ``protect`` is empty (as ``Predictive.victims``)."""
+        k = self._load(protect)
+        cur, ncur = (self._in, k) if k else (self._prev, int(self._nprev[0]))
+        got = self.lib.mlxs_pred_victims(self._ref, n, self._in, k, cur, ncur, self._out)
         if got < 0:
-            raise ValueError(f"expert ids out of range: {protect.tolist()}, {current.tolist()}")
-        return out[:got].tolist()
+            raise ValueError(f"expert ids out of range: {sorted(protect)}")
+        return self._ids[1, :got].tolist()

@@ -225,7 +225,10 @@ class LayerPool:
         e = np.asarray(experts, dtype=np.int64)
         s = np.asarray(slots, dtype=np.int32)
         self._lut_host[e] = s
-        self.identity = bool(np.array_equal(self._lut_host, self._arange))
+        # slot e holds expert e everywhere: only possible with a slot per expert
+        self.identity = self.slots >= len(self._arange) and bool(
+            np.array_equal(self._lut_host, self._arange)
+        )
         if self.mode == "cuda":  # copied over when the device path next needs it
             self._lut_stale = True
         elif self.mode == "mlx":

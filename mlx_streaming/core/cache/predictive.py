@@ -101,11 +101,10 @@ class Predictive(Scored):
         return [now - self.cum[(last - w) % H] if last >= w else now for w in self.WINDOWS]
 
     def access(self, experts):
-        idx = np.ascontiguousarray(experts, dtype=np.int64)
         if self._native is not None:
-            self._native.access(idx)
+            self._native.access(experts)
         else:
-            super().access(idx)
+            super().access(np.asarray(experts, dtype=np.int64))
 
     def _observe(self, idx):
         prev = self.prev
@@ -147,9 +146,9 @@ class Predictive(Scored):
         return s
 
     def victims(self, n, protect):
-        pro = np.fromiter(protect, dtype=np.int64, count=len(protect))
         # the call being served is what the next one will most likely follow
-        self._now = pro if protect else self.prev.copy()
         if self._native is not None:
-            return self._native.victims(n, pro, np.ascontiguousarray(self._now))
+            return self._native.victims(n, protect)
+        pro = np.fromiter(protect, dtype=np.int64, count=len(protect))
+        self._now = pro if protect else self.prev.copy()  # what scores() follows
         return super().victims(n, protect)

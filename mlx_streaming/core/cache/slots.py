@@ -50,6 +50,7 @@ class SlotCache:
         self.slot_of = np.full(num_experts, -1, dtype=np.int32)
         self.expert_in = np.full(capacity, -1, dtype=np.int32)
         self.pinned_mask = np.zeros(num_experts, dtype=np.uint8)
+        self._pins = False  # any pinned (set with ``pinned``)
         self.pending: dict[int, int] = {}  # expert -> slot being loaded
         self.stats = CacheStats()
 
@@ -73,6 +74,7 @@ class SlotCache:
     def pinned(self, experts) -> None:
         self.pinned_mask[:] = 0
         self.pinned_mask[list(experts)] = 1
+        self._pins = bool(self.pinned_mask.any())
 
     @property
     def resident(self) -> int:
@@ -81,7 +83,7 @@ class SlotCache:
     @property
     def complete(self) -> bool:
         """Every expert is resident: no lookup can miss."""
-        return self.resident == self.num_experts
+        return self.capacity >= self.num_experts and self.resident == self.num_experts
 
     def split(self, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(resident, not resident) among distinct ``experts``."""
@@ -90,7 +92,7 @@ class SlotCache:
 
     def fits(self, experts: np.ndarray) -> bool:
         """Can all of ``experts`` be resident at once?"""
-        if not self.pinned_mask.any():
+        if not self._pins:
             return len(experts) <= self.capacity
         outside_pins = len(self.pinned.difference(experts.tolist()))
         return len(experts) + outside_pins <= self.capacity
@@ -124,7 +126,7 @@ class SlotCache:
         n = len(want) if limit is None else min(len(want), limit)
         slots = [(int(s), -1) for s in np.flatnonzero(self.expert_in < 0)[:n]]
         if len(slots) < n:
-            if self.pinned_mask.any():
+            if self._pins:
                 protect = protect | self.pinned
             victims = self.policy.victims(n - len(slots), protect)
             if len(victims) < n - len(slots) and limit is None:

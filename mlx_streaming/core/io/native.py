@@ -187,6 +187,10 @@ class NativeReader:
         self.mapped_bytes = 0  # of the files mapped (page-locked with cuda)
         self.checked: dict[int, np.ndarray] = {}
         self.counters = np.zeros((len(pools), N_COUNTERS), np.int64)
+        self._counter_ptrs = [_ptr(c) for c in self.counters]
+        # a started read's experts, slots and statuses (the engine copies the ids)
+        self._started = np.zeros((3, wave), np.int32)
+        self._started_ptrs = [_ptr(r) for r in self._started]
         try:
             for li, pos in self.pos.items():
                 fd = self._add(li, pos, pools[li], direct, checksums)
@@ -259,7 +263,7 @@ class NativeReader:
         st = np.zeros(len(e), np.int32)
         pos = self.pos[layer]
         rc = self.lib.mlxs_read(
-            self.handle, pos, len(e), _ptr(e), _ptr(s), _ptr(st), _ptr(self.counters[pos])
+            self.handle, pos, len(e), _ptr(e), _ptr(s), _ptr(st), self._counter_ptrs[pos]
         )
         return self._outcome(rc, layer, e, st)
 
@@ -272,19 +276,23 @@ class NativeReader:
         """Start reading records ``experts`` of ``layer`` into ``slots`` (at most
         ``wave``) on the engine's threads and return at once; ``Started.result()`` waits
         and raises as ``read`` would. Finish it before starting another."""
-        e = np.ascontiguousarray(experts, np.int32)
-        s = np.ascontiguousarray(slots, np.int32)
-        rc = self.lib.mlxs_start(self.handle, self.pos[layer], len(e), _ptr(e), _ptr(s))
+        n = len(experts)
+        if n <= self._wave:  # one started read at a time: its id buffers are reused
+            buf, (pe, ps, _) = self._started, self._started_ptrs
+            buf[0, :n], buf[1, :n] = experts, slots
+        else:  # the engine refuses it, saying why
+            pe, ps = (_ptr(np.ascontiguousarray(a, np.int32)) for a in (experts, slots))
+        rc = self.lib.mlxs_start(self.handle, self.pos[layer], n, pe, ps)
         if rc:
             why = self.lib.mlxs_error(self.handle).decode()
             raise ValueError(f"the native reader refused a request: {why} (layer {layer})")
-        return Started(self, layer, e)
+        return Started(self, layer, np.array(experts, np.int32))
 
     def finish(self, layer: int, e: np.ndarray) -> int:
         """Wait for the read ``start`` began (records ``e`` of ``layer``): as ``read``."""
-        st = np.zeros(len(e), np.int32)
         pos = self.pos[layer]
-        rc = self.lib.mlxs_finish(self.handle, _ptr(st), _ptr(self.counters[pos]))
+        st = self._started[2, : len(e)]
+        rc = self.lib.mlxs_finish(self.handle, self._started_ptrs[2], self._counter_ptrs[pos])
         return self._outcome(rc, layer, e, st)
 
     def _outcome(self, rc: int, layer: int, e: np.ndarray, st: np.ndarray) -> int:
