@@ -222,7 +222,6 @@ class FileExpertStore:
         indices: mx.array,
         overlap: bool = True,
         also: mx.array | None = None,
-        during_wait: Callable[[], None] | None = None,
     ) -> LayerCall:
         """Plan one call of ``layer`` with routing ``indices`` (expert ids).
 
@@ -231,8 +230,6 @@ class FileExpertStore:
         (``host_path``) reads the routing (one sync, which also brings ``also``, e.g. a
         predictor's guess, to ``call.also``) and starts the misses' reads at once; with
         ``overlap`` the resident experts' rows form a first step that needs no wait.
-        ``during_wait`` (e.g. issuing a read-ahead) runs while the device computes the
-        routing.
         """
         if self.on_request is not None:  # e.g. a pipeline's watch: this rank progresses
             self.on_request()
@@ -245,7 +242,7 @@ class FileExpertStore:
             )
             self.stats[layer].host_s += time.perf_counter() - t0
             return call
-        return self.host.call(layer, indices, overlap, also, during_wait)
+        return self.host.call(layer, indices, overlap, also)
 
     def _note_device_call(self, layer: int, indices: mx.array) -> None:
         """Count a call served without reading the routing (all hits)."""

@@ -2,9 +2,8 @@
 the store's ``Loader``, the rows computed in steps.
 
 One host synchronisation per call reads the routing (on CUDA a decode step's through
-mapped memory, ``io.mapped``). While the device computes it, the host does work
-that needs no routing: the previous call's policy update and the caller's
-``during_wait`` (a read-ahead of this layer's predicted experts). Then the misses start
+mapped memory, ``io.mapped``, as is a read-ahead predictor's guess). While the device
+computes it, the host applies the previous call's policy update. Then the misses start
 loading at once, on the reader's threads, while the expert graph is built (launched once
 they have landed); with overlap, the resident experts' rows form a first step that needs
 no wait. A call with more distinct experts than slots runs expert-major: one group of
@@ -81,21 +80,20 @@ class HostPath:
         indices: mx.array,
         overlap: bool = True,
         also: mx.array | None = None,
-        during_wait: Callable[[], None] | None = None,
     ) -> LayerCall:
-        """Read the routing (with ``also``), start the misses' reads, plan the steps.
-        ``during_wait`` runs while the device computes the routing."""
+        """Read the routing (with ``also``), start the misses' reads, plan the steps."""
         t0 = time.perf_counter()
         self.timeline.mark(layer, "request")
         cache, st = self.caches[layer], self.stats[layer]
-        done = self.mapped.start(indices) if self.mapped is not None else None
-        wanted = [indices if done is None else done] + ([] if also is None else [also])
+        mapped = self.mapped
+        done = mapped.start(indices) if mapped is not None else None
+        guess = mapped.start(also, 1) if mapped is not None and also is not None else None
+        wanted = [indices if done is None else done]
+        wanted += [] if also is None else [also if guess is None else guess]
         mx.async_eval(wanted)  # the device computes the routing while the host works
         if self._previous is not None:
             self.loads.flush(self._previous)
         self._previous = layer
-        if during_wait is not None:
-            during_wait()
         t1 = time.perf_counter()
         st.ahead_s += t1 - t0
         self.timeline.mark(layer, "ahead")
@@ -116,7 +114,8 @@ class HostPath:
         self.loads.settle(layer, experts)
         groups = cache.groups(experts, counts)
         call = LayerCall(layer, self.complete, host_ids=host, settle=len(groups) > 1)
-        call.also = None if also is None else np.array(also)
+        if also is not None:
+            call.also = np.array(also) if guess is None else mapped.read(also, 1)
         if len(groups) == 1:
             call.plan = self._one_group(call, groups[0], overlap)
         else:

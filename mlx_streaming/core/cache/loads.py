@@ -207,9 +207,9 @@ class Loader:
 
     def _native_read(self, layer, placed, now: bool, prefetch: bool):
         """The native reader reads and copies without the GIL: on the calling thread
-        (``now``), else started on its threads (a demand load of at most a wave: the
-        caller builds its graph meanwhile), else on one helper thread (read-aheads,
-        which stay in flight across calls)."""
+        (``now``), else started on its threads (a load of at most a wave: a demand load
+        while the caller builds its graph, or a read-ahead while the next layer is built,
+        settled by that layer's call), else on one helper thread (larger read-aheads)."""
         experts = [e for e, _, _ in placed]
         slots = [s for _, s, _ in placed]
         if now:
@@ -217,7 +217,7 @@ class Loader:
                 return Done(self.native.read(layer, experts, slots))
             except Exception as e:  # noqa: BLE001 - raised by Ticket.wait, after the abort
                 return Done(error=e)
-        if not prefetch and len(placed) <= self.native.wave:
+        if len(placed) <= self.native.wave and self._started is None:
             try:
                 return self.native.start(layer, experts, slots)
             except Exception as e:  # noqa: BLE001 - raised by Ticket.wait, after the abort

@@ -4,7 +4,8 @@ MLX's own read of a small array (``mx.eval`` then ``np.array``) touches MLX's ma
 buffer from the host, which migrates its page: ~130 µs on an H200 for six ids, once per
 MoE layer call. ``MappedTransfers.start`` instead launches, with the routing, a one-thread
 kernel that writes the ids into page-locked host memory mapped into the device; once its
-output is evaluated the host reads them there (~46 µs).
+output is evaluated the host reads them there (~46 µs). A second channel brings a
+read-ahead predictor's guess along with the routing.
 
 The other way, ``mx.array(ids)`` of a few host ids (the slots a call runs) may take a
 cached device buffer, which MLX first moves to managed memory (``cudaMallocManaged`` and
@@ -20,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 MAX_IDS = 64  # a decode step's ids (longer calls read the usual way)
+CHANNELS = 2  # reads in flight at once: a call's routing and its predictor's guess
 _DTYPES = {mx.uint32: np.uint32, mx.int32: np.int32}
 _TO_DEVICE = """
     const int* src = (const int*)(addr[0]);
@@ -42,8 +44,13 @@ class MappedTransfers:
     def __init__(self):
         from . import cuda
 
-        self._host, dev = cuda.mapped(4 * MAX_IDS)
-        self._addr = mx.array(np.array([dev], np.uint64))
+        # CHANNELS host buffers of MAX_IDS ids: the routing, and a predictor's guess
+        self._host, dev = cuda.mapped(4 * MAX_IDS * CHANNELS)
+        self._host = self._host.reshape(CHANNELS, 4 * MAX_IDS)
+        self._addr = [
+            mx.array(np.array([dev + 4 * MAX_IDS * c], np.uint64)) for c in range(CHANNELS)
+        ]
+        mx.eval(self._addr)
         self._kernel = mx.fast.cuda_kernel(
             name="mlxs_routing_to_host",
             input_names=["ids", "dst"],
@@ -65,13 +72,13 @@ class MappedTransfers:
             source=_TO_DEVICE,
         )
 
-    def start(self, ids: mx.array) -> mx.array | None:
-        """The kernel's output (evaluate it, then ``read``), or None where ``ids`` is
-        read the usual way (too many, or not 32-bit integers)."""
+    def start(self, ids: mx.array, channel: int = 0) -> mx.array | None:
+        """The kernel's output (evaluate it, then ``read`` on the same ``channel``), or
+        None where ``ids`` is read the usual way (too many, or not 32-bit integers)."""
         if ids.size > MAX_IDS or ids.dtype not in _DTYPES:
             return None
         (done,) = self._kernel(
-            inputs=[ids, self._addr],
+            inputs=[ids, self._addr[channel]],
             template=[("N", ids.size)],
             grid=(1, 1, 1),
             threadgroup=(1, 1, 1),
@@ -80,10 +87,11 @@ class MappedTransfers:
         )
         return done
 
-    def read(self, ids: mx.array) -> np.ndarray:
-        """``ids`` on the host, once ``start(ids)``'s output has been evaluated."""
+    def read(self, ids: mx.array, channel: int = 0) -> np.ndarray:
+        """``ids`` on the host, once ``start(ids, channel)``'s output has been evaluated."""
         n = ids.size
-        return self._host[: 4 * n].view(_DTYPES[ids.dtype]).reshape(ids.shape).copy()
+        host = self._host[channel, : 4 * n]
+        return host.view(_DTYPES[ids.dtype]).reshape(ids.shape).copy()
 
     def to_device(self, ids: np.ndarray) -> mx.array:
         """``mx.array(ids)`` (int32) without a host-made MLX buffer (``ids`` at most
@@ -117,10 +125,11 @@ def mapped_transfers() -> MappedTransfers | None:
             mx.arange(MAX_IDS, dtype=mx.int32),
         ):
             ids = ids[..., ::-1] + 0  # computed on the device, like a router's output
-            done = r.start(ids)
-            mx.eval(done, ids)
-            if not np.array_equal(r.read(ids), np.array(ids)):
-                return None
+            for c in range(CHANNELS):
+                done = r.start(ids, c)
+                mx.eval(done, ids)
+                if not np.array_equal(r.read(ids, c), np.array(ids)):
+                    return None
         for i in range(RING + 1):  # every ring buffer, and one reused
             want = np.random.default_rng(i).integers(0, 2**31, (1, 6), np.int32)
             if not np.array_equal(np.array(r.to_device(want)), want):

@@ -64,10 +64,7 @@ class StreamedExperts(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         pf = self._prefetcher
         guess = pf.lazy(self.pos, x, indices) if pf else None
-        ahead = (lambda: pf.issue(self.pos)) if pf else None
-        call = self._store.request(
-            self.layer, indices, self._overlap, also=guess, during_wait=ahead
-        )
+        call = self._store.request(self.layer, indices, self._overlap, also=guess)
         t0, waited = time.perf_counter(), call.waited_s  # (mlx pools wait while planning)
         if call.slots is not None:  # nothing can miss: the ids were remapped on the device
             return call.done(self.experts(x, call.slots))
@@ -81,6 +78,8 @@ class StreamedExperts(nn.Module):
             elif rows is not None and i == 0:  # an overlap split's resident rows:
                 mx.async_eval(y)  # they compute while the misses load
         y = call.done(y)
+        if pf:  # this call's reads have landed: the next layer's guesses load meanwhile
+            pf.issue(self.pos + 1)
         self._store.stats[self.layer].graph_s += time.perf_counter() - t0 - (call.waited_s - waited)
         self._store.timeline.mark(self.layer, "built")
         return y

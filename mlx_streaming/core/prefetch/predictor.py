@@ -9,10 +9,11 @@ Two predictors:
   ``l`` and ``e'`` at ``l + 1`` for the same token), learned from a recorded trace. It
   needs no hidden state, so it also works when a trace replaces the routing.
 
-``Prefetcher`` turns predictions into ``FileExpertStore.prefetch`` calls, issued at the
-start of the predicted layer's call while the device computes its routing (so issuing
-costs the critical path nothing, and no read-ahead holds the reader while the current
-layer's misses wait); the store scores them against the routing that follows
+``Prefetcher`` turns predictions into ``FileExpertStore.prefetch`` calls, issued as soon
+as the current layer's own reads have landed and its expert graph is launched: the
+guesses load while the host builds the rest of the layer and the next one's attention
+(on the native reader, as its one started read), and no read-ahead holds the reader
+while a layer's misses wait. The store scores them against the routing that follows
 (precision and recall in its report).
 """
 
@@ -94,8 +95,8 @@ class Prefetcher:
         return self.predictor.lazy(pos, x)
 
     def issue(self, pos: int) -> None:
-        """Read ahead the experts predicted for layer position ``pos`` (called at the
-        start of its call, before its routing is known)."""
+        """Read ahead the experts predicted for layer position ``pos`` (called once the
+        call before it has launched its experts)."""
         pred = self._last.get(pos)  # popped, and scored, by this call's ``step``
         if pred is not None:
             self.store.prefetch(self.layers[pos], pred)
