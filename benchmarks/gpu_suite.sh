@@ -53,7 +53,9 @@
 #                                           setuptools, huggingface_hub, mlx_lm,
 #                                           hypothesis and jinja2 from this machine's
 #                                           venv (3,408 files, 55.5 MB, 8.5 MB as xz)
-# Several suites may run in one call. TRACE names the DeepSeek-V2-Lite trace
+# Several suites may run in one call; at exit (a timeout included) every result file is
+# bundled into $OUT/results.tgz (the device returns few files), beside ptx.tgz and the
+# trained checkpoint's parts. TRACE names the DeepSeek-V2-Lite trace
 # (default .gpu/deepseek-v2-lite.npz, copied from ../shared/traces). MLX compiles each
 # kernel variant on first use; .gpu/ptx.tgz (a former run's $OUT/ptx.tgz) seeds its cache.
 # A call carries at most 64 MiB with the repository (20 MiB with its trained checkpoint):
@@ -73,7 +75,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > 
 export MLX_PTX_CACHE_DIR=/tmp/mlxs-ptx
 [ -f .gpu/ptx.tgz ] && [ ! -d $MLX_PTX_CACHE_DIR ] && mkdir -p $MLX_PTX_CACHE_DIR \
   && tar xzf .gpu/ptx.tgz -C $MLX_PTX_CACHE_DIR --strip-components=1
-trap 'tar czf "$out/ptx.tgz" -C /tmp mlxs-ptx 2>/dev/null' EXIT
+bundle() {  # the device returns only a few files per call: the results go back as one
+  tar czf "$out/ptx.tgz" -C /tmp mlxs-ptx 2>/dev/null
+  local files
+  files=$(cd "$out" && ls | grep -v -e '^ptx.tgz$' -e '^results.tgz$' -e '^trained.tgz.part-')
+  [ -n "$files" ] && (cd "$out" && tar czf results.tgz $files && rm -f $files)
+}
+trap bundle EXIT
 speed() {  # name, args...
   local name=$1; shift
   timeout "$limit" python3 benchmarks/speed.py --workdir $work --preset dsv2-lite \
