@@ -288,11 +288,10 @@ def test_native_predictive_equals_numpy(seed, E, cap, pins):
     the same order, and its state stays the reference's, on random routing with pins."""
     from mlx_streaming.core.cache.predictive import Predictive
 
-    if Predictive(E).native is False:
-        pytest.skip("the native policy is not built (pip install builds it)")
     rng = np.random.default_rng(seed)
     cap = min(cap, E)
     caches = [SlotCache(E, cap, Predictive(E, cap, native=n)) for n in (True, False)]
+    assert caches[0].policy.native and not caches[1].policy.native
     pinned = set(rng.choice(E, min(pins, cap - 1), replace=False).tolist()) if cap > 1 else set()
     for c in caches:
         c.pinned = pinned
@@ -309,18 +308,28 @@ def test_native_predictive_equals_numpy(seed, E, cap, pins):
     assert p.t == q.t
 
 
-def test_native_predictive_refuses_bad_ids():
-    """An expert id outside the layer is refused with an error, never written."""
+def test_native_policy_is_built_into_the_package():
+    """Not skipped: an installed package without its compiled policy is a defect (the
+    numpy fallback is exact but slower); under .ci/sanitize the build under test is the
+    ASan/UBSan one."""
     import os
 
     from mlx_streaming.core.cache import native_policy
     from mlx_streaming.core.cache.predictive import Predictive
 
+    path = native_policy.library_path()
+    assert path is not None and path.parent.name == "cache"
+    want = os.environ.get("MLX_STREAMING_TEST_POLICY") or str(path)
+    assert native_policy.library()._name == want
+    assert Predictive(8).native
+
+
+def test_native_predictive_refuses_bad_ids():
+    """An expert id outside the layer is refused with an error, never written."""
+    from mlx_streaming.core.cache.predictive import Predictive
+
     p = Predictive(8)
-    if not p.native:
-        pytest.skip("the native policy is not built (pip install builds it)")
-    want = os.environ.get("MLX_STREAMING_TEST_POLICY")  # .ci/sanitize's build, if any
-    assert want is None or native_policy.library()._name == want
+    assert p.native
     for bad in ([8], [-1], list(range(9))):
         with pytest.raises(ValueError, match="out of range"):
             p.access(np.array(bad))

@@ -217,7 +217,7 @@ class Loader:
                 return Done(self.native.read(layer, experts, slots))
             except Exception as e:  # noqa: BLE001 - raised by Ticket.wait, after the abort
                 return Done(error=e)
-        if len(placed) <= self.native.wave and self._started is None:
+        if len(placed) <= self.native.wave:  # begin and prefetch settled any before
             try:
                 return self.native.start(layer, experts, slots)
             except Exception as e:  # noqa: BLE001 - raised by Ticket.wait, after the abort

@@ -58,11 +58,10 @@ class Predictive(Scored):
         lib = library()
         if lib is None:
             return None
-        self._windows = np.asarray(self.WINDOWS, dtype=np.int64)
         arrays = {
             "t": self._t, "last": self.last, "resident": self.resident, "trans": self.trans,
             "row": self.row, "cum": self.cum, "aged": self.aged, "aged_at": self.aged_at,
-            "prev": self._prev, "nprev": self._nprev, "windows": self._windows,
+            "prev": self._prev, "nprev": self._nprev, "windows": np.asarray(self.WINDOWS, np.int64),
             "weights": self.w, "log1p_rec": self.LOG1P_REC, "age_pow": self.AGE_POW,
             "scores": np.zeros(self.num_experts), "mark": np.zeros(self.num_experts, np.uint8),
         }  # fmt: skip

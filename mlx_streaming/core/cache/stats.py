@@ -25,7 +25,8 @@ class LayerStats:
     fallback: int = 0  # calls that loaded misses
     host_s: float = 0.0  # host time of the store's own work per call (planning the misses)
     sync_s: float = 0.0  # host time waiting for the routing to reach the host
-    ahead_s: float = 0.0  # host work done while the device computed the routing
+    ahead_s: float = 0.0  # host work beside the device's: launching the routing, the
+    # deferred policy update, issuing the next layer's read-ahead
     graph_s: float = 0.0  # host time building the expert graph on slot ids
     prefetched: int = 0  # experts read ahead
     prefetch_used: int = 0  # ... that a later call needed (misses avoided)

@@ -78,9 +78,12 @@ class StreamedExperts(nn.Module):
             elif rows is not None and i == 0:  # an overlap split's resident rows:
                 mx.async_eval(y)  # they compute while the misses load
         y = call.done(y)
+        st = self._store.stats[self.layer]
+        st.graph_s += time.perf_counter() - t0 - (call.waited_s - waited)
         if pf:  # this call's reads have landed: the next layer's guesses load meanwhile
+            t1 = time.perf_counter()
             pf.issue(self.pos + 1)
-        self._store.stats[self.layer].graph_s += time.perf_counter() - t0 - (call.waited_s - waited)
+            st.ahead_s += time.perf_counter() - t1  # work beside the device's, not the graph
         self._store.timeline.mark(self.layer, "built")
         return y
 
