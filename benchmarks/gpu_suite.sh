@@ -23,6 +23,8 @@
 #   bash benchmarks/gpu_suite.sh graphops   decode at 50% with MLX's CUDA graphs cut at 25 and 50
 #                                           ops (MLX_MAX_OPS_PER_BUFFER; 100 by default on an H200)
 #   bash benchmarks/gpu_suite.sh lruab      decode at 50% and 25% under lru (beside mapab's default)
+#   bash benchmarks/gpu_suite.sh devreads   decode at 50/25/12.5%: misses copied by the GPU itself
+#                                           (device_reads), then the host path (the default)
 #   bash benchmarks/gpu_suite.sh direct     copies to the device straight from the page cache (a
 #                                           registered file mapping) against the staged path
 #   bash benchmarks/gpu_suite.sh launch     MLX's host cost per evaluation call and per op, with and
@@ -111,6 +113,10 @@ case "$suite" in
               MLX_MAX_OPS_PER_BUFFER=$n speed gpu-dsv2-ops$n --residency 0.5 --cold warm --repeat 3 \
                 --prefill-tokens 0
             done ;;
+  devreads) speed gpu-dsv2-devreads --residency 0.5,0.25,0.125 --cold warm --repeat 3 \
+              --prefill-tokens 0 --device-reads --timeline "$out/timeline-gpu-dsv2-devreads.json"
+            speed gpu-dsv2-hostpath --residency 0.5,0.25,0.125 --cold warm --repeat 3 \
+              --prefill-tokens 0 ;;
   lruab) speed gpu-dsv2-lru --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
            --policy lru ;;
   readprobe) timeout 200 python3 benchmarks/probes/native_read.py --workdir $work \

@@ -91,6 +91,11 @@ def main():
         help="read the routing and send slot ids through MLX, not mapped memory (an A/B "
         "of io/mapped on CUDA)",
     )
+    p.add_argument(
+        "--device-reads",
+        action="store_true",
+        help="decode steps' misses copied by the GPU from the mapped files, no host sync",
+    )
     p.add_argument("--timeline", help="write one decode step's host timeline (JSON) here")
     p.add_argument("--profile", help="write a cProfile of one streamed decode run here")
     p.add_argument(
@@ -133,6 +138,7 @@ def main():
         pool_mode=a.pool_mode,
         reader=a.reader,
         map_files=a.map_files,
+        device_reads=a.device_reads,
     )
     if a.policy:
         cfg = cfg.replace(policy=a.policy)

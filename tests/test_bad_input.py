@@ -121,6 +121,14 @@ def test_capacity_below_top_k(copy_of):
         FileExpertStore(ed, capacity=0)
 
 
+def test_device_reads_needs_cuda_mappings(copy_of):
+    """``device_reads`` off CUDA (or without mapped files) is refused with what it needs;
+    nothing of the store stays open."""
+    _, ed = copy_of()
+    with pytest.raises(ValueError, match=r"device_reads needs cuda pools.*map_files on"):
+        FileExpertStore(ed, device_reads=True)
+
+
 def test_layer_caps_errors(copy_of):
     ck, ed = copy_of()
     meta = load_meta(ed)

@@ -27,8 +27,11 @@ TEXT = "A mixture of experts routes each token to a few experts out of many. " *
 
 # cheapest first; Qwen3-Next's gated delta runs as ops on CUDA (slow to compile)
 @pytest.mark.parametrize("preset", ["tiny-mixtral", "thresholds-qwen3_moe", "tiny-qwen3_next"])
-@pytest.mark.parametrize("mode", ["cuda", "mlx"])
+@pytest.mark.parametrize("mode", ["cuda", "device", "mlx"])
 def test_streamed_equals_stock_on_cuda(models, tmp_path, preset, mode):
+    """Greedy tokens and logits equal stock's, prompts in chunks of 8 and 64, at top-k,
+    half and all slots; ``device``: cuda pools with ``device_reads`` (decode steps on the
+    device path, prompt chunks on the host path, the slot table handed between them)."""
     ck, ed = models.experts(preset, dtype="bfloat16")
     ref, tok = load(str(ck))
     ids = tok.encode(TEXT)
@@ -42,20 +45,28 @@ def test_streamed_equals_stock_on_cuda(models, tmp_path, preset, mode):
             ck,
             ed,
             slots=slots,
-            pool_mode=mode,
+            pool_mode="cuda" if mode == "device" else mode,
             config=mlx_streaming.StreamConfig(
                 kernel_check=True,
                 kernel_check_file=tmp_path / "k.json",
                 map_files=False if pread else None,
+                device_reads=mode == "device",
             ),
         )
-        assert store.pool_mode == mode
-        if mode == "cuda":  # copies straight from page-locked mappings; routing read mapped
+        assert store.pool_mode == ("cuda" if mode == "device" else mode)
+        if mode == "device":
+            assert store.device is not None
+        elif mode == "cuda":  # copies straight from page-locked mappings; routing read mapped
             assert (store.totals()["mapped_bytes"] > 0) == (not pread)
             assert store.host.mapped is not None
         for chunk, ref_trace in want.items():
             cmp = compare_traces(ref_trace, greedy_trace(model, ids, 12, chunk))
             assert cmp.exact, (slots, chunk, cmp.to_json())
+        if mode == "device":  # decode steps took the device path; its counters came back
+            t = store.totals()
+            assert t["device_calls"] > 0 and t["hits"] + t["misses"] > 0, t
+            if slots < meta.num_experts:
+                assert t["misses"] > 0 and t["bytes_read"] > 0, t
         store.close()
 
 

@@ -367,14 +367,14 @@ def test_default_mapping_that_fails_falls_back_to_pread(models, monkeypatch):
     store warns and reads with pread; asked for explicitly, the error stands."""
     from test_exactness import patched
 
-    from mlx_streaming import FileExpertStore
+    from mlx_streaming.core.cache import readers
 
     def refuse(self, li, *_):
         raise OSError(f"{self.meta.file(li)}: could not page-lock its mapping (injected)")
 
     ck, ed = models.experts("tiny-qwen3_moe")
     monkeypatch.setattr(NativeReader, "_map", refuse)
-    monkeypatch.setattr(FileExpertStore, "_map_files", lambda self, cfg, on_cuda: True)
+    monkeypatch.setattr(readers, "map_files", lambda meta, layers, cfg, on_cuda: True)
     with pytest.warns(RuntimeWarning, match="injected.*reads with pread instead"):
         _, store = patched(ck, ed, capacity=load_meta(ed).top_k)
     assert store.native is not None and store.totals()["mapped_bytes"] == 0

@@ -79,6 +79,12 @@ class StreamConfig:
         "from the page cache and the files stay in host memory (default: on CUDA when they "
         "fit in half the available memory; off elsewhere and with --direct-io)",
     )  # fmt: skip
+    device_reads: bool = option(
+        False, "on CUDA with --map-files, a decode step's misses are copied into their "
+        "slots by the GPU itself, from the page-locked mapping, inside the step's graph: "
+        "no host synchronisation per MoE layer; the device evicts by LRU (prompts keep the "
+        "host path and --policy)",
+    )  # fmt: skip
     checksums: bool = option(
         True, "check each record's checksum the first time it is read (--no-checksums: "
         "skip, for benchmarks of the raw read path)", flag="--no-checksums",

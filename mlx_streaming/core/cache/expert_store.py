@@ -12,26 +12,25 @@ the rows each step computes. ``LayerCall.done(y)`` completes it.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-import warnings
 from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
 
-from ..format import ExpertDirError, ExpertMeta
+from ..format import ExpertMeta
 from ..io.native import COUNTERS
 from ..io.reader import RecordReader
-from ..mem import machine_memory
 from ..meta import load_meta
 from ..options import StreamConfig
 from .calls import LayerCall
+from .device_path import device_path
 from .host_path import HostPath
 from .loads import Loader
 from .policy import make_policy
 from .pool import LayerPool, capacities, default_slots, default_zero_slot, make_pools
+from .readers import native_reader
 from .recording import RoutingCounts
 from .slots import SlotCache
 from .stats import LayerStats, ResidentSet, Timeline, stat_names, summarize
@@ -111,7 +110,7 @@ class FileExpertStore:
         self.timeline = Timeline()  # phases of layer calls, when recording
         want = cfg.reader and cfg.reader.value
         try:
-            self.native = self._native_reader(want, cfg)
+            self.native = native_reader(meta, self._resident.pools, self.pool_mode, cfg, want)
         except BaseException:
             self.reader.close()  # nothing of a store that failed to open stays behind
             raise
@@ -141,60 +140,14 @@ class FileExpertStore:
             native=self.native,
         )
         self.host.loads = self.loads
-
-    # ------------------------------------------------------------ set-up
-    def _native_reader(self, want: str | None, cfg: StreamConfig):
-        """The native reader, chosen once: asked for, or by default for cuda pools and for
-        host pools on the CPU (where it holds no GIL while the main thread plans; Metal's
-        host pools keep the Python reader, untested natively there)."""
-        default = self.pool_mode == "cuda" or (
-            self.pool_mode == "host" and mx.default_device() == mx.cpu
-        )
-        if want == "python" or self.pool_mode == "mlx" or (want is None and not default):
-            if want == "native":
-                raise ExpertDirError("reader='native' needs host or cuda pools, not mlx")
-            return None
-        from ..io import cuda
-        from ..io.native import NativeReader, library
-
-        if library() is None:
-            if want == "native":
-                raise OSError("reader='native': the compiled reader is not installed")
-            return None
-        on_cuda = self.pool_mode == "cuda"
-        threads = cfg.threads
-        if threads is None:
-            threads = min(15, (os.cpu_count() or 2) - 1) if on_cuda else 4
-        mapped = self._map_files(cfg, on_cuda)
-        kw = dict(
-            threads=threads,
-            direct=cfg.direct_io,
-            checksums=cfg.checksums,
-            cuda=cuda if on_cuda else None,
-        )
-        try:
-            return NativeReader(self.meta, self._resident.pools, map_files=mapped, **kw)
-        except OSError as e:
-            if not mapped or cfg.map_files:  # asked for: the error is the answer
+        self.device = None
+        if cfg.device_reads:
+            try:
+                self.device = device_path(self, cfg.checksums)
+            except BaseException:
+                self.close()
                 raise
-            warnings.warn(f"{e}; the store reads with pread instead", RuntimeWarning, stacklevel=3)
-            return NativeReader(self.meta, self._resident.pools, map_files=False, **kw)
-
-    def _map_files(self, cfg: StreamConfig, on_cuda: bool) -> bool:
-        """Whether the native reader copies from mappings of the files (``map_files``):
-        by default on CUDA when the files fit in half the available host memory (they
-        stay page-locked there), so that the device copies straight from the page cache."""
-        if cfg.map_files and cfg.direct_io:
-            raise ValueError(
-                "map_files and direct_io exclude each other (a mapping reads through the "
-                "page cache, which direct_io bypasses): drop one"
-            )
-        if cfg.map_files is not None:
-            return cfg.map_files
-        if not on_cuda or cfg.direct_io:
-            return False
-        files = sum(self.meta.file(li).stat().st_size for li in self.caches)
-        return files <= machine_memory()[1] // 2
+        self._resident.settle = self._settle_hits
 
     @property
     def layers(self) -> list[int]:
@@ -242,7 +195,16 @@ class FileExpertStore:
             )
             self.stats[layer].host_s += time.perf_counter() - t0
             return call
+        device = self.device
+        if device is not None and not self.routing.on and not self.observers:
+            if device.takes(layer, indices):
+                return LayerCall(layer, self._device_done, slots=device.slots(layer, indices))
+            device.to_host(layer)
         return self.host.call(layer, indices, overlap, also)
+
+    def _device_done(self, call: LayerCall, y: mx.array) -> mx.array:
+        self.device.done(call.layer, y)  # evaluated before the host takes the table back
+        return y
 
     def _note_device_call(self, layer: int, indices: mx.array) -> None:
         """Count a call served without reading the routing (all hits)."""
@@ -258,6 +220,8 @@ class FileExpertStore:
             self._pending_hits.append((layer, (seen > 0).sum()))
 
     def _settle_hits(self) -> None:
+        if self.device is not None:
+            self.device.settle_stats()
         if self._pending_hits:
             vals = [v for _, v in self._pending_hits]
             mx.eval(vals)
@@ -270,6 +234,8 @@ class FileExpertStore:
         """Read ahead experts a coming call of ``layer`` is expected to need, into free
         or evictable slots (never pinned ones, nor ``experts`` themselves). Best effort;
         the next call of the layer settles them. Returns how many were issued."""
+        if self.device is not None:
+            self.device.to_host(layer)
         return self.loads.prefetch(layer, experts, limit)
 
     def note_prediction(self, layer: int, predicted: np.ndarray, routed: np.ndarray) -> None:
@@ -289,6 +255,8 @@ class FileExpertStore:
                 f"expert ids {ids.tolist()} out of range for layer {layer} "
                 f"(0..{cache.num_experts - 1})"
             )
+        if self.device is not None:
+            self.device.to_host(layer)
         total = cache.pinned.union(ids.tolist())
         if len(total) != cache.num_experts and len(total) > cache.capacity - self.top_k:
             raise ValueError(
@@ -313,6 +281,8 @@ class FileExpertStore:
     # ------------------------------------------------------------ statistics
     def reset_stats(self) -> None:
         """Zero hit/miss and I/O counters (residency, pins and recordings stay)."""
+        if self.device is not None:
+            self.device.settle_stats()  # counted so far: not counted again
         self._pending_hits.clear()
         if self.native is not None:
             self.native.counters[:] = 0
@@ -353,6 +323,9 @@ class FileExpertStore:
 
     def layer_report(self) -> dict[int, dict]:
         """Per-layer counters: hits, misses, evictions, bytes and time read, calls."""
+        if self.device is not None:  # residency as the device left it
+            for li in self.layers:
+                self.device.to_host(li)
         self._settle_hits()
         out = {}
         for li in self.layers:
@@ -384,6 +357,8 @@ class FileExpertStore:
 
     def close(self) -> None:
         """Finish read-aheads, stop the readers, close the files."""
+        if getattr(self, "device", None) is not None:
+            mx.synchronize()  # no kernel reads the mappings any more
         for li in self.caches:
             self.loads.settle(li)
         self.loads.close()

@@ -25,6 +25,8 @@ H2D = 1  # cudaMemcpyHostToDevice
 NON_BLOCKING = 1  # cudaStreamNonBlocking
 ATTR_DEVICE = 2  # cudaMemoryTypeDevice
 ATTR_MANAGED = 3  # cudaMemoryTypeManaged
+D2H = 2  # cudaMemcpyDeviceToHost
+REGISTER_MAPPED = 2  # cudaHostRegisterMapped
 REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly
 
 
@@ -141,11 +143,23 @@ def mapped(nbytes: int):
 
 def register_read_only(ptr: int, nbytes: int) -> None:
     """Page-lock ``nbytes`` of host memory at ``ptr`` (a read-only file mapping: the
-    file's page-cache pages) so that copies from it go straight to the device."""
+    file's page-cache pages) so that copies from it go straight to the device, and map
+    it into the device's address space (kernels may read it: ``device_pointer``)."""
+    flags = REGISTER_READ_ONLY | REGISTER_MAPPED
     _check(
-        lib().cudaHostRegister(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), REGISTER_READ_ONLY),
+        lib().cudaHostRegister(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), flags),
         "cudaHostRegister",
     )
+
+
+def device_pointer(ptr: int) -> int:
+    """The device address of registered or mapped host memory at ``ptr``."""
+    dev = ctypes.c_void_p()
+    _check(
+        lib().cudaHostGetDevicePointer(ctypes.byref(dev), ctypes.c_void_p(ptr), 0),
+        "cudaHostGetDevicePointer",
+    )
+    return dev.value
 
 
 def unregister(ptr: int) -> None:
@@ -186,6 +200,15 @@ def copy_to_device(dst: int, src: int, nbytes: int) -> None:
             ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes), H2D, _stream()
         ),
         "cudaMemcpyAsync",
+    )
+
+
+def copy_now(dst: int, src: int, nbytes: int, kind: int = H2D) -> None:
+    """Copy ``nbytes`` between host and device and wait (``kind`` H2D or D2H); the
+    caller makes sure no queued device work still uses the device side."""
+    _check(
+        lib().cudaMemcpy(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes), kind),
+        "cudaMemcpy",
     )
 
 

@@ -185,6 +185,7 @@ class NativeReader:
         self._fds, self._keep, self._maps = [], [], []
         self._cuda = cuda
         self.mapped_bytes = 0  # of the files mapped (page-locked with cuda)
+        self.sources: dict[int, int] = {}  # layer -> host address of its file's mapping
         self.checked: dict[int, np.ndarray] = {}
         self.counters = np.zeros((len(pools), N_COUNTERS), np.int64)
         self._counter_ptrs = [_ptr(c) for c in self.counters]
@@ -246,6 +247,7 @@ class NativeReader:
                     "read without map_files"
                 ) from e
         self._maps.append((m, addr))
+        self.sources[li] = addr
         self.mapped_bytes += size
         if self.lib.mlxs_layer_source(self.handle, pos, addr, size):
             raise OSError(f"{self.meta.file(li)}: {self.lib.mlxs_error(self.handle).decode()}")
@@ -312,6 +314,29 @@ class NativeReader:
             )
         return len(e) * self.meta.layers[layer].record_bytes
 
+    def verify_mapped(self, layer: int) -> None:
+        """Check, on the host, the checksum of every record of ``layer``'s mapped file
+        not yet checked (before the device copies records without the engine).
+
+        Raises:
+            ExpertChecksumError: naming the file and the first bad expert.
+        """
+        from ..format import record_checksum
+
+        lay, checked = self.meta.layers[layer], self.checked[layer]
+        if not lay.checksums:
+            return
+        size = os.fstat(self._fds[self.pos[layer]]).st_size
+        view = np.frombuffer((ctypes.c_uint8 * size).from_address(self.sources[layer]), np.uint8)
+        for e in np.flatnonzero(checked == 0).tolist():
+            rec = view[e * lay.stride : e * lay.stride + lay.record_bytes]
+            if record_checksum(rec) != lay.checksums[e]:
+                raise ExpertChecksumError(
+                    f"expert {e} of layer {layer} in {self.meta.file(layer)} fails its "
+                    "checksum: the file is corrupt; split the model again"
+                )
+            checked[e] = 1
+
     @property
     def threads(self) -> int:
         return self.lib.mlxs_threads(self.handle)
@@ -325,7 +350,7 @@ class NativeReader:
             if self._cuda is not None:
                 self._cuda.unregister(addr)
             m.close()
-        self._maps, self.mapped_bytes = [], 0
+        self._maps, self.mapped_bytes, self.sources = [], 0, {}
         for fd in self._fds:
             os.close(fd)
         self._fds = []

@@ -305,6 +305,11 @@ def patch_model_filebacked(
         model_fingerprint,
     )
     prefetcher = None
+    if options.prefetch and store.device is not None:
+        raise ValueError(
+            "prefetch reads the next layer's guesses on the host, and device_reads reads "
+            "nothing there: turn one of them off"
+        )
     if options.prefetch:
         pred = options.predictor
         if pred == "router":
