@@ -24,7 +24,8 @@
 #                                           ops (MLX_MAX_OPS_PER_BUFFER; 100 by default on an H200)
 #   bash benchmarks/gpu_suite.sh lruab      decode at 50% and 25% under lru (beside mapab's default)
 #   bash benchmarks/gpu_suite.sh devreads   decode at 50/25/12.5%: misses copied by the GPU itself
-#                                           (device_reads), then the host path (the default)
+#                                           (device_reads, the default), then the host path
+#   (mapab, xferab, lruab and compare measure the host path: they pass --no-device-reads)
 #   bash benchmarks/gpu_suite.sh direct     copies to the device straight from the page cache (a
 #                                           registered file mapping) against the staged path
 #   bash benchmarks/gpu_suite.sh launch     MLX's host cost per evaluation call and per op, with and
@@ -103,12 +104,13 @@ case "$suite" in
   mapab) speed gpu-dsv2-pread --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
            --no-map-files
          speed gpu-dsv2-mapped --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
-           --timeline "$out/timeline-gpu-dsv2-mapped.json" ;;
+           --no-device-reads --timeline "$out/timeline-gpu-dsv2-mapped.json" ;;
   final) speed gpu-dsv2-final --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
            --timeline "$out/timeline-gpu-dsv2-final.json" ;;
   xferab) speed gpu-dsv2-mlxxfer --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
-            --no-mapped-transfers
-          speed gpu-dsv2-mapxfer --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 ;;
+            --no-mapped-transfers --no-device-reads
+          speed gpu-dsv2-mapxfer --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
+            --no-device-reads ;;
   graphops) for n in 25 50; do
               MLX_MAX_OPS_PER_BUFFER=$n speed gpu-dsv2-ops$n --residency 0.5 --cold warm --repeat 3 \
                 --prefill-tokens 0
@@ -116,9 +118,9 @@ case "$suite" in
   devreads) speed gpu-dsv2-devreads --residency 0.5,0.25,0.125 --cold warm --repeat 3 \
               --prefill-tokens 0 --device-reads --timeline "$out/timeline-gpu-dsv2-devreads.json"
             speed gpu-dsv2-hostpath --residency 0.5,0.25,0.125 --cold warm --repeat 3 \
-              --prefill-tokens 0 ;;
+              --prefill-tokens 0 --no-device-reads ;;
   lruab) speed gpu-dsv2-lru --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
-           --policy lru ;;
+           --policy lru --no-device-reads ;;
   readprobe) timeout 200 python3 benchmarks/probes/native_read.py --workdir $work \
                --json "$out/native-read.json" 2>&1 | tee "$out/native-read.log" | tail -3 ;;
   direct) timeout 200 python3 benchmarks/probes/direct_read.py --workdir $work \
@@ -141,9 +143,9 @@ case "$suite" in
   compare) speed gpu-dsv2-pyreader --residency 0.5,0.25 --cold warm --repeat 3 \
              --prefill-tokens 0 --reader python
            speed gpu-dsv2-overlap --residency 0.5 --cold warm --repeat 3 \
-             --prefill-tokens 0 --overlap
+             --prefill-tokens 0 --overlap --no-device-reads
            speed gpu-dsv2-lru --residency 0.5,0.25 --cold warm --repeat 3 \
-             --prefill-tokens 0 --policy lru ;;
+             --prefill-tokens 0 --policy lru --no-device-reads ;;
   nan) for level in layer block; do
          timeout 200 python3 benchmarks/probes/cuda_nan.py tiny-qwen3_next --level $level 2>&1 \
            | tee -a "$out/nan.log" | tail -20

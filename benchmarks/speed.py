@@ -93,8 +93,10 @@ def main():
     )
     p.add_argument(
         "--device-reads",
-        action="store_true",
-        help="decode steps' misses copied by the GPU from the mapped files, no host sync",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode steps' misses copied by the GPU from the mapped files, no host sync "
+        "(default: the store's, on for cuda pools over mapped files)",
     )
     p.add_argument("--timeline", help="write one decode step's host timeline (JSON) here")
     p.add_argument("--profile", help="write a cProfile of one streamed decode run here")
@@ -266,6 +268,7 @@ def main():
             "reader": store.reader_name,
             "mapped_gb": round(mapped / 1e9, 2),
             "routing_read": "mlx" if store.host.mapped is None else "mapped",
+            "decode_path": "host" if store.device is None else "device",
             # page-locked mappings: the pages stay in memory and only the copy bounds
             **bounds(1 / stock_tps, bpt, h2d if mapped and h2d else gbps[temp], tps),
             "exact_vs_stock": exact,

@@ -30,8 +30,9 @@ TEXT = "A mixture of experts routes each token to a few experts out of many. " *
 @pytest.mark.parametrize("mode", ["cuda", "device", "mlx"])
 def test_streamed_equals_stock_on_cuda(models, tmp_path, preset, mode):
     """Greedy tokens and logits equal stock's, prompts in chunks of 8 and 64, at top-k,
-    half and all slots; ``device``: cuda pools with ``device_reads`` (decode steps on the
-    device path, prompt chunks on the host path, the slot table handed between them)."""
+    half and all slots; ``device``: cuda pools with ``device_reads`` (the default: decode
+    steps on the device path, prompt chunks on the host path, the slot table handed
+    between them); ``cuda``: every call on the host path."""
     ck, ed = models.experts(preset, dtype="bfloat16")
     ref, tok = load(str(ck))
     ids = tok.encode(TEXT)
@@ -50,7 +51,7 @@ def test_streamed_equals_stock_on_cuda(models, tmp_path, preset, mode):
                 kernel_check=True,
                 kernel_check_file=tmp_path / "k.json",
                 map_files=False if pread else None,
-                device_reads=mode == "device",
+                device_reads=None if mode == "device" else False,
             ),
         )
         assert store.pool_mode == ("cuda" if mode == "device" else mode)

@@ -35,6 +35,7 @@ def summarize(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, sam
         "policy": cfg.stream.policy,
         "pool_mode": store.pool_mode,
         "reader": store.reader_name,
+        "decode_path": "host" if store.device is None else "device",  # device_reads
         "mapped_gb": round(store.totals()["mapped_bytes"] / 1e9, 2),  # page-locked on CUDA
         "overlap": cfg.stream.overlap,
         "prefetch": cfg.stream.prefetch,

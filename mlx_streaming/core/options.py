@@ -63,7 +63,10 @@ class StreamConfig:
         "auto", "slots per layer from a profile: auto (EXPERT_DIR/pool_profile.json or "
         "EXPERT_POOL_PROFILE), none, or a path"
     )  # fmt: skip
-    policy: str = option(DEFAULT_POLICY, "eviction policy", choices=sorted(POLICIES))
+    policy: str = option(
+        DEFAULT_POLICY, "eviction policy (of the host path: --device-reads evicts by LRU)",
+        choices=sorted(POLICIES),
+    )  # fmt: skip
     threads: int | None = option(
         None, "read threads (default: 4; one per core up to 15 for the native reader on "
         "CUDA)"
@@ -79,11 +82,11 @@ class StreamConfig:
         "from the page cache and the files stay in host memory (default: on CUDA when they "
         "fit in half the available memory; off elsewhere and with --direct-io)",
     )  # fmt: skip
-    device_reads: bool = option(
-        False, "on CUDA with --map-files, a decode step's misses are copied into their "
-        "slots by the GPU itself, from the page-locked mapping, inside the step's graph: "
-        "no host synchronisation per MoE layer; the device evicts by LRU (prompts keep the "
-        "host path and --policy)",
+    device_reads: bool | None = option(
+        None, "a decode step's misses are copied into their slots by the GPU itself, from "
+        "the page-locked file mapping, inside the step's graph: no host synchronisation "
+        "per MoE layer; those steps evict by LRU, prompts keep the host path and --policy "
+        "(default: on with cuda pools and mapped files, unless --prefetch)",
     )  # fmt: skip
     checksums: bool = option(
         True, "check each record's checksum the first time it is read (--no-checksums: "

@@ -46,7 +46,8 @@ class FileExpertStore:
             name for ``StreamConfig.slots``; default: half the experts, at least top-k).
         layer_caps: ``{layer: slots}`` overriding ``capacity`` for some layers.
         config: The streaming options (``StreamConfig``); the store reads ``policy``,
-            ``threads``, ``reader``, ``direct_io``, ``checksums``, ``pool_mode``,
+            ``threads``, ``reader``, ``direct_io``, ``device_reads`` (and ``prefetch``,
+            which turns its default off), ``checksums``, ``pool_mode``,
             ``zero_slot``, ``record`` and ``clear_on_evict``.
         **options: Overrides of ``config``'s fields (e.g. ``policy="lru"``; the seed
             passes ``clear_on_evict`` and ``record``).
@@ -141,13 +142,18 @@ class FileExpertStore:
         )
         self.host.loads = self.loads
         self.device = None
-        if cfg.device_reads:
+        if cfg.device_reads or (cfg.device_reads is None and self._device_by_default(cfg)):
             try:
                 self.device = device_path(self, cfg.checksums)
             except BaseException:
                 self.close()
                 raise
         self._resident.settle = self._settle_hits
+
+    def _device_by_default(self, cfg: StreamConfig) -> bool:
+        """``device_reads``' default: cuda pools over mapped files, read-ahead off."""
+        native = self.native
+        return self.pool_mode == "cuda" and bool(native and native.sources) and not cfg.prefetch
 
     @property
     def layers(self) -> list[int]:
@@ -198,7 +204,10 @@ class FileExpertStore:
         device = self.device
         if device is not None and not self.routing.on and not self.observers:
             if device.takes(layer, indices):
-                return LayerCall(layer, self._device_done, slots=device.slots(layer, indices))
+                t0 = time.perf_counter()
+                call = LayerCall(layer, self._device_done, slots=device.slots(layer, indices))
+                self.stats[layer].host_s += time.perf_counter() - t0
+                return call
             device.to_host(layer)
         return self.host.call(layer, indices, overlap, also)
 

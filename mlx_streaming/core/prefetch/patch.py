@@ -307,8 +307,9 @@ def patch_model_filebacked(
     prefetcher = None
     if options.prefetch and store.device is not None:
         raise ValueError(
-            "prefetch reads the next layer's guesses on the host, and device_reads reads "
-            "nothing there: turn one of them off"
+            "prefetch reads the next layer's guesses on the host, and the store's "
+            "device_reads (on by default on CUDA) reads nothing there: make the store with "
+            "prefetch=True or device_reads=False"
         )
     if options.prefetch:
         pred = options.predictor
