@@ -172,10 +172,11 @@ class DevicePath:
         self._seen = np.zeros((len(self.layers), COUNTERS), np.int64)  # counters taken
         self.on_device: set[int] = set()  # layers whose table the device owns
         self._outputs: dict[int, mx.array] = {}  # each layer's last device-path output
-        self._st, self._meta, self._plan, self._fill = {}, {}, {}, {}
+        self._st, self._meta, self._fill = {}, {}, {}
         for li in self.layers:
             self._st[li] = mx.array(np.array([self._addr + 4 * self._base[li]], np.uint64))
-            self._meta[li], word = self._layer_meta(li, sources[li], strides[li])
+            self._meta[li] = self._layer_meta(li, sources[li], strides[li])
+            word = self._meta[li][1]
             if word not in self._fill:
                 self._fill[word] = mx.fast.cuda_kernel(
                     name=f"mlxs_fill_{word}",
@@ -184,7 +185,6 @@ class DevicePath:
                     source=_FILL.replace("WORD", _WORDS[word]),
                     header=_HEADER,
                 )
-            self._meta[li] = (self._meta[li], word)
         mx.eval([*self._st.values(), *(m for m, _ in self._meta.values())])
         self._kernel = mx.fast.cuda_kernel(
             name="mlxs_plan",

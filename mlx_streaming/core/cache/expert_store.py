@@ -204,6 +204,8 @@ class FileExpertStore:
         device = self.device
         if device is not None and not self.routing.on and not self.observers:
             if device.takes(layer, indices):
+                if layer not in device.on_device:
+                    self.loads.settle_started()  # no read left pending in its table
                 t0 = time.perf_counter()
                 call = LayerCall(layer, self._device_done, slots=device.slots(layer, indices))
                 self.stats[layer].host_s += time.perf_counter() - t0

@@ -100,7 +100,7 @@ class Loader:
         issue the reads (``now``: read them before returning, on the native reader's
         threads where there is one). ``Ticket.wait()`` finishes; until then only the
         experts that were already resident (``ticket.misses`` excluded) may be used."""
-        self._settle_started()
+        self.settle_started()
         cache = self.caches[layer]
         _, misses = cache.split(experts)
         load = misses
@@ -112,9 +112,10 @@ class Loader:
                 placed = cache.reserve(np.sort(load), protect=set(experts.tolist()))
         return self.issue(layer, experts, misses, placed, prefetch=False, now=now)
 
-    def _settle_started(self) -> None:
+    def settle_started(self) -> None:
         """Finish a started read whose call was abandoned (it raised before waiting):
-        its slots are committed or freed before any new reservation."""
+        its slots are committed or freed before any new reservation (or before the
+        device path takes the table)."""
         t, self._started = self._started, None
         if t is not None and not t.done:
             with contextlib.suppress(Exception):  # its call has already raised
@@ -133,7 +134,7 @@ class Loader:
         """Read ahead experts a coming call of ``layer`` is expected to need, into free
         or evictable slots (never pinned ones, nor ``experts`` themselves). Best effort;
         the next call of the layer settles them. Returns how many were issued."""
-        self._settle_started()
+        self.settle_started()
         cache = self.caches[layer]
         experts = np.asarray(experts, dtype=np.int64)
         todo = [int(e) for e in experts if cache.slot_of[e] < 0 and e not in cache.pending]
