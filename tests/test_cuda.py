@@ -90,3 +90,54 @@ def test_verify_on_cuda(models, capsys):
     )
     assert capsys.readouterr().out.strip().endswith("exact")
     assert mx.default_device() != mx.cpu
+
+
+def test_device_path_hits_equal_the_lru_simulator(models):
+    """The device path's slot table evicts as ``policy.LRU`` does: replaying skewed
+    routing through it gives the simulator's hits, misses and evictions, per layer, and
+    the slots it filled hold the records' bytes."""
+    from mlx_streaming import FileExpertStore
+    from mlx_streaming.core.cache.policy import LRU
+    from mlx_streaming.core.cache.slots import SlotCache
+
+    _, ed = models.experts("tiny-qwen3_moe", dtype="bfloat16")
+    meta = load_meta(ed)
+    E, k, cap = meta.num_experts, meta.top_k, meta.num_experts // 2
+    store = FileExpertStore(ed, capacity=cap, map_files=True, device_reads=True)
+    assert store.device is not None
+    rng = np.random.default_rng(0)
+    hot = rng.permutation(E)  # a skewed, drifting choice of k distinct experts per step
+    sims = {li: SlotCache(E, cap, LRU(E, cap)) for li in store.layers}
+    for step in range(200):
+        for li in store.layers:
+            w = 1.0 / (1 + np.arange(E)) ** 1.2
+            order = np.roll(hot, step // 25 + li)
+            ids = rng.choice(order, size=k, replace=False, p=w / w.sum())
+            call = store.request(li, mx.array(ids[None].astype(np.uint32)))
+            assert call.slots is not None, "a decode step takes the device path"
+            mx.eval(call.slots)  # nothing here chains the calls: run each in turn
+            call.done(call.slots)
+            sims[li].lookup(np.unique(ids))
+    report = store.layer_report()  # brings every table and counter back
+    for li in store.layers:
+        want = sims[li].stats
+        got = report[li]
+        assert (got["hits"], got["misses"], got["evictions"]) == (
+            want.hits,
+            want.misses,
+            want.evictions,
+        ), li
+        cache = store.caches[li]
+        assert sorted(cache.expert_in[cache.expert_in >= 0]) == sorted(
+            sims[li].expert_in[sims[li].expert_in >= 0]
+        )
+    li = store.layers[0]  # a filled slot holds its record's bytes
+    lay, pool, cache = meta.layers[li], store.pool(li), store.caches[li]
+    raw = np.fromfile(meta.file(li), np.uint8)
+    for e in np.flatnonzero(cache.slot_of >= 0)[:4].tolist():
+        s = int(cache.slot_of[e])
+        for p in lay.parts:
+            got = np.array(pool.arrays[p.name][s].view(mx.uint8) * 1).reshape(-1)
+            want = raw[e * lay.stride + p.offset : e * lay.stride + p.offset + p.nbytes]
+            assert np.array_equal(got, want), (e, p.name)
+    store.close()

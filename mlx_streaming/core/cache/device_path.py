@@ -5,8 +5,9 @@ Where the expert files are mapped, page-locked and mapped into the device's addr
 join the call's graph, before the expert matmuls:
 
 * ``plan`` (one warp) looks the routed ids up in a slot table kept in device memory,
-  evicts the least recently used slots outside the call for the misses, and outputs the
-  rows' slot ids and the list of (expert, slot) to fill;
+  evicts the least recently used slots outside the call for the misses (within one call,
+  the lowest expert first, as ``policy.LRU``: the same hits as the simulator's), and
+  outputs the rows' slot ids and the list of (expert, slot) to fill;
 * ``fill`` (the whole device) copies each listed record's parts from the mapped file into
   its slot, then passes the slot ids on, so that the matmuls, which read them, run after.
 
@@ -61,9 +62,10 @@ _PLAN = """
             unsigned long long best = ~0ull;
             for (int j = lane; j < S; j += 32) {
                 int sj = stamp[j];
-                if (sj < clock) {
-                    unsigned long long key =
-                        ((unsigned long long)(unsigned)(sj + 1) << 32) | (unsigned)j;
+                if (sj < clock) {  // oldest first; within a call, lowest expert (as LRU)
+                    unsigned long long key = ((unsigned long long)(unsigned)(sj + 1) << 32) |
+                                             ((unsigned long long)(expert_in[j] + 1) << 16) |
+                                             (unsigned long long)j;
                     best = key < best ? key : best;
                 }
             }
@@ -75,7 +77,7 @@ _PLAN = """
                 if (best == ~0ull) {
                     failed++;
                 } else {
-                    int v = (int)(best & 0xffffffffull);
+                    int v = (int)(best & 0xffffull);
                     int old = expert_in[v];
                     if (old >= 0) {
                         slot_of[old] = -1;
@@ -160,6 +162,12 @@ class DevicePath:
     ):
         self.caches, self.pools, self.stats = caches, pools, stats
         self.layers = sorted(caches)
+        for li, c in caches.items():  # a victim's key packs expert + 1 and slot in 16 bits
+            if c.num_experts >= 0xFFFF or c.capacity > 0xFFFF:
+                raise ValueError(
+                    f"layer {li}: {c.num_experts} experts and {c.capacity} slots exceed the "
+                    "device path's 65,534; use device_reads=False"
+                )
         self._base: dict[int, int] = {}  # layer -> offset of its table (ints)
         n = 0
         for li in self.layers:
@@ -277,7 +285,7 @@ class DevicePath:
         for e in c.expert_in[c.expert_in >= 0].tolist():
             policy.remove(e)
         held = np.flatnonzero(expert_in >= 0)
-        for s in held[np.argsort(stamp[held], kind="stable")].tolist():
+        for s in held[np.lexsort((expert_in[held], stamp[held]))].tolist():  # LRU's order
             policy.insert(int(expert_in[s]))
         c.slot_of[:], c.expert_in[:] = slot_of, expert_in
         pool.set_lut(expert_in[held], held)
