@@ -95,7 +95,8 @@ def test_verify_on_cuda(models, capsys):
 def test_device_path_hits_equal_the_lru_simulator(models):
     """The device path's slot table evicts as ``policy.LRU`` does: replaying skewed
     routing through it gives the simulator's hits, misses and evictions, per layer, and
-    the slots it filled hold the records' bytes."""
+    the slots it filled hold the records' bytes. A stretch with recording on runs on the
+    host path (LRU too): the table goes to the host and back without losing a thing."""
     from mlx_streaming import FileExpertStore
     from mlx_streaming.core.cache.policy import LRU
     from mlx_streaming.core.cache.slots import SlotCache
@@ -103,20 +104,25 @@ def test_device_path_hits_equal_the_lru_simulator(models):
     _, ed = models.experts("tiny-qwen3_moe", dtype="bfloat16")
     meta = load_meta(ed)
     E, k, cap = meta.num_experts, meta.top_k, meta.num_experts // 2
-    store = FileExpertStore(ed, capacity=cap, map_files=True, device_reads=True)
+    store = FileExpertStore(ed, capacity=cap, map_files=True, device_reads=True, policy="lru")
     assert store.device is not None
     rng = np.random.default_rng(0)
     hot = rng.permutation(E)  # a skewed, drifting choice of k distinct experts per step
     sims = {li: SlotCache(E, cap, LRU(E, cap)) for li in store.layers}
     for step in range(200):
+        store.record = 80 <= step < 120  # recording reads the routing: the host path
         for li in store.layers:
             w = 1.0 / (1 + np.arange(E)) ** 1.2
             order = np.roll(hot, step // 25 + li)
             ids = rng.choice(order, size=k, replace=False, p=w / w.sum())
-            call = store.request(li, mx.array(ids[None].astype(np.uint32)))
-            assert call.slots is not None, "a decode step takes the device path"
-            mx.eval(call.slots)  # nothing here chains the calls: run each in turn
-            call.done(call.slots)
+            call = store.request(li, mx.array(ids[None].astype(np.uint32)), overlap=False)
+            assert (call.slots is None) == store.record
+            if call.slots is None:
+                slots = [s for _, s in call.steps()][-1]
+                call.done(mx.array(slots.astype(np.int32)))
+            else:
+                mx.eval(call.slots)  # nothing here chains the calls: run each in turn
+                call.done(call.slots)
             sims[li].lookup(np.unique(ids))
     report = store.layer_report()  # brings every table and counter back
     for li in store.layers:

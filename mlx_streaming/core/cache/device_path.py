@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..io import cuda
+from .calls import LayerCall
 from .pool import LayerPool, device_address
 from .slots import SlotCache
 from .stats import LayerStats
@@ -250,10 +251,12 @@ class DevicePath:
         c.stats.calls += 1
         return out
 
-    def done(self, layer: int, y: mx.array) -> None:
-        """Keep the call's output: once it is evaluated, the layer's kernels have run and
-        its slots are read (each decode step's output depends on the one before)."""
-        self._outputs[layer] = y
+    def done(self, call: LayerCall, y: mx.array) -> mx.array:
+        """Complete a device-path call: keep its output, evaluated before the host takes
+        the table back (then the layer's kernels have run and its slots are read: each
+        decode step's output depends on the one before)."""
+        self._outputs[call.layer] = y
+        return y
 
     # ------------------------------------------------------------ ownership
     def to_device(self, layer: int) -> None:

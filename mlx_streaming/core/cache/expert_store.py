@@ -202,20 +202,16 @@ class FileExpertStore:
             self.stats[layer].host_s += time.perf_counter() - t0
             return call
         device = self.device
-        if device is not None and not self.routing.on and not self.observers:
-            if device.takes(layer, indices):
+        if device is not None:
+            if not self.routing.on and not self.observers and device.takes(layer, indices):
                 if layer not in device.on_device:
                     self.loads.settle_started()  # no read left pending in its table
                 t0 = time.perf_counter()
-                call = LayerCall(layer, self._device_done, slots=device.slots(layer, indices))
+                call = LayerCall(layer, device.done, slots=device.slots(layer, indices))
                 self.stats[layer].host_s += time.perf_counter() - t0
                 return call
-            device.to_host(layer)
+            device.to_host(layer)  # every host-path call works on the host's table
         return self.host.call(layer, indices, overlap, also)
-
-    def _device_done(self, call: LayerCall, y: mx.array) -> mx.array:
-        self.device.done(call.layer, y)  # evaluated before the host takes the table back
-        return y
 
     def _note_device_call(self, layer: int, indices: mx.array) -> None:
         """Count a call served without reading the routing (all hits)."""
@@ -308,6 +304,7 @@ class FileExpertStore:
 
     @property
     def misses(self) -> int:
+        self._settle_hits()
         return sum(c.stats.misses for c in self.caches.values())
 
     def hit_rate(self) -> float:
@@ -368,7 +365,7 @@ class FileExpertStore:
 
     def close(self) -> None:
         """Finish read-aheads, stop the readers, close the files."""
-        if getattr(self, "device", None) is not None:
+        if self.device is not None:
             mx.synchronize()  # no kernel reads the mappings any more
         for li in self.caches:
             self.loads.settle(li)

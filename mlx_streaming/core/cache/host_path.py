@@ -180,11 +180,11 @@ class HostPath:
         else:
             st.fastpath += 1
         mx.async_eval(y)  # the device starts on it while the next layer is built
-        self.track(call.layer, y)
+        self._track_output(call.layer, y)
         st.host_s += time.perf_counter() - t0
         return y
 
-    def track(self, layer: int, y: mx.array) -> None:
+    def _track_output(self, layer: int, y: mx.array) -> None:
         """Remember a lazy output that reads ``layer``'s pool: it is evaluated before the
         pool is next written behind MLX's back (host and cuda modes)."""
         if self.mode == "mlx":

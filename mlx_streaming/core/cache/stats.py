@@ -20,7 +20,8 @@ class LayerStats:
     bytes_read: int = 0
     records_read: int = 0
     read_s: float = 0.0  # time the caller waited for demand reads
-    device_calls: int = 0  # calls of a complete layer: ids remapped on the device
+    device_calls: int = 0  # calls that read no routing on the host (a complete layer's,
+    # ids remapped on the device; the device path's, misses filled there)
     host_calls: int = 0  # calls that read the routing on the host (one sync each)
     fastpath: int = 0  # calls with every expert resident
     fallback: int = 0  # calls that loaded misses
