@@ -12,7 +12,7 @@
 #                                           the LRU policy, beside the default
 #   bash benchmarks/gpu_suite.sh prefill    a 2048-token prompt at 25% against stock (and a short
 #                                           decode at 25%)
-#   bash benchmarks/gpu_suite.sh parity     every expert resident against stock, 7 alternating pairs
+#   bash benchmarks/gpu_suite.sh parity     every expert resident against stock, 15 alternating pairs
 #   bash benchmarks/gpu_suite.sh readprobe  the native reader's time for 1-4 records by threads and
 #                                           piece size, alone and beside device work
 #   bash benchmarks/gpu_suite.sh mapab      decode at 50% and 25%: records read with pread into
@@ -130,7 +130,7 @@ case "$suite" in
            --timeline "$out/timeline-gpu-dsv2.json" ;;
   prefill) speed gpu-dsv2-prefill --residency 0.25 --cold warm --repeat 2 --tokens 16 \
              --prefill-tokens 2048 --prefill-residency 0.25 --prefill-chunk 2048 ;;
-  parity) speed gpu-dsv2-parity --residency 1 --repeat 7 --prefill-tokens 0 ;;
+  parity) speed gpu-dsv2-parity --residency 1 --repeat 15 --prefill-tokens 0 ;;
   oracle) speed gpu-dsv2-oracle --residency 0.5 --cold warm --repeat 3 --tokens 64 \
             --prefill-tokens 0 --oracle 0,0.5,0.7,0.9,1 ;;
   exact) for p in tiny-mixtral thresholds-qwen3_moe tiny-qwen3_next; do

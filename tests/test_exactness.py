@@ -276,3 +276,39 @@ def test_kernel_thresholds(models, rows):
             cmp = compare_traces(ref_trace, greedy_trace(model, ids, 8, chunk))
             assert cmp.exact, (cap, chunk, cmp.to_json())
         store.close()
+
+
+@pytest.mark.parametrize("preset", ["tiny-deepseek_v2", "tiny-deepseek_v3", "tiny-qwen3_next"])
+def test_shared_experts_start_beside_the_routing(models, preset):
+    """The shared experts, started with each call's routing, are the very output the MoE
+    block uses (each start consumed, none computed twice), and the output stays exact."""
+    from mlx_streaming.core.prefetch.shared import SharedAhead
+
+    ck, ed = models.experts(preset)
+    model, store = patched(ck, ed, capacity=load_meta(ed).top_k)
+    assert_exact(model, ck)
+    wrapped = [m for _, m in model.named_modules() if isinstance(m, SharedAhead)]
+    assert len(wrapped) == len(store.layers)
+    assert all(m.ahead for m in wrapped)
+    store.close()
+
+
+def test_shared_started_but_unused_switches_off():
+    """A block that calls its shared experts on another input, or not after a start,
+    gets their true output and stops the early start (no double work)."""
+    import mlx.nn as nn
+
+    from mlx_streaming.core.prefetch.shared import SharedAhead
+
+    lin = nn.Linear(8, 8)
+    x, x2 = mx.random.normal((1, 8)), mx.random.normal((1, 8))
+    s = SharedAhead(lin)
+    y = s.start(x)
+    assert s(x) is y and s.ahead
+    s.start(x)
+    assert mx.array_equal(s(x2), lin(x2)) and not s.ahead
+    assert s.start(x) is None
+    t = SharedAhead(lin)
+    t.start(x)
+    assert t.start(x) is None and not t.ahead  # the first start was never asked for
+    assert mx.array_equal(t(x), lin(x))

@@ -181,6 +181,7 @@ class FileExpertStore:
         indices: mx.array,
         overlap: bool = True,
         also: mx.array | None = None,
+        beside: mx.array | None = None,
     ) -> LayerCall:
         """Plan one call of ``layer`` with routing ``indices`` (expert ids).
 
@@ -188,7 +189,9 @@ class FileExpertStore:
         the ids are remapped on the device and nothing waits. Otherwise the host path
         (``host_path``) reads the routing (one sync, which also brings ``also``, e.g. a
         predictor's guess, to ``call.also``) and starts the misses' reads at once; with
-        ``overlap`` the resident experts' rows form a first step that needs no wait.
+        ``overlap`` the resident experts' rows form a first step that needs no wait;
+        ``beside`` (the layer's shared experts) is launched right after the routing, to
+        compute while the host plans.
         """
         if self.on_request is not None:  # e.g. a pipeline's watch: this rank progresses
             self.on_request()
@@ -211,7 +214,7 @@ class FileExpertStore:
                 self.stats[layer].host_s += time.perf_counter() - t0
                 return call
             device.to_host(layer)  # every host-path call works on the host's table
-        return self.host.call(layer, indices, overlap, also)
+        return self.host.call(layer, indices, overlap, also, beside)
 
     def _note_device_call(self, layer: int, indices: mx.array) -> None:
         """Count a call served without reading the routing (all hits)."""

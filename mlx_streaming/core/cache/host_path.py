@@ -2,14 +2,15 @@
 the store's ``Loader``, the rows computed in steps.
 
 One host synchronisation per call reads the routing (on CUDA a decode step's through
-mapped memory, ``io.mapped``, as is a read-ahead predictor's guess). While the device
-computes it, the host applies the previous call's policy update. Then the misses start
-loading at once, on the reader's threads, while the expert graph is built (launched once
-they have landed); with overlap, the resident experts' rows form a first step that needs
-no wait. A call with more distinct experts than slots runs expert-major: one group of
-experts at a time, each read at most once per call. Outputs that read a pool written
-behind MLX's back (host and cuda modes) are tracked and evaluated before the pool is
-next written.
+mapped memory, ``io.mapped``, as is a read-ahead predictor's guess); the layer's shared
+experts are launched after it, apart, and compute while the host plans. While the device
+computes the routing, the host applies the previous call's policy update. Then the
+misses start loading at once, on the reader's threads, while the expert graph is built
+(launched once they have landed); with overlap, the resident experts' rows form a first
+step that needs no wait. A call with more distinct experts than slots runs expert-major:
+one group of experts at a time, each read at most once per call. Outputs that read a
+pool written behind MLX's back (host and cuda modes) are tracked and evaluated before
+the pool is next written.
 """
 
 from __future__ import annotations
@@ -80,8 +81,10 @@ class HostPath:
         indices: mx.array,
         overlap: bool = True,
         also: mx.array | None = None,
+        beside: mx.array | None = None,
     ) -> LayerCall:
-        """Read the routing (with ``also``), start the misses' reads, plan the steps."""
+        """Read the routing (with ``also``), start the misses' reads, plan the steps;
+        ``beside`` computes after the routing, in its own launch, while the host plans."""
         t0 = time.perf_counter()
         self.timeline.mark(layer, "request")
         cache, st = self.caches[layer], self.stats[layer]
@@ -91,6 +94,8 @@ class HostPath:
         wanted = [indices if done is None else done]
         wanted += [] if also is None else [also if guess is None else guess]
         mx.async_eval(wanted)  # the device computes the routing while the host works
+        if beside is not None:  # apart: the routing's wait does not include it
+            mx.async_eval(beside)
         if self._previous is not None:
             self.loads.flush(self._previous)
         self._previous = layer

@@ -19,19 +19,14 @@ import mlx.nn as nn
 import numpy as np
 
 from ..cache.expert_store import FileExpertStore
-from ..discovery import (
-    ExpertSite,
-    expert_dims,
-    find_expert_sites,
-    fingerprint,
-    fingerprint_mismatch,
-    projections,
-)
+from ..discovery import find_expert_sites, projections
 from ..dispatch import KernelParityError, PoolQuantizedSwitchLinear, PoolSwitchLinear, backend
-from ..format import ExpertDirError, LayerLayout, mx_dtype_name
+from ..format import LayerLayout, mx_dtype_name
 from ..options import StreamConfig
 from ..selftest import SORT_ROWS, cases_for, ensure_kernel_parity, pad_subset
 from .predictor import Prefetcher, RouterPredictor
+from .shared import SharedAhead, wrap_shared
+from .validate import int_keys, validate
 
 
 class StreamedExperts(nn.Module):
@@ -48,11 +43,13 @@ class StreamedExperts(nn.Module):
         overlap: bool,
         prefetcher: Prefetcher | None,
         masked_below: int,
+        shared: SharedAhead | None = None,
     ):
         super().__init__()
         self.experts = experts  # the layer's SwitchGLU / SwitchMLP over pool slots
         self.layer, self.pos = layer, pos
         self._store, self._prefetcher = store, prefetcher
+        object.__setattr__(self, "_shared", shared)  # the block's, not a child here
         self._masked_below = masked_below  # partial calls of fewer rows run masked
         # a masked call points the other rows at the pool's zero slot
         self._overlap = overlap and (not masked_below or store.pool(layer).dummy is not None)
@@ -64,7 +61,8 @@ class StreamedExperts(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         pf = self._prefetcher
         guess = pf.lazy(self.pos, x, indices) if pf else None
-        call = self._store.request(self.layer, indices, self._overlap, also=guess)
+        beside = self._shared.start(x) if self._shared is not None else None
+        call = self._store.request(self.layer, indices, self._overlap, guess, beside)
         t0, waited = time.perf_counter(), call.waited_s  # (mlx pools wait while planning)
         if call.slots is not None:  # nothing can miss: the ids were remapped on the device
             return call.done(self.experts(x, call.slots))
@@ -167,80 +165,6 @@ def _pool_projection(name: str, layout: LayerLayout, arrays: dict, device: str) 
     return new
 
 
-def _validate(
-    store: FileExpertStore, sites: list[ExpertSite], model, given: dict, model_fp: dict | None
-) -> None:
-    """The model must be the one the directory was split from; quantization arguments,
-    where given, must agree with the meta (the authority)."""
-    meta = store.meta
-    where = f"expert directory {meta.root}"
-    if model_fp is None:
-        if getattr(getattr(model, "model", None), "pipeline_size", 1) > 1:
-            raise ValueError(
-                "the model is pipelined: pass model_fingerprint (its fingerprint taken "
-                "before pipeline), or load it with mlx_streaming.load(..., pipeline_group=)"
-            )
-        model_fp = fingerprint(model, sites)
-    got_layers = [s.layer for s in sites]
-    if set(meta.layers) < set(got_layers):
-        raise ExpertDirError(
-            f"the {where} holds layers {sorted(meta.layers)} of this model's "
-            f"{got_layers} (a pipeline rank's share?): split the rest with "
-            "python -m mlx_streaming split, or load with the same pipeline"
-        )
-    if got_layers != sorted(meta.layers):
-        raise ExpertDirError(
-            f"the model's MoE layers {got_layers} differ from the {where}'s "
-            f"{sorted(meta.layers)}: it was split from another model; split this model "
-            "into a new directory"
-        )
-    bad = fingerprint_mismatch(meta.fingerprint, model_fp)
-    if bad:
-        raise ExpertDirError(
-            f"the {where} was split from another model (fingerprint differs in "
-            f"{', '.join(bad)}); split this model into a new directory with "
-            "split_model(MODEL, NEW_DIR)"
-        )
-    dims = (meta.dims["hidden"], meta.dims["moe_inter"])
-    asked = (given["hidden"] or dims[0], given["moe_inter"] or dims[1])
-    if asked != dims:
-        raise ExpertDirError(
-            f"hidden={asked[0]}, moe_inter={asked[1]} do not match the "
-            f"{where} (hidden={dims[0]}, moe_inter={dims[1]})"
-        )
-    for s in sites:
-        lay = meta.layers[s.layer]
-        if expert_dims(s) != dims:
-            raise ExpertDirError(
-                f"layer {s.layer}'s experts are {expert_dims(s)}, not (hidden, moe_inter)={dims}"
-            )
-        if s.num_experts != lay.num_experts:
-            raise ExpertDirError(
-                f"layer {s.layer} has {s.num_experts} experts, the {where} {lay.num_experts}"
-            )
-        _validate_quant(s.layer, lay, given, where)
-
-
-def _validate_quant(layer: int, lay: LayerLayout, given: dict, where: str) -> None:
-    lpb = given["layer_proj_bits"] or {}
-    for name, q in lay.quant.items():
-        if layer in lpb:
-            want = lpb[layer].get(name, given["bits"])
-        elif given["proj_bits"] and name in given["proj_bits"]:
-            want = given["proj_bits"][name]
-        else:
-            want = given["bits"]
-        have = q.bits if q else None
-        gs = given["group_size"]
-        if (want is not None and want != have) or (q and gs is not None and gs != q.group_size):
-            raise ExpertDirError(
-                f"layer {layer} {name}: asked for bits={want}, group_size={gs} but the "
-                f"{where} stores bits={have}, group_size={q.group_size if q else None} (its "
-                "_split_meta.json is the authority): pass the meta's values (dims.bits, "
-                "dims.group_size, proj_bits, per_layer_proj_bits) or none of them"
-            )
-
-
 def patch_model_filebacked(
     model: nn.Module,
     store: FileExpertStore,
@@ -290,7 +214,7 @@ def patch_model_filebacked(
         raise ValueError(
             "the model is already patched: load it again to patch it with another store"
         )
-    _validate(
+    validate(
         store,
         sites,
         model,
@@ -300,7 +224,7 @@ def patch_model_filebacked(
             "group_size": group_size,
             "bits": bits,
             "proj_bits": proj_bits,
-            "layer_proj_bits": _int_keys(layer_proj_bits),
+            "layer_proj_bits": int_keys(layer_proj_bits),
         },
         model_fingerprint,
     )
@@ -347,18 +271,12 @@ def patch_model_filebacked(
             name: _pool_projection(name, lay, arrays, device) for name, _ in projections(s.module)
         }
         s.module.update_modules(new)
-        s.parent.update_modules(
-            {
-                s.attr: StreamedExperts(
-                    s.module, store, s.layer, pos, overlap, prefetcher, masked_below
-                )
-            }
+        shared = wrap_shared(s.parent)
+        streamed = StreamedExperts(
+            s.module, store, s.layer, pos, overlap, prefetcher, masked_below, shared
         )
+        s.parent.update_modules({s.attr: streamed})
     return len(sites)
-
-
-def _int_keys(d: dict | None) -> dict | None:
-    return {int(k): v for k, v in d.items()} if d else None
 
 
 _CHECKED: set = set()  # kernel-parity cases found exact in this process
