@@ -336,3 +336,20 @@ def test_native_predictive_refuses_bad_ids():
     with pytest.raises(ValueError, match="out of range"):
         p.victims(1, {9})
     assert p.t == 0 and not p.trans.any()
+
+
+def test_complete_holds_until_the_table_changes():
+    """A pool of every expert answers ``complete`` from a latch once all are resident;
+    a slot table brought back (the device path's) or a failed load undoes it."""
+    cache = SlotCache(4, 4, make_policy("lru", 4, 4))
+    placed = cache.lookup(np.arange(3))
+    assert not cache.complete
+    cache.lookup(np.array([3]))
+    assert cache.complete
+    slot_of, expert_in = cache.slot_of.copy(), cache.expert_in.copy()
+    expert_in[slot_of[2]], slot_of[2] = -1, -1
+    cache.set_tables(slot_of, expert_in)
+    cache.policy.remove(2)  # as the device path's hand-back rebuilds the policy
+    assert not cache.complete
+    cache.lookup(np.array([2]))
+    assert cache.complete and len(placed) == 3

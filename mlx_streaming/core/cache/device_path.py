@@ -290,7 +290,7 @@ class DevicePath:
         held = np.flatnonzero(expert_in >= 0)
         for s in held[np.lexsort((expert_in[held], stamp[held]))].tolist():  # LRU's order
             policy.insert(int(expert_in[s]))
-        c.slot_of[:], c.expert_in[:] = slot_of, expert_in
+        c.set_tables(slot_of, expert_in)
         pool.set_lut(expert_in[held], held)
         self._count(layer, t[E + 2 * S :])
         self.on_device.discard(layer)

@@ -53,6 +53,7 @@ class SlotCache:
         self._pins = False  # any pinned (set with ``pinned``)
         self.pending: dict[int, int] = {}  # expert -> slot being loaded
         self.stats = CacheStats()
+        self._complete = False  # seen complete: only an eviction or new tables undo it
 
     @property
     def policy(self) -> Policy:
@@ -82,8 +83,15 @@ class SlotCache:
 
     @property
     def complete(self) -> bool:
-        """Every expert is resident: no lookup can miss."""
-        return self.capacity >= self.num_experts and self.resident == self.num_experts
+        """Every expert is resident: no lookup can miss (asked once per layer call)."""
+        if not self._complete:
+            self._complete = self.capacity >= self.num_experts and self.resident == self.num_experts
+        return self._complete
+
+    def set_tables(self, slot_of: np.ndarray, expert_in: np.ndarray) -> None:
+        """Replace the slot table (one kept elsewhere, e.g. on the device, comes back)."""
+        self.slot_of[:], self.expert_in[:] = slot_of, expert_in
+        self._complete = False
 
     def split(self, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(resident, not resident) among distinct ``experts``."""
@@ -138,6 +146,7 @@ class SlotCache:
         placed = [(e, s, v) for e, (s, v) in zip(want, slots)]
         for e, s, v in placed:
             if v >= 0:
+                self._complete = False
                 self.slot_of[v] = -1
                 self._policy.remove(v)
                 self.stats.evictions += 1
@@ -157,6 +166,7 @@ class SlotCache:
         """A load failed: its slots become free; nothing new becomes resident."""
         for e, s, _ in placements:
             if self.pending.pop(e, None) is not None:
+                self._complete = False
                 self.expert_in[s] = -1
 
     def access(self, experts: np.ndarray, n_misses: int) -> None:
