@@ -220,7 +220,7 @@ class DevicePath:
         """Whether the device path can serve a call of ``indices`` (fits in the slots
         the pins leave)."""
         c = self.caches[layer]
-        return indices.size <= min(MAX_IDS, c.capacity - len(c.pinned))
+        return indices.size <= min(MAX_IDS, c.capacity - c.pin_count)
 
     def slots(self, layer: int, indices: mx.array) -> mx.array:
         """The call's slot ids, lazily: misses filled by the device before use."""

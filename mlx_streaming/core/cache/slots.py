@@ -50,7 +50,7 @@ class SlotCache:
         self.slot_of = np.full(num_experts, -1, dtype=np.int32)
         self.expert_in = np.full(capacity, -1, dtype=np.int32)
         self.pinned_mask = np.zeros(num_experts, dtype=np.uint8)
-        self._pins = False  # any pinned (set with ``pinned``)
+        self.pin_count = 0  # how many are pinned (set with ``pinned``)
         self.pending: dict[int, int] = {}  # expert -> slot being loaded
         self.stats = CacheStats()
         self._complete = False  # seen complete: only an eviction or new tables undo it
@@ -75,7 +75,7 @@ class SlotCache:
     def pinned(self, experts) -> None:
         self.pinned_mask[:] = 0
         self.pinned_mask[list(experts)] = 1
-        self._pins = bool(self.pinned_mask.any())
+        self.pin_count = int(self.pinned_mask.sum())
 
     @property
     def resident(self) -> int:
@@ -100,7 +100,7 @@ class SlotCache:
 
     def fits(self, experts: np.ndarray) -> bool:
         """Can all of ``experts`` be resident at once?"""
-        if not self._pins:
+        if not self.pin_count:
             return len(experts) <= self.capacity
         outside_pins = len(self.pinned.difference(experts.tolist()))
         return len(experts) + outside_pins <= self.capacity
@@ -134,7 +134,7 @@ class SlotCache:
         n = len(want) if limit is None else min(len(want), limit)
         slots = [(int(s), -1) for s in np.flatnonzero(self.expert_in < 0)[:n]]
         if len(slots) < n:
-            if self._pins:
+            if self.pin_count:
                 protect = protect | self.pinned
             victims = self.policy.victims(n - len(slots), protect)
             if len(victims) < n - len(slots) and limit is None:
