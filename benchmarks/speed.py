@@ -222,6 +222,7 @@ def main():
                 "sync_s",
                 "read_s",
                 "graph_s",
+                "gap_s",
                 "wall_s",
                 "host_calls",
                 "device_calls",
@@ -259,6 +260,9 @@ def main():
             "plan_us": round(1e6 * tot["host_s"] / calls, 1),
             "read_us": round(1e6 * tot["read_s"] / calls, 1),
             "graph_us": round(1e6 * tot["graph_s"] / calls, 1),
+            # share of the runs' time from a routing read to the call's expert launch,
+            # when the device had no routed-expert work queued (host path only)
+            "device_gap_share": round(tot["gap_s"] / tot["wall_s"], 4),
             # share of decode time outside the store's layer calls: the host building and
             # launching the rest of the model (and, with no sync, the device computing)
             "outside_calls_share": round(

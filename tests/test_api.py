@@ -143,6 +143,9 @@ def test_bench_command_compare_stock(models, tmp_path, capsys):
     assert r["exact_vs_stock"] is True and r["exactness"]["max_abs_logit_diff"] == 0.0
     assert r["stock_tok_per_s"] > 0 and r["ratio_vs_stock"] > 0
     assert r["generated_tokens"] == 12 and r["bytes_read"] > 0
+    # the host path (CPU): each decode call waits for its routing, then plans
+    assert r["decode_path"] == "host" and r["decode_host_us_per_layer_call"] > 0
+    assert 0 < r["decode_device_gap_share"] < 1
     assert json.loads(capsys.readouterr().out) == r
 
 

@@ -120,6 +120,8 @@ def _timed_runs(
         "decode_tok_per_s_runs": [round(r["generation_tps"], 2) for r in runs],
         "prefill_tok_per_s": round(statistics.median(r["prompt_tps"] for r in runs), 2),
         "generated_tokens": runs[-1]["tokens"],
+        # the last run's decode time (its stats window after the first token)
+        "decode_s": runs[-1]["tokens"] / max(runs[-1]["generation_tps"], 1e-9),
         "text": text,
         "first": first,
     }

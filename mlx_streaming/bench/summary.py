@@ -20,6 +20,8 @@ def summarize(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, sam
     decode_lookups = (totals["hits"] + totals["misses"]) - (first["hits"] + first["misses"])
     decode_hits = totals["hits"] - first["hits"]
     fast, fall = store.fastpath_calls, store.fallback_calls
+    decode = {k: totals[k] - first.get(k, 0) for k in ("host_s", "gap_s", "device_calls")}
+    decode_calls = decode["device_calls"] + totals["host_calls"] - first.get("host_calls", 0)
     caps = [store.capacity(li) for li in store.layers]
     out = {
         "mode": "streaming_filebacked",
@@ -94,6 +96,12 @@ def summarize(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, sam
         "read_wait_s": round(totals["read_s"], 4),
         "read_gbps": round(totals["read_gbps"], 3),
         "host_us_per_layer_call": round(totals["host_us_per_call"], 1),
+        # decode only (the last run after its first token): the store's host time per
+        # MoE layer call, and the share of decode time in which the device had no routed
+        # expert work queued (routing read to expert launch, host path; 0 on the device
+        # path and for full pools)
+        "decode_host_us_per_layer_call": round(1e6 * decode["host_s"] / max(1, decode_calls), 1),
+        "decode_device_gap_share": round(decode["gap_s"] / timed["decode_s"], 4),
         "prefetched": totals["prefetched"],
         "prefetch_used": totals["prefetch_used"],
         "prefetch_on_time": totals["prefetch_on_time"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 import mlx.core as mx
@@ -34,7 +35,14 @@ class LayerCall:
         self.also: np.ndarray | None = None  # request(also=...) read on the host
         self.before_launch: Callable[[], None] | None = None  # waits for the misses' reads
         self.waited_s = 0.0  # of the steps' and completion's time, spent waiting for reads
+        self.routed_at: float | None = None  # when the routing reached the host
+        self.launched_at: float | None = None  # when the first expert work was launched
         self._complete = complete
+
+    def launched(self) -> None:
+        """Note that expert work of this call was just handed to the device."""
+        if self.launched_at is None:
+            self.launched_at = time.perf_counter()
 
     def steps(self) -> Iterator[tuple[np.ndarray | None, np.ndarray]]:
         return self.plan if self.plan is not None else iter(())

@@ -119,6 +119,7 @@ class HostPath:
         self.loads.settle(layer, experts)
         groups = cache.groups(experts, counts)
         call = LayerCall(layer, self.complete, host_ids=host, settle=len(groups) > 1)
+        call.routed_at = t0
         if also is not None:
             call.also = np.array(also) if guess is None else mapped.read(also, 1)
         if len(groups) == 1:
@@ -184,7 +185,9 @@ class HostPath:
             st.fallback += 1
         else:
             st.fastpath += 1
+        call.launched()
         mx.async_eval(y)  # the device starts on it while the next layer is built
+        st.gap_s += call.launched_at - call.routed_at
         self._track_output(call.layer, y)
         st.host_s += time.perf_counter() - t0
         return y

@@ -30,6 +30,9 @@ class LayerStats:
     ahead_s: float = 0.0  # host work beside the device's: launching the routing, the
     # deferred policy update, issuing the next layer's read-ahead
     graph_s: float = 0.0  # host time building the expert graph on slot ids
+    gap_s: float = 0.0  # from the routing's arrival on the host to the first launch of
+    # the call's experts: the device has no routed-expert work queued (at most the
+    # shared experts), so this bounds its idle time per host-path call
     prefetched: int = 0  # experts read ahead
     prefetch_used: int = 0  # ... that a later call needed (misses avoided)
     prefetch_on_time: int = 0  # ... that had arrived before they were needed
@@ -83,6 +86,7 @@ def summarize(report: dict[int, dict]) -> dict:
     tot["layer_call_us"] = 1e6 * busy / calls if calls else 0.0
     # the host blocked inside a step: for the routing, then for demand reads
     tot["host_wait_us_per_call"] = 1e6 * (tot["sync_s"] + tot["read_s"]) / calls if calls else 0.0
+    tot["gap_us_per_call"] = 1e6 * tot["gap_s"] / calls if calls else 0.0
     tot["prefetch_precision"] = (
         tot["prefetch_used"] / tot["prefetched"] if tot["prefetched"] else None
     )

@@ -72,8 +72,10 @@ class StreamedExperts(nn.Module):
         for i, (rows, slots) in enumerate(call.steps()):
             y = self._rows(x, indices, rows, slots, y)
             if call.settle:
+                call.launched()
                 mx.eval(y)  # the next step may reuse these slots
             elif rows is not None and i == 0:  # an overlap split's resident rows:
+                call.launched()
                 mx.async_eval(y)  # they compute while the misses load
         y = call.done(y)
         st = self._store.stats[self.layer]
