@@ -2,8 +2,10 @@
 
 One process: builds (or reuses) a synthetic checkpoint, loads stock mlx-lm fully resident
 and a streamed model per configuration, replays a real routing trace in both, and
-alternates timed generations (stock, streamed, stock, ...) so that the shared machine's
-noise hits both alike. Reports medians and, per configuration:
+alternates timed generations (stock, streamed, stock, ..., stock) so that the shared
+machine's noise hits both alike. Reports medians, per-pair ratios (each streamed run over
+the stock run before it) and bracket ratios (over the mean of the stock runs on either
+side: a drift within the bracket cancels), and, per configuration:
 
 * resident parity: streamed decode over stock decode with every expert resident;
 * under a budget (fraction of experts resident), warm and cold page cache: tok/s, hit
@@ -200,6 +202,7 @@ def main():
             wall = time.perf_counter() - t1
             s_runs.append(tps)
             per_run.append({**store.totals(), "tokens": n + len(ids), "wall_s": wall})
+        k_after = decode_run(ref, tok, ids, a.tokens)[0]  # closes the last bracket
         timeline = decode_timeline(model, tok, ids, store) if a.timeline and r < 1 else None
         if a.profile and r < 1 and pred is None and not Path(a.profile).exists():
             profile(a.profile, decode_run, model, tok, ids, a.tokens)
@@ -232,6 +235,9 @@ def main():
         calls = max(1, tot["host_calls"] + tot["device_calls"])
         stock_tps, tps = statistics.median(k_runs), statistics.median(s_runs)
         pairs = [x / y for x, y in zip(s_runs, k_runs)]
+        # each streamed run over the mean of the stock runs on either side of it: a
+        # drift of the machine's speed within a bracket cancels
+        brackets = [x / ((y + z) / 2) for x, y, z in zip(s_runs, k_runs, k_runs[1:] + [k_after])]
         bpt = tot["bytes_read"] / tot["tokens"]
         rec = {
             "residency": r,
@@ -246,6 +252,8 @@ def main():
             # drifts less within a pair than across the run): median and range
             "pair_ratio_median": round(statistics.median(pairs), 4),
             "pair_ratio_range": [round(min(pairs), 4), round(max(pairs), 4)],
+            "bracket_ratio_median": round(statistics.median(brackets), 4),
+            "bracket_ratio_range": [round(min(brackets), 4), round(max(brackets), 4)],
             "hit_rate": round(tot["hits"] / max(1, tot["hits"] + tot["misses"]), 4),
             "bytes_read_per_token": round(bpt),
             "read_gbps": round(per_run[-1]["read_gbps"], 3),
