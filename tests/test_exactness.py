@@ -279,17 +279,32 @@ def test_kernel_thresholds(models, rows):
 
 
 @pytest.mark.parametrize("preset", ["tiny-deepseek_v2", "tiny-deepseek_v3", "tiny-qwen3_next"])
-def test_shared_experts_start_beside_the_routing(models, preset):
+def test_shared_experts_start_beside_the_routing(models, preset, monkeypatch):
     """The shared experts, started with each call's routing, are the very output the MoE
     block uses (each start consumed, none computed twice), and the output stays exact."""
     from mlx_streaming.core.prefetch.shared import SharedAhead
 
+    started, used = [], []
+    start, call = SharedAhead.start, SharedAhead.__call__
+
+    def spy_start(self, x):
+        started.append(start(self, x))
+        return started[-1]
+
+    def spy_call(self, x):
+        used.append(call(self, x))
+        return used[-1]
+
+    monkeypatch.setattr(SharedAhead, "start", spy_start)
+    monkeypatch.setattr(SharedAhead, "__call__", spy_call)
     ck, ed = models.experts(preset)
     model, store = patched(ck, ed, capacity=load_meta(ed).top_k)
     assert_exact(model, ck)
     wrapped = [m for _, m in model.named_modules() if isinstance(m, SharedAhead)]
     assert len(wrapped) == len(store.layers)
     assert all(m.ahead for m in wrapped)
+    assert started and len(started) == len(used)
+    assert all(a is b for a, b in zip(started, used))  # the block got each started array
     store.close()
 
 

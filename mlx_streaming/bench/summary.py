@@ -20,8 +20,10 @@ def summarize(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, sam
     decode_lookups = (totals["hits"] + totals["misses"]) - (first["hits"] + first["misses"])
     decode_hits = totals["hits"] - first["hits"]
     fast, fall = store.fastpath_calls, store.fallback_calls
-    decode = {k: totals[k] - first.get(k, 0) for k in ("host_s", "gap_s", "device_calls")}
-    decode_calls = decode["device_calls"] + totals["host_calls"] - first.get("host_calls", 0)
+    decode = {
+        k: totals[k] - first.get(k, 0) for k in ("host_s", "gap_s", "device_calls", "host_calls")
+    }
+    decode_calls = decode["device_calls"] + decode["host_calls"]
     caps = [store.capacity(li) for li in store.layers]
     out = {
         "mode": "streaming_filebacked",

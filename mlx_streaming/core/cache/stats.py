@@ -86,7 +86,6 @@ def summarize(report: dict[int, dict]) -> dict:
     tot["layer_call_us"] = 1e6 * busy / calls if calls else 0.0
     # the host blocked inside a step: for the routing, then for demand reads
     tot["host_wait_us_per_call"] = 1e6 * (tot["sync_s"] + tot["read_s"]) / calls if calls else 0.0
-    tot["gap_us_per_call"] = 1e6 * tot["gap_s"] / calls if calls else 0.0
     tot["prefetch_precision"] = (
         tot["prefetch_used"] / tot["prefetched"] if tot["prefetched"] else None
     )

@@ -59,9 +59,7 @@ class SharedAhead(nn.Module):
 def wrap_shared(block: nn.Module) -> SharedAhead | None:
     """Put a ``SharedAhead`` around ``block``'s shared experts, if it has any."""
     for name in SHARED_NAMES:
-        child = block.get(name) if isinstance(block, dict) else None
-        if isinstance(child, SharedAhead):
-            return child
+        child = block.get(name)
         if isinstance(child, nn.Module):
             wrapped = SharedAhead(child)
             block.update_modules({name: wrapped})
