@@ -87,7 +87,7 @@ def simulate(
         cache = SlotCache(E, c, pol)
         pinned = np.asarray(sorted((pins or {}).get(li, [])), dtype=np.int64)
         if len(pinned):
-            cache.commit(cache.reserve(pinned, set()))
+            cache.commit(cache.reserve(pinned, np.zeros(0, np.int64)))
             cache.pinned = set(pinned.tolist())
         guesses = None if ahead is None else ahead.get(li)
         res.read_ahead[li] = 0
@@ -96,7 +96,7 @@ def simulate(
                 g = np.unique(guesses[start + t])
                 g = g[g >= 0]
                 _, miss = cache.split(g)  # a guess never evicts another guessed expert
-                placed = cache.reserve(miss, set(g.tolist()), limit=len(miss))
+                placed = cache.reserve(miss, g, limit=len(miss))
                 cache.commit(placed)
                 res.read_ahead[li] += len(placed)
             cache.lookup(need)
@@ -141,7 +141,7 @@ def fit_predictive(
     The target for each expert at each lookup is its discounted use over the next
     ``horizon`` lookups; the features are exactly those the policy computes live.
     """
-    from ..core.cache.predictive import Predictive
+    from ..core.cache.scored import Scored
 
     layers = list(range(0, trace.layers, max(1, trace.layers // 6))) if layers is None else layers
     E = trace.num_experts
@@ -154,7 +154,7 @@ def fit_predictive(
         target = np.zeros_like(use)
         for j in range(1, horizon + 1):
             target[:-j] += discount ** (j - 1) * use[j:]
-        pol = Predictive(E)
+        pol = Scored(E)
         for t, need in enumerate(seq[:-horizon]):
             if t % 4 == 0 and t > 64:  # a sample of the steps is plenty
                 Xs.append(pol.features(need))

@@ -277,7 +277,7 @@ class FileExpertStore:
         self.loads.settle(layer)
         _, misses = cache.split(ids)
         with self.lock:
-            placed = cache.reserve(misses, protect=set(ids.tolist()) | cache.pinned)
+            placed = cache.reserve(misses, protect=ids)
         self.loads.issue(layer, ids, misses, placed, prefetch=True).wait()
         cache.pinned |= set(ids.tolist())
 

@@ -109,7 +109,7 @@ class Loader:
         placed = []
         if len(load):
             with self._lock:  # the policy picks victims (prefetch may run beside)
-                placed = cache.reserve(np.sort(load), protect=set(experts.tolist()))
+                placed = cache.reserve(np.sort(load), protect=experts)
         return self.issue(layer, experts, misses, placed, prefetch=False, now=now)
 
     def settle_started(self) -> None:
@@ -141,7 +141,7 @@ class Loader:
         if not todo:
             return 0
         with self._lock:
-            placed = cache.reserve(todo, protect=set(experts.tolist()), limit=limit)
+            placed = cache.reserve(todo, protect=np.unique(experts), limit=limit)
         if not placed:
             return 0
         t = self.issue(layer, experts, np.array([e for e, _, _ in placed]), placed, prefetch=True)

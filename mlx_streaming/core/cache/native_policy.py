@@ -1,7 +1,7 @@
-"""The predictive policy's arithmetic in native code (``policy.c``), built by ``pip
+"""The eviction ranking's arithmetic in native code (``policy.c``), built by ``pip
 install`` and driven through ctypes; the policy's own arrays are passed by address, so
 Python and C share one state. ``library()`` is None where the compiled library is
-missing; ``Predictive`` then computes the same in numpy, to the bit (``policy.c``)."""
+missing; ``Scored`` then computes the same in numpy, to the bit."""
 
 from __future__ import annotations
 
@@ -19,16 +19,16 @@ _lib: ctypes.CDLL | None | bool = None
 
 P = ctypes.c_void_p
 L = ctypes.c_int64
+ARRAYS = ("t", "last", "resident", "pinned", "trans", "row", "cum", "aged", "aged_at", "prev",
+          "nprev", "windows", "weights", "log1p_rec", "age_pow", "scores", "mark")  # fmt: skip
 
 
 class State(ctypes.Structure):
-    """``mlxs_predictive`` (``policy.h``)."""
+    """``mlxs_scored`` (``policy.h``)."""
 
     _fields_ = [(n, L) for n in ("experts", "history", "nwin", "nrec", "nage")] + [
-        (n, P)
-        for n in ("t", "last", "resident", "trans", "row", "cum", "aged", "aged_at", "prev",
-                  "nprev", "windows", "weights", "log1p_rec", "age_pow", "scores", "mark")
-    ]  # fmt: skip
+        (n, P) for n in ARRAYS
+    ]
 
 
 def library_path() -> Path | None:
@@ -39,10 +39,10 @@ def library_path() -> Path | None:
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     I = ctypes.c_int  # noqa: E741
-    lib.mlxs_pred_access.restype = I
-    lib.mlxs_pred_access.argtypes = [P, P, I]
-    lib.mlxs_pred_victims.restype = I
-    lib.mlxs_pred_victims.argtypes = [P, I, P, I, P, I, P]
+    lib.mlxs_scored_access.restype = I
+    lib.mlxs_scored_access.argtypes = [P, P, I]
+    lib.mlxs_scored_victims.restype = I
+    lib.mlxs_scored_victims.argtypes = [P, I, P, I, P]
     return lib
 
 
@@ -67,17 +67,25 @@ def use_library(path: str | Path) -> None:
 
 
 class NativeState:
-    """A ``State`` over a ``Predictive``'s arrays, and the calls on it. Ids pass through
-    buffers of its own, whose addresses are taken once."""
+    """A ``State`` over a ``Scored`` policy's arrays (``state``: shared, not copied), and
+    the calls on it. Ids pass through buffers of its own, whose addresses are taken once."""
 
-    def __init__(self, lib: ctypes.CDLL, arrays: dict[str, np.ndarray], sizes: dict[str, int]):
+    def __init__(self, lib, state: dict, weights, log1p_rec, age_pow, windows):
+        E = len(state["last"])
+        arrays = dict(state)
+        arrays.update(
+            windows=np.asarray(windows, np.int64), weights=np.asarray(weights, np.float64),
+            log1p_rec=log1p_rec, age_pow=age_pow, scores=np.zeros(E), mark=np.zeros(E, np.uint8),
+        )  # fmt: skip
+        sizes = dict(
+            experts=E, history=len(state["cum"]), nwin=len(windows), nrec=len(log1p_rec),
+            nage=len(age_pow),
+        )  # fmt: skip
         self.lib, self._arrays = lib, arrays  # the arrays stay alive with the state
-        self.state = State(**sizes, **{k: a.ctypes.data for k, a in arrays.items()})
+        self.state = State(**sizes, **{k: arrays[k].ctypes.data for k in ARRAYS})
         self._ref = ctypes.byref(self.state)
-        E = sizes["experts"]
         self._ids = np.zeros((2, E), np.int64)  # a lookup's or protected ids; victims out
         self._in, self._out = (r.ctypes.data for r in self._ids)
-        self._prev, self._nprev = arrays["prev"].ctypes.data, arrays["nprev"]
 
     def _load(self, ids) -> int:
         """Copy distinct expert ids into the input buffer; their count."""
@@ -85,21 +93,20 @@ class NativeState:
         if n > self._ids.shape[1]:
             raise ValueError(f"expert ids out of range: {sorted(ids)} (more than the layer has)")
         if n:
-            self._ids[0, :n] = list(ids) if isinstance(ids, (set, frozenset)) else ids
+            self._ids[0, :n] = ids
         return n
 
     def access(self, experts) -> None:
         """One lookup of distinct ``experts``."""
         n = self._load(experts)
-        if self.lib.mlxs_pred_access(self._ref, self._in, n):
+        if self.lib.mlxs_scored_access(self._ref, self._in, n):
             raise ValueError(f"expert ids out of range: {list(experts)}")
 
-    def victims(self, n: int, protect) -> list[int]:
-        """``n`` victims outside ``protect``; the transition score follows ``protect``,
-        or the latest lookup where ``protect`` is empty (as ``Predictive.victims``)."""
+    def victims(self, n: int, protect: np.ndarray) -> list[int]:
+        """``n`` victims outside ``protect`` (sorted); the transition score follows
+        ``protect``, or the latest lookup where it is empty (as ``Scored.victims``)."""
         k = self._load(protect)
-        cur, ncur = (self._in, k) if k else (self._prev, int(self._nprev[0]))
-        got = self.lib.mlxs_pred_victims(self._ref, n, self._in, k, cur, ncur, self._out)
+        got = self.lib.mlxs_scored_victims(self._ref, n, self._in, k, self._out)
         if got < 0:
-            raise ValueError(f"expert ids out of range: {sorted(protect)}")
+            raise ValueError(f"expert ids out of range: {protect.tolist()}")
         return self._ids[1, :got].tolist()

@@ -1,8 +1,8 @@
-/* The predictive eviction policy's arithmetic (predictive.py, class Predictive) on arrays
-   that Python owns: one call per lookup, one per choice of victims. The scores are the
-   Python reference's to the bit: the same operations in the same order, in the same
-   precisions, transcendental functions read from tables that Python filled, and no
-   fused multiply-adds (setup.py builds with -ffp-contract=off). */
+/* The eviction ranking's arithmetic (scored.py, class Scored) on arrays that Python owns:
+   one call per lookup, one per choice of victims. The scores are the numpy reference's to
+   the bit: the same operations in the same order, in the same precisions, transcendental
+   functions read from tables that Python filled, terms of weight 0 left out, and no fused
+   multiply-adds (setup.py builds with -ffp-contract=off). */
 #include <stdint.h>
 #include <string.h>
 
@@ -11,14 +11,14 @@
 static int64_t clamp(int64_t v, int64_t hi) { return v < 0 ? 0 : (v > hi ? hi : v); }
 
 /* Is every expert id in idx[0..n) in [0, E)? */
-static int valid(const mlxs_predictive *p, const int64_t *idx, int n) {
+static int valid(const mlxs_scored *p, const int64_t *idx, int n) {
   if (n < 0 || n > p->experts) return 0;
   for (int i = 0; i < n; i++)
     if (idx[i] < 0 || idx[i] >= p->experts) return 0;
   return 1;
 }
 
-int mlxs_pred_access(mlxs_predictive *p, const int64_t *idx, int n) {
+int mlxs_scored_access(mlxs_scored *p, const int64_t *idx, int n) {
   if (!valid(p, idx, n)) return -1;
   const int64_t E = p->experts, H = p->history, t = *p->t;
   for (int64_t i = 0; i < *p->nprev; i++) { /* transitions: prev -> idx */
@@ -44,26 +44,33 @@ int mlxs_pred_access(mlxs_predictive *p, const int64_t *idx, int n) {
   return 0;
 }
 
-/* The score of expert e (Predictive.scores, one element), given the transition rows of
+/* The score of expert e (Scored.scores, one element), given the transition rows of
    the call being served. */
-static double score(const mlxs_predictive *p, int64_t e, const int64_t *cur, int ncur) {
+static double score(const mlxs_scored *p, int64_t e, const int64_t *cur, int ncur) {
   const int64_t E = p->experts, H = p->history, t = *p->t, last = t - 1;
   const int64_t rec = p->last[e] >= 0 ? clamp(t - p->last[e], p->nrec - 1) : p->nrec - 1;
-  double s = p->weights[0] * p->log1p_rec[rec];
+  const double *w = p->weights;
+  double s = 0.0;
+  if (w[0] != 0.0) s = s + w[0] * p->log1p_rec[rec];
   const double now = last >= 0 ? p->cum[(last % H) * E + e] : 0.0;
-  for (int w = 0; w < p->nwin; w++) {
-    const int64_t span = p->windows[w];
+  for (int i = 0; i < p->nwin; i++) {
+    const int64_t span = p->windows[i];
     const double win = last >= span ? now - p->cum[((last - span) % H) * E + e] : now;
-    s = s + p->weights[1 + w] * win;
+    if (w[1 + i] != 0.0) s = s + w[1 + i] * win;
   }
-  float tr = 0.0f;
-  for (int i = 0; i < ncur; i++) {
-    const float r = p->row[cur[i]];
-    tr = tr + p->trans[cur[i] * E + e] / (r > 1.0f ? r : 1.0f);
+  if (w[1 + p->nwin] != 0.0) {
+    float tr = 0.0f;
+    for (int i = 0; i < ncur; i++) {
+      const float r = p->row[cur[i]];
+      tr = tr + p->trans[cur[i] * E + e] / (r > 1.0f ? r : 1.0f);
+    }
+    s = s + w[1 + p->nwin] * (double)tr;
   }
-  s = s + p->weights[1 + p->nwin] * (double)tr;
-  const double aged = p->aged[e] * p->age_pow[clamp(last - p->aged_at[e], p->nage - 1)];
-  return s + p->weights[2 + p->nwin] * aged;
+  if (w[2 + p->nwin] != 0.0) {
+    const double aged = p->aged[e] * p->age_pow[clamp(last - p->aged_at[e], p->nage - 1)];
+    s = s + w[2 + p->nwin] * aged;
+  }
+  return s;
 }
 
 /* Does candidate a go before b: lower score, then older, then lower id? */
@@ -73,12 +80,14 @@ static int before(double sa, int64_t la, int64_t a, double sb, int64_t lb, int64
   return a < b;
 }
 
-int mlxs_pred_victims(mlxs_predictive *p, int n, const int64_t *protect, int nprotect,
-                      const int64_t *cur, int ncur, int64_t *out) {
-  if (n < 0 || !valid(p, protect, nprotect) || !valid(p, cur, ncur)) return -1;
+int mlxs_scored_victims(mlxs_scored *p, int n, const int64_t *protect, int nprotect, int64_t *out) {
+  if (n < 0 || !valid(p, protect, nprotect)) return -1;
+  const int64_t *cur = nprotect ? protect : p->prev;
+  const int ncur = nprotect ? nprotect : (int)*p->nprev;
+  if (!valid(p, cur, ncur)) return -1;
   const int64_t E = p->experts;
   uint8_t *ok = p->mark;
-  for (int64_t e = 0; e < E; e++) ok[e] = p->resident[e] != 0;
+  for (int64_t e = 0; e < E; e++) ok[e] = p->resident[e] != 0 && p->pinned[e] == 0;
   for (int i = 0; i < nprotect; i++) ok[protect[i]] = 0;
   int64_t cands = 0;
   for (int64_t e = 0; e < E; e++) cands += ok[e];

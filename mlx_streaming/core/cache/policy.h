@@ -1,5 +1,5 @@
-/* The predictive eviction policy in native code (policy.c); driven through ctypes by
-   predictive.py's Predictive, which owns every array named here. */
+/* The eviction ranking in native code (policy.c); driven through ctypes by scored.py's
+   Scored, which owns every array named here. */
 #ifndef MLXS_POLICY_H
 #define MLXS_POLICY_H
 
@@ -14,6 +14,7 @@ typedef struct {
   int64_t *t;              /* lookups so far (one value) */
   int64_t *last;           /* [E] lookup of each expert's last use, -1: never */
   uint8_t *resident;       /* [E] */
+  uint8_t *pinned;         /* [E] never victims */
   float *trans;            /* [E * E] transition counts: e at t -> e' at t + 1 */
   float *row;              /* [E] their row sums */
   double *cum;             /* [H * E] running lookup counts, row t % H */
@@ -27,14 +28,14 @@ typedef struct {
   const double *age_pow;   /* [nage] AGE ** d, the last for larger d */
   double *scores;          /* [E] scratch */
   uint8_t *mark;           /* [E] scratch */
-} mlxs_predictive;
+} mlxs_scored;
 
-/* One lookup of distinct experts idx[0..n): the policy's update. 0, or -1 for bad ids. */
-int mlxs_pred_access(mlxs_predictive *p, const int64_t *idx, int n);
+/* One lookup of distinct experts idx[0..n): the ranking's update. 0, or -1 for bad ids. */
+int mlxs_scored_access(mlxs_scored *p, const int64_t *idx, int n);
 
-/* Up to n resident experts outside protect to evict, best first, into out; the
-   transition score follows the experts cur[0..ncur). The count, or -1 for bad ids. */
-int mlxs_pred_victims(mlxs_predictive *p, int n, const int64_t *protect, int nprotect,
-                      const int64_t *cur, int ncur, int64_t *out);
+/* Up to n resident, unpinned experts outside protect[0..nprotect) (the call's experts,
+   sorted) to evict, best first, into out; the transition score follows protect, or the
+   last lookup where it is empty. The count, or -1 for bad ids. */
+int mlxs_scored_victims(mlxs_scored *p, int n, const int64_t *protect, int nprotect, int64_t *out);
 
 #endif

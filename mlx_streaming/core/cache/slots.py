@@ -76,6 +76,7 @@ class SlotCache:
         self.pinned_mask[:] = 0
         self.pinned_mask[list(experts)] = 1
         self.pin_count = int(self.pinned_mask.sum())
+        self._policy.pin(np.flatnonzero(self.pinned_mask))
 
     @property
     def resident(self) -> int:
@@ -125,17 +126,16 @@ class SlotCache:
         out += [rest[i : i + room] for i in range(room, len(rest), room)]
         return out
 
-    def reserve(self, experts, protect: set[int], limit: int | None = None) -> list[Placement]:
+    def reserve(self, experts, protect: np.ndarray, limit: int | None = None) -> list[Placement]:
         """Take slots for ``experts`` (not resident, not pending): free slots first, then
-        the policy's victims outside ``protect`` and the pins. Victims leave now; the
-        slots are pending until ``commit``/``abort``. With ``limit``, place at most that
-        many (best effort, for prefetch); otherwise all or raise."""
+        the policy's victims outside ``protect`` (the call's experts, sorted) and the
+        pins. Victims leave now; the slots are pending until ``commit``/``abort``. With
+        ``limit``, place at most that many (best effort, for prefetch); otherwise all or
+        raise."""
         want = [int(e) for e in experts]
         n = len(want) if limit is None else min(len(want), limit)
         slots = [(int(s), -1) for s in np.flatnonzero(self.expert_in < 0)[:n]]
         if len(slots) < n:
-            if self.pin_count:
-                protect = protect | self.pinned
             victims = self.policy.victims(n - len(slots), protect)
             if len(victims) < n - len(slots) and limit is None:
                 raise RuntimeError(
@@ -180,7 +180,7 @@ class SlotCache:
     def lookup(self, experts: np.ndarray) -> list[Placement]:
         """Simulate one call: reserve, commit and count. Returns the placements."""
         _, misses = self.split(experts)
-        placed = self.reserve(misses, set(experts.tolist()))
+        placed = self.reserve(misses, experts)
         self.commit(placed)
         self.access(experts, len(misses))
         return placed
