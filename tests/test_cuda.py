@@ -92,36 +92,54 @@ def test_verify_on_cuda(models, capsys):
     assert mx.default_device() != mx.cpu
 
 
-def test_device_path_hits_equal_the_lru_simulator(models):
-    """The device path's slot table evicts as ``policy.LRU`` does: replaying skewed
-    routing through it gives the simulator's hits, misses and evictions, per layer, and
-    the slots it filled hold the records' bytes. A stretch with recording on runs on the
-    host path (LRU too): the table goes to the host and back without losing a thing."""
+@pytest.mark.parametrize("policy", ["lru", "predictive"])
+def test_device_path_plans_as_the_reference_and_the_simulator(models, policy):
+    """The device path's planning kernel equals its numpy reference call by call (the
+    slot of every row, the misses and the slots they went to) and, over the run, the
+    host's simulator with the same policy: hits, misses, evictions, the slot table and
+    every array of the ranking's state. A stretch with recording on runs on the host path:
+    the table and the ranking go to the host and back without losing a thing. The slots
+    it filled hold the records' bytes."""
     from mlx_streaming import FileExpertStore
-    from mlx_streaming.core.cache.policy import LRU
+    from mlx_streaming.core.cache.device_plan import layer_arrays, plan_reference
+    from mlx_streaming.core.cache.policy import make_policy
+    from mlx_streaming.core.cache.scored import WEIGHTS
     from mlx_streaming.core.cache.slots import SlotCache
 
     _, ed = models.experts("tiny-qwen3_moe", dtype="bfloat16")
     meta = load_meta(ed)
     E, k, cap = meta.num_experts, meta.top_k, meta.num_experts // 2
-    store = FileExpertStore(ed, capacity=cap, map_files=True, device_reads=True, policy="lru")
+    store = FileExpertStore(ed, capacity=cap, map_files=True, device_reads=True, policy=policy)
     assert store.device is not None
     rng = np.random.default_rng(0)
     hot = rng.permutation(E)  # a skewed, drifting choice of k distinct experts per step
-    sims = {li: SlotCache(E, cap, LRU(E, cap)) for li in store.layers}
+    sims = {li: SlotCache(E, cap, make_policy(policy, E, cap)) for li in store.layers}
+    refs: dict = {}  # the reference's arrays, handed over as the device's are
     for step in range(200):
         store.record = 80 <= step < 120  # recording reads the routing: the host path
         for li in store.layers:
             w = 1.0 / (1 + np.arange(E)) ** 1.2
             order = np.roll(hot, step // 25 + li)
-            ids = rng.choice(order, size=k, replace=False, p=w / w.sum())
-            call = store.request(li, mx.array(ids[None].astype(np.uint32)), overlap=False)
+            ids = rng.choice(order, size=k, replace=False, p=w / w.sum()).astype(np.uint32)
+            on_device = li in store.device.on_device
+            call = store.request(li, mx.array(ids[None]), overlap=False)
             assert (call.slots is None) == store.record
             if call.slots is None:
+                refs.pop(li, None)
                 slots = [s for _, s in call.steps()][-1]
                 call.done(mx.array(slots.astype(np.int32)))
             else:
+                if not on_device or li not in refs:  # handed over just now
+                    c = sims[li]
+                    c.flush()
+                    refs[li] = layer_arrays(E, cap)
+                    refs[li]["slot_of"][:], refs[li]["expert_in"][:] = c.slot_of, c.expert_in
+                    for name, a in c.policy.state.items():
+                        refs[li][name][...] = a
+                    refs[li]["counters"][5] = int((c.expert_in < 0).sum())
+                want, _ = plan_reference(refs[li], WEIGHTS[policy], ids[None])
                 mx.eval(call.slots)  # nothing here chains the calls: run each in turn
+                assert np.array_equal(np.array(call.slots), want), (step, li)
                 call.done(call.slots)
             sims[li].lookup(np.unique(ids))
     report = store.layer_report()  # brings every table and counter back
@@ -134,9 +152,10 @@ def test_device_path_hits_equal_the_lru_simulator(models):
             want.evictions,
         ), li
         cache = store.caches[li]
-        assert sorted(cache.expert_in[cache.expert_in >= 0]) == sorted(
-            sims[li].expert_in[sims[li].expert_in >= 0]
-        )
+        sims[li].flush()
+        assert np.array_equal(cache.slot_of, sims[li].slot_of), li
+        for name, a in sims[li].policy.state.items():
+            assert np.array_equal(cache.policy.state[name], a), (li, name)
     li = store.layers[0]  # a filled slot holds its record's bytes
     lay, pool, cache = meta.layers[li], store.pool(li), store.caches[li]
     raw = np.fromfile(meta.file(li), np.uint8)

@@ -64,7 +64,7 @@ class StreamConfig:
         "EXPERT_POOL_PROFILE), none, or a path"
     )  # fmt: skip
     policy: str = option(
-        DEFAULT_POLICY, "eviction policy (of the host path: --device-reads evicts by LRU)",
+        DEFAULT_POLICY, "eviction policy (on every path: the device path evicts by the same ranking)",
         choices=sorted(POLICIES),
     )  # fmt: skip
     threads: int | None = option(
@@ -85,7 +85,7 @@ class StreamConfig:
     device_reads: bool | None = option(
         None, "a decode step's misses are copied into their slots by the GPU itself, from "
         "the page-locked file mapping, inside the step's graph: no host synchronisation "
-        "per MoE layer; those steps evict by LRU, prompts keep the host path and --policy "
+        "per MoE layer; prompts keep the host path; both evict by --policy "
         "(default: on with cuda pools and mapped files, unless --prefetch)",
     )  # fmt: skip
     checksums: bool = option(

@@ -4,10 +4,10 @@ Where the expert files are mapped, page-locked and mapped into the device's addr
 (``map_files`` on CUDA), the device itself can serve a small call's misses. Two kernels
 join the call's graph, before the expert matmuls:
 
-* ``plan`` (one warp) looks the routed ids up in a slot table kept in device memory,
-  evicts the least recently used slots outside the call for the misses (within one call,
-  the lowest expert first, as ``policy.LRU``: the same hits as the simulator's), and
-  outputs the rows' slot ids and the list of (expert, slot) to fill;
+* ``plan`` (``device_plan``: one block) looks the routed ids up in a slot table kept in
+  device memory, takes slots for the misses from the store's own policy (its ranking's
+  state lives beside the table: the same victims as on the host, to the bit), updates
+  the ranking, and outputs the rows' slot ids and the list of (expert, slot) to fill;
 * ``fill`` (the whole device) copies each listed record's parts from the mapped file into
   its slot, then passes the slot ids on, so that the matmuls, which read them, run after.
 
@@ -16,8 +16,9 @@ is the same matmul on the same bytes as in the host path, so outputs stay bit-id
 
 The slot table has one owner at a time. A call the device path cannot take (a prompt,
 recording, pins that leave too few slots) first brings the layer's table back to the
-host's ``SlotCache`` (``to_host``), and the next device call sends it over again
-(``to_device``), recency order included. Stats are brought back the same way.
+host's ``SlotCache`` and its policy (``to_host``), and the next device call sends them
+over again (``to_device``): the table and the ranking's arrays are copied whole, so
+nothing of the policy's order is lost or rebuilt. Counters come back the same way.
 """
 
 from __future__ import annotations
@@ -27,89 +28,28 @@ import numpy as np
 
 from ..io import cuda
 from .calls import LayerCall
+from .device_plan import (
+    EVICTIONS,
+    FAILED,
+    FREE,
+    HITS,
+    MAX_EXPERTS,
+    MAX_IDS,
+    MISSED_CALLS,
+    MISSES,
+    N_COUNTERS,
+    PLAN,
+    POINTERS,
+    THREADS,
+    constants,
+    layer_arrays,
+    template,
+)
 from .pool import LayerPool, device_address
 from .slots import SlotCache
 from .stats import LayerStats
 
-MAX_IDS = 64  # routed ids per call the device path takes (a decode step's)
-PINNED = 2**31 - 1  # a pinned slot's stamp: never a victim
-COUNTERS = 8  # clock, hits, misses, evictions, calls with misses, failures, spare
 FILL_BLOCKS, FILL_THREADS = 1024, 256
-
-_PLAN = """
-    int* t = (int*)(st[0]);
-    int* slot_of = t;
-    int* expert_in = t + E;
-    int* stamp = t + E + S;
-    int* ctr = t + E + 2 * S;
-    const int lane = threadIdx.x;
-    __shared__ int clock_now;
-    if (lane == 0) {
-        clock_now = ctr[0] + 1;
-        ctr[0] = clock_now;
-    }
-    __syncthreads();
-    const int clock = clock_now;
-    for (int i = lane; i < N; i += 32) {  // this call's resident experts are protected
-        int s = slot_of[(int)ids[i]];
-        if (s >= 0 && stamp[s] != PINNED) stamp[s] = clock;
-    }
-    __syncthreads();
-    int hits = 0, misses = 0, evicted = 0, failed = 0;
-    for (int i = 0; i < N; i++) {
-        const int e = (int)ids[i];
-        int s = slot_of[e];
-        if (s < 0) {  // a miss: the least recently used slot outside the call
-            unsigned long long best = ~0ull;
-            for (int j = lane; j < S; j += 32) {
-                int sj = stamp[j];
-                if (sj < clock) {  // oldest first; within a call, lowest expert (as LRU)
-                    unsigned long long key = ((unsigned long long)(unsigned)(sj + 1) << 32) |
-                                             ((unsigned long long)(expert_in[j] + 1) << 16) |
-                                             (unsigned long long)j;
-                    best = key < best ? key : best;
-                }
-            }
-            for (int off = 16; off > 0; off >>= 1) {
-                unsigned long long o = __shfl_down_sync(0xffffffffu, best, off);
-                best = o < best ? o : best;
-            }
-            if (lane == 0) {
-                if (best == ~0ull) {
-                    failed++;
-                } else {
-                    int v = (int)(best & 0xffffull);
-                    int old = expert_in[v];
-                    if (old >= 0) {
-                        slot_of[old] = -1;
-                        evicted++;
-                    }
-                    expert_in[v] = e;
-                    slot_of[e] = v;
-                    stamp[v] = clock;
-                    fills[1 + 2 * misses] = e;
-                    fills[2 + 2 * misses] = v;
-                    misses++;
-                }
-            }
-            __syncthreads();
-            s = slot_of[e];
-        } else if (lane == 0) {
-            bool again = false;
-            for (int j = 0; j < i; j++) again = again || ((int)ids[j] == e);
-            hits += again ? 0 : 1;
-        }
-        if (lane == 0) slots[i] = s < 0 ? 0 : s;
-    }
-    if (lane == 0) {
-        fills[0] = misses;
-        ctr[1] += hits;
-        ctr[2] += misses;
-        ctr[3] += evicted;
-        ctr[4] += misses > 0;
-        ctr[5] += failed;
-    }
-"""
 
 _FILL = """
     const char* src = (const char*)(meta[0]);
@@ -144,11 +84,20 @@ def _word(values: list[int]) -> int:
     return next(w for w in _WORDS if all(v % w == 0 for v in values))
 
 
+def _offsets(arrays: dict[str, np.ndarray], start: int = 0) -> tuple[dict[str, int], int]:
+    """16-byte aligned offsets of ``arrays`` packed one after the other; the end."""
+    out, pos = {}, start
+    for name, a in arrays.items():
+        out[name] = pos
+        pos += (a.nbytes + 15) // 16 * 16
+    return out, pos
+
+
 class DevicePath:
     """Serves small layer calls of cuda pools on the device (see the module's text).
 
     Args:
-        caches, pools, stats: the store's, per layer.
+        caches, pools, stats: the store's, per layer (each cache's policy a ``Scored``).
         sources: ``{layer: host address}`` of each layer's page-locked file mapping.
         strides: ``{layer: record stride}`` in those files.
     """
@@ -163,27 +112,44 @@ class DevicePath:
     ):
         self.caches, self.pools, self.stats = caches, pools, stats
         self.layers = sorted(caches)
-        for li, c in caches.items():  # a victim's key packs expert + 1 and slot in 16 bits
-            if c.num_experts >= 0xFFFF or c.capacity > 0xFFFF:
+        weights = {tuple(c.policy.w) for c in caches.values()}
+        assert len(weights) == 1, "one policy for every layer"
+        self.weights = weights.pop()
+        for li, c in caches.items():
+            if c.num_experts > MAX_EXPERTS:
                 raise ValueError(
-                    f"layer {li}: {c.num_experts} experts and {c.capacity} slots exceed the "
-                    "device path's 65,534; use device_reads=False"
+                    f"layer {li}: {c.num_experts} experts exceed the device path's "
+                    f"{MAX_EXPERTS}; use device_reads=False"
                 )
-        self._base: dict[int, int] = {}  # layer -> offset of its table (ints)
-        n = 0
+        # every layer's table and ranking, then the constants, in one device buffer
+        self._host: dict[int, dict[str, np.ndarray]] = {}
+        self._off: dict[int, dict[str, int]] = {}
+        self._span: dict[int, tuple[int, int]] = {}
+        pos = 0
         for li in self.layers:
-            self._base[li] = n
-            n += self._size(li)
+            c = caches[li]
+            self._host[li] = layer_arrays(c.num_experts, c.capacity)
+            self._off[li], end = _offsets(self._host[li], pos)
+            self._span[li] = (pos, end)
+            pos = end
+        const = constants(self.weights)
+        const_off, total = _offsets(const, pos)
         mx.clear_cache()  # a fresh device buffer, not a recycled managed one
-        self._table = mx.zeros((n,), mx.int32)  # every layer's table, in device memory
-        mx.eval(self._table)
-        self._addr = device_address(self._table)
-        self._seen = np.zeros((len(self.layers), COUNTERS), np.int64)  # counters taken
+        self._buf = mx.zeros((total,), mx.uint8)
+        mx.eval(self._buf)
+        self._addr = device_address(self._buf)
+        for name, a in const.items():
+            cuda.copy_now(
+                self._addr + const_off[name], np.ascontiguousarray(a).ctypes.data, a.nbytes
+            )
+        self._seen = {li: np.zeros(N_COUNTERS, np.int64) for li in self.layers}
         self.on_device: set[int] = set()  # layers whose table the device owns
         self._outputs: dict[int, mx.array] = {}  # each layer's last device-path output
-        self._st, self._meta, self._fill = {}, {}, {}
+        self._ptrs, self._meta, self._fill = {}, {}, {}
         for li in self.layers:
-            self._st[li] = mx.array(np.array([self._addr + 4 * self._base[li]], np.uint64))
+            off = {**self._off[li], **const_off}
+            addr = [self._addr + off[name] for name in POINTERS]
+            self._ptrs[li] = mx.array(np.array(addr, np.uint64))
             self._meta[li] = self._layer_meta(li, sources[li], strides[li])
             word = self._meta[li][1]
             if word not in self._fill:
@@ -194,17 +160,13 @@ class DevicePath:
                     source=_FILL.replace("WORD", _WORDS[word]),
                     header=_HEADER,
                 )
-        mx.eval([*self._st.values(), *(m for m, _ in self._meta.values())])
+        mx.eval([*self._ptrs.values(), *(m for m, _ in self._meta.values())])
         self._kernel = mx.fast.cuda_kernel(
             name="mlxs_plan",
-            input_names=["ids", "st"],
+            input_names=["ids", "p"],
             output_names=["slots", "fills"],
-            source=_PLAN.replace("PINNED", str(PINNED)),
+            source=PLAN,
         )
-
-    def _size(self, li: int) -> int:
-        c = self.caches[li]
-        return c.num_experts + 2 * c.capacity + COUNTERS
 
     def _layer_meta(self, li: int, source: int, stride: int) -> tuple[mx.array, int]:
         pool = self.pools[li]
@@ -217,10 +179,11 @@ class DevicePath:
 
     # ------------------------------------------------------------ calls
     def takes(self, layer: int, indices: mx.array) -> bool:
-        """Whether the device path can serve a call of ``indices`` (fits in the slots
-        the pins leave)."""
+        """Whether the device path can serve a call of ``indices``: a decode step's few
+        ids that fit in the slots the pins leave, in a pool that cannot hold every
+        expert (one that can is loaded whole by its first call, on the host)."""
         c = self.caches[layer]
-        return indices.size <= min(MAX_IDS, c.capacity - c.pin_count)
+        return c.capacity < c.num_experts and indices.size <= min(MAX_IDS, c.capacity - c.pin_count)
 
     def slots(self, layer: int, indices: mx.array) -> mx.array:
         """The call's slot ids, lazily: misses filled by the device before use."""
@@ -229,10 +192,10 @@ class DevicePath:
         c = self.caches[layer]
         n = indices.size
         slots, fills = self._kernel(
-            inputs=[indices, self._st[layer]],
-            template=[("N", n), ("E", c.num_experts), ("S", c.capacity)],
-            grid=(32, 1, 1),
-            threadgroup=(32, 1, 1),
+            inputs=[indices, self._ptrs[layer]],
+            template=template(c.num_experts, c.capacity, n, self.weights),
+            grid=(THREADS, 1, 1),
+            threadgroup=(THREADS, 1, 1),
             output_shapes=[indices.shape, (1 + 2 * n,)],
             output_dtypes=[mx.int32, mx.int32],
         )
@@ -260,75 +223,81 @@ class DevicePath:
 
     # ------------------------------------------------------------ ownership
     def to_device(self, layer: int) -> None:
-        """Send ``layer``'s slot table (and its policy's eviction order) to the device."""
+        """Send ``layer``'s slot table and its policy's ranking state to the device."""
         c = self.caches[layer]
         c.flush()
         assert not c.pending, "a layer's reads must land before the device takes its table"
-        stamp = np.full(c.capacity, -1, np.int32)
-        resident = c.expert_in[c.expert_in >= 0]
-        pins = c.pinned
-        order = c.policy.victims(len(resident) - len(pins), protect=pins)
-        stamp[c.slot_of[np.asarray(order, np.int64)]] = np.arange(len(order), dtype=np.int32)
-        for e in pins:
-            stamp[c.slot_of[e]] = PINNED
-        head = np.concatenate([c.slot_of, c.expert_in, stamp, [len(order)]]).astype(np.int32)
-        cuda.copy_now(self._addr + 4 * self._base[layer], head.ctypes.data, head.nbytes)
+        host = self._host[layer]
+        host["slot_of"][:], host["expert_in"][:] = c.slot_of, c.expert_in
+        for name, a in c.policy.state.items():
+            host[name][...] = a
+        host["counters"][:] = 0
+        host["counters"][FREE] = int((c.expert_in < 0).sum())
+        self._seen[layer][:] = host["counters"]
+        self._copy(layer, cuda.H2D)
         self.on_device.add(layer)
 
     def to_host(self, layer: int) -> None:
-        """Bring ``layer``'s table back to its ``SlotCache``, once the device is done with
-        it; its counters go to the stats."""
+        """Bring ``layer``'s table and ranking state back to its ``SlotCache`` and
+        policy, once the device is done with them; its counters go to the stats."""
         if layer not in self.on_device:
             return
-        t = self._read(layer)
-        c, pool = self.caches[layer], self.pools[layer]
-        E, S = c.num_experts, c.capacity
-        slot_of, expert_in, stamp = t[:E], t[E : E + S], t[E + S : E + 2 * S]
-        policy = c.policy
-        for e in c.expert_in[c.expert_in >= 0].tolist():
-            policy.remove(e)
-        held = np.flatnonzero(expert_in >= 0)
-        for s in held[np.lexsort((expert_in[held], stamp[held]))].tolist():  # LRU's order
-            policy.insert(int(expert_in[s]))
-        c.set_tables(slot_of, expert_in)
-        pool.set_lut(expert_in[held], held)
-        self._count(layer, t[E + 2 * S :])
+        self._settle(layer)
+        self._copy(layer, cuda.D2H)
+        host, c = self._host[layer], self.caches[layer]
+        for name, a in c.policy.state.items():
+            a[...] = host[name]
+        c.set_tables(host["slot_of"], host["expert_in"])
+        held = np.flatnonzero(c.expert_in >= 0)
+        self.pools[layer].set_lut(c.expert_in[held], held)
+        self._count(layer, host["counters"])
         self.on_device.discard(layer)
 
     def settle_stats(self) -> None:
         """Bring every layer's counters to the stats (tables stay on the device)."""
         for li in sorted(self.on_device):
-            c = self.caches[li]
-            t = self._read(li)
-            self._count(li, t[c.num_experts + 2 * c.capacity :])
+            self._settle(li)
+            ctr = np.zeros(N_COUNTERS, np.int64)
+            src = self._addr + self._off[li]["counters"]
+            cuda.copy_now(ctr.ctypes.data, src, ctr.nbytes, cuda.D2H)
+            self._count(li, ctr)
 
-    def _read(self, layer: int) -> np.ndarray:
+    def _settle(self, layer: int) -> None:
         out = self._outputs.pop(layer, None)
         if out is not None:
             mx.eval(out)  # the layer's kernels have run and no queued matmul reads its slots
-        host = np.zeros(self._size(layer), np.int32)
-        src = self._addr + 4 * self._base[layer]
-        cuda.copy_now(host.ctypes.data, src, host.nbytes, cuda.D2H)
-        return host
+
+    def _copy(self, layer: int, kind: int) -> None:
+        """Copy ``layer``'s arrays between the host's packed image and the device."""
+        lo, hi = self._span[layer]
+        image = np.zeros(hi - lo, np.uint8)
+        host, off = self._host[layer], self._off[layer]
+        if kind == cuda.H2D:
+            for name, a in host.items():
+                image[off[name] - lo : off[name] - lo + a.nbytes] = a.reshape(-1).view(np.uint8)
+            cuda.copy_now(self._addr + lo, image.ctypes.data, image.nbytes)
+            return
+        cuda.copy_now(image.ctypes.data, self._addr + lo, image.nbytes, cuda.D2H)
+        for name, a in host.items():
+            a.reshape(-1).view(np.uint8)[:] = image[off[name] - lo : off[name] - lo + a.nbytes]
 
     def _count(self, layer: int, ctr: np.ndarray) -> None:
-        i = self.layers.index(layer)
         new = ctr.astype(np.int64)
-        d = new - self._seen[i]
-        self._seen[i] = new
-        if d[5]:
+        d = new - self._seen[layer]
+        self._seen[layer] = new.copy()
+        if d[FAILED]:
             raise DevicePathError(
-                f"layer {layer}: the device path found no free slot for {d[5]} misses"
+                f"layer {layer}: the device path found no free slot for {d[FAILED]} misses"
             )
         c, st = self.caches[layer], self.stats[layer]
-        c.stats.hits += int(d[1])
-        c.stats.misses += int(d[2])
-        c.stats.evictions += int(d[3])
-        st.fastpath -= int(d[4])
-        st.fallback += int(d[4])
+        c.stats.hits += int(d[HITS])
+        c.stats.misses += int(d[MISSES])
+        c.stats.evictions += int(d[EVICTIONS])
+        st.fastpath -= int(d[MISSED_CALLS])
+        st.fallback += int(d[MISSED_CALLS])
         nbytes = self.pools[layer].layout.record_bytes
-        st.records_read += int(d[2])
-        st.bytes_read += int(d[2]) * nbytes
+        st.records_read += int(d[MISSES])
+        st.bytes_read += int(d[MISSES]) * nbytes
 
 
 def device_path(store, checksums: bool) -> DevicePath:

@@ -1,0 +1,300 @@
+"""The device path's planning step: one layer call's lookup, victims and policy update,
+as a CUDA kernel, and its numpy reference.
+
+The step does, on the device, what ``SlotCache.lookup`` does on the host with the layer's
+``Scored`` policy: the call's distinct experts (sorted) are looked up in the slot table;
+the misses take free slots (lowest first), then the slots of the ranking's victims
+(resident, unpinned, outside the call; lowest score, then least recently used, then
+lowest id), in ascending expert order; the ranking then sees the lookup. Its state is the
+policy's own arrays (``scored.state_arrays``), copied to the device and back whole, so
+the host and the device rank alike and hand the table to each other without losing
+anything. The kernel's arithmetic is the reference's to the bit (round-to-nearest
+intrinsics: no fused multiply-adds).
+
+``plan_reference`` runs the same step on numpy arrays of the same layout; the CPU tests
+replay routing through it against the host's simulator, the CUDA tests the kernel
+against it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .scored import AGE_POW, HISTORY, LOG1P_REC, WINDOWS, Scored, state_arrays
+
+MAX_IDS = 64  # routed ids per call the device path takes (a decode step's)
+MAX_EXPERTS = 4096  # per layer (the kernel keeps a mark per expert in shared memory)
+THREADS = 256
+# counters kept on the device per layer: hits, misses, evictions, calls with misses,
+# misses left without a slot (a defect), free slots left
+HITS, MISSES, EVICTIONS, MISSED_CALLS, FAILED, FREE = range(6)
+N_COUNTERS = 8
+
+
+def layer_arrays(num_experts: int, capacity: int) -> dict[str, np.ndarray]:
+    """The arrays of one layer's device state, host side: the slot table, the counters
+    and the ranking's state (the order of ``POINTERS``)."""
+    return {
+        "slot_of": np.full(num_experts, -1, np.int32),
+        "expert_in": np.full(capacity, -1, np.int32),
+        "counters": np.zeros(N_COUNTERS, np.int64),
+        **state_arrays(num_experts),
+    }
+
+
+POINTERS = tuple(layer_arrays(1, 1)) + ("weights", "windows", "log1p_rec", "age_pow")
+
+
+def plan_reference(
+    arrays: dict[str, np.ndarray], weights, ids: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """One planning step on ``arrays`` (a layer's, as ``layer_arrays``; updated in
+    place) for routed ``ids``: ``(slot of each row, fills)``, fills ``[n, e0, s0, e1,
+    s1...]``: the misses and the slots they go to."""
+    E, S = len(arrays["slot_of"]), len(arrays["expert_in"])
+    slot_of, expert_in, ctr = arrays["slot_of"], arrays["expert_in"], arrays["counters"]
+    rank = Scored(E, S, weights=weights, native=False)
+    rank.state.update({k: arrays[k] for k in rank.state})  # the arrays, not copies
+    for k, a in rank.state.items():
+        setattr(rank, f"_{k}" if k in ("t", "prev", "nprev", "pinned") else k, a)
+    d = np.unique(ids.astype(np.int64))
+    misses = d[slot_of[d] < 0]
+    free = np.flatnonzero(expert_in < 0)[: len(misses)] if ctr[FREE] else np.zeros(0, np.int64)
+    need = len(misses) - len(free)
+    victims = rank.victims(need, d) if need > 0 else []
+    ctr[FAILED] += need - len(victims) if need > 0 else 0
+    targets = [*free.tolist(), *(int(slot_of[v]) for v in victims)]
+    for v in victims:
+        slot_of[v], arrays["resident"][v] = -1, 0
+    fills = [0]
+    for e, s in zip(misses.tolist(), targets):
+        expert_in[s], slot_of[e], arrays["resident"][e] = e, s, 1
+        fills += [e, s]
+    fills[0] = len(targets)
+    ctr[HITS] += len(d) - len(misses)
+    ctr[MISSES] += len(targets)
+    ctr[EVICTIONS] += len(victims)
+    ctr[MISSED_CALLS] += len(misses) > 0
+    ctr[FREE] -= len(free)
+    rank.access(d)
+    slots = np.maximum(slot_of[ids.astype(np.int64)], 0).astype(np.int32)
+    return slots, np.array(fills, np.int32)
+
+
+def constants(weights) -> dict[str, np.ndarray]:
+    """The arrays every layer's step reads and none writes."""
+    return {
+        "weights": np.asarray(weights, np.float64),
+        "windows": np.asarray(WINDOWS, np.int64),
+        "log1p_rec": LOG1P_REC,
+        "age_pow": AGE_POW,
+    }
+
+
+# The kernel: one block of THREADS threads per call. Template: N (ids), E, S, H, NREC,
+# NAGE, NWIN, SCORE (some weight is not 0). Inputs: ids [N], p [len(POINTERS)] addresses.
+PLAN = """
+    int* slot_of = (int*)p[0];
+    int* expert_in = (int*)p[1];
+    long long* ctr = (long long*)p[2];
+    long long* tp = (long long*)p[3];
+    long long* last = (long long*)p[4];
+    unsigned char* resident = (unsigned char*)p[5];
+    const unsigned char* pinned = (const unsigned char*)p[6];
+    float* trans = (float*)p[7];
+    float* row = (float*)p[8];
+    double* cum = (double*)p[9];
+    double* aged = (double*)p[10];
+    long long* aged_at = (long long*)p[11];
+    long long* prev = (long long*)p[12];
+    long long* nprev = (long long*)p[13];
+    const double* w = (const double*)p[14];
+    const long long* windows = (const long long*)p[15];
+    const double* log1p_rec = (const double*)p[16];
+    const double* age_pow = (const double*)p[17];
+    const int tid = threadIdx.x, nth = blockDim.x;
+    __shared__ int d[N], m[N], target[N], victim[N];
+    __shared__ int nd, nm, nfree, nvict;
+    __shared__ unsigned char ok[E];
+    __shared__ double best_s[32];
+    __shared__ long long best_l[32];
+    __shared__ int best_e[32];
+    const long long t = tp[0];
+    if (tid == 0) {  // the call's distinct experts, sorted; its misses; free slots
+        int n = 0;
+        for (int i = 0; i < N; i++) {
+            int e = (int)ids[i], j = n;
+            bool seen = false;
+            for (int q = 0; q < n; q++) seen = seen || d[q] == e;
+            if (seen) continue;
+            while (j > 0 && d[j - 1] > e) { d[j] = d[j - 1]; j--; }
+            d[j] = e;
+            n++;
+        }
+        nd = n;
+        int k = 0;
+        for (int i = 0; i < n; i++) if (slot_of[d[i]] < 0) m[k++] = d[i];
+        nm = k;
+        int f = 0;
+        for (int s = 0; ctr[5] > 0 && s < S && f < k; s++) if (expert_in[s] < 0) target[f++] = s;
+        nfree = f;
+        nvict = 0;
+    }
+    __syncthreads();
+    const int need = nm - nfree;
+    if (need > 0) {
+        for (int e = tid; e < E; e += nth) ok[e] = resident[e] && !pinned[e];
+        __syncthreads();
+        for (int i = tid; i < nd; i += nth) ok[d[i]] = 0;
+        __syncthreads();
+        __shared__ int ncand;
+        if (tid == 0) ncand = 0;
+        __syncthreads();
+        int mine = 0;
+        for (int e = tid; e < E; e += nth) mine += ok[e];
+        atomicAdd(&ncand, mine);
+        __syncthreads();
+        if (ncand <= need) {  // every candidate, in id order
+            if (tid == 0)
+                for (int e = 0; e < E; e++) if (ok[e]) victim[nvict++] = e;
+        } else {
+            const long long lastn = t - 1;
+            for (int r = 0; r < need; r++) {
+                double bs = 0.0;
+                long long bl = 0;
+                int be = -1;
+                for (int e = tid; e < E; e += nth) {
+                    if (!ok[e]) continue;
+                    double s = 0.0;
+                    if (SCORE) {
+                        long long rec = last[e] >= 0 ? t - last[e] : NREC - 1;
+                        rec = rec < 0 ? 0 : (rec > NREC - 1 ? NREC - 1 : rec);
+                        if (w[0] != 0.0) s = __dadd_rn(s, __dmul_rn(w[0], log1p_rec[rec]));
+                        const double now = lastn >= 0 ? cum[(lastn % H) * E + e] : 0.0;
+                        for (int i = 0; i < NWIN; i++) {
+                            const long long span = windows[i];
+                            const double win = lastn >= span
+                                ? __dsub_rn(now, cum[((lastn - span) % H) * E + e]) : now;
+                            if (w[1 + i] != 0.0) s = __dadd_rn(s, __dmul_rn(w[1 + i], win));
+                        }
+                        if (w[1 + NWIN] != 0.0) {
+                            float tr = 0.0f;
+                            for (int i = 0; i < nd; i++) {
+                                const float rr = row[d[i]];
+                                tr = __fadd_rn(tr, __fdiv_rn(trans[(long long)d[i] * E + e],
+                                                             rr > 1.0f ? rr : 1.0f));
+                            }
+                            s = __dadd_rn(s, __dmul_rn(w[1 + NWIN], (double)tr));
+                        }
+                        if (w[2 + NWIN] != 0.0) {
+                            long long a = lastn - aged_at[e];
+                            a = a < 0 ? 0 : (a > NAGE - 1 ? NAGE - 1 : a);
+                            const double ag = __dmul_rn(aged[e], age_pow[a]);
+                            s = __dadd_rn(s, __dmul_rn(w[2 + NWIN], ag));
+                        }
+                    }
+                    const long long l = last[e];
+                    if (be < 0 || s < bs || (s == bs && (l < bl || (l == bl && e < be)))) {
+                        bs = s; bl = l; be = e;
+                    }
+                }
+                for (int off = 16; off > 0; off >>= 1) {
+                    const double os = __shfl_down_sync(0xffffffffu, bs, off);
+                    const long long ol = __shfl_down_sync(0xffffffffu, bl, off);
+                    const int oe = __shfl_down_sync(0xffffffffu, be, off);
+                    if (oe >= 0 && (be < 0 || os < bs || (os == bs && (ol < bl ||
+                        (ol == bl && oe < be))))) {
+                        bs = os; bl = ol; be = oe;
+                    }
+                }
+                if ((tid & 31) == 0) {
+                    best_s[tid >> 5] = bs; best_l[tid >> 5] = bl; best_e[tid >> 5] = be;
+                }
+                __syncthreads();
+                if (tid == 0) {
+                    for (int q = 1; q < (nth + 31) / 32; q++) {
+                        const int oe = best_e[q];
+                        const double os = best_s[q];
+                        const long long ol = best_l[q];
+                        if (oe >= 0 && (be < 0 || os < bs || (os == bs && (ol < bl ||
+                            (ol == bl && oe < be))))) {
+                            bs = os; bl = ol; be = oe;
+                        }
+                    }
+                    if (be >= 0) { victim[nvict++] = be; ok[be] = 0; }
+                }
+                __syncthreads();
+            }
+        }
+    }
+    __syncthreads();
+    if (tid == 0) {  // evict, place the misses (ascending) in their slots, count
+        const int placed = nfree + nvict;  // nvict <= need; fewer: misses without a slot
+        for (int i = 0; i < nvict; i++) {
+            const int v = victim[i], s = slot_of[v];
+            slot_of[v] = -1;
+            resident[v] = 0;
+            target[nfree + i] = s;
+        }
+        fills[0] = placed;
+        for (int i = 0; i < placed; i++) {
+            const int e = m[i], s = target[i];
+            expert_in[s] = e;
+            slot_of[e] = s;
+            resident[e] = 1;
+            fills[1 + 2 * i] = e;
+            fills[2 + 2 * i] = s;
+        }
+        ctr[0] += nd - nm;
+        ctr[1] += placed;
+        ctr[2] += placed - nfree;
+        ctr[3] += nm > 0;
+        ctr[4] += nm - placed;
+        ctr[5] -= nfree;
+    }
+    __syncthreads();
+    for (int i = tid; i < N; i += nth) {  // each row's slot
+        const int s = slot_of[(int)ids[i]];
+        slots[i] = s < 0 ? 0 : s;
+    }
+    // the ranking sees the lookup (Scored.access): transitions from the last lookup
+    const int np = (int)nprev[0];
+    for (int q = tid; q < np * nd; q += nth) {
+        const long long a = prev[q / nd];
+        trans[a * E + d[q % nd]] = __fadd_rn(trans[a * E + d[q % nd]], 1.0f);
+    }
+    for (int q = tid; q < np; q += nth) row[prev[q]] = __fadd_rn(row[prev[q]], 1.0f);
+    double* cur = cum + (t % H) * E;
+    const double* before = cum + ((t + H - 1) % H) * E;
+    for (int e = tid; e < E; e += nth) cur[e] = t ? before[e] : 0.0;
+    __syncthreads();
+    for (int i = tid; i < nd; i += nth) {
+        const int e = d[i];
+        long long a = t - aged_at[e];
+        a = a < 0 ? 0 : (a > NAGE - 1 ? NAGE - 1 : a);
+        cur[e] = __dadd_rn(cur[e], 1.0);
+        aged[e] = __dadd_rn(__dmul_rn(aged[e], age_pow[a]), 1.0);
+        aged_at[e] = t;
+        last[e] = t;
+        prev[i] = e;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        nprev[0] = nd;
+        tp[0] = t + 1;
+    }
+"""
+
+
+def template(num_experts: int, capacity: int, n_ids: int, weights) -> list[tuple[str, int]]:
+    """The kernel's template arguments for a call of ``n_ids`` ids."""
+    return [
+        ("N", n_ids),
+        ("E", num_experts),
+        ("S", capacity),
+        ("H", HISTORY),
+        ("NREC", len(LOG1P_REC)),
+        ("NAGE", len(AGE_POW)),
+        ("NWIN", len(WINDOWS)),
+        ("SCORE", int(any(float(w) != 0.0 for w in weights))),
+    ]

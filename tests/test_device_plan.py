@@ -1,0 +1,73 @@
+"""The device path's planning step (``device_plan``): its numpy reference replays routing
+exactly as the host's slot table and policy do (same hits, same victims, same slots, same
+ranking state), for every policy; the CUDA kernel is checked against this reference in
+``tests/test_cuda.py``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mlx_streaming.core.cache.device_plan import (
+    EVICTIONS,
+    FREE,
+    HITS,
+    MISSES,
+    layer_arrays,
+    plan_reference,
+)
+from mlx_streaming.core.cache.policy import POLICIES, make_policy
+from mlx_streaming.core.cache.scored import WEIGHTS
+from mlx_streaming.core.cache.slots import SlotCache
+
+
+def skewed_routing(E, k, steps, tokens=1, seed=0):
+    """Per step ``[tokens, k]`` distinct experts per token, skewed and drifting."""
+    rng = np.random.default_rng(seed)
+    hot = rng.permutation(E)
+    w = 1.0 / (1 + np.arange(E)) ** 1.2
+    for step in range(steps):
+        order = np.roll(hot, step // 25)
+        yield np.stack(
+            [rng.choice(order, size=k, replace=False, p=w / w.sum()) for _ in range(tokens)]
+        ).astype(np.uint32)
+
+
+def handed_over(cache: SlotCache) -> dict:
+    """The device's arrays as ``DevicePath.to_device`` fills them from a slot table."""
+    arrays = layer_arrays(cache.num_experts, cache.capacity)
+    arrays["slot_of"][:], arrays["expert_in"][:] = cache.slot_of, cache.expert_in
+    for name, a in cache.policy.state.items():
+        arrays[name][...] = a
+    arrays["counters"][FREE] = int((cache.expert_in < 0).sum())
+    return arrays
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("pins,tokens", [(0, 1), (2, 1), (0, 3)])
+def test_reference_equals_the_simulator(policy, pins, tokens):
+    E, k, cap = 32, 4, 12
+    sim = SlotCache(E, cap, make_policy(policy, E, cap))
+    pinned = np.arange(pins)
+    sim.commit(sim.reserve(pinned, np.zeros(0, np.int64)))
+    sim.pinned = set(pinned.tolist())
+    for ids in skewed_routing(E, k, 20, tokens, seed=1):  # some history first
+        sim.lookup(np.unique(ids))
+    sim.flush()
+    arrays = handed_over(sim)
+    before = sim.stats.hits, sim.stats.misses, sim.stats.evictions
+    for ids in skewed_routing(E, k, 300, tokens, seed=2):
+        slots, fills = plan_reference(arrays, WEIGHTS[policy], ids)
+        placed = sim.lookup(np.unique(ids))
+        want = [len(placed)] + [v for e, s, _ in placed for v in (e, s)]
+        assert fills.tolist() == want
+        assert np.array_equal(slots, sim.slot_of[ids.astype(np.int64)])
+    sim.flush()
+    ctr = arrays["counters"]
+    got = (ctr[HITS], ctr[MISSES], ctr[EVICTIONS])
+    assert got == tuple(a - b for a, b in zip((sim.stats.hits, sim.stats.misses,
+                                               sim.stats.evictions), before))  # fmt: skip
+    assert np.array_equal(arrays["slot_of"], sim.slot_of)
+    assert np.array_equal(arrays["expert_in"], sim.expert_in)
+    for name, a in sim.policy.state.items():
+        assert np.array_equal(arrays[name], a), name
