@@ -22,10 +22,8 @@ side: a drift within the bracket cancels), and, per configuration:
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -45,6 +43,8 @@ from harness import (
     streamed,
 )
 
+from mlx_streaming.commands._args import add_store_args, stream_config
+
 # the host's phases of a layer call, as the store's stats name them
 PHASES = ("ahead_s", "sync_s", "host_s", "read_s", "graph_s")
 
@@ -56,11 +56,9 @@ def main():
     p.add_argument("--prompt-tokens", type=int, help="cut or repeat the prompt to this length")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--cold", default="both", choices=["warm", "cold", "both"])
-    p.add_argument("--threads", type=int, help="read threads (default: the store's)")
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--prefill-residency", type=float, default=0.25)
     p.add_argument("--prefill-chunk", type=int, default=512)
-    p.add_argument("--prefetch", action="store_true")
     p.add_argument(
         "--limited-residency",
         type=float,
@@ -68,38 +66,7 @@ def main():
         help="also run streamed alone at this residency with MLX's memory "
         "limited to trunk + pool + 1 GB",
     )
-    p.add_argument(
-        "--overlap", action=argparse.BooleanOptionalAction, default=None,
-        help="compute resident rows while misses load (default: the store's)",
-    )  # fmt: skip
-    p.add_argument("--policy")
-    p.add_argument("--pool-mode")
-    p.add_argument("--no-checksums", action="store_true")
-    p.add_argument(
-        "--reader",
-        choices=["native", "python"],
-        help="who reads records into slots (default: native for CUDA pools)",
-    )
-    p.add_argument(
-        "--map-files",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="copy records from mappings of the files (default: the store's; on CUDA "
-        "page-locked, so the bound's bandwidth is the host-to-device copy's)",
-    )
-    p.add_argument(
-        "--no-mapped-transfers",
-        action="store_true",
-        help="read the routing and send slot ids through MLX, not mapped memory (an A/B "
-        "of io/mapped on CUDA)",
-    )
-    p.add_argument(
-        "--device-reads",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="decode steps' misses copied by the GPU from the mapped files, no host sync "
-        "(default: the store's, on for cuda pools over mapped files)",
-    )
+    add_store_args(p, sizes=False)  # the package's own streaming flags
     p.add_argument("--timeline", help="write one decode step's host timeline (JSON) here")
     p.add_argument("--profile", help="write a cProfile of one streamed decode run here")
     p.add_argument(
@@ -117,9 +84,8 @@ def main():
         measure_h2d_gbps,
         measure_read_gbps,
     )
-    from mlx_streaming.core.io.native import library
-    from mlx_streaming.core.options import StreamConfig
     from mlx_streaming.core.prefetch.predictor import TransitionPredictor
+    from mlx_streaming.core.runtime import resolve
     from mlx_streaming.planning.trace import TraceOracle
 
     t0 = time.perf_counter()
@@ -131,35 +97,20 @@ def main():
     ids = tok.encode(PROMPT)
     if a.prompt_tokens:
         ids = (ids * (a.prompt_tokens // len(ids) + 1))[: a.prompt_tokens]
-    cfg = StreamConfig(
-        overlap=a.overlap,
-        prefetch=a.prefetch,
+    cfg = stream_config(
+        a,
         predictor=TransitionPredictor.from_trace(trace.split(0.5)[0], meta.top_k)
         if a.prefetch and trace is not None
         else "router",
-        threads=a.threads,
-        checksums=not a.no_checksums,
-        pool_mode=a.pool_mode,
-        reader=a.reader,
-        map_files=a.map_files,
-        device_reads=a.device_reads,
     )
-    if a.policy:
-        cfg = cfg.replace(policy=a.policy)
+    runtime = resolve(cfg, meta)
     load_kw = {"config": cfg}
 
     decode_run(ref, tok, ids, a.tokens)  # warm up stock (compiles kernels)
     h2d = measure_h2d_gbps()  # on a GPU the copy bounds the read path too
-    on_gpu = mx.default_device() != mx.cpu
-    native = library() is not None and (a.reader == "native" or (a.reader is None and on_gpu))
+    native = runtime.reader == "native"
     read = {
-        t: measure_read_gbps(
-            meta,
-            a.threads or (min(15, os.cpu_count() - 1) if native else 4),
-            False,
-            cold=t == "cold",
-            engine=native,
-        )  # fmt: skip
+        t: measure_read_gbps(meta, runtime.threads, False, cold=t == "cold", engine=native)
         for t in ("warm", "cold")
     }
     gbps = {t: min(v, h2d or v) for t, v in read.items()}
@@ -186,8 +137,6 @@ def main():
             )
             kw = {"config": cfg.replace(prefetch=True, predictor=guess)}
         model, _, store, routing = streamed(ck, ed, trace, start, slots=slots, **kw)
-        if a.no_mapped_transfers:
-            store.host.mapped = None
         if isinstance(kw["config"].predictor, TraceOracle):
             kw["config"].predictor.routing = routing
         decode_run(model, tok, ids, a.tokens)  # warm up: fill the pool, compile
@@ -277,14 +226,14 @@ def main():
                 1 - sum(tot[k] for k in PHASES) / tot["wall_s"],
                 4,
             ),
-            "reader": store.reader_name,
+            "runtime": store.runtime.to_json(),
+            "reader": store.runtime.reader,
             "mapped_gb": round(mapped / 1e9, 2),
-            "routing_read": "mlx" if store.host.mapped is None else "mapped",
-            "decode_path": "host" if store.device is None else "device",
+            "decode_path": store.runtime.decode_path,
             # page-locked mappings: the pages stay in memory and only the copy bounds
             **bounds(1 / stock_tps, bpt, h2d if mapped and h2d else gbps[temp], tps),
             "exact_vs_stock": exact,
-            "pool_mode": store.pool_mode,
+            "pool_mode": store.runtime.pool_mode,
         }
         if pred is not None:
             rec["predictor"] = pred if pred == "transition" else f"oracle {pred} (simulation)"
@@ -327,15 +276,12 @@ def main():
             "tokens": a.tokens,
             "prompt_tokens": len(ids),
             "repeat": a.repeat,
-            "threads": a.threads,
-            "prefetch": a.prefetch,
-            "overlap": a.overlap,
+            "runtime": runtime.to_json(),
             "read_gbps_warm": round(read["warm"], 3),
             "read_gbps_cold": round(read["cold"], 3),
             "h2d_gbps": h2d and round(h2d, 2),
             "bound_gbps_warm": round(gbps["warm"], 3),
             "bound_gbps_cold": round(gbps["cold"], 3),
-            "reader": a.reader,
             "configs": out_cfgs,
             "prefill": prefill,
             "memory_limited": limited,

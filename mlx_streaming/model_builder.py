@@ -8,6 +8,7 @@ public function of its own module.
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,6 +19,7 @@ from .core.cache.expert_store import FileExpertStore
 from .core.discovery import find_expert_sites, fingerprint
 from .core.options import StreamConfig
 from .core.prefetch.patch import patch_model_filebacked
+from .core.runtime import resolve
 from .planning.budget import MemoryPlan, default_cache_limit, store_slots
 from .planning.profiles import PROFILE_NAME, read_pool_profile
 from .prep.hub import resolve_model_path
@@ -106,10 +108,9 @@ def load(
         caps = None
     if cfg.budget_gb == "auto":
         cfg = cfg.replace(budget_gb=auto_budget_for(model, cfg.context).budget_bytes / 1e9)
-    if cfg.rows in ("masked", "mixed") and cfg.zero_slot is None:  # they need the zero slot
-        cfg = cfg.replace(zero_slot=True)
-    capacity, layer_caps = store_slots(meta, cfg.slots, cfg.budget_gb, caps)
-    store = FileExpertStore(meta, capacity, layer_caps, config=cfg)
+    runtime = resolve(cfg, meta)
+    capacity, layer_caps = store_slots(meta, cfg.slots, cfg.budget_gb, caps, runtime.zero_slot)
+    store = FileExpertStore(meta, capacity, layer_caps, config=cfg, runtime=runtime)
     if cfg.kernel_check_file is None:
         cfg = cfg.replace(kernel_check_file=env.settings().kernel_check_file)
     try:
@@ -118,6 +119,8 @@ def load(
         store.close()
         raise
     mx.set_cache_limit(memory_plan(model, store, cfg.cache_limit_gb).cache_limit_bytes)
+    if progress is not False:
+        print(store.runtime.line(), file=sys.stderr, flush=True)
     load_trunk(model, progress)
     if pipeline_group is not None:
         parallel.barrier(pipeline_group)
@@ -129,7 +132,6 @@ def auto_budget_for(model, context: int, machine: tuple[int, int] | None = None)
     outside the experts) on this machine (``machine``: ``(total, available)`` bytes, to
     simulate another); prints what it chose and why."""
     import dataclasses
-    import sys
 
     from mlx.utils import tree_flatten
 

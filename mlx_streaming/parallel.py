@@ -229,7 +229,7 @@ class PeerWatch:
 
     MLX waits on a silent peer (stopped, hung, its host unreachable) without a limit.
     While armed (``with watch:``), each ``beat()`` (every expert layer call makes one,
-    through ``FileExpertStore.on_request``) pushes the deadline back; past it, a thread
+    through ``FileExpertStore.watch``) pushes the deadline back; past it, a thread
     (MLX releases the GIL while it waits) runs ``on_silence(message)`` (the server answers
     its request in flight), prints the message naming the rank this one waits on, and
     exits the process with code ``EXIT_PEER_SILENT``.

@@ -45,8 +45,7 @@ def test_load_with_budget(models, tmp_path):
     ck = models.checkpoint("tiny-mixtral")
     _, ed = models.experts("tiny-mixtral")
     meta = load_meta(ed)
-    from mlx_streaming.core.cache.pool import default_zero_slot
-    from mlx_streaming.planning.budget import slot_bytes
+    from mlx_streaming.planning.budget import default_zero_slot, slot_bytes
 
     per_layer = slot_bytes(meta, meta.moe_layers[0])
     zero = int(default_zero_slot())  # GPUs: a zero slot for masked rows; CPU: none

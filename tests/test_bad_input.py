@@ -12,7 +12,7 @@ from mlx_lm import load
 import mlx_streaming
 from mlx_streaming import FileExpertStore, patch_model_filebacked, split_model
 from mlx_streaming.analysis.verify import greedy_trace
-from mlx_streaming.core.cache.loads import ExpertChecksumError
+from mlx_streaming.core.format import ExpertChecksumError
 from mlx_streaming.core.discovery import UnsupportedModelError
 from mlx_streaming.core.format import META_NAME, ExpertDirError
 from mlx_streaming.core.meta import load_meta
@@ -89,8 +89,8 @@ def test_truncated_record_file(copy_of):
         FileExpertStore(ed, capacity=4)
 
 
-@pytest.mark.parametrize("mode", ["host", "mlx"])
-def test_checksum_mismatch_detected_on_read(copy_of, mode):
+@pytest.mark.parametrize("reader", ["native", "python"])
+def test_checksum_mismatch_detected_on_read(copy_of, reader):
     ck, ed = copy_of()
     meta = load_meta(ed)
     layer = meta.moe_layers[0]
@@ -102,7 +102,7 @@ def test_checksum_mismatch_detected_on_read(copy_of, mode):
             b = fh.read(1)
             fh.seek(-1, 1)
             fh.write(bytes([b[0] ^ 0xFF]))
-    model, tok, store = _patch(ck, ed, capacity=meta.top_k, pool_mode=mode)
+    model, tok, store = _patch(ck, ed, capacity=meta.top_k, reader=reader)
     with pytest.raises(
         ExpertChecksumError, match=rf"layer {layer} in .*layer_.*fails its checksum"
     ):
@@ -125,7 +125,7 @@ def test_device_reads_needs_cuda_mappings(copy_of):
     """``device_reads`` off CUDA (or without mapped files) is refused with what it needs;
     nothing of the store stays open."""
     _, ed = copy_of()
-    with pytest.raises(ValueError, match=r"device_reads needs cuda pools.*map_files on"):
+    with pytest.raises(ValueError, match=r"device_reads: the GPU copies misses from page-locked"):
         FileExpertStore(ed, device_reads=True)
 
 

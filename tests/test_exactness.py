@@ -32,7 +32,7 @@ def patched(ck, ed, config=None, **store_kw):
     """The model patched by hand, as the seed script does (the quantization comes from
     the meta)."""
     model, _ = load(str(ck), lazy=True)
-    store = FileExpertStore(ed, **store_kw)
+    store = FileExpertStore(ed, config=config, **store_kw)
     patch_model_filebacked(model, store, config=config)
     return model, store
 
@@ -66,7 +66,7 @@ CONFIGS = {
         "layer_caps": {m.moe_layers[0]: m.num_experts, m.moe_layers[-1]: m.top_k + 1},
     },
     "clear_on_evict": lambda m: {"capacity": m.top_k + 1, "clear_on_evict": True},
-    "mlx_pool": lambda m: {"capacity": m.top_k + 1, "pool_mode": "mlx"},
+    "python_reader": lambda m: {"capacity": m.top_k + 1, "reader": "python"},
     "direct_io": lambda m: {"capacity": m.top_k + 1, "direct_io": True},
     "no_overlap": lambda m: {"capacity": m.top_k + 1, "config": StreamConfig(overlap=False)},
     "masked_rows": lambda m: {
@@ -79,12 +79,10 @@ CONFIGS = {
         "zero_slot": True,
         "config": StreamConfig(rows="mixed"),
     },
-    "native_reader": lambda m: {"capacity": m.top_k + 1, "reader": "native"},
-    "native_reader_masked": lambda m: {
+    "metal_like": lambda m: {  # Metal's runtime: the Python reader, masked rows, no overlap
         "capacity": 2 * m.top_k,
-        "reader": "native",
-        "zero_slot": True,
-        "config": StreamConfig(rows="masked"),
+        "reader": "python",
+        "config": StreamConfig(rows="masked", overlap=False),
     },
     "prefetch": lambda m: {
         "capacity": 2 * m.top_k,

@@ -195,7 +195,7 @@ def run_bench(cfg: BenchConfig, group=None, watch=None) -> dict:
 def _watch(stack: contextlib.ExitStack, watch, store) -> None:
     """Arm ``watch`` (if any) for the rest of the run, beating on each layer call."""
     if watch is not None:
-        store.on_request = watch.beat
+        store.watch(watch.beat)
         stack.enter_context(watch)
 
 

@@ -61,16 +61,18 @@ def positive_float(s: str) -> float:
     return v
 
 
-def add_store_args(p: argparse.ArgumentParser, several: bool = False) -> None:
+def add_store_args(p: argparse.ArgumentParser, several: bool = False, sizes: bool = True) -> None:
     """The streaming flags, one per ``StreamConfig`` field that has a flag, built from
     the field (type, default, help); ``several``: --slots and --budget-gb take a list,
-    one run each."""
+    one run each; ``sizes=False``: no --expert-dir, --slots nor --budget-gb (a caller
+    that sizes the pools itself)."""
     g = p.add_argument_group("streaming (StreamConfig, the options of mlx_streaming.load)")
-    g.add_argument("--expert-dir", help="expert directory (split there on first use)")
-    size = g.add_mutually_exclusive_group()
+    if sizes:
+        g.add_argument("--expert-dir", help="expert directory (split there on first use)")
+    size = g.add_mutually_exclusive_group() if sizes else g
     for f in fields(StreamConfig):
         flag = f.metadata["flag"]
-        if flag is None:
+        if flag is None or (not sizes and f.name in ("slots", "budget_gb", "context")):
             continue
         flag = flag or "--" + f.name.replace("_", "-")
         kw = {"help": f.metadata["help"], **f.metadata["cli"]}

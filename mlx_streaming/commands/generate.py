@@ -64,7 +64,7 @@ def main(argv=None) -> None:
     model, tok, store = load(a.model, **{**load_kwargs(a), **pipe})
     watch = peer_watch(a, group)  # a peer that stops answering ends this rank
     if watch is not None:
-        store.on_request = watch.beat
+        store.watch(watch.beat)
     recorder = None
     if a.record_trace:
         from ..planning.trace import TraceRecorder

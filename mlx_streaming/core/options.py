@@ -3,7 +3,8 @@
 Each field carries its type, default and help, and (where a command exposes it) its
 flag. The commands build their flags from these fields (``commands/_args.py``) and one
 ``StreamConfig`` from the flags; ``load``, ``FileExpertStore``, ``patch_model_filebacked``
-and the benchmark all take that object (or keyword overrides of its fields).
+and the benchmarks all take that object (or keyword overrides of its fields). Where a
+field's default is None ("by backend"), ``runtime.resolve`` decides it, once.
 """
 
 from __future__ import annotations
@@ -17,16 +18,16 @@ from .cache.policy import DEFAULT_POLICY, POLICIES
 
 
 class PoolMode(str, Enum):
-    """How slots are written: ``host`` in place (CPU, unified memory), ``cuda`` by copies
-    into device memory, ``mlx`` by MLX updates (anywhere)."""
+    """Where slots live: ``host`` memory, written in place (CPU, unified memory), or
+    ``cuda`` device memory, written by copies."""
 
     HOST = "host"
     CUDA = "cuda"
-    MLX = "mlx"
 
 
 class Reader(str, Enum):
-    """Who reads records into slots: the compiled reader or Python threads."""
+    """Who reads records into host or unmapped cuda slots: the compiled reader or Python
+    threads (with the files mapped on CUDA the GPU copies them itself)."""
 
     NATIVE = "native"
     PYTHON = "python"
@@ -72,29 +73,30 @@ class StreamConfig:
         "CUDA)"
     )  # fmt: skip
     reader: Reader | None = option(
-        None, "who reads records into slots (default: native on CUDA and the CPU, python "
-        "on Metal)", choices=[r.value for r in Reader]
+        None, "who reads records into the slots: native (the compiled reader; the default "
+        "on the CPU and CUDA) or python (the default on Metal); CUDA with the files "
+        "mapped needs none: the GPU copies them", choices=[r.value for r in Reader]
     )  # fmt: skip
     direct_io: bool = option(False, "bypass the page cache (O_DIRECT / F_NOCACHE)")
     map_files: bool | None = option(
-        None, "the native reader copies records from a mapping of the expert files instead "
-        "of reading them; on CUDA the mapping is page-locked, so the device copies straight "
-        "from the page cache and the files stay in host memory (default: on CUDA when they "
-        "fit in half the available memory; off elsewhere and with --direct-io)",
+        None, "CUDA: map the expert files, page-locked, so that the GPU copies each record "
+        "from them itself, on every path; they stay in host memory (default: when they fit "
+        "in half the available memory, and not with --direct-io)",
     )  # fmt: skip
     device_reads: bool | None = option(
-        None, "a decode step's misses are copied into their slots by the GPU itself, from "
-        "the page-locked file mapping, inside the step's graph: no host synchronisation "
-        "per MoE layer; prompts keep the host path; both evict by --policy "
-        "(default: on with cuda pools and mapped files, unless --prefetch)",
+        None, "CUDA: a decode step's misses are planned and copied by the GPU itself, "
+        "inside the step's graph, with no host synchronisation per MoE layer; prompts "
+        "read their routing on the host; both evict by --policy (default: on with the "
+        "files mapped, unless --prefetch; forced on where it cannot run: refused)",
     )  # fmt: skip
     checksums: bool = option(
         True, "check each record's checksum the first time it is read (--no-checksums: "
         "skip, for benchmarks of the raw read path)", flag="--no-checksums",
     )  # fmt: skip
     pool_mode: PoolMode | None = option(
-        None, "how slots are written (default: by backend)", choices=[m.value for m in PoolMode]
-    )
+        None, "where the slots live (default: cuda on CUDA, host elsewhere)",
+        choices=[m.value for m in PoolMode]
+    )  # fmt: skip
     zero_slot: bool | None = option(
         None, "an all-zero slot per partial pool, for masked rows (default: off the CPU)",
         flag=None,

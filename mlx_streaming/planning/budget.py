@@ -25,10 +25,12 @@ def pool_slots(slots: int, num_experts: int, zero_slot: bool) -> int:
 
 
 def default_zero_slot() -> bool:
-    """Whether pools get a zero slot here (GPU backends, where rows are masked)."""
-    from ..core.cache.pool import default_zero_slot as pool_default
+    """Whether pools get a zero slot here by default (``Runtime.zero_slot``: on GPU
+    backends, where rows are masked)."""
+    from ..core.options import StreamConfig
+    from ..core.runtime import resolve
 
-    return pool_default()
+    return resolve(StreamConfig()).zero_slot
 
 
 @dataclass
@@ -134,14 +136,15 @@ def store_slots(
     slots: int | None = None,
     budget_gb: float | None = None,
     layer_caps: dict[int, int] | None = None,
+    zero_slot: bool | None = None,
 ) -> tuple[int, dict | None]:
     """``(capacity, layer_caps)`` for a ``FileExpertStore``: from ``budget_gb`` through
-    ``plan_budget``, else ``slots`` (default: half the experts, at least top-k) with a
-    pool profile's ``layer_caps``."""
+    ``plan_budget`` (pools with or without their ``zero_slot``), else ``slots``
+    (default: half the experts, at least top-k) with a pool profile's ``layer_caps``."""
     if slots is not None and budget_gb is not None:
         raise ValueError("give either slots or budget_gb, not both")
     if budget_gb is not None:
-        plan = plan_budget(meta, budget_gb)
+        plan = plan_budget(meta, budget_gb, zero_slot=zero_slot)
         return plan.default_slots, plan.slots
     if slots is None:
         slots = default_slots(meta)

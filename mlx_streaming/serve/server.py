@@ -63,7 +63,7 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         if self.watch is not None:
-            store.on_request = self.watch.beat
+            store.watch(self.watch.beat)
         self.model_key = (model_path, None, None)
         self.model, self.tokenizer, self.store = model, tokenizer, store
         self.processor = None

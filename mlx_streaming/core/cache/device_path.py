@@ -8,8 +8,9 @@ join the call's graph, before the expert matmuls:
   device memory, takes slots for the misses from the store's own policy (its ranking's
   state lives beside the table: the same victims as on the host, to the bit), updates
   the ranking, and outputs the rows' slot ids and the list of (expert, slot) to fill;
-* ``fill`` (the whole device) copies each listed record's parts from the mapped file into
-  its slot, then passes the slot ids on, so that the matmuls, which read them, run after.
+* ``fill`` (the store's ``DeviceReader``, the kernel the host path's misses take too)
+  copies each listed record's parts from the mapped file into its slot, then passes the
+  slot ids on, so that the matmuls, which read them, run after.
 
 The host never waits: it builds the next layer at once, as stock mlx-lm does. Every row
 is the same matmul on the same bytes as in the host path, so outputs stay bit-identical.
@@ -22,6 +23,8 @@ nothing of the policy's order is lost or rebuilt. Counters come back the same wa
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -49,39 +52,12 @@ from .pool import LayerPool, device_address
 from .slots import SlotCache
 from .stats import LayerStats
 
-FILL_BLOCKS, FILL_THREADS = 1024, 256
-
-_FILL = """
-    const char* src = (const char*)(meta[0]);
-    const int64_t stride = meta[1];
-    const int parts = (int)meta[2];
-    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long nth = (long long)gridDim.x * blockDim.x;
-    if (tid < N) out[tid] = slots[tid];
-    const int n = fills[0];
-    for (int k = 0; k < n; k++) {
-        const char* rec = src + (int64_t)fills[1 + 2 * k] * stride;
-        const int64_t slot = fills[2 + 2 * k];
-        for (int p = 0; p < parts; p++) {
-            const int64_t* q = meta + 3 + 4 * p;  // offset, bytes, address, row bytes
-            const WORD* a = (const WORD*)(rec + q[0]);
-            WORD* b = (WORD*)((char*)(q[2]) + slot * q[3]);
-            const long long words = q[1] / (int64_t)sizeof(WORD);
-            for (long long w = tid; w < words; w += nth) b[w] = a[w];
-        }
-    }
-"""
-_HEADER = "struct __align__(16) mlxs_w16 { unsigned long long x, y; };"
-_WORDS = {16: "mlxs_w16", 8: "unsigned long long", 4: "unsigned int", 1: "unsigned char"}
+if TYPE_CHECKING:
+    from ..io.device_reader import DeviceReader
 
 
 class DevicePathError(RuntimeError):
     """The device path found no slot for a miss (its eligibility check was wrong)."""
-
-
-def _word(values: list[int]) -> int:
-    """The widest copy word dividing every offset, size and address."""
-    return next(w for w in _WORDS if all(v % w == 0 for v in values))
 
 
 def _offsets(arrays: dict[str, np.ndarray], start: int = 0) -> tuple[dict[str, int], int]:
@@ -98,8 +74,7 @@ class DevicePath:
 
     Args:
         caches, pools, stats: the store's, per layer (each cache's policy a ``Scored``).
-        sources: ``{layer: host address}`` of each layer's page-locked file mapping.
-        strides: ``{layer: record stride}`` in those files.
+        reader: The store's ``DeviceReader``, whose kernel copies the misses in.
     """
 
     def __init__(
@@ -107,10 +82,9 @@ class DevicePath:
         caches: dict[int, SlotCache],
         pools: dict[int, LayerPool],
         stats: dict[int, LayerStats],
-        sources: dict[int, int],
-        strides: dict[int, int],
+        reader: DeviceReader,
     ):
-        self.caches, self.pools, self.stats = caches, pools, stats
+        self.caches, self.pools, self.stats, self.reader = caches, pools, stats, reader
         self.layers = sorted(caches)
         weights = {tuple(c.policy.w) for c in caches.values()}
         assert len(weights) == 1, "one policy for every layer"
@@ -145,37 +119,18 @@ class DevicePath:
         self._seen = {li: np.zeros(N_COUNTERS, np.int64) for li in self.layers}
         self.on_device: set[int] = set()  # layers whose table the device owns
         self._outputs: dict[int, mx.array] = {}  # each layer's last device-path output
-        self._ptrs, self._meta, self._fill = {}, {}, {}
+        self._ptrs = {}
         for li in self.layers:
             off = {**self._off[li], **const_off}
             addr = [self._addr + off[name] for name in POINTERS]
             self._ptrs[li] = mx.array(np.array(addr, np.uint64))
-            self._meta[li] = self._layer_meta(li, sources[li], strides[li])
-            word = self._meta[li][1]
-            if word not in self._fill:
-                self._fill[word] = mx.fast.cuda_kernel(
-                    name=f"mlxs_fill_{word}",
-                    input_names=["fills", "slots", "meta"],
-                    output_names=["out"],
-                    source=_FILL.replace("WORD", _WORDS[word]),
-                    header=_HEADER,
-                )
-        mx.eval([*self._ptrs.values(), *(m for m, _ in self._meta.values())])
+        mx.eval(list(self._ptrs.values()))
         self._kernel = mx.fast.cuda_kernel(
             name="mlxs_plan",
             input_names=["ids", "p"],
             output_names=["slots", "fills"],
             source=PLAN,
         )
-
-    def _layer_meta(self, li: int, source: int, stride: int) -> tuple[mx.array, int]:
-        pool = self.pools[li]
-        src = cuda.device_pointer(source)
-        meta, checked = [src, stride, len(pool.layout.parts)], [src, stride]
-        for p, (addr, row) in zip(pool.layout.parts, pool.row_pointers()):
-            meta += [p.offset, p.nbytes, addr, row]
-            checked += [p.offset, p.nbytes, addr, row]
-        return mx.array(np.array(meta, np.int64)), _word(checked)
 
     # ------------------------------------------------------------ calls
     def takes(self, layer: int, indices: mx.array) -> bool:
@@ -199,22 +154,14 @@ class DevicePath:
             output_shapes=[indices.shape, (1 + 2 * n,)],
             output_dtypes=[mx.int32, mx.int32],
         )
-        meta, word = self._meta[layer]
-        (out,) = self._fill[word](
-            inputs=[fills, slots, meta],
-            template=[("N", n)],
-            grid=(FILL_BLOCKS * FILL_THREADS, 1, 1),
-            threadgroup=(FILL_THREADS, 1, 1),
-            output_shapes=[indices.shape],
-            output_dtypes=[mx.int32],
-        )
+        out = self.reader.fill(layer, fills, slots)
         st = self.stats[layer]
         st.device_calls += 1
         st.fastpath += 1  # until the counters say the call missed
         c.stats.calls += 1
         return out
 
-    def done(self, call: LayerCall, y: mx.array) -> mx.array:
+    def finish(self, call: LayerCall, y: mx.array) -> mx.array:
         """Complete a device-path call: keep its output, evaluated before the host takes
         the table back (then the layer's kernels have run and its slots are read: each
         decode step's output depends on the one before)."""
@@ -298,27 +245,3 @@ class DevicePath:
         nbytes = self.pools[layer].layout.record_bytes
         st.records_read += int(d[MISSES])
         st.bytes_read += int(d[MISSES]) * nbytes
-
-
-def device_path(store, checksums: bool) -> DevicePath:
-    """The device path of ``store`` (``device_reads``), over its native reader's
-    page-locked mappings; with ``checksums`` every record is checked on the host first.
-
-    Raises:
-        ValueError: no cuda pools, or no mapped files.
-        ExpertChecksumError: a corrupt record.
-    """
-    native = store.native
-    if store.pool_mode != "cuda" or native is None or not native.sources:
-        raise ValueError(
-            "device_reads needs cuda pools and the native reader's page-locked mappings "
-            f"(here pool mode {store.pool_mode!r}, reader {store.reader_name!r}, "
-            f"mapped files {bool(native and native.sources)}): run on MLX's CUDA build "
-            "with map_files on"
-        )
-    if checksums:
-        for li in store.layers:
-            native.verify_mapped(li)
-    strides = {li: store.meta.layers[li].stride for li in store.layers}
-    pools = {li: store.pool(li) for li in store.layers}
-    return DevicePath(store.caches, pools, store.stats, native.sources, strides)

@@ -1,13 +1,12 @@
 """``FileExpertStore``: per-layer pools of expert slots filled from an expert directory.
 
-The store joins parts that know nothing of each other: the slot tables and eviction
-policy (``slots``, ``policy``), the device arrays (``pool``), the staging rows
-(``staging``) and the record reader (``io.reader``). A patched MoE layer makes one call
-per layer call, ``request(layer, indices)``, and gets back a ``LayerCall`` holding the
-work: the slot ids to use, computed on the device where nothing can miss, or steps that
-make the call's experts resident (misses read on the reader's threads straight into
-their slots, or through staging, checksummed, and only then marked resident) and name
-the rows each step computes. ``LayerCall.done(y)`` completes it.
+The store joins parts that know nothing of each other, built in dependency order from
+the resolved ``Runtime``: the slot tables and eviction policy (``slots``, ``policy``), the
+device arrays (``pool``), the one reader (``readers``), the loads (``loads``), and the
+paths that serve a call (``host_path``, ``device_path``). A patched MoE layer makes one
+request per layer call, ``request(layer, indices)``, and gets back a ``LayerCall`` (plain
+data): the slot ids to use where the host has no work, or steps, each made ready by
+``step(call, i)``; ``finish(call, y)`` completes it.
 """
 
 from __future__ import annotations
@@ -20,20 +19,20 @@ import mlx.core as mx
 import numpy as np
 
 from ..format import ExpertMeta
-from ..io.native import COUNTERS
-from ..io.reader import RecordReader
+from ..io.mapped import mapped_transfers
 from ..meta import load_meta
 from ..options import StreamConfig
+from ..runtime import Runtime, resolve
 from .calls import LayerCall
-from .device_path import device_path
+from .device_path import DevicePath
 from .host_path import HostPath
 from .loads import Loader
 from .policy import make_policy
-from .pool import LayerPool, capacities, default_slots, default_zero_slot, make_pools
-from .readers import native_reader
+from .pool import LayerPool, capacities, default_slots, make_pools
+from .readers import make_reader
 from .recording import RoutingCounts
 from .slots import SlotCache
-from .stats import LayerStats, ResidentSet, Timeline, stat_names, summarize
+from .stats import HitCounts, LayerStats, ResidentSet, Timeline, stat_names, summarize
 
 
 class FileExpertStore:
@@ -72,17 +71,18 @@ class FileExpertStore:
         layer_caps: dict | None = None,
         *,
         config: StreamConfig | None = None,
+        runtime: Runtime | None = None,
         **options,
     ):
         cfg = (config or StreamConfig()).replace(**options)
         meta = expert_dir if isinstance(expert_dir, ExpertMeta) else load_meta(expert_dir)
         self.meta: ExpertMeta = meta
         self.config = cfg
+        self.runtime = runtime or resolve(cfg, meta)
+        rt = self.runtime
         self.expert_dir = meta.root
         self.top_k = meta.top_k
-        self.clear_on_evict = cfg.clear_on_evict
-        self.checksums = cfg.checksums
-        self.policy_name = cfg.policy
+        self.policy_name = rt.policy
         if capacity is None:
             capacity = cfg.slots or default_slots(meta)
         caps = capacities(meta, capacity, layer_caps)
@@ -90,70 +90,52 @@ class FileExpertStore:
             li: SlotCache(
                 meta.layers[li].num_experts,
                 c,
-                make_policy(cfg.policy, meta.layers[li].num_experts, c),
+                make_policy(rt.policy, meta.layers[li].num_experts, c),
             )
             for li, c in caps.items()
         }
         self.stats = {li: LayerStats() for li in caps}
-        self.zero_slot = default_zero_slot() if cfg.zero_slot is None else bool(cfg.zero_slot)
-        pools = make_pools(meta, caps, cfg.pool_mode and cfg.pool_mode.value, self.zero_slot)
-        self._resident = ResidentSet(pools, self.stats)
-        self.pool_mode = next(iter(self._resident.pools.values())).mode
-        self.reader = RecordReader(threads=cfg.threads or 4, direct=cfg.direct_io)
-        for li in caps:
-            self.reader.open(li, meta.file(li), meta.layers[li].stride)
+        self.zero_slot = rt.zero_slot
+        self.pools = make_pools(meta, caps, rt.pool_mode, rt.zero_slot)
+        self.pool_mode = rt.pool_mode
+        self.reader = make_reader(rt, meta, self.pools)
+        self.lock = threading.RLock()  # the tables and policies, against the policy thread
+        self.loads = Loader(
+            meta, self.caches, self.pools, self.reader, self.stats, cfg.clear_on_evict, self.lock
+        )
         self.routing = RoutingCounts({li: meta.layers[li].num_experts for li in caps})
         self.routing.on = cfg.record
         self.observers: list[Callable] = []  # callables(layer, host_ids) seeing the routing
-        self.on_request: Callable[[], None] | None = None  # called at each layer call
-        self._pending_hits: list = []  # lazy device counts of device-path lookups
-        self.lock = threading.RLock()  # the tables and policies, against the policy thread
+        self._watches: list[Callable[[], None]] = []  # called at each layer call
         self.timeline = Timeline()  # phases of layer calls, when recording
-        want = cfg.reader and cfg.reader.value
-        try:
-            self.native = native_reader(meta, self._resident.pools, self.pool_mode, cfg, want)
-        except BaseException:
-            self.reader.close()  # nothing of a store that failed to open stays behind
-            raise
-        self.reader_name = "python" if self.native is None else "native"
-        if cfg.map_files and self.native is None:  # python reader, mlx pools, none built
-            self.reader.close()
-            raise ValueError("map_files needs the native reader (host or cuda pools)")
         self.host = HostPath(
             self.caches,
-            self._resident.pools,
+            self.pools,
             self.stats,
+            self.loads,
             self.routing,
             self.observers,
-            self.pool_mode,
             self.timeline,
+            mapped_transfers() if rt.pool_mode == "cuda" else None,
         )
-        self.loads = Loader(
-            meta,
-            self.caches,
-            self._resident.pools,
-            self.reader,
-            self.stats,
-            cfg.checksums,
-            cfg.clear_on_evict,
-            self.host.guard,
-            self.lock,
-            native=self.native,
-        )
-        self.host.loads = self.loads
         self.device = None
-        if cfg.device_reads or (cfg.device_reads is None and self._device_by_default(cfg)):
+        if rt.decode_path == "device":
             try:
-                self.device = device_path(self, cfg.checksums)
+                self.device = DevicePath(self.caches, self.pools, self.stats, self.reader)
             except BaseException:
                 self.close()
                 raise
-        self._resident.settle = self._settle_hits
+        self.counts = HitCounts(self.caches, self.stats, self.device)
+        self._resident = ResidentSet(self.pools, self.stats, self.counts)
 
-    def _device_by_default(self, cfg: StreamConfig) -> bool:
-        """``device_reads``' default: cuda pools over mapped files, read-ahead off."""
-        native = self.native
-        return self.pool_mode == "cuda" and bool(native and native.sources) and not cfg.prefetch
+    @property
+    def reader_name(self) -> str:
+        return self.runtime.reader
+
+    def watch(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` at every layer call (e.g. a pipeline's watch: this rank
+        progresses)."""
+        self._watches.append(fn)
 
     @property
     def layers(self) -> list[int]:
@@ -163,7 +145,7 @@ class FileExpertStore:
         return self.caches[layer].capacity
 
     def pool(self, layer: int) -> LayerPool:
-        return self._resident.pools[layer]
+        return self.pools[layer]
 
     @property
     def record(self) -> bool:
@@ -186,58 +168,53 @@ class FileExpertStore:
         """Plan one call of ``layer`` with routing ``indices`` (expert ids).
 
         Where every expert of the layer is resident (and nothing records the routing),
-        the ids are remapped on the device and nothing waits. Otherwise the host path
-        (``host_path``) reads the routing (one sync, which also brings ``also``, e.g. a
-        predictor's guess, to ``call.also``) and starts the misses' reads at once; with
-        ``overlap`` the resident experts' rows form a first step that needs no wait;
-        ``beside`` (the layer's shared experts) is launched right after the routing, to
-        compute while the host plans.
+        the ids are remapped on the device and nothing waits; so on the device path,
+        which plans and fills on the GPU. Otherwise the host path (``host_path``) reads
+        the routing (one sync, which also brings ``also``, e.g. a predictor's guess, to
+        ``call.also``) and starts the misses' reads at once; with ``overlap`` the
+        resident experts' rows form a first step that needs no wait; ``beside`` (the
+        layer's shared experts) is launched right after the routing, to compute while
+        the host plans.
         """
-        if self.on_request is not None:  # e.g. a pipeline's watch: this rank progresses
-            self.on_request()
-        if self.caches[layer].complete and not self.routing.on and not self.observers:
-            t0 = time.perf_counter()
-            self._note_device_call(layer, indices)
-            pool = self.pool(layer)  # slot e holds expert e: the ids are the slots
-            call = LayerCall(
-                layer, _as_is, slots=indices if pool.identity else pool.device_lut()[indices]
-            )
+        for fn in self._watches:
+            fn()
+        t0 = time.perf_counter()
+        watched = self.routing.on or self.observers
+        if self.caches[layer].complete and not watched:
+            self.counts.resident_call(layer, indices)
+            pool = self.pools[layer]  # slot e holds expert e: the ids are the slots
+            slots = indices if pool.identity else pool.device_lut()[indices]
             self.stats[layer].host_s += time.perf_counter() - t0
-            return call
+            return LayerCall(layer, "resident", slots=slots)
         device = self.device
         if device is not None:
-            if not self.routing.on and not self.observers and device.takes(layer, indices):
+            if not watched and device.takes(layer, indices):
                 if layer not in device.on_device:
                     self.loads.settle_started()  # no read left pending in its table
-                t0 = time.perf_counter()
-                call = LayerCall(layer, device.done, slots=device.slots(layer, indices))
+                call = LayerCall(layer, "device", slots=device.slots(layer, indices))
                 self.stats[layer].host_s += time.perf_counter() - t0
                 return call
             device.to_host(layer)  # every host-path call works on the host's table
         return self.host.call(layer, indices, overlap, also, beside)
 
-    def _note_device_call(self, layer: int, indices: mx.array) -> None:
-        """Count a call served without reading the routing (all hits)."""
-        st, cache = self.stats[layer], self.caches[layer]
-        st.device_calls += 1
-        st.fastpath += 1
-        cache.stats.calls += 1
-        k = indices.shape[-1]
-        if indices.size == k:  # one token: its k experts are distinct
-            cache.stats.hits += k
-        else:
-            seen = mx.zeros((cache.num_experts,), mx.int32).at[indices.reshape(-1)].add(1)
-            self._pending_hits.append((layer, (seen > 0).sum()))
+    def step(self, call: LayerCall, i: int):
+        """Step ``i`` of a host-path call, its experts resident (reads waited for, or an
+        expert-major group loaded): ``(rows, slot of every row)``."""
+        return self.host.step(call, i)
 
-    def _settle_hits(self) -> None:
-        if self.device is not None:
-            self.device.settle_stats()
-        if self._pending_hits:
-            vals = [v for _, v in self._pending_hits]
-            mx.eval(vals)
-            for (li, _), v in zip(self._pending_hits, vals):
-                self.caches[li].stats.hits += int(v.item())
-            self._pending_hits.clear()
+    def finish(self, call: LayerCall, y: mx.array) -> mx.array:
+        """Complete ``call`` with its output; returns it."""
+        if call.path == "host":
+            return self.host.finish(call, y)
+        if call.path == "device":
+            return self.device.finish(call, y)
+        return y
+
+    def ids(self, slots: np.ndarray) -> mx.array:
+        """Slot ids made on the host, as a device array (on CUDA through mapped memory,
+        not a host-made MLX buffer, which MLX may first move to managed memory)."""
+        mapped = self.host.mapped
+        return mx.array(slots.astype(np.int32)) if mapped is None else mapped.to_device(slots)
 
     # ------------------------------------------------------------ loading
     def prefetch(self, layer: int, experts, limit: int | None = None) -> int:
@@ -274,11 +251,7 @@ class FileExpertStore:
                 f"{self.top_k} of its {cache.capacity} slots free; pin at most "
                 f"{cache.capacity - self.top_k} or raise the capacity"
             )
-        self.loads.settle(layer)
-        _, misses = cache.split(ids)
-        with self.lock:
-            placed = cache.reserve(misses, protect=ids)
-        self.loads.issue(layer, ids, misses, placed, prefetch=True).wait()
+        self.loads.pin(layer, ids)
         cache.pinned |= set(ids.tolist())
 
     def hot(self, layer: int, n: int) -> list[int]:
@@ -291,23 +264,20 @@ class FileExpertStore:
     # ------------------------------------------------------------ statistics
     def reset_stats(self) -> None:
         """Zero hit/miss and I/O counters (residency, pins and recordings stay)."""
-        if self.device is not None:
-            self.device.settle_stats()  # counted so far: not counted again
-        self._pending_hits.clear()
-        if self.native is not None:
-            self.native.counters[:] = 0
+        self.counts.drop()
+        self.reader.reset_counters()
         for li in self.caches:
             self.caches[li].stats.__init__()
             self.stats[li].__init__()
 
     @property
     def hits(self) -> int:
-        self._settle_hits()
+        self.counts.settle()
         return sum(c.stats.hits for c in self.caches.values())
 
     @property
     def misses(self) -> int:
-        self._settle_hits()
+        self.counts.settle()
         return sum(c.stats.misses for c in self.caches.values())
 
     def hit_rate(self) -> float:
@@ -337,7 +307,7 @@ class FileExpertStore:
         if self.device is not None:  # residency as the device left it
             for li in self.layers:
                 self.device.to_host(li)
-        self._settle_hits()
+        self.counts.settle()
         out = {}
         for li in self.layers:
             c = self.caches[li]
@@ -357,26 +327,13 @@ class FileExpertStore:
         """Counters summed over layers, with hit rate, host µs per call, read-ahead and
         prediction precision, and the reader's bandwidth."""
         t = summarize(self.layer_report())
-        if self.native is not None:  # bytes over the wall time of its reads
-            c = dict(zip(COUNTERS, self.native.counters.sum(0).tolist()))
-            t["read_gbps"] = c["bytes"] / c["busy_ns"] if c["busy_ns"] else 0.0
-        else:
-            t["read_gbps"] = self.reader.stats.gbps()
+        t["read_gbps"] = self.reader.read_gbps()
         t["pool_bytes"] = self.pool_bytes()
-        t["mapped_bytes"] = self.native.mapped_bytes if self.native is not None else 0
+        t["mapped_bytes"] = getattr(self.reader, "mapped_bytes", 0)
         return t
 
     def close(self) -> None:
-        """Finish read-aheads, stop the readers, close the files."""
-        if self.device is not None:
-            mx.synchronize()  # no kernel reads the mappings any more
+        """Finish read-aheads, stop the reader, close the files."""
         for li in self.caches:
             self.loads.settle(li)
-        self.loads.close()
-        if self.native is not None:
-            self.native.close()
         self.reader.close()
-
-
-def _as_is(call: LayerCall, y: mx.array) -> mx.array:
-    return y

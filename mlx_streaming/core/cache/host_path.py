@@ -5,12 +5,10 @@ One host synchronisation per call reads the routing (on CUDA a decode step's thr
 mapped memory, ``io.mapped``, as is a read-ahead predictor's guess); the layer's shared
 experts are launched after it, apart, and compute while the host plans. While the device
 computes the routing, the host applies the previous call's policy update. Then the
-misses start loading at once, on the reader's threads, while the expert graph is built
-(launched once they have landed); with overlap, the resident experts' rows form a first
-step that needs no wait. A call with more distinct experts than slots runs expert-major:
-one group of experts at a time, each read at most once per call. Outputs that read a
-pool written behind MLX's back (host and cuda modes) are tracked and evaluated before
-the pool is next written.
+misses start loading at once, while the expert graph is built (launched once they have
+landed); with overlap, the resident experts' rows form a first step that needs no wait.
+A call with more distinct experts than slots runs expert-major: one group of experts at
+a time, each read at most once per call.
 """
 
 from __future__ import annotations
@@ -21,15 +19,14 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from ..io.mapped import mapped_transfers
-from .calls import LayerCall
+from ..io.mapped import MappedTransfers
+from .calls import LayerCall, Step
 from .loads import Loader
 from .pool import LayerPool
 from .recording import RoutingCounts
 from .slots import SlotCache
 from .stats import LayerStats, Timeline
 
-TRACK_EVAL_BYTES = 1 << 20  # outputs larger than this are evaluated, not held
 SMALL_CALL = 64  # routed rows up to which Python sets beat np.unique (a decode step)
 
 
@@ -61,19 +58,16 @@ class HostPath:
         caches: dict[int, SlotCache],
         pools: dict[int, LayerPool],
         stats: dict[int, LayerStats],
+        loads: Loader,
         routing: RoutingCounts,
         observers: list[Callable],
-        mode: str,
         timeline: Timeline,
+        mapped: MappedTransfers | None,
     ):
-        self.caches, self.pools, self.stats = caches, pools, stats
-        self.timeline = timeline
-        self.routing, self.observers, self.mode = routing, observers, mode
-        self.loads: Loader | None = None  # set by the store (the loader guards with us)
-        self._readers: dict[int, list] = {li: [] for li in caches}  # lazy outputs per layer
+        self.caches, self.pools, self.stats, self.loads = caches, pools, stats, loads
+        self.routing, self.observers, self.timeline = routing, observers, timeline
+        self.mapped = mapped  # cuda pools: a decode step's routing read through mapped memory
         self._previous: int | None = None  # the layer last served
-        # cuda pools: a decode step's routing read through mapped memory (io.mapped)
-        self.mapped = mapped_transfers() if mode == "cuda" else None
 
     def call(
         self,
@@ -106,7 +100,7 @@ class HostPath:
         # what the graph's evaluation raised (a lost pipeline peer), where a numpy
         # conversion would not (MLX 0.32)
         mx.eval(wanted)
-        host = np.array(indices) if done is None else self.mapped.read(indices)
+        host = np.array(indices) if done is None else mapped.read(indices)
         t0 = time.perf_counter()  # host time counts the store's own work, not the wait
         self.timeline.mark(layer, "routed")
         st.sync_s += t0 - t1
@@ -118,96 +112,78 @@ class HostPath:
             self.routing.add(layer, experts, counts)
         self.loads.settle(layer, experts)
         groups = cache.groups(experts, counts)
-        call = LayerCall(layer, self.complete, host_ids=host, settle=len(groups) > 1)
-        call.routed_at = t0
+        call = LayerCall(layer, "host", host_ids=host, routed_at=t0)
         if also is not None:
             call.also = np.array(also) if guess is None else mapped.read(also, 1)
         if len(groups) == 1:
-            call.plan = self._one_group(call, groups[0], overlap)
-        else:
-            call.plan = self._expert_major(call, groups)
-        st.host_s += time.perf_counter() - t0 - call.waited_s
+            self._one_group(call, groups[0], overlap)
+        else:  # expert-major: each group loaded before its step; steps reuse slots
+            call.steps = [Step(member(host, g, cache.num_experts), group=g) for g in groups]
+            call.evaluate_each = True
+        st.host_s += time.perf_counter() - t0
         self.timeline.mark(layer, "planned")
         return call
 
-    def _one_group(self, call: LayerCall, experts: np.ndarray, overlap: bool):
-        """The steps. The misses' reads start now, on the reader's threads. With
+    def _one_group(self, call: LayerCall, experts: np.ndarray, overlap: bool) -> None:
+        """The steps of a call whose experts fit. The misses' reads start now. With
         ``overlap`` (and some experts resident) the resident rows form a first step that
-        does not wait for them; otherwise one step runs every row, its graph built while
-        the reads land (``before_launch`` waits for them)."""
-        pool, host = self.pools[call.layer], call.host_ids
+        does not wait for them; otherwise one step runs every row, its graph built on the
+        reserved slots while the reads land (``finish`` waits before the launch)."""
         cache = self.caches[call.layer]
         split = overlap and 0 < int((cache.slot_of[experts] < 0).sum()) < len(experts)
-        ticket = self.loads.begin(call.layer, experts)
-        call.misses = len(ticket.misses)
-        if not split and pool.mode == "mlx":  # its writes make new arrays: wait first
-            self._wait(call, ticket)
-            return iter([(None, pool.slots_of(host))])
-        if not split:  # host and cuda pools are written in place: build, then wait
-            slots = pool.slots_of(host)
-            for e, s, _ in ticket.placed:  # the misses' slots, reserved (resident on wait)
-                slots[host == e] = s
-            call.before_launch = lambda: self._wait(call, ticket)
-            return iter([(None, slots)])
+        call.ticket = self.loads.begin(call.layer, experts)
+        call.misses = len(call.ticket.misses)
+        if split:
+            miss = member(call.host_ids, call.ticket.misses, cache.num_experts)
+            call.steps = [Step(~miss), Step(miss, after_reads=True)]
+        else:
+            call.steps = [Step()]
+            call.wait_at_launch = True
 
-        def steps():
-            miss = member(host, ticket.misses, cache.num_experts)
-            yield ~miss, pool.slots_of(host)  # resident rows: nothing to wait for
-            self._wait(call, ticket)
-            yield miss, pool.slots_of(host)
+    def step(self, call: LayerCall, i: int) -> tuple[np.ndarray | None, np.ndarray]:
+        """Step ``i``'s rows and the slot of every row, once its experts are resident (or
+        reserved, for a step launched after the reads: see ``finish``)."""
+        s, pool, host = call.steps[i], self.pools[call.layer], call.host_ids
+        if s.group is not None:
+            t0 = time.perf_counter()
+            call.misses += self.loads.fetch(call.layer, s.group)
+            call.waited_s += time.perf_counter() - t0
+            return s.rows, pool.slots_of(host)
+        if s.after_reads:
+            self._wait(call)
+            return s.rows, pool.slots_of(host)
+        slots = pool.slots_of(host)
+        if call.wait_at_launch:  # the misses' slots, reserved (resident once they land)
+            for e, slot, _ in call.ticket.placed:
+                slots[host == e] = slot
+        return s.rows, slots
 
-        return steps()
-
-    def _wait(self, call: LayerCall, ticket) -> None:
+    def _wait(self, call: LayerCall) -> None:
         t0 = time.perf_counter()
-        ticket.wait()
+        call.ticket.wait()
         call.waited_s += time.perf_counter() - t0
         self.timeline.mark(call.layer, "read")
 
-    def _expert_major(self, call: LayerCall, groups: list[np.ndarray]):
-        """More distinct experts than slots: one group at a time, each expert read at
-        most once per call; rows computed exactly as in one shot."""
-        pool, host = self.pools[call.layer], call.host_ids
-        for g in groups:
-            t0 = time.perf_counter()
-            call.misses += self.loads.fetch(call.layer, g)
-            call.waited_s += time.perf_counter() - t0
-            yield member(host, g, self.caches[call.layer].num_experts), pool.slots_of(host)
-
-    def complete(self, call: LayerCall, y: mx.array) -> mx.array:
+    def finish(self, call: LayerCall, y: mx.array) -> mx.array:
         """Wait for the misses' reads if they are still landing; count the call,
         start its output on the device, track it."""
-        if call.before_launch is not None:
-            call.before_launch()
+        if call.wait_at_launch:
+            self._wait(call)
         t0 = time.perf_counter()
         st = self.stats[call.layer]
         if call.misses:
             st.fallback += 1
         else:
             st.fastpath += 1
-        call.launched()
+        launched(call)
         mx.async_eval(y)  # the device starts on it while the next layer is built
         st.gap_s += call.launched_at - call.routed_at
-        self._track_output(call.layer, y)
+        self.loads.outputs.track(call.layer, y)
         st.host_s += time.perf_counter() - t0
         return y
 
-    def _track_output(self, layer: int, y: mx.array) -> None:
-        """Remember a lazy output that reads ``layer``'s pool: it is evaluated before the
-        pool is next written behind MLX's back (host and cuda modes)."""
-        if self.mode == "mlx":
-            return
-        if y.nbytes > TRACK_EVAL_BYTES:  # a long prompt's output: settle it now rather
-            mx.eval(y)  # than hold its buffer until the pool is next written
-            return
-        readers = self._readers[layer]
-        readers.append(y)
-        if len(readers) > 8:  # calls that wrote nothing: settle the older ones
-            mx.eval(readers[:-1])
-            del readers[:-1]
 
-    def guard(self, layer: int) -> None:
-        """Evaluate the outputs still reading ``layer``'s pool (before it is written)."""
-        if self._readers[layer]:
-            mx.eval(self._readers[layer])  # already evaluated in the usual flow: free
-            self._readers[layer].clear()
+def launched(call: LayerCall) -> None:
+    """Note that expert work of ``call`` was just handed to the device."""
+    if call.launched_at is None:
+        call.launched_at = time.perf_counter()

@@ -3,26 +3,19 @@
 Each record part (``gate_proj.weight``, ``gate_proj.scales``...) is one array of shape
 ``[slots, *part_shape]``, allocated once, and a lookup table ``lut[expert] = slot`` lets
 routed expert ids become slot ids with one device gather. Fixed shapes also mean kernels
-compile once. Slots are filled without copying a pool array, in one of three ways:
+compile once. Slots are filled in place, in one of two modes:
 
-* ``host`` (unified memory: CPU, Apple GPUs): records are ``preadv``'d straight into the
-  slot rows of the part arrays. Zero copies.
+* ``host`` (unified memory: CPU, Apple GPUs): the part arrays live in host memory, and
+  the reader writes records into their slot rows.
 * ``cuda`` (MLX's CUDA build): the part arrays are plain device memory (outputs of a
-  GPU op, never read back on the host, whose addresses a one-thread kernel reports);
-  records land in page-locked host rows and are copied into their slots with
-  ``cudaMemcpyAsync``. Device memory, unlike the managed memory MLX gives arrays made
-  from host data, can be written by a copy engine while a kernel runs.
-* ``mlx`` (anywhere): records land in a staging buffer, become one MLX array (one
-  host-to-device copy), and slice updates write the slots. In place only when MLX can
-  donate the pool buffer, which it cannot while earlier work still holds it.
+  GPU op, never read back on the host, whose addresses a one-thread kernel reports),
+  written by the native reader's copies or the device reader's kernel.
 
-In the first two modes MLX never sees the writes, so the caller must only write a slot
-once every computation that read it has been evaluated (``StreamedExperts`` does).
+MLX never sees these writes, so a slot is written only once every computation that read
+it has run (``loads.Outputs``).
 """
 
 from __future__ import annotations
-
-import warnings
 
 import mlx.core as mx
 import numpy as np
@@ -30,30 +23,7 @@ import numpy as np
 from ..format import DTYPES, ExpertDirError, LayerLayout
 from ..io import cuda
 
-MODES = ("host", "cuda", "mlx")
-
-
-def default_mode() -> str:
-    """``host`` where MLX memory is host memory (CPU, Metal), ``cuda`` on MLX's CUDA
-    build when the CUDA runtime is reachable, else ``mlx``."""
-    device = str(mx.default_device())
-    if device not in _DEFAULT:  # probed once per device
-        if mx.default_device() == mx.cpu or mx.metal.is_available():
-            mode = "host"
-        elif cuda.available():
-            mode = "cuda"
-        else:
-            mode = "mlx"
-        _DEFAULT[device] = mode
-    return _DEFAULT[device]
-
-
-_DEFAULT: dict[str, str] = {}
-
-
-def default_zero_slot() -> bool:
-    """Whether pools get a zero slot by default: where calls run masked rows (GPUs)."""
-    return mx.default_device() != mx.cpu
+MODES = ("host", "cuda")
 
 
 def _host_view(arr: mx.array) -> np.ndarray:
@@ -63,29 +33,15 @@ def _host_view(arr: mx.array) -> np.ndarray:
     return v.reshape(v.shape[0], -1).view(np.uint8)
 
 
-def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
-    """(first slot, first row, count) of consecutive slot runs, rows in input order."""
-    out, i = [], 0
-    while i < len(slots):
-        j = i + 1
-        while j < len(slots) and slots[j] == slots[j - 1] + 1:
-            j += 1
-        out.append((slots[i], i, j - i))
-        i = j
-    return out
-
-
 class LayerPool:
     """Device arrays holding ``slots`` experts of one layer, plus with ``zero_slot`` one
     always-zero slot (``dummy``) that masked calls point their skipped rows at."""
 
-    def __init__(
-        self, layout: LayerLayout, slots: int, mode: str | None = None, zero_slot: bool = True
-    ):
+    def __init__(self, layout: LayerLayout, slots: int, mode: str, zero_slot: bool = True):
         self.layout = layout
         self.slots = slots
         self.dummy = slots if zero_slot else None
-        self.mode = mode or default_mode()
+        self.mode = mode
         if self.mode not in MODES:
             raise ValueError(f"pool mode must be one of {MODES}, got {self.mode!r}")
         if self.mode == "cuda" and not cuda.available():
@@ -106,8 +62,7 @@ class LayerPool:
                 base = mx.array(np.zeros((n, *p.shape), dtype=np_dt))
                 arr = base.view(mx_dt) if base.dtype != mx_dt else base
                 mx.eval(arr)
-                if self.mode == "host":
-                    self._rows[p.name] = _host_view(base)
+                self._rows[p.name] = _host_view(base)
             self.arrays[p.name] = arr
         self._lut_dev, self._lut_stale = 0, False
         if self.mode == "cuda":  # a pinned host copy, copied over after each change
@@ -119,11 +74,7 @@ class LayerPool:
         else:
             self.lut = mx.array(np.zeros(layout.num_experts, dtype=np.int32))
             mx.eval(self.lut)
-            self._lut_host = (
-                np.array(self.lut, copy=False)
-                if self.mode == "host"
-                else np.zeros(layout.num_experts, dtype=np.int32)
-            )
+            self._lut_host = np.array(self.lut, copy=False)
         pos, gap = 0, 0
         for p in layout.parts:
             gap += max(0, p.offset - pos)
@@ -133,7 +84,6 @@ class LayerPool:
         self.identity = False  # lut[e] == e for every expert (set_lut keeps it)
         self._bufs = None
         self.writes = 0  # experts written into slots
-        self.write_ops = 0  # MLX update ops issued (mlx mode)
 
     @property
     def nbytes(self) -> int:
@@ -177,43 +127,6 @@ class LayerPool:
             pos = p.offset + p.nbytes
         return out
 
-    # ---------------------------------------------------------------- cuda mode
-    def copy_range(self, slot: int, record: np.ndarray, start: int, end: int) -> None:
-        """Copy bytes [start, end) of a record in a pinned host row into ``slot``'s
-        parts, and wait for the copies (called on a reader thread as pieces land)."""
-        src = record.ctypes.data
-        for p in self.layout.parts:
-            lo, hi = max(start, p.offset), min(end, p.offset + p.nbytes)
-            if lo < hi:
-                base, row = self._dev[p.name]
-                cuda.copy_to_device(base + slot * row + (lo - p.offset), src + lo, hi - lo)
-        cuda.synchronize()
-
-    # ---------------------------------------------------------------- mlx mode
-    def write(self, experts: list[int], slots: list[int], records: np.ndarray) -> None:
-        """Place ``records[i]`` (raw record bytes) of ``experts[i]`` into ``slots[i]``:
-        one host-to-device copy for the batch, then per part one slice update per run of
-        consecutive slots (lazy, evaluated with the next computation)."""
-        n = len(experts)
-        rec = mx.array(records[:n, : self.layout.record_bytes])  # [n, record_bytes] uint8
-        runs = _runs(list(slots))
-        idx = mx.array(np.asarray(slots, dtype=np.int32)) if len(runs) > 1 else None
-        for p in self.layout.parts:
-            src = rec[:, p.offset : p.offset + p.nbytes].view(DTYPES[p.dtype][1])
-            src = src.reshape(n, *p.shape)
-            arr = self.arrays[p.name]
-            if idx is None:  # one run of consecutive slots: a slice update
-                s0 = runs[0][0]
-                arr[s0 : s0 + n] = src
-            else:  # scattered slots: one scatter per part
-                arr[idx] = src
-            self.write_ops += 1
-
-    def place(self, slot: int, record: np.ndarray) -> None:
-        """Copy one staged record's parts into ``slot`` (host mode, O_DIRECT staging)."""
-        for p in self.layout.parts:
-            self._rows[p.name][slot] = record[p.offset : p.offset + p.nbytes]
-
     # ---------------------------------------------------------------- all modes
     def slots_of(self, experts: np.ndarray) -> np.ndarray:
         """The slot of each expert id in ``experts`` (host copy of the lookup table;
@@ -229,15 +142,9 @@ class LayerPool:
         self.identity = self.slots >= len(self._arange) and bool(
             np.array_equal(self._lut_host, self._arange)
         )
-        if self.mode == "cuda":  # copied over when the device path next needs it
+        if self.mode == "cuda":  # copied over when the device next needs it
             self._lut_stale = True
-        elif self.mode == "mlx":
-            self.lut[mx.array(e.astype(np.int32))] = mx.array(s)
         self.writes += len(e)
-
-    def state(self) -> list[mx.array]:
-        """Arrays to evaluate to settle pending MLX writes."""
-        return [*self.arrays.values(), self.lut]
 
 
 _ADDRESS = []  # the address kernel, built on first use
@@ -271,21 +178,6 @@ def device_address(a: mx.array) -> int:
     if kind != cuda.ATTR_DEVICE:
         raise ValueError(f"MLX gave a pool buffer in CUDA memory of type {kind}, not device memory")
     return addr
-
-
-def cuda_self_test(pool: LayerPool) -> None:
-    """Copy a pattern into slot 0 with the CUDA path and read it back through MLX."""
-    lay = pool.layout
-    row = cuda.pinned(lay.stride)
-    row[:] = np.arange(lay.stride, dtype=np.uint64).astype(np.uint8)
-    half = lay.record_bytes // 2 + 1  # two pieces, the cut inside a part
-    pool.copy_range(0, row, 0, half)
-    pool.copy_range(0, row, half, lay.record_bytes)
-    for p in lay.parts:  # read back a computed copy, never the pool's own buffer
-        got = np.array(pool.arrays[p.name][0].view(mx.uint8) * 1).reshape(-1)
-        if not np.array_equal(got, row[p.offset : p.offset + p.nbytes]):
-            raise RuntimeError(f"read back wrong bytes for {p.name}")
-    pool.copy_range(0, np.zeros(lay.stride, np.uint8), 0, lay.record_bytes)
 
 
 def default_slots(meta) -> int:
@@ -323,29 +215,12 @@ def capacities(meta, capacity: int, layer_caps: dict | None) -> dict[int, int]:
     return caps
 
 
-def make_pools(meta, caps: dict, mode: str | None, zero_slot: bool) -> dict[int, LayerPool]:
-    """The layers' pools (a layer with every expert's slot gets no zero slot); an
-    automatic ``cuda`` choice that fails its self-test (a record copied in and read back
-    through MLX) falls back to ``mlx``."""
-    auto = mode is None
-    mode = mode or default_mode()
-
-    def make(m):
-        return {
-            li: LayerPool(meta.layers[li], c, m, zero_slot and c < meta.layers[li].num_experts)
-            for li, c in caps.items()
-        }
-
-    try:
-        pools = make(mode)
-        if mode == "cuda":
-            cuda_self_test(next(iter(pools.values())))
-        return pools
-    except Exception as e:  # noqa: BLE001
-        if not (auto and mode == "cuda"):
-            raise
-        warnings.warn(f"CUDA slot copies unavailable ({e}); using MLX updates", stacklevel=3)
-        return make("mlx")
+def make_pools(meta, caps: dict, mode: str, zero_slot: bool) -> dict[int, LayerPool]:
+    """The layers' pools in ``mode`` (a layer with every expert's slot gets no zero slot)."""
+    return {
+        li: LayerPool(meta.layers[li], c, mode, zero_slot and c < meta.layers[li].num_experts)
+        for li, c in caps.items()
+    }
 
 
 def _check_count(what: str, v) -> None:

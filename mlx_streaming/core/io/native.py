@@ -22,7 +22,7 @@ import numpy as np
 
 from ..extensions import extension_path
 from ..format import ExpertChecksumError
-from .reader import RecordReadError
+from .reader import Done, RecordReadError
 
 HERE = Path(__file__).parent
 # mlxs_read's statuses that the reader words itself (engine.h: ST_CHECKSUM, ST_ARGS)
@@ -279,6 +279,11 @@ class NativeReader:
         ``wave``) on the engine's threads and return at once; ``Started.result()`` waits
         and raises as ``read`` would. Finish it before starting another."""
         n = len(experts)
+        if n > self._wave:  # more than a wave: read now, wave by wave
+            try:
+                return Done(self.read(layer, experts, slots))
+            except Exception as e:  # noqa: BLE001 - raised by result(), as a started read's
+                return Done(error=e)
         if n <= self._wave:  # one started read at a time: its id buffers are reused
             buf, (pe, ps, _) = self._started, self._started_ptrs
             buf[0, :n], buf[1, :n] = experts, slots
@@ -336,6 +341,14 @@ class NativeReader:
                     "checksum: the file is corrupt; split the model again"
                 )
             checked[e] = 1
+
+    def read_gbps(self) -> float:
+        """Bytes over the wall time of the reads (GB/s)."""
+        c = dict(zip(COUNTERS, self.counters.sum(0).tolist()))
+        return c["bytes"] / c["busy_ns"] if c["busy_ns"] else 0.0
+
+    def reset_counters(self) -> None:
+        self.counters[:] = 0
 
     @property
     def threads(self) -> int:

@@ -1,14 +1,16 @@
-"""Fixed-stride record reads with a pool of ``preadv`` threads.
+"""The Python record reader: fixed-stride records read with ``preadv`` on a pool of
+threads, straight into host slot rows.
 
-The reader knows files, strides and byte ranges, nothing of experts or caches. A batch of
-``RecordJob``s (record id, the buffers its bytes go to, an optional step to run once they
-have landed) is sorted into runs of adjacent records; each run becomes one ``preadv``
-(the GIL is released during it), runs larger than a few MB are cut into pieces, and the
-pieces are issued together on a thread pool, so even one large record is read by several
-threads. A job may also ask to hear of each piece that lands (to copy it on at once).
-``direct=True`` bypasses the page cache (``O_DIRECT`` on Linux, ``F_NOCACHE`` on macOS);
-O_DIRECT needs page-aligned buffers that each take whole records (``aligned``), F_NOCACHE
-reads into any buffer.
+It serves host pools where the compiled reader is not used (Apple Silicon, where it is
+untested) and is the tests' oracle for it. ``RecordReader`` knows files, strides and byte
+ranges, nothing of experts or caches: a batch of ``RecordJob``s (record id, the buffers
+its bytes go to, a step to run once they have landed) is sorted into runs of adjacent
+records; each run becomes one ``preadv`` (the GIL is released during it), runs larger
+than a few MB are cut into pieces issued together on the threads. ``PythonReader`` puts
+it behind the readers' one call, ``start(layer, experts, slots)``, with the records'
+checksums checked on their first read. ``direct`` bypasses the page cache with macOS's
+``F_NOCACHE`` (reads into any buffer); Linux's O_DIRECT needs aligned whole-record reads,
+which the native reader does.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import os
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -51,7 +52,6 @@ class RecordJob:
     id: int
     bufs: list
     after: Callable[[], None] | None = None
-    piece: Callable[[int, int], None] | None = None  # (start, end): these bytes landed
     nbytes: int = field(init=False, default=0)
 
     def __post_init__(self):
@@ -105,9 +105,11 @@ class RecordReader:
     def __init__(self, threads: int = 4, direct: bool = False, piece_bytes: int = PIECE_BYTES):
         self.threads = max(1, int(threads))
         self.direct = bool(direct)
-        # O_DIRECT (Linux) needs page-aligned buffers taking whole records; macOS's
-        # F_NOCACHE reads into any buffer
-        self.aligned = self.direct and sys.platform.startswith("linux")
+        if self.direct and sys.platform != "darwin":
+            raise ValueError(
+                "the Python reader bypasses the page cache with macOS's F_NOCACHE only; "
+                "O_DIRECT needs aligned whole-record reads: use the native reader"
+            )
         self.piece_bytes = max(PIECE_ALIGN, int(piece_bytes))
         self.stats = ReadStats()
         self._files: dict = {}  # key -> (fd, stride, path)
@@ -118,23 +120,11 @@ class RecordReader:
     def open(self, key, path: str | Path, stride: int) -> None:
         """Register ``path`` under ``key`` with its record stride."""
         path = Path(path)
-        flags = os.O_RDONLY
-        if self.aligned:
-            flags |= os.O_DIRECT
         try:
-            fd = os.open(path, flags)
+            fd = os.open(path, os.O_RDONLY)
         except OSError as e:
-            if self.direct and e.errno == 22:  # EINVAL: the filesystem refuses O_DIRECT
-                warnings.warn(
-                    f"{path}: O_DIRECT not supported here, reading through the page cache",
-                    stacklevel=2,
-                )
-                fd = os.open(path, os.O_RDONLY)
-            else:
-                raise RecordReadError(
-                    e.errno, f"cannot open expert file {path}: {e.strerror}"
-                ) from e
-        if self.direct and sys.platform == "darwin":
+            raise RecordReadError(e.errno, f"cannot open expert file {path}: {e.strerror}") from e
+        if self.direct:
             import fcntl
 
             fcntl.fcntl(fd, fcntl.F_NOCACHE, 1)
@@ -152,7 +142,6 @@ class RecordReader:
                 and j.id == r[-1].id + 1
                 and (len(r) + 1) * stride <= MAX_RUN_BYTES
                 and sum(len(x.bufs) + 1 for x in r) + len(j.bufs) <= IOV_MAX
-                and not self.aligned
             ):
                 r.append(j)
             else:
@@ -209,8 +198,6 @@ class RecordReader:
             if hi <= lo:
                 continue
             nbytes += hi - lo
-            if j.piece is not None:
-                j.piece(lo, hi)
             with lock:
                 piece.left[id(j)] -= 1
                 last = piece.left[id(j)] == 0
@@ -313,3 +300,73 @@ class _Gather(Future):
             except Exception as e:  # noqa: BLE001
                 self.set_exception(e)
         return super().result(timeout)
+
+
+class PythonReader:
+    """Reads expert records into host pool slots on Python threads (``RecordReader``),
+    each record's checksum checked the first time it is read.
+
+    Args:
+        meta: The expert directory's ``ExpertMeta``.
+        pools: ``{layer: LayerPool}`` of host pools; records land in their slot rows.
+        threads, direct: As ``RecordReader``'s.
+        checksums: Check records against the meta's checksums (``checked`` says which
+            passed).
+    """
+
+    wave = None  # any number of records per start
+
+    def __init__(self, meta, pools: dict, threads: int = 4, direct: bool = False,
+                 checksums: bool = True):  # fmt: skip
+        self.meta, self.pools, self.checksums = meta, pools, checksums
+        self.files = RecordReader(threads=threads, direct=direct)
+        try:
+            for li in pools:
+                self.files.open(li, meta.file(li), meta.layers[li].stride)
+        except BaseException:
+            self.files.close()
+            raise
+        self.checked = {li: np.zeros(meta.layers[li].num_experts, np.uint8) for li in pools}
+
+    def start(self, layer: int, experts, slots) -> Future | Done:
+        """Start reading records ``experts`` of ``layer`` into ``slots``; ``result()``
+        waits (bytes read) and raises ``RecordReadError`` or ``ExpertChecksumError``."""
+        pool = self.pools[layer]
+        jobs = []
+        for e, s in zip(experts, slots):
+            bufs = pool.record_bufs(int(s))
+            jobs.append(RecordJob(int(e), bufs, self._check(layer, int(e), bufs)))
+        return self.files.submit(layer, jobs)
+
+    def _check(self, layer: int, expert: int, bufs):
+        lay = self.meta.layers[layer]
+        if not (self.checksums and lay.checksums) or self.checked[layer][expert]:
+            return None
+
+        def check():
+            import xxhash
+
+            from ..format import ExpertChecksumError
+
+            h, left = xxhash.xxh3_64(), lay.record_bytes
+            for b in bufs:
+                h.update(b[:left])
+                left -= min(left, b.nbytes)
+            if h.hexdigest() != lay.checksums[expert]:
+                raise ExpertChecksumError(
+                    f"expert {expert} of layer {layer} in {self.meta.file(layer)} fails its "
+                    f"checksum ({h.hexdigest()} != {lay.checksums[expert]}): the file is "
+                    "corrupt; split the model again"
+                )
+            self.checked[layer][expert] = 1
+
+        return check
+
+    def read_gbps(self) -> float:
+        return self.files.stats.gbps()
+
+    def reset_counters(self) -> None:
+        self.files.stats = ReadStats()
+
+    def close(self) -> None:
+        self.files.close()

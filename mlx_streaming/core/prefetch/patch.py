@@ -19,14 +19,18 @@ import mlx.nn as nn
 import numpy as np
 
 from ..cache.expert_store import FileExpertStore
+from ..cache.host_path import launched
 from ..discovery import find_expert_sites, projections
 from ..dispatch import KernelParityError, PoolQuantizedSwitchLinear, PoolSwitchLinear, backend
 from ..format import LayerLayout, mx_dtype_name
 from ..options import StreamConfig
+from ..runtime import resolve
 from ..selftest import SORT_ROWS, cases_for, ensure_kernel_parity, pad_subset
 from .predictor import Prefetcher, RouterPredictor
 from .shared import SharedAhead, wrap_shared
 from .validate import int_keys, validate
+
+RUNTIME_FIELDS = ("rows", "overlap", "prefetch", "kernel_check", "zero_slot")
 
 
 class StreamedExperts(nn.Module):
@@ -59,39 +63,34 @@ class StreamedExperts(nn.Module):
         return self._store.caches[self.layer].num_experts
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
-        pf = self._prefetcher
+        pf, store = self._prefetcher, self._store
         guess = pf.lazy(self.pos, x, indices) if pf else None
         beside = self._shared.start(x) if self._shared is not None else None
-        call = self._store.request(self.layer, indices, self._overlap, guess, beside)
-        t0, waited = time.perf_counter(), call.waited_s  # (mlx pools wait while planning)
-        if call.slots is not None:  # nothing can miss: the ids were remapped on the device
-            return call.done(self.experts(x, call.slots))
+        call = store.request(self.layer, indices, self._overlap, guess, beside)
+        if call.slots is not None:  # no host work: the ids are slots on the device
+            return store.finish(call, self.experts(x, call.slots))
+        t0, waited = time.perf_counter(), call.waited_s
         if pf:
             pf.step(self.pos, call.host_ids, call.also)
         y = None
-        for i, (rows, slots) in enumerate(call.steps()):
+        for i in range(len(call.steps)):
+            rows, slots = store.step(call, i)
             y = self._rows(x, indices, rows, slots, y)
-            if call.settle:
-                call.launched()
+            if call.evaluate_each:
+                launched(call)
                 mx.eval(y)  # the next step may reuse these slots
             elif rows is not None and i == 0:  # an overlap split's resident rows:
-                call.launched()
+                launched(call)
                 mx.async_eval(y)  # they compute while the misses load
-        y = call.done(y)
-        st = self._store.stats[self.layer]
+        y = store.finish(call, y)
+        st = store.stats[self.layer]
         st.graph_s += time.perf_counter() - t0 - (call.waited_s - waited)
         if pf:  # this call's reads have landed: the next layer's guesses load meanwhile
             t1 = time.perf_counter()
             pf.issue(self.pos + 1)
             st.ahead_s += time.perf_counter() - t1  # work beside the device's, not the graph
-        self._store.timeline.mark(self.layer, "built")
+        store.timeline.mark(self.layer, "built")
         return y
-
-    def _ids(self, slots: np.ndarray) -> mx.array:
-        """Slot ids on the device (on CUDA without a host-made MLX buffer, which MLX may
-        first move to managed memory: ``io.mapped``)."""
-        mapped = self._store.host.mapped
-        return mx.array(slots.astype(np.int32)) if mapped is None else mapped.to_device(slots)
 
     def _rows(self, x, indices, rows, slots, out):
         """``out`` with the experts' outputs filled in on ``rows`` (a boolean mask shaped
@@ -104,10 +103,10 @@ class StreamedExperts(nn.Module):
         the pool has one, so that every expert's group of rows is stock's.
         """
         if rows is None:
-            return self.experts(x, self._ids(slots))
+            return self.experts(x, self._store.ids(slots))
         dummy = self._store.pool(self.layer).dummy
         if rows.size < self._masked_below:
-            y = self.experts(x, self._ids(np.where(rows, slots, dummy)))
+            y = self.experts(x, self._store.ids(np.where(rows, slots, dummy)))
             return y if out is None else mx.where(mx.array(rows)[..., None], y, out)
         k = indices.shape[-1]
         xf, flat = x.reshape(-1, x.shape[-1]), slots.reshape(-1)  # [T, D], [T*k]
@@ -122,15 +121,6 @@ class StreamedExperts(nn.Module):
         flat_out = out.reshape(-1, y.shape[-1])
         flat_out[mx.array(keep)] = y
         return flat_out.reshape(out.shape)
-
-
-def default_rows(device: str) -> str:
-    """How partial calls run on ``device``'s backend: ``subset`` on the CPU (one kernel
-    for every shape); ``masked`` on Metal (whose kernel choice reads the row count and
-    the experts per array, so only stock's own shapes are safe); ``mixed`` on CUDA, whose
-    quantized kernel computes each row on its own from 8 rows up (``dispatch``), so a
-    long prompt's expert groups run only their own rows."""
-    return {"cpu": "subset", "metal": "masked"}.get(device, "mixed")
 
 
 def _pool_projection(name: str, layout: LayerLayout, arrays: dict, device: str) -> nn.Module:
@@ -193,9 +183,9 @@ def patch_model_filebacked(
         group_size, bits: Expert quantization (checked; None: the meta's).
         proj_bits: ``{projection: bits}`` when projections differ (checked).
         layer_proj_bits: ``{layer: {projection: bits}}`` when layers differ (checked).
-        config: The streaming options; the patch reads ``overlap``, ``prefetch``,
-            ``predictor``, ``rows``, ``kernel_check`` and ``kernel_check_file`` (see
-            ``StreamConfig``; all give identical outputs).
+        config: The streaming options; the patch reads ``predictor`` and
+            ``kernel_check_file``, and the store's ``runtime`` for the rest (rows,
+            overlap, read-ahead, kernel check; all give identical outputs).
         model_fingerprint: The whole model's ``fingerprint``, taken before mlx-lm's
             ``pipeline`` kept only this rank's layers (required for a pipelined model).
 
@@ -230,32 +220,24 @@ def patch_model_filebacked(
         },
         model_fingerprint,
     )
-    prefetcher = None
-    if options.prefetch and store.device is not None:
+    rt = store.runtime
+    mine = resolve(options, store.meta, rt.backend) if config is not None else rt
+    differ = [f for f in RUNTIME_FIELDS if getattr(mine, f) != getattr(rt, f)]
+    if differ:
         raise ValueError(
-            "prefetch reads the next layer's guesses on the host, and the store's "
-            "device_reads (on by default on CUDA) reads nothing there: make the store with "
-            "prefetch=True or device_reads=False"
+            f"the patch's config sets {differ} otherwise than the store's: give "
+            "FileExpertStore the same config (its runtime, which the patch reads, is "
+            "resolved from it once)"
         )
-    if options.prefetch:
+    prefetcher = None
+    if rt.prefetch:
         pred = options.predictor
         if pred == "router":
             pred = RouterPredictor([s.router for s in sites], store.top_k)
         prefetcher = Prefetcher(store, [s.layer for s in sites], pred)
-    # a GPU computes one token's expert rows in microseconds: nothing to hide the reads
-    # behind, and a second expert call costs its launches; a CPU computes them for long
-    on_cpu = mx.default_device() == mx.cpu
-    overlap = (
-        options.overlap if options.overlap is not None else on_cpu and store.pool_mode != "mlx"
-    )
     device = backend()
-    rows = options.rows or default_rows(device)
-    if rows != "subset" and not store.zero_slot:
-        raise ValueError(
-            f"rows={rows!r} points skipped rows at a zero slot: create the store "
-            "with FileExpertStore(..., zero_slot=True)"
-        )
-    if options.kernel_check or (options.kernel_check is None and device != "cpu"):
+    rows = rt.rows
+    if rt.kernel_check:
         try:
             check_kernels(model, store, options.kernel_check_file, subset=rows != "masked")
         except KernelParityError:
@@ -265,6 +247,7 @@ def patch_model_filebacked(
             # count): every row runs masked instead, in stock's own shapes
             rows = "masked"
             check_kernels(model, store, options.kernel_check_file)
+            store.runtime = rt.replace(rows=rows, why=(*rt.why, ("rows", "kernel check")))
     masked_below = {"subset": 0, "masked": sys.maxsize, "mixed": SORT_ROWS}[rows]
     for pos, s in enumerate(sites):
         arrays = store.pool(s.layer).arrays
@@ -275,7 +258,7 @@ def patch_model_filebacked(
         s.module.update_modules(new)
         shared = wrap_shared(s.parent)
         streamed = StreamedExperts(
-            s.module, store, s.layer, pos, overlap, prefetcher, masked_below, shared
+            s.module, store, s.layer, pos, rt.overlap, prefetcher, masked_below, shared
         )
         s.parent.update_modules({s.attr: streamed})
     return len(sites)

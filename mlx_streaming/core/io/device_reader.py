@@ -1,0 +1,142 @@
+"""The device reader (CUDA, expert files mapped): the GPU copies records into pool slots
+itself, from page-locked mappings of the expert files (``filemap.FileMaps``), in the
+graph of the call that needs them.
+
+One kernel, ``fill``, copies the records a list names (``[n, e0, s0, e1, s1...]``: expert,
+slot) into their slots' part rows, then passes the slot ids it was given on: the matmuls
+that read them run after it. The device path plans that list on the GPU; the host path
+gives it from the host (``start``). Either way the copy is queued on MLX's stream, behind
+every computation queued before it and ahead of every one after, so nothing waits on the
+host. Every record's checksum is checked on the host when the reader opens (the GPU
+copies without checking).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from . import cuda
+from .filemap import FileMaps
+from .reader import Done
+
+FILL_BLOCKS, FILL_THREADS = 1024, 256
+
+_FILL = """
+    const char* src = (const char*)(meta[0]);
+    const int64_t stride = meta[1];
+    const int parts = (int)meta[2];
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long nth = (long long)gridDim.x * blockDim.x;
+    if (tid < N) out[tid] = slots[tid];
+    const int n = fills[0];
+    for (int k = 0; k < n; k++) {
+        const char* rec = src + (int64_t)fills[1 + 2 * k] * stride;
+        const int64_t slot = fills[2 + 2 * k];
+        for (int p = 0; p < parts; p++) {
+            const int64_t* q = meta + 3 + 4 * p;  // offset, bytes, address, row bytes
+            const WORD* a = (const WORD*)(rec + q[0]);
+            WORD* b = (WORD*)((char*)(q[2]) + slot * q[3]);
+            const long long words = q[1] / (int64_t)sizeof(WORD);
+            for (long long w = tid; w < words; w += nth) b[w] = a[w];
+        }
+    }
+"""
+_HEADER = "struct __align__(16) mlxs_w16 { unsigned long long x, y; };"
+_WORDS = {16: "mlxs_w16", 8: "unsigned long long", 4: "unsigned int", 1: "unsigned char"}
+
+
+def _word(values: list[int]) -> int:
+    """The widest copy word dividing every offset, size and address."""
+    return next(w for w in _WORDS if all(v % w == 0 for v in values))
+
+
+class DeviceReader:
+    """Copies records into cuda pool slots on the GPU (see the module's text).
+
+    Args:
+        meta: The expert directory's ``ExpertMeta``.
+        pools: ``{layer: LayerPool}`` (cuda pools).
+        checksums: Check every record on the host first.
+
+    Raises:
+        OSError: a file could not be mapped or page-locked (the message says which).
+        ExpertChecksumError: a corrupt record (naming the file and the expert).
+    """
+
+    wave = None  # any number of records per start
+
+    def __init__(self, meta, pools: dict, checksums: bool = True):
+        self.meta, self.pools = meta, pools
+        self.maps = FileMaps(meta, sorted(pools), cuda=cuda)
+        try:
+            self.checked = {
+                li: np.zeros(meta.layers[li].num_experts, np.uint8) for li in pools
+            }  # fmt: skip
+            if checksums:
+                for li in sorted(pools):
+                    self.maps.verify(li, self.checked[li])
+            self._meta, self._kernels = {}, {}
+            for li in sorted(pools):
+                self._meta[li] = self._layer_meta(li)
+                word = self._meta[li][1]
+                if word not in self._kernels:
+                    self._kernels[word] = mx.fast.cuda_kernel(
+                        name=f"mlxs_fill_{word}",
+                        input_names=["fills", "slots", "meta"],
+                        output_names=["out"],
+                        source=_FILL.replace("WORD", _WORDS[word]),
+                        header=_HEADER,
+                    )
+            mx.eval([m for m, _ in self._meta.values()])
+        except BaseException:
+            self.maps.close()
+            raise
+        self.bytes_filled = 0
+
+    @property
+    def mapped_bytes(self) -> int:
+        return self.maps.nbytes
+
+    def _layer_meta(self, li: int) -> tuple[mx.array, int]:
+        pool, stride = self.pools[li], self.meta.layers[li].stride
+        src = cuda.device_pointer(self.maps.sources[li])
+        meta, checked = [src, stride, len(pool.layout.parts)], [src, stride]
+        for p, (addr, row) in zip(pool.layout.parts, pool.row_pointers()):
+            meta += [p.offset, p.nbytes, addr, row]
+            checked += [p.offset, p.nbytes, addr, row]
+        return mx.array(np.array(meta, np.int64)), _word(checked)
+
+    def fill(self, layer: int, fills: mx.array, slots: mx.array) -> mx.array:
+        """Copy the records ``fills`` names into their slots, lazily; returns ``slots``
+        once they are in (an array the matmuls then read)."""
+        meta, word = self._meta[layer]
+        (out,) = self._kernels[word](
+            inputs=[fills, slots, meta],
+            template=[("N", slots.size)],
+            grid=(FILL_BLOCKS * FILL_THREADS, 1, 1),
+            threadgroup=(FILL_THREADS, 1, 1),
+            output_shapes=[slots.shape],
+            output_dtypes=[mx.int32],
+        )
+        return out
+
+    def start(self, layer: int, experts, slots) -> Done:
+        """Queue the copies of records ``experts`` into ``slots`` on MLX's stream now
+        (the host path: its computations on these slots are queued after)."""
+        n = len(experts)
+        fills = np.empty(1 + 2 * n, np.int32)
+        fills[0], fills[1::2], fills[2::2] = n, experts, slots
+        out = self.fill(layer, mx.array(fills), mx.zeros((1,), mx.int32))
+        mx.async_eval(out)
+        return Done(n * self.meta.layers[layer].record_bytes)
+
+    def read_gbps(self) -> float:
+        return 0.0  # the GPU's copies are timed with its work, not apart
+
+    def reset_counters(self) -> None:
+        pass
+
+    def close(self) -> None:
+        mx.synchronize()  # no kernel reads the mappings any more
+        self.maps.close()

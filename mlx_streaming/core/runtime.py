@@ -1,0 +1,241 @@
+"""Every choice left to the backend, made once: ``resolve`` turns the streaming options
+(``StreamConfig``), the expert directory and the machine into a frozen ``Runtime`` that
+the store, the patch, ``load`` and the benchmarks read. Nothing else picks a default.
+
+The choices, per backend (``docs/ARCHITECTURE.md`` has the table, checked by a test):
+
+* pools: ``host`` (slot arrays in host memory: the CPU, Apple's unified memory) or
+  ``cuda`` (device memory, written by copies).
+* reader: ``native`` (the compiled engine: ``pread`` into staging, copied into the slots),
+  ``python`` (``preadv`` straight into host slots; Metal, where the engine is untested,
+  and the tests' oracle) or ``device`` (CUDA with the files mapped: the GPU copies each
+  record from the page-locked mapping itself, on both paths).
+* decode path: ``device`` (CUDA, files mapped: a decode step's misses are planned and
+  copied on the GPU, no host synchronisation) or ``host`` (the routing read on the host
+  each MoE layer call).
+* rows, overlap, zero slot, threads, kernel check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from .options import StreamConfig
+
+GB = 1e9
+
+
+class RuntimeChoiceError(ValueError):
+    """A forced choice that cannot run here (the message says why and what to do)."""
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """The resolved runtime of a store (see the module's text). ``why`` says, per choice
+    that had a reason, what decided it."""
+
+    backend: str  # cpu | metal | cuda
+    pool_mode: str  # host | cuda
+    reader: str  # native | python | device
+    mapped: bool  # the expert files mapped and page-locked for the GPU
+    decode_path: str  # host | device
+    rows: str  # subset | masked | mixed
+    zero_slot: bool
+    overlap: bool
+    threads: int
+    policy: str
+    prefetch: bool
+    checksums: bool
+    direct_io: bool
+    kernel_check: bool
+    why: tuple[tuple[str, str], ...] = ()
+
+    def reason(self, choice: str) -> str:
+        return dict(self.why).get(choice, "")
+
+    def line(self) -> str:
+        """One line for the log: the decode path with its reason, then the rest."""
+        path = f"{self.decode_path} path"
+        if self.reason("decode_path"):
+            path += f" ({self.reason('decode_path')})"
+        return (
+            f"mlx_streaming: {self.backend}, {path}; reader {self.reader}, {self.pool_mode} "
+            f"pools, rows {self.rows}, policy {self.policy}, {self.threads} threads"
+            + (", O_DIRECT" if self.direct_io else "")
+            + (", read-ahead" if self.prefetch else "")
+        )
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["why"] = dict(self.why)
+        return d
+
+    def replace(self, **changes) -> Runtime:
+        return dataclasses.replace(self, **changes)
+
+
+def backend_name() -> str:
+    from .dispatch import backend
+
+    return backend()
+
+
+def resolve(
+    cfg: StreamConfig,
+    meta=None,
+    backend: str | None = None,
+    memory: tuple[int, int] | None = None,
+    cuda_available: bool | None = None,
+) -> Runtime:
+    """The ``Runtime`` for ``cfg`` on ``backend`` (default: MLX's default device's), with
+    the expert directory's ``meta`` (its files' size decides the mapping on CUDA) and the
+    machine's ``(total, available)`` memory (default: measured).
+
+    Raises:
+        RuntimeChoiceError: an option forced to a value that cannot run here.
+    """
+    b = backend or backend_name()
+    why: dict[str, str] = {}
+
+    def refuse(msg: str):
+        raise RuntimeChoiceError(msg)
+
+    # pools
+    pool_mode = cfg.pool_mode.value if cfg.pool_mode is not None else None
+    if pool_mode is None:
+        pool_mode = "cuda" if b == "cuda" else "host"
+    if pool_mode == "cuda" and b != "cuda":
+        refuse(f"pool_mode='cuda' needs MLX's CUDA backend (this is {b}): drop --pool-mode")
+    if pool_mode == "host" and b == "cuda":
+        refuse("pool_mode='host' puts slots in host memory, which MLX's CUDA kernels do not "
+               "read: drop --pool-mode")  # fmt: skip
+    if pool_mode == "cuda":
+        if cuda_available is None:
+            from .io import cuda
+
+            cuda_available = cuda.available()
+        if not cuda_available:
+            refuse("cuda pools need the CUDA runtime (libcudart), which was not found: "
+                   "install MLX's CUDA build (pip install 'mlx[cuda]')")  # fmt: skip
+
+    # the files mapped for the GPU (CUDA only)
+    if cfg.map_files and cfg.direct_io:
+        refuse("map_files and direct_io exclude each other (a mapping reads through the "
+               "page cache, which direct_io bypasses): drop one")  # fmt: skip
+    if cfg.map_files and pool_mode != "cuda":
+        refuse(f"map_files lets the GPU copy records from page-locked mappings; on {b} the "
+               "reader reads straight into the slots: drop --map-files")  # fmt: skip
+    if pool_mode != "cuda":
+        mapped = False
+    elif cfg.map_files is not None:
+        mapped = cfg.map_files
+        why["mapped"] = "asked for" if mapped else "turned off"
+    elif cfg.direct_io:
+        mapped, why["mapped"] = False, "direct_io reads around the page cache"
+    else:
+        files = files_bytes(meta)
+        total, avail = memory if memory is not None else _memory()
+        mapped = files <= avail // 2
+        why["mapped"] = (
+            f"expert files {files / GB:.1f} GB {'fit' if mapped else 'do not fit'} in half "
+            f"of {avail / GB:.0f} GB available"
+        )
+
+    # the reader
+    want = cfg.reader.value if cfg.reader is not None else None
+    if mapped:
+        if want is not None:
+            refuse(f"reader={want!r}: with the files mapped the GPU copies each record "
+                   "itself; drop --reader, or turn map_files off")  # fmt: skip
+        reader = "device"
+    elif want == "python" and pool_mode == "cuda":
+        refuse("reader='python' reads into host slots only; on CUDA the native reader "
+               "serves: drop --reader")  # fmt: skip
+    elif want == "python" and cfg.direct_io and b != "metal" and _linux():
+        refuse("reader='python' with direct_io: O_DIRECT needs aligned whole-record reads, "
+               "which the native reader does; drop --reader")  # fmt: skip
+    elif want is not None:
+        reader = want
+    elif b == "metal":
+        reader, why["reader"] = "python", "the native reader is untested on macOS"
+    else:
+        reader = "native"
+
+    # the decode path
+    if cfg.device_reads:
+        if not mapped:
+            refuse("device_reads: the GPU copies misses from page-locked mappings of the "
+                   f"expert files, which this run does not have ({why.get('mapped') or b}); "
+                   "drop --device-reads or give the files room (map_files)")  # fmt: skip
+        if cfg.prefetch:
+            refuse("device_reads and prefetch exclude each other (read-ahead reads on the "
+                   "host, the device path reads nothing there): drop one")  # fmt: skip
+    if cfg.device_reads is False:
+        decode_path, why["decode_path"] = "host", "device_reads turned off"
+    elif mapped and not cfg.prefetch:
+        decode_path = "device"
+        why["decode_path"] = why.get("mapped", "")
+    else:
+        decode_path = "host"
+        why["decode_path"] = (
+            "read-ahead is on"
+            if mapped
+            else why.get("mapped", "")
+            if pool_mode == "cuda"
+            else f"{b}: the routing is read on the host"
+        )
+
+    # rows and the zero slot they need
+    rows = (
+        cfg.rows.value
+        if cfg.rows is not None
+        else {"cpu": "subset", "metal": "masked"}.get(b, "mixed")
+    )
+    zero_slot = cfg.zero_slot if cfg.zero_slot is not None else rows != "subset"
+    if rows != "subset" and not zero_slot:
+        refuse(f"rows={rows!r} points skipped rows at a zero slot: drop zero_slot=False")
+
+    overlap = cfg.overlap if cfg.overlap is not None else b == "cpu"
+    if cfg.threads is not None:
+        threads = cfg.threads
+    else:
+        threads = min(15, (os.cpu_count() or 2) - 1) if pool_mode == "cuda" else 4
+    kernel_check = cfg.kernel_check if cfg.kernel_check is not None else b != "cpu"
+    return Runtime(
+        backend=b,
+        pool_mode=pool_mode,
+        reader=reader,
+        mapped=mapped,
+        decode_path=decode_path,
+        rows=rows,
+        zero_slot=bool(zero_slot),
+        overlap=bool(overlap),
+        threads=int(threads),
+        policy=cfg.policy,
+        prefetch=bool(cfg.prefetch),
+        checksums=bool(cfg.checksums),
+        direct_io=bool(cfg.direct_io),
+        kernel_check=bool(kernel_check),
+        why=tuple(sorted((k, v) for k, v in why.items() if v)),
+    )
+
+
+def files_bytes(meta) -> int:
+    """Bytes of the expert files of ``meta``'s layers (0 without a meta)."""
+    if meta is None:
+        return 0
+    return sum(meta.file(li).stat().st_size for li in meta.layers)
+
+
+def _memory() -> tuple[int, int]:
+    from .mem import machine_memory
+
+    return machine_memory()
+
+
+def _linux() -> bool:
+    import sys
+
+    return sys.platform.startswith("linux")
