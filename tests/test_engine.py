@@ -5,7 +5,9 @@ reader it uses."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlx_streaming.core.format import ExpertChecksumError
+from mlx_streaming.core.io.filemap import FileMaps
 from mlx_streaming.core.io.native import COUNTERS, NativeReader, library, library_path
 from mlx_streaming.core.io.reader import RecordReadError
 from mlx_streaming.core.meta import load_meta
@@ -72,11 +75,9 @@ def test_library_is_built_into_the_package():
 
 
 @needs_library
-@pytest.mark.parametrize("map_files", [False, True])
-def test_reads_records_into_the_slots_asked(models, map_files):
+def test_reads_records_into_the_slots_asked(models):
     _, ed = models.experts("tiny-qwen3_moe")
-    meta, pools, reader = reader_over(ed, 12, threads=3, wave=4, map_files=map_files)  # 3 waves
-    assert (reader.mapped_bytes > 0) == map_files
+    meta, pools, reader = reader_over(ed, 12, threads=3, wave=4)  # 3 waves
     rng = np.random.default_rng(0)
     for li in meta.layers:
         experts = rng.choice(meta.num_experts, 12, replace=False)
@@ -88,24 +89,6 @@ def test_reads_records_into_the_slots_asked(models, map_files):
     assert c["records"] == 12 * len(meta.layers) and 0 < c["pread_ns"] <= c["read_ns"]
     reader.close()
     reader.close()  # idempotent
-    assert reader.mapped_bytes == 0
-
-
-@needs_library
-def test_a_mapped_layer_reads_from_its_mapping(models):
-    """Records of a layer given a source come from that memory, not from the file: a
-    source holding the file's bytes inverted lands inverted."""
-    _, ed = models.experts("tiny-qwen3_moe")
-    meta, pools, reader = reader_over(ed, 4, threads=2, checksums=False)
-    li = sorted(meta.layers)[0]
-    flipped = np.fromfile(meta.file(li), np.uint8) ^ 0xFF
-    assert reader.lib.mlxs_layer_source(reader.handle, reader.pos[li], flipped.ctypes.data,
-                                        flipped.size) == 0  # fmt: skip
-    reader.read(li, [3], [1])
-    rec = record(meta, li, 3) ^ 0xFF
-    for p, rows in zip(meta.layers[li].parts, pools[li].parts):
-        assert np.array_equal(rows[1], rec[p.offset : p.offset + p.nbytes])
-    reader.close()
 
 
 @needs_library
@@ -157,10 +140,10 @@ def test_fuzzed_requests_never_crash(fuzz_reader, experts, slots, started):
             read(li, experts, slots)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["pread", "mapped"])
-def fuzz_reader(models, request):
+@pytest.fixture(scope="module")
+def fuzz_reader(models):
     _, ed = models.experts("tiny-qwen3_moe")
-    meta, pools, reader = reader_over(ed, 8, threads=2, wave=3, map_files=request.param)
+    meta, pools, reader = reader_over(ed, 8, threads=2, wave=3)
     yield meta, pools, reader
     reader.close()
 
@@ -199,13 +182,12 @@ def test_started_reads_land_like_reads(models, tmp_path):
 
 
 @needs_library
-@pytest.mark.parametrize("map_files", [False, True])
-def test_corrupt_record_names_file_and_expert(models, tmp_path, map_files):
+def test_corrupt_record_names_file_and_expert(models, tmp_path):
     ed, meta, li = copied_experts(models, tmp_path)
     data = np.fromfile(meta.file(li), np.uint8)
     data[5 * meta.layers[li].stride + 100] ^= 0xFF
     data.tofile(meta.file(li))
-    meta, pools, reader = reader_over(ed, 4, threads=2, map_files=map_files)
+    meta, pools, reader = reader_over(ed, 4, threads=2)
     with pytest.raises(ExpertChecksumError, match=r"expert 5 of layer .* in .*layer_.*fails its"):
         reader.read(li, [6, 5], [0, 1])
     reader.read(li, [6, 7], [0, 1])  # the next call works
@@ -217,13 +199,77 @@ def test_corrupt_record_names_file_and_expert(models, tmp_path, map_files):
     reader.close()
 
 
+class FakeCuda:
+    """Stands in for ``io.cuda``: records what is page-locked; refuses the ``fail``-th file."""
+
+    def __init__(self, fail=None):
+        self.registered, self.fail = {}, fail
+
+    def register_read_only(self, addr, nbytes):
+        if len(self.registered) == self.fail:
+            raise RuntimeError("cudaHostRegister: out of memory (injected)")
+        self.registered[addr] = nbytes
+
+    def unregister(self, addr):
+        del self.registered[addr]
+
+
+def test_file_maps_map_verify_and_close(models, tmp_path):
+    """Each layer's file mapped (nothing page-locked without cuda); ``verify`` checks the
+    unchecked records on the host and names the first corrupt one; ``close`` twice is
+    fine; a file shorter than its records is refused."""
+    ed, meta, li = copied_experts(models, tmp_path)
+    lay, layers = meta.layers[li], sorted(meta.layers)
+    data = np.fromfile(meta.file(li), np.uint8)
+    data[5 * lay.stride + 100] ^= 0xFF
+    data.tofile(meta.file(li))
+    maps = FileMaps(meta, layers)
+    assert sorted(maps.sources) == layers
+    assert maps.nbytes == sum(meta.file(x).stat().st_size for x in layers)
+    for x in layers:  # each address holds its file's bytes
+        n = meta.file(x).stat().st_size
+        got = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(maps.sources[x]))
+        assert np.array_equal(got, np.fromfile(meta.file(x), np.uint8))
+    checked = np.zeros(lay.num_experts, np.uint8)
+    with pytest.raises(ExpertChecksumError, match=rf"expert 5 of layer {li} in .*layer_.*fails"):
+        maps.verify(li, checked)
+    assert checked.tolist() == [1] * 5 + [0] * (lay.num_experts - 5)
+    checked[5] = 1  # taken as checked: not checked again
+    maps.verify(li, checked)
+    assert checked.all()
+    maps.close()
+    maps.close()
+    assert maps.sources == {} and maps.nbytes == 0
+    os.truncate(meta.file(li), lay.num_experts * lay.stride - 1)
+    with pytest.raises(OSError, match=rf"{re.escape(str(meta.file(li)))} holds .* needed"):
+        FileMaps(meta, layers)
+
+
+def test_file_maps_page_lock_with_cuda_and_release_on_failure(models):
+    """With cuda every mapping is page-locked and unlocked on close; one that cannot be
+    names its file and what to do, and the maps made before it are released."""
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    layers = sorted(meta.layers)
+    cuda = FakeCuda()
+    with FileMaps(meta, layers, cuda=cuda) as maps:
+        assert cuda.registered == {maps.sources[x]: meta.file(x).stat().st_size for x in layers}
+    assert cuda.registered == {}
+    cuda = FakeCuda(fail=1)
+    where = re.escape(str(meta.file(layers[1])))
+    with pytest.raises(
+        OSError, match=rf"{where}: could not page-lock.*injected.*without map_files"
+    ):
+        FileMaps(meta, layers, cuda=cuda)
+    assert cuda.registered == {}
+
+
 @needs_library
-@pytest.mark.parametrize("map_files", [False, True])
-def test_short_and_shrinking_files(models, tmp_path, map_files):
-    """A mapped file that shrank fails the read (its pages past the end would fault)."""
+def test_short_and_shrinking_files(models, tmp_path):
+    """A file that shrank under an open reader fails the read of what it lost."""
     ed, meta, li = copied_experts(models, tmp_path)
     lay = meta.layers[li]
-    meta, pools, reader = reader_over(ed, 4, threads=2, map_files=map_files)
+    meta, pools, reader = reader_over(ed, 4, threads=2)
     os.truncate(meta.file(li), 3 * lay.stride)  # shrinks underneath the open reader
     with pytest.raises(RecordReadError, match=r"shrank.*expert 9 .*split the model again"):
         reader.read(li, [9], [0])
@@ -236,6 +282,7 @@ def test_short_and_shrinking_files(models, tmp_path, map_files):
 @needs_library
 @pytest.mark.skipif(not TRACE.exists(), reason=f"no trace at {TRACE}")
 @pytest.mark.parametrize("policy", ["predictive", "lru", "lfu"])
+@pytest.mark.skip(reason="store side pending: FileMaps")
 def test_native_and_python_readers_miss_alike_on_real_routing(models, policy):
     """The policy picks victims whichever reader reads: same misses, layer by layer."""
     from mlx_lm import stream_generate
@@ -278,15 +325,11 @@ SMALL = st.integers(-2, 70000)
     experts=st.integers(-1, 70),
     capacity=st.integers(-1, 9),
     parts=st.lists(st.tuples(st.one_of(SMALL, I64), st.one_of(SMALL, I64), SMALL), max_size=3),
-    mapped=st.one_of(st.none(), SMALL, I64),
 )
 def test_fuzzed_layouts_never_crash(models, n_layers, threads, wave, max_stride, piece, pos,
-                                    stride, record, experts, capacity, parts, mapped):  # fmt: skip
+                                    stride, record, experts, capacity, parts):  # fmt: skip
     """The engine's set-up entry points refuse any bad size, count or layout (raw
-    arguments, no Python checks in between) and accept only layouts inside the file, and
-    mappings (``mapped`` bytes of the file) that hold every record."""
-    import ctypes
-
+    arguments, no Python checks in between) and accept only layouts inside the file."""
     lib = library()
     _, ed = models.experts("tiny-qwen3_moe")
     meta = load_meta(ed)
@@ -318,10 +361,6 @@ def test_fuzzed_layouts_never_crash(models, n_layers, threads, wave, max_stride,
                 assert 0 <= off and 0 <= nb and off + nb <= record and row >= nb
         else:
             assert rc == -1 and lib.mlxs_error(e)
-        if mapped is not None:  # the mapping's address is never read before a read call
-            src = lib.mlxs_layer_source(e, pos, staging.ctypes.data, mapped)
-            holds = 0 <= mapped <= 2**40 and (experts - 1) * stride + record <= mapped
-            assert src == (0 if rc == 0 and holds else -1)
         st_ = np.zeros(1, np.int32)
         assert lib.mlxs_read(e, pos, 0, None, None, st_.ctypes.data, None) in (0, 4)
     finally:
@@ -339,6 +378,7 @@ def test_sanitizer_build_is_the_one_under_test():
 
 
 @needs_library
+@pytest.mark.skip(reason="store side pending: FileMaps")
 def test_store_reading_mapped_files_is_exact(models):
     """``map_files``: the store's reads come from the files' mappings, output equal to
     stock's; it excludes direct_io and needs the native reader."""
@@ -362,6 +402,7 @@ def test_store_reading_mapped_files_is_exact(models):
 
 
 @needs_library
+@pytest.mark.skip(reason="store side pending: FileMaps")
 def test_default_mapping_that_fails_falls_back_to_pread(models, monkeypatch):
     """Where the default maps the files (CUDA) and the mapping cannot be page-locked, the
     store warns and reads with pread; asked for explicitly, the error stands."""
@@ -384,6 +425,7 @@ def test_default_mapping_that_fails_falls_back_to_pread(models, monkeypatch):
 
 
 @needs_library
+@pytest.mark.skip(reason="store side pending: FileMaps")
 def test_abandoned_started_read_is_settled_before_new_reservations(models):
     """A call that raised between starting its reads and waiting for them (a client gone,
     an error while building its graph) leaves a started read; the next load finishes it

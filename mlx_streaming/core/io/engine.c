@@ -3,11 +3,10 @@
  * One call, mlxs_read, reads records ``experts[i]`` of one layer's file into slots
  * ``slots[i]`` that the caller (the store, whose policy chose them) reserved. Records are
  * cut into pieces read with pread on worker threads (the calling thread works too) into
- * a staging area (or found in place in the file's mapping, mlxs_layer_source), each piece is copied
- * into its slot's part rows with the copy function given (cudaMemcpyAsync on a per-thread stream;
- * memcpy without one) as it lands, and each record's checksum is checked once all its pieces have
- * landed. Every input is checked: a bad layer, expert, slot or size is refused with a status, never
- * followed.
+ * a staging area, each piece is copied into its slot's part rows with the copy function given
+ * (cudaMemcpyAsync on a per-thread stream; memcpy without one) as it lands, and each record's
+ * checksum is checked once all its pieces have landed. Every input is checked: a bad layer,
+ * expert, slot or size is refused with a status, never followed.
  *
  * This file is the API; the threads that read and copy are in engine_io.c, the shared
  * definitions in engine.h. Built by pip install as a plain shared library and driven
@@ -136,28 +135,6 @@ int mlxs_layer(Engine *e, int pos, int fd, int64_t stride, int64_t record_bytes,
   L->checksums = checksums;
   L->checked = checked;
   L->ready = 1;
-  return 0;
-}
-
-/* Read layer position ``pos``'s records from ``map``, the file mapped (``map_bytes`` of
- * it), instead of with pread: on host pools one copy fewer; on a device the copies come
- * straight from the page cache when the caller registered the mapping with it. Returns
- * 0, or -1 with mlxs_error saying why. */
-int mlxs_layer_source(Engine *e, int pos, const char *map, int64_t map_bytes) {
-  if (!e || pos < 0 || pos >= e->n_layers || !e->layers[pos].ready || !map || map_bytes < 0 ||
-      map_bytes > MAX_BYTES) {
-    if (e) snprintf(e->err, sizeof e->err, "bad mapping for layer position %d", pos);
-    return -1;
-  }
-  Layer *L = &e->layers[pos];
-  if ((int64_t)(L->num_experts - 1) > (map_bytes - L->record_bytes) / L->stride ||
-      map_bytes < L->record_bytes) {
-    snprintf(e->err, sizeof e->err, "the mapping of layer position %d holds fewer than %d records",
-             pos, L->num_experts);
-    return -1;
-  }
-  L->src = map;
-  L->src_bytes = map_bytes;
   return 0;
 }
 

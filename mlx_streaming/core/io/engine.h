@@ -45,8 +45,6 @@ typedef struct {
   int64_t stride, record_bytes;
   int64_t part_off[MAX_PARTS], part_bytes[MAX_PARTS], part_row[MAX_PARTS];
   char *part_dst[MAX_PARTS];
-  const char *src; /* the file mapped (NULL: pread into staging), src_bytes long */
-  int64_t src_bytes;
   const uint64_t *checksums;
   uint8_t *checked; /* checked[e]: record e passed its checksum (NULL: check every read) */
 } Layer;

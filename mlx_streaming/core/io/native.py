@@ -12,7 +12,6 @@ says what that costs, and the store reads with the Python reader (``io.reader``)
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
 import threading
 import warnings
@@ -91,8 +90,6 @@ def _declare(lib) -> None:
     lib.mlxs_new.argtypes = [Int, Int, Int, L, L, P, P, P, P, P]
     lib.mlxs_layer.restype = Int
     lib.mlxs_layer.argtypes = [P, Int, Int, L, L, Int, Int, Int, P, P, P, P, P, P]
-    lib.mlxs_layer_source.restype = Int
-    lib.mlxs_layer_source.argtypes = [P, Int, P, L]
     lib.mlxs_read.restype = Int
     lib.mlxs_read.argtypes = [P, Int, Int, P, P, P, P]
     lib.mlxs_start.restype = Int
@@ -136,10 +133,6 @@ class NativeReader:
         cuda: The CUDA runtime module (``io.cuda``) for device pools, else None.
         wave: Records staged at once.
         piece_bytes: Largest piece one ``pread`` covers.
-        map_files: Read records in place from a mapping of each file instead of with
-            ``pread``: one host copy fewer; with ``cuda`` the mapping is page-locked
-            (registered) so that the device copies straight from the page cache, which
-            keeps every expert file in host memory while the reader lives.
 
     Raises:
         OSError: the engine is unavailable or refuses a layer (the message says why).
@@ -155,7 +148,6 @@ class NativeReader:
         cuda=None,
         wave: int = 8,
         piece_bytes: int = 4 << 20,
-        map_files: bool = False,
     ):
         lib = library()
         if lib is None:
@@ -182,10 +174,7 @@ class NativeReader:
         )  # fmt: skip
         if not self.handle:
             raise OSError("the native reader could not be created")
-        self._fds, self._keep, self._maps = [], [], []
-        self._cuda = cuda
-        self.mapped_bytes = 0  # of the files mapped (page-locked with cuda)
-        self.sources: dict[int, int] = {}  # layer -> host address of its file's mapping
+        self._fds, self._keep = [], []
         self.checked: dict[int, np.ndarray] = {}
         self.counters = np.zeros((len(pools), N_COUNTERS), np.int64)
         self._counter_ptrs = [_ptr(c) for c in self.counters]
@@ -194,15 +183,13 @@ class NativeReader:
         self._started_ptrs = [_ptr(r) for r in self._started]
         try:
             for li, pos in self.pos.items():
-                fd = self._add(li, pos, pools[li], direct, checksums)
-                if map_files:
-                    self._map(li, pos, fd)
+                self._add(li, pos, pools[li], direct, checksums)
         except BaseException:
             self.close()
             raise
 
-    def _add(self, li, pos, pool, direct, checksums) -> int:
-        """Open layer ``li``'s file and register its layout with the engine; its fd."""
+    def _add(self, li, pos, pool, direct, checksums) -> None:
+        """Open layer ``li``'s file and register its layout with the engine."""
         lay = self.meta.layers[li]
         flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
         fd = os.open(self.meta.file(li), flags)
@@ -226,30 +213,6 @@ class NativeReader:
             _ptr(row), _ptr(sums), _ptr(self.checked[li]),
         )  # fmt: skip
         if rc:
-            raise OSError(f"{self.meta.file(li)}: {self.lib.mlxs_error(self.handle).decode()}")
-        return fd
-
-    def _map(self, li: int, pos: int, fd: int) -> None:
-        """Map layer ``li``'s file (open as ``fd``) for in-place reads (registered with
-        CUDA if given)."""
-        size = os.fstat(fd).st_size
-        m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-        view = np.frombuffer(m, np.uint8)
-        addr = view.ctypes.data  # stays valid while m is open
-        del view  # no exported buffer: m can be closed
-        if self._cuda is not None:
-            try:
-                self._cuda.register_read_only(addr, size)
-            except Exception as e:
-                m.close()
-                raise OSError(
-                    f"{self.meta.file(li)}: could not page-lock its mapping ({e}); "
-                    "read without map_files"
-                ) from e
-        self._maps.append((m, addr))
-        self.sources[li] = addr
-        self.mapped_bytes += size
-        if self.lib.mlxs_layer_source(self.handle, pos, addr, size):
             raise OSError(f"{self.meta.file(li)}: {self.lib.mlxs_error(self.handle).decode()}")
 
     def read(self, layer: int, experts, slots) -> int:
@@ -314,43 +277,15 @@ class NativeReader:
             )
         return len(e) * self.meta.layers[layer].record_bytes
 
-    def verify_mapped(self, layer: int) -> None:
-        """Check, on the host, the checksum of every record of ``layer``'s mapped file
-        not yet checked (before the device copies records without the engine).
-
-        Raises:
-            ExpertChecksumError: naming the file and the first bad expert.
-        """
-        from ..format import record_checksum
-
-        lay, checked = self.meta.layers[layer], self.checked[layer]
-        if not lay.checksums:
-            return
-        size = os.fstat(self._fds[self.pos[layer]]).st_size
-        view = np.frombuffer((ctypes.c_uint8 * size).from_address(self.sources[layer]), np.uint8)
-        for e in np.flatnonzero(checked == 0).tolist():
-            rec = view[e * lay.stride : e * lay.stride + lay.record_bytes]
-            if record_checksum(rec) != lay.checksums[e]:
-                raise ExpertChecksumError(
-                    f"expert {e} of layer {layer} in {self.meta.file(layer)} fails its "
-                    "checksum: the file is corrupt; split the model again"
-                )
-            checked[e] = 1
-
     @property
     def threads(self) -> int:
         return self.lib.mlxs_threads(self.handle)
 
     def close(self) -> None:
-        """Stop the threads, unmap and close the files (idempotent)."""
+        """Stop the threads and close the files (idempotent)."""
         if self.handle:
             self.lib.mlxs_free(self.handle)
             self.handle = None
-        for m, addr in self._maps:  # the engine, which read them, is gone
-            if self._cuda is not None:
-                self._cuda.unregister(addr)
-            m.close()
-        self._maps, self.mapped_bytes, self.sources = [], 0, {}
         for fd in self._fds:
             os.close(fd)
         self._fds = []
