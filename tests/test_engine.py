@@ -86,7 +86,9 @@ def test_reads_records_into_the_slots_asked(models):
         for e, s in zip(experts, slots):
             assert_slot_holds(meta, pools, li, s, e)
     c = dict(zip(COUNTERS, reader.counters.sum(0).tolist()))
+    assert c["calls"] == len(meta.layers)  # one a read, however many waves it took
     assert c["records"] == 12 * len(meta.layers) and 0 < c["pread_ns"] <= c["read_ns"]
+    assert c["bytes"] == 12 * sum(lay.record_bytes for lay in meta.layers.values())
     reader.close()
     reader.close()  # idempotent
 
@@ -94,7 +96,7 @@ def test_reads_records_into_the_slots_asked(models):
 @needs_library
 def test_bad_requests_raise_and_leave_the_reader_usable(models):
     _, ed = models.experts("tiny-qwen3_moe")
-    meta, pools, reader = reader_over(ed, 4, threads=2)
+    meta, pools, reader = reader_over(ed, 4, threads=2, wave=2)
     li = sorted(meta.layers)[0]
     E = meta.num_experts
     for experts, slots, what in [
@@ -102,6 +104,8 @@ def test_bad_requests_raise_and_leave_the_reader_usable(models):
         ([-1], [0], "expert"),
         ([0], [4], "slot"),
         ([0, 1], [2, 2], "named twice"),
+        ([0, 1, 2], [0, 1, 0], "named twice"),  # in different waves
+        ([0, 1], [0], "2 experts for 1 slots"),
     ]:
         with pytest.raises(ValueError, match=what):
             reader.read(li, experts, slots)
@@ -112,32 +116,56 @@ def test_bad_requests_raise_and_leave_the_reader_usable(models):
     reader.close()
 
 
-@needs_library
-@settings(max_examples=60, deadline=None)
-@given(
-    experts=st.lists(st.integers(-3, 40), min_size=0, max_size=10),
-    slots=st.lists(st.integers(-3, 10), min_size=0, max_size=10),
-    started=st.booleans(),
+REQUEST = st.tuples(
+    st.sampled_from(["read", "start", "result"]),
+    st.lists(st.integers(-3, 40), max_size=10),
+    st.lists(st.integers(-3, 10), max_size=10),
 )
-def test_fuzzed_requests_never_crash(fuzz_reader, experts, slots, started):
+
+
+@needs_library
+@settings(max_examples=80, deadline=None)
+@given(ops=st.lists(REQUEST, min_size=1, max_size=6), trim=st.booleans())
+def test_fuzzed_requests_never_crash(fuzz_reader, ops, trim):
+    """Any sequence of reads (over several waves), starts and results: good requests land,
+    bad ones (an expert or slot out of range, a slot twice, lengths that differ, more than
+    a wave started, a start before the last one's result) raise ValueError and are never
+    followed; a read finishes the started read first, which keeps its outcome."""
     meta, pools, reader = fuzz_reader
     li = sorted(meta.layers)[0]
-    n = min(len(experts), len(slots))
-    experts, slots = experts[:n], slots[:n]
-    ok = (
-        all(0 <= e < meta.num_experts for e in experts)
-        and all(0 <= s < 8 for s in slots)
-        and len(set(slots)) == n
-        and (not started or n <= reader.wave)
-    )
-    read = (lambda *a: reader.start(*a).result()) if started else reader.read
-    if ok:
-        read(li, experts, slots)
-        for e, s in zip(experts, slots):
-            assert_slot_holds(meta, pools, li, s, e)
-    else:
-        with pytest.raises(ValueError, match="refused"):
-            read(li, experts, slots)
+    holds: dict[int, int] = {}  # slot -> expert it must hold
+    started, nbytes = None, meta.layers[li].record_bytes
+    for kind, experts, slots in ops:
+        if trim:  # mostly requests of matching lengths
+            n = min(len(experts), len(slots))
+            experts, slots = experts[:n], slots[:n]
+        if kind == "result":
+            if started is not None:  # (Started, records)
+                assert started[0].result() == started[1] * nbytes and started[0].done()
+                started = None
+            continue
+        ok = (
+            len(experts) == len(slots)
+            and all(0 <= e < meta.num_experts for e in experts)
+            and all(0 <= s < 8 for s in slots)
+            and len(set(slots)) == len(slots)
+            and (kind == "read" or (len(experts) <= reader.wave and started is None))
+        )
+        op = reader.read if kind == "read" else reader.start
+        if ok:
+            got = op(li, experts, slots)
+            if kind == "start":
+                started = (got, len(experts))
+            holds.update(zip(slots, experts))
+        else:
+            with pytest.raises(ValueError, match="refused"):
+                op(li, experts, slots)
+            for s in slots:  # a refused read's earlier waves may have landed
+                holds.pop(s, None)
+    if started is not None:
+        started[0].result()
+    for s, e in holds.items():
+        assert_slot_holds(meta, pools, li, s, e)
 
 
 @pytest.fixture(scope="module")
@@ -362,7 +390,10 @@ def test_fuzzed_layouts_never_crash(models, n_layers, threads, wave, max_stride,
         else:
             assert rc == -1 and lib.mlxs_error(e)
         st_ = np.zeros(1, np.int32)
-        assert lib.mlxs_read(e, pos, 0, None, None, st_.ctypes.data, None) in (0, 4)
+        if lib.mlxs_start(e, pos, 0, None, None) == 0:  # a layer registered reads nothing
+            assert rc == 0 and lib.mlxs_finish(e, st_.ctypes.data, None) == 0
+        else:
+            assert rc != 0 and lib.mlxs_finish(e, st_.ctypes.data, None) == 4
     finally:
         lib.mlxs_free(e)
         os.close(fd)

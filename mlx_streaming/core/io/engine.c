@@ -1,7 +1,8 @@
 /* mlx_streaming's native record reader: expert records into pool slots, without the GIL.
  *
- * One call, mlxs_read, reads records ``experts[i]`` of one layer's file into slots
- * ``slots[i]`` that the caller (the store, whose policy chose them) reserved. Records are
+ * One way to read: mlxs_start begins reading at most one wave of records ``experts[i]`` of
+ * one layer's file into slots ``slots[i]`` that the caller (the store, whose policy chose
+ * them) reserved, and returns; mlxs_finish waits for them and says how each went. Records are
  * cut into pieces read with pread on worker threads (the calling thread works too) into
  * a staging area, each piece is copied into its slot's part rows with the copy function given
  * (cudaMemcpyAsync on a per-thread stream; memcpy without one) as it lands, and each record's
@@ -158,10 +159,8 @@ static void add_counts(int64_t *c, int n, int64_t bytes, int64_t busy, const int
   c[C_COPIES] += ns[4];
 }
 
-/* A started read still on the workers: wait for it and hold its outcome for mlxs_finish. */
-static void settle(Engine *e) {
-  if (e->pending != 1) return;
-  mlxs_join(e);
+/* Hold the outcome of the wave just read for mlxs_finish. */
+static void hold(Engine *e) {
   for (int r = 0; r < e->held_n; r++) {
     e->held_status[r] = e->rec_status[r];
     e->held_errno[r] = e->rec_errno[r];
@@ -170,41 +169,17 @@ static void settle(Engine *e) {
   __atomic_store_n(&e->pending, 2, __ATOMIC_RELEASE);
 }
 
-/* Read records ``experts`` of layer position ``layer`` into ``slots``; ``status[i]`` says
- * how each went and ``counters`` (N_COUNTERS) add up the work. Returns the first failure
- * (mlxs_error describes it) or ST_OK. A record whose status is not ST_OK may have written
- * part of its slot: the caller must not use that slot. */
-int mlxs_read(Engine *e, int layer, int n, const int32_t *experts, const int32_t *slots,
-              int32_t *status, int64_t *counters) {
-  if (!e) return ST_ARGS;
-  pthread_mutex_lock(&e->call_lock);
-  settle(e); /* a started read's workers and staging are needed here */
-  int64_t t0 = mlxs_now_ns(), ns[5];
-  int first = check_read(e, layer, n, experts, slots);
-  if (first == ST_OK && !status) first = ST_ARGS;
-  for (int w0 = 0; first == ST_OK && w0 < n; w0 += e->wave) {
-    int nr = n - w0 < e->wave ? n - w0 : e->wave;
-    mlxs_plan_wave(e, layer, nr, experts + w0, slots + w0);
-    mlxs_run_wave(e);
-    for (int r = 0; r < nr; r++) {
-      status[w0 + r] = e->rec_status[r];
-      if (e->rec_status[r] != ST_OK && first == ST_OK) {
-        first = e->rec_status[r];
-        describe(e, first, e->rec_errno[r], experts[w0 + r], layer);
-      }
-    }
-  }
-  if (first == ST_OK) e->err[0] = 0;
-  take_counts(e, ns);
-  int64_t bytes = first == ST_OK ? (int64_t)n * e->layers[layer].record_bytes : 0;
-  add_counts(counters, n, bytes, mlxs_now_ns() - t0, ns);
-  pthread_mutex_unlock(&e->call_lock);
-  return first;
+/* A started read still on the workers: wait for it and hold its outcome. */
+static void settle(Engine *e) {
+  if (e->pending != 1) return;
+  mlxs_join(e);
+  hold(e);
 }
 
-/* Start reading at most one wave of records on the workers and return at once; the
- * caller computes meanwhile and collects the outcome with mlxs_finish (which must come
- * before the next mlxs_start). Returns ST_OK or ST_ARGS (mlxs_error says why). */
+/* Start reading at most one wave of records on the workers and return at once (with no
+ * workers, read them now); the caller computes meanwhile and collects the outcome with
+ * mlxs_finish (which must come before the next mlxs_start). Returns ST_OK or ST_ARGS
+ * (mlxs_error says why). */
 int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_t *slots) {
   if (!e) return ST_ARGS;
   pthread_mutex_lock(&e->call_lock);
@@ -223,16 +198,19 @@ int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_
     __atomic_store_n(&e->pending, 1, __ATOMIC_RELEASE);
     if (e->n_started && e->n_jobs)
       mlxs_wake(e);
-    else { /* no workers: read it now */
+    else { /* no workers (or nothing to read): read it now */
       mlxs_run_wave(e);
-      settle(e);
+      hold(e);
     }
   }
   pthread_mutex_unlock(&e->call_lock);
   return st;
 }
 
-/* Wait for the read mlxs_start began; statuses and counters as mlxs_read's. */
+/* Wait for the read mlxs_start began: ``status[i]`` says how record i went and
+ * ``counters`` (N_COUNTERS) add up the work. Returns the first failure (mlxs_error
+ * describes it) or ST_OK. A record whose status is not ST_OK may have written part of its
+ * slot: the caller must not use that slot. */
 int mlxs_finish(Engine *e, int32_t *status, int64_t *counters) {
   if (!e) return ST_ARGS;
   pthread_mutex_lock(&e->call_lock);

@@ -22,7 +22,8 @@
 
 enum { ST_OK = 0, ST_READ = 1, ST_CHECKSUM = 2, ST_SHORT = 3, ST_ARGS = 4, ST_COPY = 5 };
 /* counters per layer: read ns is pread plus copy calls, summed over threads; busy ns is
- * wall time in mlxs_read; pread, copy-call and sync ns split the threads' time */
+ * wall time from mlxs_start to mlxs_finish; pread, copy-call and sync ns split the
+ * threads' time */
 enum {
   C_CALLS,
   C_RECORDS,

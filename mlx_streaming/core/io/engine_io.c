@@ -132,7 +132,7 @@ void mlxs_join(Engine *e) {
 }
 
 void mlxs_run_wave(Engine *e) {
-  if (e->n_jobs == 1 || !e->n_started) { /* one piece: waking the workers costs more */
+  if (e->n_jobs <= 1 || !e->n_started) { /* one piece: waking the workers costs more */
     __atomic_store_n(&e->next_job, 0, __ATOMIC_RELEASE);
     work(e, e->n_started);
     return;

@@ -1,12 +1,14 @@
 """The native record reader (``engine.c``), built by ``pip install`` and driven through
 ctypes.
 
-``NativeReader.read(layer, experts, slots)`` reads records into pool slots on the
-engine's own threads, without the GIL: pieces ``pread`` into a staging area, copied into
-each slot's part rows (``cudaMemcpyAsync`` for CUDA pools, ``memcpy`` for host pools),
-XXH3 checksums checked with the xxhash package's own ``XXH3_64bits``. Where the compiled
-library is missing (a source tree never installed), ``library()`` is None, one warning
-says what that costs, and the store reads with the Python reader (``io.reader``).
+``NativeReader.start(layer, experts, slots)`` starts reading a wave of records into pool
+slots on the engine's own threads, without the GIL, and ``Started.result()`` collects it;
+``NativeReader.read`` is start and finish a wave at a time. Pieces ``pread`` into a
+staging area are copied into each slot's part rows (``cudaMemcpyAsync`` for CUDA pools,
+``memcpy`` for host pools), XXH3 checksums checked with the xxhash package's own
+``XXH3_64bits``. Where the compiled library is missing (a source tree never installed),
+``library()`` is None, one warning says what that costs, and the store reads with the
+Python reader (``io.reader``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ..format import ExpertChecksumError
 from .reader import RecordReadError
 
 HERE = Path(__file__).parent
-# mlxs_read's statuses that the reader words itself (engine.h: ST_CHECKSUM, ST_ARGS)
+# mlxs_finish's statuses that the reader words itself (engine.h: ST_CHECKSUM, ST_ARGS)
 CHECKSUM, REFUSED = 2, 4
 # calls, records, bytes, read ns (pread + copy calls), busy ns (wall), pread ns, copy-call ns,
 # sync ns, copy calls: the threads' times are summed over threads
@@ -90,8 +92,6 @@ def _declare(lib) -> None:
     lib.mlxs_new.argtypes = [Int, Int, Int, L, L, P, P, P, P, P]
     lib.mlxs_layer.restype = Int
     lib.mlxs_layer.argtypes = [P, Int, Int, L, L, Int, Int, Int, P, P, P, P, P, P]
-    lib.mlxs_read.restype = Int
-    lib.mlxs_read.argtypes = [P, Int, Int, P, P, P, P]
     lib.mlxs_start.restype = Int
     lib.mlxs_start.argtypes = [P, Int, Int, P, P]
     lib.mlxs_finish.restype = Int
@@ -175,6 +175,8 @@ class NativeReader:
         if not self.handle:
             raise OSError("the native reader could not be created")
         self._fds, self._keep = [], []
+        self._lock = threading.Lock()  # one start..finish at a time
+        self._pending: Started | None = None  # started, not yet finished
         self.checked: dict[int, np.ndarray] = {}
         self.counters = np.zeros((len(pools), N_COUNTERS), np.int64)
         self._counter_ptrs = [_ptr(c) for c in self.counters]
@@ -216,21 +218,38 @@ class NativeReader:
             raise OSError(f"{self.meta.file(li)}: {self.lib.mlxs_error(self.handle).decode()}")
 
     def read(self, layer: int, experts, slots) -> int:
-        """Read records ``experts`` of ``layer`` into ``slots`` (reserved by the caller);
-        returns the bytes read. The GIL is released meanwhile.
+        """Read records ``experts`` of ``layer`` into ``slots`` (reserved by the caller), a
+        wave at a time, each started and finished on the engine's threads; returns the
+        bytes read. The GIL is released meanwhile. A read started and not yet finished is
+        finished first (its ``result()`` keeps its outcome).
 
         Raises:
+            ValueError: a bad request, refused (a slot named twice before anything is
+                read; a bad expert or slot before its wave is read).
             ExpertChecksumError, RecordReadError: naming the file and the expert; the slots
                 written may hold partial data and must not be used.
         """
         e = np.ascontiguousarray(experts, np.int32)
         s = np.ascontiguousarray(slots, np.int32)
-        st = np.zeros(len(e), np.int32)
-        pos = self.pos[layer]
-        rc = self.lib.mlxs_read(
-            self.handle, pos, len(e), _ptr(e), _ptr(s), _ptr(st), self._counter_ptrs[pos]
-        )
-        return self._outcome(rc, layer, e, st)
+        pos, w = self.pos[layer], self._wave
+        if len(e) > w:  # a slot named twice within one wave is the engine's to refuse
+            seen, count = np.unique(s, return_counts=True)
+            if (count > 1).any():
+                raise ValueError(
+                    "the native reader refused a request: bad request: slot "
+                    f"{seen[count > 1][0]} named twice (layer {layer})"
+                )
+        with self._lock:
+            self._collect()
+            calls = 0
+            try:
+                for a in range(0, max(len(e), 1), w):
+                    calls += 1
+                    self._begin(pos, layer, e[a : a + w], s[a : a + w])
+                    self._end(pos, layer, e[a : a + w])
+            finally:  # one call per read, as the counters have always counted
+                self.counters[pos, 0] -= max(calls - 1, 0)
+        return len(e) * self.meta.layers[layer].record_bytes
 
     @property
     def wave(self) -> int:
@@ -240,25 +259,49 @@ class NativeReader:
     def start(self, layer: int, experts, slots) -> Started:
         """Start reading records ``experts`` of ``layer`` into ``slots`` (at most
         ``wave``) on the engine's threads and return at once; ``Started.result()`` waits
-        and raises as ``read`` would. Finish it before starting another."""
+        and raises as ``read`` would. Finish it before starting another.
+
+        Raises:
+            ValueError: a bad request, or a started read not yet finished (refused).
+        """
+        pos = self.pos[layer]
+        with self._lock:
+            self._begin(pos, layer, experts, slots)
+            self._pending = Started(self, layer, np.array(experts, np.int32))
+            return self._pending
+
+    def _begin(self, pos: int, layer: int, experts, slots) -> None:
+        """mlxs_start (under the lock)."""
         n = len(experts)
+        if len(slots) != n:
+            raise ValueError(
+                f"the native reader refused a request: {n} experts for {len(slots)} slots "
+                f"(layer {layer})"
+            )
         if n <= self._wave:  # one started read at a time: its id buffers are reused
             buf, (pe, ps, _) = self._started, self._started_ptrs
             buf[0, :n], buf[1, :n] = experts, slots
         else:  # the engine refuses it, saying why
             pe, ps = (_ptr(np.ascontiguousarray(a, np.int32)) for a in (experts, slots))
-        rc = self.lib.mlxs_start(self.handle, self.pos[layer], n, pe, ps)
-        if rc:
+        if self.lib.mlxs_start(self.handle, pos, n, pe, ps):
             why = self.lib.mlxs_error(self.handle).decode()
             raise ValueError(f"the native reader refused a request: {why} (layer {layer})")
-        return Started(self, layer, np.array(experts, np.int32))
 
-    def finish(self, layer: int, e: np.ndarray) -> int:
-        """Wait for the read ``start`` began (records ``e`` of ``layer``): as ``read``."""
-        pos = self.pos[layer]
+    def _end(self, pos: int, layer: int, e: np.ndarray) -> int:
+        """mlxs_finish of the read ``_begin`` started (records ``e``), under the lock."""
         st = self._started[2, : len(e)]
         rc = self.lib.mlxs_finish(self.handle, self._started_ptrs[2], self._counter_ptrs[pos])
         return self._outcome(rc, layer, e, st)
+
+    def _collect(self) -> None:
+        """Finish the started read not yet finished, if any, into its ``Started`` (under
+        the lock)."""
+        t, self._pending = self._pending, None
+        if t is not None:
+            try:
+                t._out = self._end(self.pos[t._layer], t._layer, t._experts)
+            except Exception as e:  # noqa: BLE001 - raised again on each result()
+                t._out = e
 
     def _outcome(self, rc: int, layer: int, e: np.ndarray, st: np.ndarray) -> int:
         """Bytes read, or the error that ``rc`` (a call's status) stands for."""
@@ -282,10 +325,13 @@ class NativeReader:
         return self.lib.mlxs_threads(self.handle)
 
     def close(self) -> None:
-        """Stop the threads and close the files (idempotent)."""
-        if self.handle:
-            self.lib.mlxs_free(self.handle)
-            self.handle = None
+        """Finish a started read (its ``result()`` keeps the outcome), stop the threads
+        and close the files (idempotent)."""
+        with self._lock:
+            self._collect()
+            if self.handle:
+                self.lib.mlxs_free(self.handle)
+                self.handle = None
         for fd in self._fds:
             os.close(fd)
         self._fds = []
@@ -300,14 +346,14 @@ class Started:
         self._out: int | BaseException | None = None
 
     def done(self) -> bool:
+        """Whether the read has landed (``result()`` then does not wait)."""
         return self._out is not None or bool(self._reader.lib.mlxs_idle(self._reader.handle))
 
     def result(self) -> int:
+        """The bytes read; raises the read's error (the same one on every call)."""
         if self._out is None:
-            try:
-                self._out = self._reader.finish(self._layer, self._experts)
-            except Exception as e:  # noqa: BLE001 - raised again on each result()
-                self._out = e
+            with self._reader._lock:
+                self._reader._collect()  # this read: every other one was collected
         if isinstance(self._out, BaseException):
             raise self._out
         return self._out
