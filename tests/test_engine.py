@@ -303,7 +303,30 @@ def test_short_and_shrinking_files(models, tmp_path):
         reader.read(li, [9], [0])
     reader.read(li, [1], [0])  # records still in the file read on
     reader.close()
-    with pytest.raises(OSError, match="fewer than"):  # the meta was read before the cut
+    with pytest.raises(OSError, match="holds"):  # the meta was read before the cut
+        NativeReader(meta, pools)
+
+
+@needs_library
+@pytest.mark.parametrize("short", ["stride", "byte", "padding"])
+def test_a_file_short_of_its_last_stride_is_refused(models, tmp_path, short):
+    """Reads cover whole strides, so a layer's file must hold ``num_experts * stride``
+    bytes (as the writer writes): one stride, one byte or the last record's padding
+    short is refused when the reader opens, naming the file and both sizes; whole, the
+    last record reads."""
+    ed, meta, li = copied_experts(models, tmp_path)
+    lay = meta.layers[li]
+    need = lay.num_experts * lay.stride
+    assert meta.file(li).stat().st_size == need and lay.record_bytes < lay.stride
+    meta, pools, reader = reader_over(ed, 4, threads=2)
+    reader.read(li, [lay.num_experts - 1], [0])
+    assert_slot_holds(meta, pools, li, 0, lay.num_experts - 1)
+    reader.close()
+    size = {"stride": need - lay.stride, "byte": need - 1,
+            "padding": need - lay.stride + lay.record_bytes}[short]  # fmt: skip
+    os.truncate(meta.file(li), size)
+    where = re.escape(str(meta.file(li)))
+    with pytest.raises(OSError, match=rf"{where}: .*holds {size} bytes.* needs? {need}"):
         NativeReader(meta, pools)
 
 
@@ -381,15 +404,17 @@ def test_fuzzed_layouts_never_crash(models, n_layers, threads, wave, max_stride,
         rc = lib.mlxs_layer(e, pos, fd, stride, record, experts, capacity, len(parts),
                             arr[0].ctypes.data, arr[1].ctypes.data,
                             ctypes.cast(dst, ctypes.c_void_p), arr[2].ctypes.data, None, None)  # fmt: skip
-        size = os.fstat(fd).st_size
+        size, st_ = os.fstat(fd).st_size, np.zeros(1, np.int32)
         if rc == 0:  # accepted: every part inside its record, every record inside the file
             assert 0 <= pos < n_layers and 1 <= record <= stride <= max_stride
-            assert 1 <= experts and (experts - 1) * stride + record <= size and capacity >= 1
+            assert 1 <= experts and experts * stride <= size and capacity >= 1
             for off, nb, row in parts:
                 assert 0 <= off and 0 <= nb and off + nb <= record and row >= nb
+            last = np.array([experts - 1, capacity - 1], np.int32)  # its whole stride reads
+            assert lib.mlxs_start(e, pos, 1, last[:1].ctypes.data, last[1:].ctypes.data) == 0
+            assert lib.mlxs_finish(e, st_.ctypes.data, None) == 0 and st_[0] == 0
         else:
             assert rc == -1 and lib.mlxs_error(e)
-        st_ = np.zeros(1, np.int32)
         if lib.mlxs_start(e, pos, 0, None, None) == 0:  # a layer registered reads nothing
             assert rc == 0 and lib.mlxs_finish(e, st_.ctypes.data, None) == 0
         else:

@@ -97,7 +97,8 @@ int mlxs_layer(Engine *e, int pos, int fd, int64_t stride, int64_t record_bytes,
                uint8_t *checked) {
   if (!e || pos < 0 || pos >= e->n_layers || n_parts < 1 || n_parts > MAX_PARTS || stride < 1 ||
       stride > e->max_stride || record_bytes < 1 || record_bytes > stride || num_experts < 1 ||
-      capacity < 1 || !part_off || !part_bytes || !part_dst || !part_row) {
+      num_experts > MAX_BYTES / stride || capacity < 1 || !part_off || !part_bytes || !part_dst ||
+      !part_row) {
     if (e) snprintf(e->err, sizeof e->err, "bad layout for layer position %d", pos);
     return -1;
   }
@@ -113,11 +114,17 @@ int mlxs_layer(Engine *e, int pos, int fd, int64_t stride, int64_t record_bytes,
                pos);
       return -1;
     }
-  struct stat sb;
-  if (fstat(fd, &sb) || sb.st_size < record_bytes ||
-      (int64_t)(num_experts - 1) > (sb.st_size - record_bytes) / stride) {
-    snprintf(e->err, sizeof e->err, "the file of layer position %d holds fewer than %d records",
-             pos, num_experts);
+  struct stat sb; /* reads cover whole strides, the last record's too */
+  int64_t need = num_experts * stride;
+  if (fstat(fd, &sb)) {
+    snprintf(e->err, sizeof e->err, "layer position %d: %s", pos, strerror(errno));
+    return -1;
+  }
+  if (sb.st_size < need) {
+    snprintf(e->err, sizeof e->err,
+             "the file of layer position %d holds %lld bytes; its %d records of stride %lld "
+             "need %lld: split the model again",
+             pos, (long long)sb.st_size, num_experts, (long long)stride, (long long)need);
     return -1;
   }
   Layer *L = &e->layers[pos];
