@@ -9,6 +9,7 @@ import ctypes
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,13 @@ from hypothesis import strategies as st
 
 from mlx_streaming.core.format import ExpertChecksumError
 from mlx_streaming.core.io.filemap import FileMaps
-from mlx_streaming.core.io.native import COUNTERS, NativeReader, library, library_path
+from mlx_streaming.core.io.native import (
+    COUNTERS,
+    NativeReader,
+    error_buffer,
+    library,
+    library_path,
+)
 from mlx_streaming.core.io.reader import RecordReadError
 from mlx_streaming.core.meta import load_meta
 
@@ -116,6 +123,67 @@ def test_bad_requests_raise_and_leave_the_reader_usable(models):
     reader.close()
 
 
+@needs_library
+def test_a_failed_call_keeps_its_own_message(models):
+    """An engine call writes its message into its caller's buffer under the engine's
+    lock: another caller's bad and good requests, made after the call returned and before
+    its caller reads the message, leave that message naming its own request."""
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta, pools, reader = reader_over(ed, 4, threads=2)
+    lib, h, E = reader.lib, reader.handle, meta.num_experts
+    pos = reader.pos[sorted(meta.layers)[0]]
+    mine, theirs, good, slot, status = (np.array([v], np.int32) for v in (E + 7, E + 9, 3, 0, 0))
+    err = error_buffer()
+    assert lib.mlxs_start(h, pos, 1, mine.ctypes.data, slot.ctypes.data, err, len(err)) == 4
+
+    def other():
+        e2 = error_buffer()
+        for ids, rc in [(theirs, 4), (good, 0)]:
+            assert lib.mlxs_start(h, pos, 1, ids.ctypes.data, slot.ctypes.data, e2, len(e2)) == rc
+        assert lib.mlxs_finish(h, status.ctypes.data, None, e2, len(e2)) == 0 and not e2.value
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert f"bad request: expert {E + 7} (of {E})" in err.value.decode()
+    reader.close()
+
+
+@needs_library
+def test_concurrent_errors_name_their_own_request(models):
+    """Two threads hammer one reader, each with its own bad requests (refused, naming
+    that request's expert) between good reads (one thread reads, the other starts and
+    waits for the result): every error names its own request and every good read lands."""
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta, pools, reader = reader_over(ed, 8, threads=2, wave=2)
+    li, E = sorted(meta.layers)[0], meta.num_experts
+    wrong = []
+
+    def hammer(t):
+        for i in range(300):
+            bad = E + 1 + 2 * i + t  # this thread's request, this time
+            try:
+                (reader.read if t == 0 else reader.start)(li, [bad], [4 * t])
+                wrong.append(f"expert {bad} was not refused")
+            except ValueError as ex:
+                if f"expert {bad} " not in str(ex):
+                    wrong.append(f"expert {bad}: {ex}")
+            if t == 0:
+                reader.read(li, [0, 2, 4], [1, 2, 3])  # two waves
+            else:
+                reader.start(li, [1, 3], [5, 6]).result()
+
+    threads = [threading.Thread(target=hammer, args=(t,)) for t in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not wrong, (len(wrong), wrong[:3])
+    for e, s in [(0, 1), (2, 2), (4, 3), (1, 5), (3, 6)]:
+        assert_slot_holds(meta, pools, li, s, e)
+    reader.close()
+
+
 REQUEST = st.tuples(
     st.sampled_from(["read", "start", "result"]),
     st.lists(st.integers(-3, 40), max_size=10),
@@ -196,7 +264,7 @@ def test_started_reads_land_like_reads(models, tmp_path):
     assert r.result() == meta.layers[li].record_bytes
     for e, s in [(6, 3), (7, 4), (8, 5)]:
         assert_slot_holds(meta, pools, li, s, e)
-    assert reader.lib.mlxs_finish(reader.handle, None, None) == 4  # nothing started
+    assert reader.lib.mlxs_finish(reader.handle, None, None, None, 0) == 4  # nothing started
     data = np.fromfile(meta.file(li), np.uint8)
     data[2 * meta.layers[li].stride + 5] ^= 0xFF
     data.tofile(meta.file(li))
@@ -381,7 +449,7 @@ def test_fuzzed_layouts_never_crash(models, n_layers, threads, wave, max_stride,
                                     stride, record, experts, capacity, parts):  # fmt: skip
     """The engine's set-up entry points refuse any bad size, count or layout (raw
     arguments, no Python checks in between) and accept only layouts inside the file."""
-    lib = library()
+    lib, err = library(), error_buffer()
     _, ed = models.experts("tiny-qwen3_moe")
     meta = load_meta(ed)
     li = sorted(meta.layers)[0]
@@ -391,10 +459,10 @@ def test_fuzzed_layouts_never_crash(models, n_layers, threads, wave, max_stride,
     if not ok_new:  # sizes the staging area could not hold are the caller's to avoid
         if not (1 <= wave <= 256 and 1 <= max_stride and wave * max_stride > staging.size):
             assert not lib.mlxs_new(n_layers, threads, wave, max_stride, piece, None,
-                                    None, None, None, None)  # fmt: skip
+                                    None, None, None, None, err, len(err))  # fmt: skip
         return
     e = lib.mlxs_new(n_layers, threads, wave, max_stride, piece, staging.ctypes.data,
-                     None, None, None, None)  # fmt: skip
+                     None, None, None, None, err, len(err))  # fmt: skip
     assert e
     rows = [np.zeros((max(capacity, 1), max(r, 1)), np.uint8) for _, _, r in parts]
     arr = [np.array([p[i] for p in parts] or [0], np.int64) for i in range(3)]
@@ -403,7 +471,8 @@ def test_fuzzed_layouts_never_crash(models, n_layers, threads, wave, max_stride,
     try:
         rc = lib.mlxs_layer(e, pos, fd, stride, record, experts, capacity, len(parts),
                             arr[0].ctypes.data, arr[1].ctypes.data,
-                            ctypes.cast(dst, ctypes.c_void_p), arr[2].ctypes.data, None, None)  # fmt: skip
+                            ctypes.cast(dst, ctypes.c_void_p), arr[2].ctypes.data, None, None,
+                            err, len(err))  # fmt: skip
         size, st_ = os.fstat(fd).st_size, np.zeros(1, np.int32)
         if rc == 0:  # accepted: every part inside its record, every record inside the file
             assert 0 <= pos < n_layers and 1 <= record <= stride <= max_stride
@@ -411,14 +480,16 @@ def test_fuzzed_layouts_never_crash(models, n_layers, threads, wave, max_stride,
             for off, nb, row in parts:
                 assert 0 <= off and 0 <= nb and off + nb <= record and row >= nb
             last = np.array([experts - 1, capacity - 1], np.int32)  # its whole stride reads
-            assert lib.mlxs_start(e, pos, 1, last[:1].ctypes.data, last[1:].ctypes.data) == 0
-            assert lib.mlxs_finish(e, st_.ctypes.data, None) == 0 and st_[0] == 0
+            ids = last[:1].ctypes.data, last[1:].ctypes.data
+            assert lib.mlxs_start(e, pos, 1, *ids, err, len(err)) == 0 and not err.value
+            assert lib.mlxs_finish(e, st_.ctypes.data, None, err, len(err)) == 0 and st_[0] == 0
         else:
-            assert rc == -1 and lib.mlxs_error(e)
-        if lib.mlxs_start(e, pos, 0, None, None) == 0:  # a layer registered reads nothing
-            assert rc == 0 and lib.mlxs_finish(e, st_.ctypes.data, None) == 0
+            assert rc == -1 and err.value
+        if lib.mlxs_start(e, pos, 0, None, None, err, len(err)) == 0:  # reads nothing
+            assert rc == 0 and lib.mlxs_finish(e, st_.ctypes.data, None, err, len(err)) == 0
         else:
-            assert rc != 0 and lib.mlxs_finish(e, st_.ctypes.data, None) == 4
+            assert rc != 0 and b"bad request" in err.value
+            assert lib.mlxs_finish(e, st_.ctypes.data, None, err, len(err)) == 4
     finally:
         lib.mlxs_free(e)
         os.close(fd)

@@ -9,39 +9,53 @@
  * checksum is checked once all its pieces have landed. Every input is checked: a bad layer,
  * expert, slot or size is refused with a status, never followed.
  *
+ * Every call that can fail writes why into the caller's ``err`` (``err_len`` bytes, under
+ * the engine's lock: no message outlives its call or is shared between callers).
+ *
  * This file is the API; the threads that read and copy are in engine_io.c, the shared
  * definitions in engine.h. Built by pip install as a plain shared library and driven
  * through ctypes (io/native.py).
  */
 #include "engine.h"
+#include <stdarg.h>
 
-static void describe(Engine *e, int st, int err, int expert, int layer) {
+/* Write a message into the caller's ``err`` (an empty one: no failure); returns -1. */
+__attribute__((format(printf, 3, 4))) static int say(char *err, int err_len, const char *fmt, ...) {
+  if (!err || err_len < 1) return -1;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(err, (size_t)err_len, fmt, ap);
+  va_end(ap);
+  return -1;
+}
+
+static void describe(char *err, int err_len, int st, int errnum, int expert, int layer) {
   const char *what = st == ST_CHECKSUM ? "checksum mismatch (the expert file is corrupt)"
                      : st == ST_COPY   ? "copy to the device failed"
                      : st == ST_SHORT
                          ? "the file ends inside the record (it shrank or is truncated)"
                          : "read failed";
-  snprintf(e->err, sizeof e->err, "%s%s%s: expert %d of layer position %d", what,
-           st == ST_READ ? ": " : "", st == ST_READ ? strerror(err) : "", expert, layer);
+  say(err, err_len, "%s%s%s: expert %d of layer position %d", what, st == ST_READ ? ": " : "",
+      st == ST_READ ? strerror(errnum) : "", expert, layer);
 }
 
-static int check_read(Engine *e, int layer, int n, const int32_t *experts, const int32_t *slots) {
+static int check_read(Engine *e, int layer, int n, const int32_t *experts, const int32_t *slots,
+                      char *err, int err_len) {
   if (layer < 0 || layer >= e->n_layers || !e->layers[layer].ready || n < 0 || n > 1 << 20 ||
       (n && (!experts || !slots))) {
-    snprintf(e->err, sizeof e->err, "bad request: layer position %d, %d records", layer, n);
+    say(err, err_len, "bad request: layer position %d, %d records", layer, n);
     return ST_ARGS;
   }
   Layer *L = &e->layers[layer];
   for (int i = 0; i < n; i++) {
     if (experts[i] < 0 || experts[i] >= L->num_experts || slots[i] < 0 || slots[i] >= L->capacity) {
-      snprintf(e->err, sizeof e->err,
-               "bad request: expert %d (of %d) into slot %d (of %d) in layer position %d",
-               experts[i], L->num_experts, slots[i], L->capacity, layer);
+      say(err, err_len, "bad request: expert %d (of %d) into slot %d (of %d) in layer position %d",
+          experts[i], L->num_experts, slots[i], L->capacity, layer);
       return ST_ARGS;
     }
     for (int j = 0; j < i; j++)
       if (slots[j] == slots[i]) {
-        snprintf(e->err, sizeof e->err, "bad request: slot %d named twice", slots[i]);
+        say(err, err_len, "bad request: slot %d named twice", slots[i]);
         return ST_ARGS;
       }
   }
@@ -50,17 +64,19 @@ static int check_read(Engine *e, int layer, int n, const int32_t *experts, const
 
 /* ------------------------------------------------------------------ the API */
 
+/* A new engine, or NULL with ``err`` saying why. */
 Engine *mlxs_new(int n_layers, int n_threads, int wave, int64_t max_stride, int64_t piece_bytes,
-                 char *staging, void *copy, void *sync, void **streams, void *hash) {
+                 char *staging, void *copy, void *sync, void **streams, void *hash, char *err,
+                 int err_len) {
   if (n_layers < 1 || n_threads < 0 || n_threads >= MAX_THREADS || wave < 1 || wave > MAX_WAVE ||
       max_stride < 1 || max_stride > MAX_BYTES / wave || piece_bytes < 4096 ||
       piece_bytes > MAX_BYTES || !staging || (copy && (!sync || !streams)))
     return NULL;
   Engine *e = calloc(1, sizeof(Engine));
-  if (!e) return NULL;
-  e->layers = calloc((size_t)n_layers, sizeof(Layer));
-  if (!e->layers) {
+  if (e) e->layers = calloc((size_t)n_layers, sizeof(Layer));
+  if (!e || !e->layers) {
     free(e);
+    say(err, err_len, "out of memory for an engine of %d layers", n_layers);
     return NULL;
   }
   e->n_layers = n_layers;
@@ -90,42 +106,36 @@ Engine *mlxs_new(int n_layers, int n_threads, int wave, int64_t max_stride, int6
   return e;
 }
 
-/* Register layer position ``pos``; returns 0, or -1 with mlxs_error saying why. */
-int mlxs_layer(Engine *e, int pos, int fd, int64_t stride, int64_t record_bytes, int num_experts,
-               int capacity, int n_parts, const int64_t *part_off, const int64_t *part_bytes,
-               char **part_dst, const int64_t *part_row, const uint64_t *checksums,
-               uint8_t *checked) {
+/* Register layer position ``pos``: its file, record geometry and where each part lands. */
+static int add_layer(Engine *e, int pos, int fd, int64_t stride, int64_t record_bytes,
+                     int num_experts, int capacity, int n_parts, const int64_t *part_off,
+                     const int64_t *part_bytes, char **part_dst, const int64_t *part_row,
+                     const uint64_t *checksums, uint8_t *checked, char *err, int err_len) {
   if (!e || pos < 0 || pos >= e->n_layers || n_parts < 1 || n_parts > MAX_PARTS || stride < 1 ||
       stride > e->max_stride || record_bytes < 1 || record_bytes > stride || num_experts < 1 ||
       num_experts > MAX_BYTES / stride || capacity < 1 || !part_off || !part_bytes || !part_dst ||
       !part_row) {
-    if (e) snprintf(e->err, sizeof e->err, "bad layout for layer position %d", pos);
-    return -1;
+    return say(err, err_len, "bad layout for layer position %d", pos);
   }
   if (checksums && !e->hash) {
-    snprintf(e->err, sizeof e->err, "checksums given without a hash function");
-    return -1;
+    return say(err, err_len, "checksums given without a hash function");
   }
   for (int p = 0; p < n_parts; p++)
     if (part_off[p] < 0 || part_bytes[p] < 0 || part_off[p] > record_bytes ||
         part_bytes[p] > record_bytes - part_off[p] || part_row[p] < part_bytes[p] ||
         part_row[p] > MAX_BYTES / capacity || !part_dst[p]) {
-      snprintf(e->err, sizeof e->err, "part %d of layer position %d lies outside its record", p,
-               pos);
-      return -1;
+      return say(err, err_len, "part %d of layer position %d lies outside its record", p, pos);
     }
   struct stat sb; /* reads cover whole strides, the last record's too */
   int64_t need = num_experts * stride;
   if (fstat(fd, &sb)) {
-    snprintf(e->err, sizeof e->err, "layer position %d: %s", pos, strerror(errno));
-    return -1;
+    return say(err, err_len, "layer position %d: %s", pos, strerror(errno));
   }
   if (sb.st_size < need) {
-    snprintf(e->err, sizeof e->err,
-             "the file of layer position %d holds %lld bytes; its %d records of stride %lld "
-             "need %lld: split the model again",
-             pos, (long long)sb.st_size, num_experts, (long long)stride, (long long)need);
-    return -1;
+    return say(err, err_len,
+               "the file of layer position %d holds %lld bytes; its %d records of stride %lld "
+               "need %lld: split the model again",
+               pos, (long long)sb.st_size, num_experts, (long long)stride, (long long)need);
   }
   Layer *L = &e->layers[pos];
   L->fd = fd;
@@ -183,19 +193,36 @@ static void settle(Engine *e) {
   hold(e);
 }
 
+/* Register layer position ``pos`` (see add_layer); returns 0, or -1 with ``err`` saying why. */
+int mlxs_layer(Engine *e, int pos, int fd, int64_t stride, int64_t record_bytes, int num_experts,
+               int capacity, int n_parts, const int64_t *part_off, const int64_t *part_bytes,
+               char **part_dst, const int64_t *part_row, const uint64_t *checksums,
+               uint8_t *checked, char *err, int err_len) {
+  say(err, err_len, "%s", e ? "" : "no engine");
+  if (!e) return -1;
+  pthread_mutex_lock(&e->call_lock);
+  settle(e); /* a started read may be reading the layer */
+  int rc = add_layer(e, pos, fd, stride, record_bytes, num_experts, capacity, n_parts, part_off,
+                     part_bytes, part_dst, part_row, checksums, checked, err, err_len);
+  pthread_mutex_unlock(&e->call_lock);
+  return rc;
+}
+
 /* Start reading at most one wave of records on the workers and return at once (with no
  * workers, read them now); the caller computes meanwhile and collects the outcome with
  * mlxs_finish (which must come before the next mlxs_start). Returns ST_OK or ST_ARGS
- * (mlxs_error says why). */
-int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_t *slots) {
+ * (``err`` says why). */
+int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_t *slots, char *err,
+               int err_len) {
+  say(err, err_len, "%s", e ? "" : "no engine");
   if (!e) return ST_ARGS;
   pthread_mutex_lock(&e->call_lock);
   settle(e);
-  int st = check_read(e, layer, n, experts, slots);
+  int st = check_read(e, layer, n, experts, slots, err, err_len);
   if (st == ST_OK && (e->pending || n > e->wave)) {
-    snprintf(e->err, sizeof e->err, "%s",
-             e->pending ? "the read started before is not finished"
-                        : "a started read takes at most one wave");
+    say(err, err_len, "%s",
+        e->pending ? "the read started before is not finished"
+                   : "a started read takes at most one wave");
     st = ST_ARGS;
   }
   if (st == ST_OK) {
@@ -215,23 +242,24 @@ int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_
 }
 
 /* Wait for the read mlxs_start began: ``status[i]`` says how record i went and
- * ``counters`` (N_COUNTERS) add up the work. Returns the first failure (mlxs_error
+ * ``counters`` (N_COUNTERS) add up the work. Returns the first failure (``err``
  * describes it) or ST_OK. A record whose status is not ST_OK may have written part of its
  * slot: the caller must not use that slot. */
-int mlxs_finish(Engine *e, int32_t *status, int64_t *counters) {
+int mlxs_finish(Engine *e, int32_t *status, int64_t *counters, char *err, int err_len) {
+  say(err, err_len, "%s", e ? "" : "no engine");
   if (!e) return ST_ARGS;
   pthread_mutex_lock(&e->call_lock);
   settle(e);
   int first = ST_OK;
   if (e->pending != 2 || !status) {
-    snprintf(e->err, sizeof e->err, "no started read to finish");
+    say(err, err_len, "no started read to finish");
     first = ST_ARGS;
   }
   for (int r = 0; first != ST_ARGS && r < e->held_n; r++) {
     status[r] = e->held_status[r];
     if (e->held_status[r] != ST_OK && first == ST_OK) {
       first = e->held_status[r];
-      describe(e, first, e->held_errno[r], e->held_experts[r], e->held_layer);
+      describe(err, err_len, first, e->held_errno[r], e->held_experts[r], e->held_layer);
     }
   }
   if (first != ST_ARGS) {
@@ -239,7 +267,6 @@ int mlxs_finish(Engine *e, int32_t *status, int64_t *counters) {
     add_counts(counters, e->held_n, first == ST_OK ? e->held_n * rb : 0, mlxs_now_ns() - e->held_t0,
                e->held_ns);
     __atomic_store_n(&e->pending, 0, __ATOMIC_RELEASE);
-    if (first == ST_OK) e->err[0] = 0;
   }
   pthread_mutex_unlock(&e->call_lock);
   return first;
@@ -269,5 +296,3 @@ void mlxs_free(Engine *e) {
 }
 
 int mlxs_threads(const Engine *e) { return e ? e->n_started : 0; }
-
-const char *mlxs_error(const Engine *e) { return e ? e->err : "no engine"; }

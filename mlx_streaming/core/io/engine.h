@@ -80,7 +80,6 @@ typedef struct Engine {
   int64_t generation;
   int stop, n_started;
   pthread_t workers[MAX_THREADS];
-  char err[512];
 } Engine;
 
 int64_t mlxs_now_ns(void);

@@ -33,6 +33,7 @@ CHECKSUM, REFUSED = 2, 4
 COUNTERS = ("calls", "records", "bytes", "read_ns", "busy_ns", "pread_ns", "copy_ns", "sync_ns",
             "copies")  # fmt: skip
 N_COUNTERS = len(COUNTERS)
+ERR_BYTES = 512  # an engine message's buffer
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None | bool = None
@@ -87,22 +88,26 @@ def why_unavailable() -> str:
 
 
 def _declare(lib) -> None:
-    P, Int, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    P, Int, L, S = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_char_p
+    # every call that can fail ends with the caller's (err, err_len) for its message
     lib.mlxs_new.restype = P
-    lib.mlxs_new.argtypes = [Int, Int, Int, L, L, P, P, P, P, P]
+    lib.mlxs_new.argtypes = [Int, Int, Int, L, L, P, P, P, P, P, S, Int]
     lib.mlxs_layer.restype = Int
-    lib.mlxs_layer.argtypes = [P, Int, Int, L, L, Int, Int, Int, P, P, P, P, P, P]
+    lib.mlxs_layer.argtypes = [P, Int, Int, L, L, Int, Int, Int, P, P, P, P, P, P, S, Int]
     lib.mlxs_start.restype = Int
-    lib.mlxs_start.argtypes = [P, Int, Int, P, P]
+    lib.mlxs_start.argtypes = [P, Int, Int, P, P, S, Int]
     lib.mlxs_finish.restype = Int
-    lib.mlxs_finish.argtypes = [P, P, P]
+    lib.mlxs_finish.argtypes = [P, P, P, S, Int]
     lib.mlxs_idle.restype = Int
     lib.mlxs_idle.argtypes = [P]
     lib.mlxs_free.argtypes = [P]
     lib.mlxs_threads.restype = Int
     lib.mlxs_threads.argtypes = [P]
-    lib.mlxs_error.restype = ctypes.c_char_p
-    lib.mlxs_error.argtypes = [P]
+
+
+def error_buffer() -> ctypes.Array:
+    """A buffer for an engine call's message (``err``, ``len(buf)``)."""
+    return ctypes.create_string_buffer(ERR_BYTES)
 
 
 def hash_function() -> int | None:
@@ -168,12 +173,13 @@ class NativeReader:
         h = hash_function() if checksums else None
         if checksums and h is None:
             raise OSError("checksums need XXH3_64bits from the xxhash package: not found")
+        self._err = error_buffer()  # used under self._lock once built
         self.handle = lib.mlxs_new(
             len(pools), threads, wave, stride, piece_bytes, _ptr(self._staging), copy, sync,
-            streams, h,
+            streams, h, self._err, ERR_BYTES,
         )  # fmt: skip
         if not self.handle:
-            raise OSError("the native reader could not be created")
+            raise OSError(f"the native reader could not be created: {self._why()}")
         self._fds, self._keep = [], []
         self._lock = threading.Lock()  # one start..finish at a time
         self._pending: Started | None = None  # started, not yet finished
@@ -212,10 +218,10 @@ class NativeReader:
         rc = self.lib.mlxs_layer(
             self.handle, pos, fd, lay.stride, lay.record_bytes, lay.num_experts, pool.slots,
             len(lay.parts), _ptr(off), _ptr(nbytes), ctypes.cast(dst, ctypes.c_void_p),
-            _ptr(row), _ptr(sums), _ptr(self.checked[li]),
+            _ptr(row), _ptr(sums), _ptr(self.checked[li]), self._err, ERR_BYTES,
         )  # fmt: skip
         if rc:
-            raise OSError(f"{self.meta.file(li)}: {self.lib.mlxs_error(self.handle).decode()}")
+            raise OSError(f"{self.meta.file(li)}: {self._why()}")
 
     def read(self, layer: int, experts, slots) -> int:
         """Read records ``experts`` of ``layer`` into ``slots`` (reserved by the caller), a
@@ -283,14 +289,15 @@ class NativeReader:
             buf[0, :n], buf[1, :n] = experts, slots
         else:  # the engine refuses it, saying why
             pe, ps = (_ptr(np.ascontiguousarray(a, np.int32)) for a in (experts, slots))
-        if self.lib.mlxs_start(self.handle, pos, n, pe, ps):
-            why = self.lib.mlxs_error(self.handle).decode()
-            raise ValueError(f"the native reader refused a request: {why} (layer {layer})")
+        if self.lib.mlxs_start(self.handle, pos, n, pe, ps, self._err, ERR_BYTES):
+            raise ValueError(f"the native reader refused a request: {self._why()} (layer {layer})")
 
     def _end(self, pos: int, layer: int, e: np.ndarray) -> int:
         """mlxs_finish of the read ``_begin`` started (records ``e``), under the lock."""
         st = self._started[2, : len(e)]
-        rc = self.lib.mlxs_finish(self.handle, self._started_ptrs[2], self._counter_ptrs[pos])
+        rc = self.lib.mlxs_finish(
+            self.handle, self._started_ptrs[2], self._counter_ptrs[pos], self._err, ERR_BYTES
+        )
         return self._outcome(rc, layer, e, st)
 
     def _collect(self) -> None:
@@ -306,7 +313,7 @@ class NativeReader:
     def _outcome(self, rc: int, layer: int, e: np.ndarray, st: np.ndarray) -> int:
         """Bytes read, or the error that ``rc`` (a call's status) stands for."""
         if rc:
-            why = self.lib.mlxs_error(self.handle).decode()
+            why = self._why()
             if rc == REFUSED:
                 raise ValueError(f"the native reader refused a request: {why} (layer {layer})")
             if rc == CHECKSUM:  # worded as the Python reader words it
@@ -319,6 +326,10 @@ class NativeReader:
                 f"{self.meta.file(layer)}: {why} (layer {layer}); split the model again"
             )
         return len(e) * self.meta.layers[layer].record_bytes
+
+    def _why(self) -> str:
+        """The last engine call's message (read under the lock its call was made in)."""
+        return self._err.value.decode(errors="replace")
 
     @property
     def threads(self) -> int:
