@@ -202,36 +202,42 @@ def test_fuzzed_requests_never_crash(fuzz_reader, ops, trim):
     meta, pools, reader = fuzz_reader
     li = sorted(meta.layers)[0]
     holds: dict[int, int] = {}  # slot -> expert it must hold
-    started, nbytes = None, meta.layers[li].record_bytes
+    nbytes = meta.layers[li].record_bytes
+    started = []  # (Started, records): the last one open until a result or a read
+    is_open = False
     for kind, experts, slots in ops:
         if trim:  # mostly requests of matching lengths
             n = min(len(experts), len(slots))
             experts, slots = experts[:n], slots[:n]
         if kind == "result":
-            if started is not None:  # (Started, records)
-                assert started[0].result() == started[1] * nbytes and started[0].done()
-                started = None
+            is_open = False
+            for got, n in started:
+                assert got.result() == n * nbytes and got.done()
             continue
         ok = (
             len(experts) == len(slots)
             and all(0 <= e < meta.num_experts for e in experts)
             and all(0 <= s < 8 for s in slots)
             and len(set(slots)) == len(slots)
-            and (kind == "read" or (len(experts) <= reader.wave and started is None))
+            and (kind == "read" or (len(experts) <= reader.wave and not is_open))
         )
         op = reader.read if kind == "read" else reader.start
         if ok:
             got = op(li, experts, slots)
             if kind == "start":
-                started = (got, len(experts))
+                started.append((got, len(experts)))
             holds.update(zip(slots, experts))
         else:
             with pytest.raises(ValueError, match="refused"):
                 op(li, experts, slots)
             for s in slots:  # a refused read's earlier waves may have landed
                 holds.pop(s, None)
-    if started is not None:
-        started[0].result()
+        if kind == "read":
+            is_open = False  # a read finishes the started read first
+        elif ok:
+            is_open = True
+    for got, n in started:  # every one kept its outcome
+        assert got.result() == n * nbytes
     for s, e in holds.items():
         assert_slot_holds(meta, pools, li, s, e)
 

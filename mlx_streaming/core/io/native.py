@@ -230,23 +230,18 @@ class NativeReader:
         finished first (its ``result()`` keeps its outcome).
 
         Raises:
-            ValueError: a bad request, refused (a slot named twice before anything is
-                read; a bad expert or slot before its wave is read).
+            ValueError: a bad request, refused: a slot named twice or lengths that differ
+                before anything is read, a bad expert or slot before its wave is read.
             ExpertChecksumError, RecordReadError: naming the file and the expert; the slots
                 written may hold partial data and must not be used.
         """
         e = np.ascontiguousarray(experts, np.int32)
         s = np.ascontiguousarray(slots, np.int32)
         pos, w = self.pos[layer], self._wave
-        if len(e) > w:  # a slot named twice within one wave is the engine's to refuse
-            seen, count = np.unique(s, return_counts=True)
-            if (count > 1).any():
-                raise ValueError(
-                    "the native reader refused a request: bad request: slot "
-                    f"{seen[count > 1][0]} named twice (layer {layer})"
-                )
         with self._lock:
             self._collect()
+            if len(e) > w:  # what no one wave's check sees (the engine checks the rest)
+                self._check_waves(layer, e, s)
             calls = 0
             try:
                 for a in range(0, max(len(e), 1), w):
@@ -275,6 +270,19 @@ class NativeReader:
             self._begin(pos, layer, experts, slots)
             self._pending = Started(self, layer, np.array(experts, np.int32))
             return self._pending
+
+    @staticmethod
+    def _check_waves(layer: int, e: np.ndarray, s: np.ndarray) -> None:
+        """Refuse, before any wave is read, a request of several waves that no one wave's
+        check would: lengths that differ, a slot named in two waves."""
+        if len(e) != len(s):
+            why = f"{len(e)} experts for {len(s)} slots"
+        else:
+            seen, count = np.unique(s, return_counts=True)
+            if not (count > 1).any():
+                return
+            why = f"bad request: slot {seen[count > 1][0]} named twice"
+        raise ValueError(f"the native reader refused a request: {why} (layer {layer})")
 
     def _begin(self, pos: int, layer: int, experts, slots) -> None:
         """mlxs_start (under the lock)."""
