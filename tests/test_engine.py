@@ -124,6 +124,22 @@ def test_bad_requests_raise_and_leave_the_reader_usable(models):
 
 
 @needs_library
+@pytest.mark.parametrize(
+    "kw, why",
+    [
+        ({"threads": 64}, "64 reader threads: 0 to 63"),
+        ({"threads": -1}, "-1 reader threads: 0 to 63"),
+        ({"wave": 257}, "a wave of 257 records: 1 to 256"),
+        ({"piece_bytes": 1000}, "pieces of 1000 bytes: 4096 to"),
+    ],
+)
+def test_a_reader_that_cannot_be_made_says_why(models, kw, why):
+    _, ed = models.experts("tiny-qwen3_moe")
+    with pytest.raises(OSError, match=f"could not be created: {why}"):
+        reader_over(ed, 4, **kw)
+
+
+@needs_library
 def test_a_failed_call_keeps_its_own_message(models):
     """An engine call writes its message into its caller's buffer under the engine's
     lock: another caller's bad and good requests, made after the call returned and before
@@ -466,6 +482,7 @@ def test_fuzzed_layouts_never_crash(models, n_layers, threads, wave, max_stride,
         if not (1 <= wave <= 256 and 1 <= max_stride and wave * max_stride > staging.size):
             assert not lib.mlxs_new(n_layers, threads, wave, max_stride, piece, None,
                                     None, None, None, None, err, len(err))  # fmt: skip
+            assert err.value  # saying why
         return
     e = lib.mlxs_new(n_layers, threads, wave, max_stride, piece, staging.ctypes.data,
                      None, None, None, None, err, len(err))  # fmt: skip

@@ -64,13 +64,32 @@ static int check_read(Engine *e, int layer, int n, const int32_t *experts, const
 
 /* ------------------------------------------------------------------ the API */
 
+static int check_new(int n_layers, int n_threads, int wave, int64_t max_stride, int64_t piece_bytes,
+                     const char *staging, int copy, int sync, int streams, char *err, int err_len) {
+  if (n_layers < 1) return say(err, err_len, "%d layers: at least 1", n_layers);
+  if (n_threads < 0 || n_threads >= MAX_THREADS)
+    return say(err, err_len, "%d reader threads: 0 to %d", n_threads, MAX_THREADS - 1);
+  if (wave < 1 || wave > MAX_WAVE)
+    return say(err, err_len, "a wave of %d records: 1 to %d", wave, MAX_WAVE);
+  if (max_stride < 1 || max_stride > MAX_BYTES / wave)
+    return say(err, err_len, "a stride of %lld bytes: 1 to %lld for a wave of %d",
+               (long long)max_stride, (long long)(MAX_BYTES / wave), wave);
+  if (piece_bytes < 4096 || piece_bytes > MAX_BYTES)
+    return say(err, err_len, "pieces of %lld bytes: 4096 to %lld", (long long)piece_bytes,
+               (long long)MAX_BYTES);
+  if (!staging) return say(err, err_len, "no staging area");
+  if (copy && (!sync || !streams))
+    return say(err, err_len, "a copy function needs a sync function and a stream per thread");
+  return 0;
+}
+
 /* A new engine, or NULL with ``err`` saying why. */
 Engine *mlxs_new(int n_layers, int n_threads, int wave, int64_t max_stride, int64_t piece_bytes,
                  char *staging, void *copy, void *sync, void **streams, void *hash, char *err,
                  int err_len) {
-  if (n_layers < 1 || n_threads < 0 || n_threads >= MAX_THREADS || wave < 1 || wave > MAX_WAVE ||
-      max_stride < 1 || max_stride > MAX_BYTES / wave || piece_bytes < 4096 ||
-      piece_bytes > MAX_BYTES || !staging || (copy && (!sync || !streams)))
+  say(err, err_len, "%s", "");
+  if (check_new(n_layers, n_threads, wave, max_stride, piece_bytes, staging, !!copy, !!sync,
+                !!streams, err, err_len))
     return NULL;
   Engine *e = calloc(1, sizeof(Engine));
   if (e) e->layers = calloc((size_t)n_layers, sizeof(Layer));
