@@ -139,6 +139,70 @@ def test_a_reader_that_cannot_be_made_says_why(models, kw, why):
         reader_over(ed, 4, **kw)
 
 
+# Run in a child whose threads get 256 MiB stacks (RLIMIT_STACK at its start) and whose
+# address space is then capped 384 MiB above what it uses: one thread fits, a second does
+# not, so the second pthread_create fails for real (RLIMIT_AS binds root too).
+THREADS_CHILD = """
+import os, resource, sys
+import numpy as np
+if os.environ.get("MLX_STREAMING_TEST_ENGINE"):
+    from mlx_streaming.core.io.native import use_library
+    use_library(os.environ["MLX_STREAMING_TEST_ENGINE"])
+from mlx_streaming.core.io.native import NativeReader
+from mlx_streaming.core.meta import load_meta
+
+class Rows:
+    def __init__(self, layout):
+        self.slots, self.parts = 2, [np.zeros((2, p.nbytes), np.uint8) for p in layout.parts]
+    def row_pointers(self):
+        return [(a.ctypes.data, a.shape[1]) for a in self.parts]
+
+meta = load_meta(sys.argv[1])
+pools = {li: Rows(meta.layers[li]) for li in meta.layers}
+tasks = lambda: len(os.listdir("/proc/self/task"))
+before = tasks()
+vm = next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (vm * 1024 + 384 * 2**20, resource.RLIM_INFINITY))
+try:
+    r = NativeReader(meta, pools, threads=4, checksums=False)
+    print("made with", r.threads, "threads")
+    r.close()
+except OSError as e:
+    print("refused:", e)
+print("threads left:", tasks() - before)
+r = NativeReader(meta, pools, threads=1, checksums=False)  # room for one again: all freed
+li = sorted(meta.layers)[0]
+print("then:", r.threads, r.read(li, [3], [1]) == meta.layers[li].record_bytes)
+r.close()
+"""
+
+
+@needs_library
+def test_threads_that_cannot_all_start_fail_the_reader(models):
+    """A failed pthread_create fails the reader (saying how many threads were asked and
+    what failed) instead of running fewer; the threads started are stopped and joined and
+    everything is freed: the child can then start the one thread it has room for."""
+    import resource
+    import subprocess
+    import sys
+
+    _, ed = models.experts("tiny-qwen3_moe")
+
+    def big_stacks():
+        resource.setrlimit(resource.RLIMIT_STACK, (256 * 2**20, resource.RLIM_INFINITY))
+
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "-c", THREADS_CHILD, str(ed)], preexec_fn=big_stacks, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("refused: the native reader could not be created: "), lines
+    assert "could not start 4 reader threads: thread 2 failed in pthread_create" in lines[0]
+    assert lines[1:] == ["threads left: 0", "then: 1 True"], lines
+
+
 @needs_library
 def test_a_failed_call_keeps_its_own_message(models):
     """An engine call writes its message into its caller's buffer under the engine's

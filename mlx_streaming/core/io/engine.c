@@ -83,7 +83,45 @@ static int check_new(int n_layers, int n_threads, int wave, int64_t max_stride, 
   return 0;
 }
 
-/* A new engine, or NULL with ``err`` saying why. */
+/* Stop and join the workers started, then free the engine. */
+static void destroy(Engine *e) {
+  pthread_mutex_lock(&e->m);
+  e->stop = 1;
+  pthread_cond_broadcast(&e->cv);
+  pthread_mutex_unlock(&e->m);
+  for (int w = 0; w < e->n_started; w++) pthread_join(e->workers[w], NULL);
+  pthread_mutex_destroy(&e->m);
+  pthread_mutex_destroy(&e->call_lock);
+  pthread_cond_destroy(&e->cv);
+  pthread_cond_destroy(&e->done_cv);
+  free(e->layers);
+  free(e);
+}
+
+/* Start all ``n`` workers or none that stay: 0, or -1 with ``err`` saying what failed (the
+ * caller destroys the engine, joining those started). */
+static int start_workers(Engine *e, int n, char *err, int err_len) {
+  for (int w = 0; w < n; w++) {
+    const char *what = "malloc";
+    int rc = ENOMEM;
+    WorkerArg *arg = malloc(sizeof *arg);
+    if (arg) {
+      *arg = (WorkerArg){e, w};
+      what = "pthread_create";
+      rc = pthread_create(&e->workers[w], NULL, mlxs_worker_main, arg);
+      if (rc) free(arg);
+    }
+    if (rc)
+      return say(err, err_len,
+                 "could not start %d reader threads: thread %d failed in %s (%s); ask for "
+                 "fewer threads or raise the process's thread or memory limits",
+                 n, w + 1, what, strerror(rc));
+    e->n_started++;
+  }
+  return 0;
+}
+
+/* A new engine, or NULL with ``err`` saying why (all its threads started, or none). */
 Engine *mlxs_new(int n_layers, int n_threads, int wave, int64_t max_stride, int64_t piece_bytes,
                  char *staging, void *copy, void *sync, void **streams, void *hash, char *err,
                  int err_len) {
@@ -111,16 +149,9 @@ Engine *mlxs_new(int n_layers, int n_threads, int wave, int64_t max_stride, int6
   pthread_mutex_init(&e->call_lock, NULL);
   pthread_cond_init(&e->cv, NULL);
   pthread_cond_init(&e->done_cv, NULL);
-  for (int w = 0; w < n_threads; w++) {
-    WorkerArg *arg = malloc(sizeof *arg);
-    if (!arg) break;
-    arg->e = e;
-    arg->w = w;
-    if (pthread_create(&e->workers[w], NULL, mlxs_worker_main, arg)) {
-      free(arg);
-      break;
-    }
-    e->n_started++;
+  if (start_workers(e, n_threads, err, err_len)) {
+    destroy(e);
+    return NULL;
   }
   return e;
 }
@@ -305,13 +336,7 @@ void mlxs_free(Engine *e) {
   pthread_mutex_lock(&e->call_lock);
   settle(e); /* the workers finish what was started before they stop */
   pthread_mutex_unlock(&e->call_lock);
-  pthread_mutex_lock(&e->m);
-  e->stop = 1;
-  pthread_cond_broadcast(&e->cv);
-  pthread_mutex_unlock(&e->m);
-  for (int w = 0; w < e->n_started; w++) pthread_join(e->workers[w], NULL);
-  free(e->layers);
-  free(e);
+  destroy(e);
 }
 
 int mlxs_threads(const Engine *e) { return e ? e->n_started : 0; }
