@@ -214,12 +214,13 @@ def test_a_failed_call_keeps_its_own_message(models):
     pos = reader.pos[sorted(meta.layers)[0]]
     mine, theirs, good, slot, status = (np.array([v], np.int32) for v in (E + 7, E + 9, 3, 0, 0))
     err = error_buffer()
-    assert lib.mlxs_start(h, pos, 1, mine.ctypes.data, slot.ctypes.data, err, len(err)) == 4
+    assert lib.mlxs_start(h, pos, 1, mine.ctypes.data, slot.ctypes.data, 0, err, len(err)) == 4
 
     def other():
         e2 = error_buffer()
         for ids, rc in [(theirs, 4), (good, 0)]:
-            assert lib.mlxs_start(h, pos, 1, ids.ctypes.data, slot.ctypes.data, e2, len(e2)) == rc
+            got = lib.mlxs_start(h, pos, 1, ids.ctypes.data, slot.ctypes.data, 0, e2, len(e2))
+            assert got == rc
         assert lib.mlxs_finish(h, status.ctypes.data, None, e2, len(e2)) == 0 and not e2.value
 
     t = threading.Thread(target=other)
@@ -530,9 +531,10 @@ SMALL = st.integers(-2, 70000)
     experts=st.integers(-1, 70),
     capacity=st.integers(-1, 9),
     parts=st.lists(st.tuples(st.one_of(SMALL, I64), st.one_of(SMALL, I64), SMALL), max_size=3),
+    now=st.integers(0, 1),
 )
 def test_fuzzed_layouts_never_crash(models, n_layers, threads, wave, max_stride, piece, pos,
-                                    stride, record, experts, capacity, parts):  # fmt: skip
+                                    stride, record, experts, capacity, parts, now):  # fmt: skip
     """The engine's set-up entry points refuse any bad size, count or layout (raw
     arguments, no Python checks in between) and accept only layouts inside the file."""
     lib, err = library(), error_buffer()
@@ -568,11 +570,11 @@ def test_fuzzed_layouts_never_crash(models, n_layers, threads, wave, max_stride,
                 assert 0 <= off and 0 <= nb and off + nb <= record and row >= nb
             last = np.array([experts - 1, capacity - 1], np.int32)  # its whole stride reads
             ids = last[:1].ctypes.data, last[1:].ctypes.data
-            assert lib.mlxs_start(e, pos, 1, *ids, err, len(err)) == 0 and not err.value
+            assert lib.mlxs_start(e, pos, 1, *ids, now, err, len(err)) == 0 and not err.value
             assert lib.mlxs_finish(e, st_.ctypes.data, None, err, len(err)) == 0 and st_[0] == 0
         else:
             assert rc == -1 and err.value
-        if lib.mlxs_start(e, pos, 0, None, None, err, len(err)) == 0:  # reads nothing
+        if lib.mlxs_start(e, pos, 0, None, None, now, err, len(err)) == 0:  # reads nothing
             assert rc == 0 and lib.mlxs_finish(e, st_.ctypes.data, None, err, len(err)) == 0
         else:
             assert rc != 0 and b"bad request" in err.value

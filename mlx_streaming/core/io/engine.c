@@ -99,12 +99,13 @@ void mlxs_settle(Engine *e) {
   hold(e);
 }
 
-/* Start reading at most one wave of records on the workers and return at once (with no
- * workers, read them now); the caller computes meanwhile and collects the outcome with
- * mlxs_finish (which must come before the next mlxs_start). Returns ST_OK or ST_ARGS
- * (``err`` says why). */
-int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_t *slots, char *err,
-               int err_len) {
+/* Start reading at most one wave of records on the workers and return at once; the caller
+ * computes meanwhile and collects the outcome with mlxs_finish (which must come before the
+ * next mlxs_start). With ``now`` (a caller that would wait at once), or without workers, the
+ * wave is read before returning, on this thread too (alone for a single piece, as waking the
+ * workers costs more). Returns ST_OK or ST_ARGS (``err`` says why). */
+int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_t *slots, int now,
+               char *err, int err_len) {
   mlxs_say(err, err_len, "%s", e ? "" : "no engine");
   if (!e) return ST_ARGS;
   pthread_mutex_lock(&e->call_lock);
@@ -121,9 +122,9 @@ int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_
     for (int i = 0; i < n; i++) e->held_experts[i] = experts[i];
     mlxs_plan_wave(e, layer, n, experts, slots);
     __atomic_store_n(&e->pending, 1, __ATOMIC_RELEASE);
-    if (e->n_started && e->n_jobs)
+    if (e->n_started && e->n_jobs && !now)
       mlxs_wake(e);
-    else { /* no workers (or nothing to read): read it now */
+    else {
       mlxs_run_wave(e);
       hold(e);
     }

@@ -91,8 +91,8 @@ int mlxs_layer(Engine *e, int pos, int fd, int64_t stride, int64_t record_bytes,
                int capacity, int n_parts, const int64_t *part_off, const int64_t *part_bytes,
                char **part_dst, const int64_t *part_row, const uint64_t *checksums,
                uint8_t *checked, char *err, int err_len);
-int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_t *slots, char *err,
-               int err_len);
+int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_t *slots, int now,
+               char *err, int err_len);
 int mlxs_finish(Engine *e, int32_t *status, int64_t *counters, char *err, int err_len);
 int mlxs_idle(Engine *e);
 void mlxs_free(Engine *e);

@@ -95,7 +95,7 @@ def _declare(lib) -> None:
     lib.mlxs_layer.restype = Int
     lib.mlxs_layer.argtypes = [P, Int, Int, L, L, Int, Int, Int, P, P, P, P, P, P, S, Int]
     lib.mlxs_start.restype = Int
-    lib.mlxs_start.argtypes = [P, Int, Int, P, P, S, Int]
+    lib.mlxs_start.argtypes = [P, Int, Int, P, P, Int, S, Int]
     lib.mlxs_finish.restype = Int
     lib.mlxs_finish.argtypes = [P, P, P, S, Int]
     lib.mlxs_idle.restype = Int
@@ -246,7 +246,7 @@ class NativeReader:
             try:
                 for a in range(0, max(len(e), 1), w):
                     calls += 1
-                    self._begin(pos, layer, e[a : a + w], s[a : a + w])
+                    self._begin(pos, layer, e[a : a + w], s[a : a + w], now=True)
                     self._end(pos, layer, e[a : a + w])
             finally:  # one call per read, as the counters have always counted
                 self.counters[pos, 0] -= max(calls - 1, 0)
@@ -284,8 +284,8 @@ class NativeReader:
             why = f"bad request: slot {seen[count > 1][0]} named twice"
         raise ValueError(f"the native reader refused a request: {why} (layer {layer})")
 
-    def _begin(self, pos: int, layer: int, experts, slots) -> None:
-        """mlxs_start (under the lock)."""
+    def _begin(self, pos: int, layer: int, experts, slots, now: bool = False) -> None:
+        """mlxs_start (under the lock); ``now``: read before returning, on this thread too."""
         n = len(experts)
         if len(slots) != n:
             raise ValueError(
@@ -297,7 +297,7 @@ class NativeReader:
             buf[0, :n], buf[1, :n] = experts, slots
         else:  # the engine refuses it, saying why
             pe, ps = (_ptr(np.ascontiguousarray(a, np.int32)) for a in (experts, slots))
-        if self.lib.mlxs_start(self.handle, pos, n, pe, ps, self._err, ERR_BYTES):
+        if self.lib.mlxs_start(self.handle, pos, n, pe, ps, now, self._err, ERR_BYTES):
             raise ValueError(f"the native reader refused a request: {self._why()} (layer {layer})")
 
     def _end(self, pos: int, layer: int, e: np.ndarray) -> int:
@@ -341,6 +341,8 @@ class NativeReader:
 
     @property
     def threads(self) -> int:
+        """The engine's worker threads (all that were asked for: the engine starts all or
+        none)."""
         return self.lib.mlxs_threads(self.handle)
 
     def close(self) -> None:
