@@ -11,7 +11,11 @@ setup(
     ext_modules=[
         Extension(
             "mlx_streaming.core.io._engine",
-            sources=["mlx_streaming/core/io/engine.c", "mlx_streaming/core/io/engine_io.c"],
+            sources=[
+                "mlx_streaming/core/io/engine.c",
+                "mlx_streaming/core/io/engine_setup.c",
+                "mlx_streaming/core/io/engine_io.c",
+            ],
             depends=["mlx_streaming/core/io/engine.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-pthread"],
             extra_link_args=["-pthread"],

@@ -12,9 +12,8 @@ from mlx_lm import load
 import mlx_streaming
 from mlx_streaming import FileExpertStore, patch_model_filebacked, split_model
 from mlx_streaming.analysis.verify import greedy_trace
-from mlx_streaming.core.format import ExpertChecksumError
 from mlx_streaming.core.discovery import UnsupportedModelError
-from mlx_streaming.core.format import META_NAME, ExpertDirError
+from mlx_streaming.core.format import META_NAME, ExpertChecksumError, ExpertDirError
 from mlx_streaming.core.meta import load_meta
 
 

@@ -22,8 +22,7 @@ from test_exactness import patched
 
 from mlx_streaming import FileExpertStore, split_model
 from mlx_streaming.analysis.verify import compare_traces, greedy_trace
-from mlx_streaming.core.format import ExpertChecksumError
-from mlx_streaming.core.format import META_NAME, ExpertDirError
+from mlx_streaming.core.format import META_NAME, ExpertChecksumError, ExpertDirError
 from mlx_streaming.core.meta import load_meta, meta_from_json
 from mlx_streaming.synthetic import Preset, make_checkpoint
 

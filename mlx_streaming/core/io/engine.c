@@ -1,164 +1,66 @@
 /* mlx_streaming's native record reader: expert records into pool slots, without the GIL.
  *
- * One call, mlxs_read, reads records ``experts[i]`` of one layer's file into slots
- * ``slots[i]`` that the caller (the store, whose policy chose them) reserved. Records are
+ * One way to read: mlxs_start begins reading at most one wave of records ``experts[i]`` of
+ * one layer's file into slots ``slots[i]`` that the caller (the store, whose policy chose
+ * them) reserved, and returns; mlxs_finish waits for them and says how each went. Records are
  * cut into pieces read with pread on worker threads (the calling thread works too) into
- * a staging area (or found in place in the file's mapping, mlxs_layer_source), each piece is copied
- * into its slot's part rows with the copy function given (cudaMemcpyAsync on a per-thread stream;
- * memcpy without one) as it lands, and each record's checksum is checked once all its pieces have
- * landed. Every input is checked: a bad layer, expert, slot or size is refused with a status, never
- * followed.
+ * a staging area, each piece is copied into its slot's part rows with the copy function given
+ * (cudaMemcpyAsync on a per-thread stream; memcpy without one) as it lands, and each record's
+ * checksum is checked once all its pieces have landed. Every input is checked: a bad layer,
+ * expert, slot or size is refused with a status, never followed.
  *
- * This file is the API; the threads that read and copy are in engine_io.c, the shared
- * definitions in engine.h. Built by pip install as a plain shared library and driven
- * through ctypes (io/native.py).
+ * Every call that can fail writes why into the caller's ``err`` (``err_len`` bytes, under
+ * the engine's lock: no message outlives its call or is shared between callers).
+ *
+ * This file is the reading API (mlxs_start, mlxs_finish, mlxs_idle); an engine's set-up and
+ * teardown (mlxs_new, mlxs_layer, mlxs_free) are in engine_setup.c, the threads that read and
+ * copy in engine_io.c, the shared definitions in engine.h. Built by pip install as a plain
+ * shared library and driven through ctypes (io/native.py).
  */
 #include "engine.h"
+#include <stdarg.h>
 
-static void describe(Engine *e, int st, int err, int expert, int layer) {
+int mlxs_say(char *err, int err_len, const char *fmt, ...) {
+  if (!err || err_len < 1) return -1;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(err, (size_t)err_len, fmt, ap);
+  va_end(ap);
+  return -1;
+}
+
+static void describe(char *err, int err_len, int st, int errnum, int expert, int layer) {
   const char *what = st == ST_CHECKSUM ? "checksum mismatch (the expert file is corrupt)"
                      : st == ST_COPY   ? "copy to the device failed"
                      : st == ST_SHORT
                          ? "the file ends inside the record (it shrank or is truncated)"
                          : "read failed";
-  snprintf(e->err, sizeof e->err, "%s%s%s: expert %d of layer position %d", what,
-           st == ST_READ ? ": " : "", st == ST_READ ? strerror(err) : "", expert, layer);
+  mlxs_say(err, err_len, "%s%s%s: expert %d of layer position %d", what, st == ST_READ ? ": " : "",
+           st == ST_READ ? strerror(errnum) : "", expert, layer);
 }
 
-static int check_read(Engine *e, int layer, int n, const int32_t *experts, const int32_t *slots) {
+static int check_read(Engine *e, int layer, int n, const int32_t *experts, const int32_t *slots,
+                      char *err, int err_len) {
   if (layer < 0 || layer >= e->n_layers || !e->layers[layer].ready || n < 0 || n > 1 << 20 ||
       (n && (!experts || !slots))) {
-    snprintf(e->err, sizeof e->err, "bad request: layer position %d, %d records", layer, n);
+    mlxs_say(err, err_len, "bad request: layer position %d, %d records", layer, n);
     return ST_ARGS;
   }
   Layer *L = &e->layers[layer];
   for (int i = 0; i < n; i++) {
     if (experts[i] < 0 || experts[i] >= L->num_experts || slots[i] < 0 || slots[i] >= L->capacity) {
-      snprintf(e->err, sizeof e->err,
+      mlxs_say(err, err_len,
                "bad request: expert %d (of %d) into slot %d (of %d) in layer position %d",
                experts[i], L->num_experts, slots[i], L->capacity, layer);
       return ST_ARGS;
     }
     for (int j = 0; j < i; j++)
       if (slots[j] == slots[i]) {
-        snprintf(e->err, sizeof e->err, "bad request: slot %d named twice", slots[i]);
+        mlxs_say(err, err_len, "bad request: slot %d named twice", slots[i]);
         return ST_ARGS;
       }
   }
   return ST_OK;
-}
-
-/* ------------------------------------------------------------------ the API */
-
-Engine *mlxs_new(int n_layers, int n_threads, int wave, int64_t max_stride, int64_t piece_bytes,
-                 char *staging, void *copy, void *sync, void **streams, void *hash) {
-  if (n_layers < 1 || n_threads < 0 || n_threads >= MAX_THREADS || wave < 1 || wave > MAX_WAVE ||
-      max_stride < 1 || max_stride > MAX_BYTES / wave || piece_bytes < 4096 ||
-      piece_bytes > MAX_BYTES || !staging || (copy && (!sync || !streams)))
-    return NULL;
-  Engine *e = calloc(1, sizeof(Engine));
-  if (!e) return NULL;
-  e->layers = calloc((size_t)n_layers, sizeof(Layer));
-  if (!e->layers) {
-    free(e);
-    return NULL;
-  }
-  e->n_layers = n_layers;
-  e->wave = wave;
-  e->max_stride = max_stride;
-  e->piece_bytes = piece_bytes;
-  e->staging = staging;
-  e->copy = (copy_fn_t)copy;
-  e->sync = (sync_fn_t)sync;
-  e->hash = (hash_fn_t)hash;
-  for (int i = 0; copy && i <= n_threads; i++) e->streams[i] = streams[i];
-  pthread_mutex_init(&e->m, NULL);
-  pthread_mutex_init(&e->call_lock, NULL);
-  pthread_cond_init(&e->cv, NULL);
-  pthread_cond_init(&e->done_cv, NULL);
-  for (int w = 0; w < n_threads; w++) {
-    WorkerArg *arg = malloc(sizeof *arg);
-    if (!arg) break;
-    arg->e = e;
-    arg->w = w;
-    if (pthread_create(&e->workers[w], NULL, mlxs_worker_main, arg)) {
-      free(arg);
-      break;
-    }
-    e->n_started++;
-  }
-  return e;
-}
-
-/* Register layer position ``pos``; returns 0, or -1 with mlxs_error saying why. */
-int mlxs_layer(Engine *e, int pos, int fd, int64_t stride, int64_t record_bytes, int num_experts,
-               int capacity, int n_parts, const int64_t *part_off, const int64_t *part_bytes,
-               char **part_dst, const int64_t *part_row, const uint64_t *checksums,
-               uint8_t *checked) {
-  if (!e || pos < 0 || pos >= e->n_layers || n_parts < 1 || n_parts > MAX_PARTS || stride < 1 ||
-      stride > e->max_stride || record_bytes < 1 || record_bytes > stride || num_experts < 1 ||
-      capacity < 1 || !part_off || !part_bytes || !part_dst || !part_row) {
-    if (e) snprintf(e->err, sizeof e->err, "bad layout for layer position %d", pos);
-    return -1;
-  }
-  if (checksums && !e->hash) {
-    snprintf(e->err, sizeof e->err, "checksums given without a hash function");
-    return -1;
-  }
-  for (int p = 0; p < n_parts; p++)
-    if (part_off[p] < 0 || part_bytes[p] < 0 || part_off[p] > record_bytes ||
-        part_bytes[p] > record_bytes - part_off[p] || part_row[p] < part_bytes[p] ||
-        part_row[p] > MAX_BYTES / capacity || !part_dst[p]) {
-      snprintf(e->err, sizeof e->err, "part %d of layer position %d lies outside its record", p,
-               pos);
-      return -1;
-    }
-  struct stat sb;
-  if (fstat(fd, &sb) || sb.st_size < record_bytes ||
-      (int64_t)(num_experts - 1) > (sb.st_size - record_bytes) / stride) {
-    snprintf(e->err, sizeof e->err, "the file of layer position %d holds fewer than %d records",
-             pos, num_experts);
-    return -1;
-  }
-  Layer *L = &e->layers[pos];
-  L->fd = fd;
-  L->stride = stride;
-  L->record_bytes = record_bytes;
-  L->num_experts = num_experts;
-  L->capacity = capacity;
-  L->n_parts = n_parts;
-  for (int p = 0; p < n_parts; p++) {
-    L->part_off[p] = part_off[p];
-    L->part_bytes[p] = part_bytes[p];
-    L->part_dst[p] = part_dst[p];
-    L->part_row[p] = part_row[p];
-  }
-  L->checksums = checksums;
-  L->checked = checked;
-  L->ready = 1;
-  return 0;
-}
-
-/* Read layer position ``pos``'s records from ``map``, the file mapped (``map_bytes`` of
- * it), instead of with pread: on host pools one copy fewer; on a device the copies come
- * straight from the page cache when the caller registered the mapping with it. Returns
- * 0, or -1 with mlxs_error saying why. */
-int mlxs_layer_source(Engine *e, int pos, const char *map, int64_t map_bytes) {
-  if (!e || pos < 0 || pos >= e->n_layers || !e->layers[pos].ready || !map || map_bytes < 0 ||
-      map_bytes > MAX_BYTES) {
-    if (e) snprintf(e->err, sizeof e->err, "bad mapping for layer position %d", pos);
-    return -1;
-  }
-  Layer *L = &e->layers[pos];
-  if ((int64_t)(L->num_experts - 1) > (map_bytes - L->record_bytes) / L->stride ||
-      map_bytes < L->record_bytes) {
-    snprintf(e->err, sizeof e->err, "the mapping of layer position %d holds fewer than %d records",
-             pos, L->num_experts);
-    return -1;
-  }
-  L->src = map;
-  L->src_bytes = map_bytes;
-  return 0;
 }
 
 /* The work counted since the last take (read, pread, copy, sync ns, copies), reset. */
@@ -181,10 +83,8 @@ static void add_counts(int64_t *c, int n, int64_t bytes, int64_t busy, const int
   c[C_COPIES] += ns[4];
 }
 
-/* A started read still on the workers: wait for it and hold its outcome for mlxs_finish. */
-static void settle(Engine *e) {
-  if (e->pending != 1) return;
-  mlxs_join(e);
+/* Hold the outcome of the wave just read for mlxs_finish. */
+static void hold(Engine *e) {
   for (int r = 0; r < e->held_n; r++) {
     e->held_status[r] = e->rec_status[r];
     e->held_errno[r] = e->rec_errno[r];
@@ -193,48 +93,26 @@ static void settle(Engine *e) {
   __atomic_store_n(&e->pending, 2, __ATOMIC_RELEASE);
 }
 
-/* Read records ``experts`` of layer position ``layer`` into ``slots``; ``status[i]`` says
- * how each went and ``counters`` (N_COUNTERS) add up the work. Returns the first failure
- * (mlxs_error describes it) or ST_OK. A record whose status is not ST_OK may have written
- * part of its slot: the caller must not use that slot. */
-int mlxs_read(Engine *e, int layer, int n, const int32_t *experts, const int32_t *slots,
-              int32_t *status, int64_t *counters) {
-  if (!e) return ST_ARGS;
-  pthread_mutex_lock(&e->call_lock);
-  settle(e); /* a started read's workers and staging are needed here */
-  int64_t t0 = mlxs_now_ns(), ns[5];
-  int first = check_read(e, layer, n, experts, slots);
-  if (first == ST_OK && !status) first = ST_ARGS;
-  for (int w0 = 0; first == ST_OK && w0 < n; w0 += e->wave) {
-    int nr = n - w0 < e->wave ? n - w0 : e->wave;
-    mlxs_plan_wave(e, layer, nr, experts + w0, slots + w0);
-    mlxs_run_wave(e);
-    for (int r = 0; r < nr; r++) {
-      status[w0 + r] = e->rec_status[r];
-      if (e->rec_status[r] != ST_OK && first == ST_OK) {
-        first = e->rec_status[r];
-        describe(e, first, e->rec_errno[r], experts[w0 + r], layer);
-      }
-    }
-  }
-  if (first == ST_OK) e->err[0] = 0;
-  take_counts(e, ns);
-  int64_t bytes = first == ST_OK ? (int64_t)n * e->layers[layer].record_bytes : 0;
-  add_counts(counters, n, bytes, mlxs_now_ns() - t0, ns);
-  pthread_mutex_unlock(&e->call_lock);
-  return first;
+void mlxs_settle(Engine *e) {
+  if (e->pending != 1) return;
+  mlxs_join(e);
+  hold(e);
 }
 
-/* Start reading at most one wave of records on the workers and return at once; the
- * caller computes meanwhile and collects the outcome with mlxs_finish (which must come
- * before the next mlxs_start). Returns ST_OK or ST_ARGS (mlxs_error says why). */
-int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_t *slots) {
+/* Start reading at most one wave of records on the workers and return at once; the caller
+ * computes meanwhile and collects the outcome with mlxs_finish (which must come before the
+ * next mlxs_start). With ``now`` (a caller that would wait at once), or without workers, the
+ * wave is read before returning, on this thread too (alone for a single piece, as waking the
+ * workers costs more). Returns ST_OK or ST_ARGS (``err`` says why). */
+int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_t *slots, int now,
+               char *err, int err_len) {
+  mlxs_say(err, err_len, "%s", e ? "" : "no engine");
   if (!e) return ST_ARGS;
   pthread_mutex_lock(&e->call_lock);
-  settle(e);
-  int st = check_read(e, layer, n, experts, slots);
+  mlxs_settle(e);
+  int st = check_read(e, layer, n, experts, slots, err, err_len);
   if (st == ST_OK && (e->pending || n > e->wave)) {
-    snprintf(e->err, sizeof e->err, "%s",
+    mlxs_say(err, err_len, "%s",
              e->pending ? "the read started before is not finished"
                         : "a started read takes at most one wave");
     st = ST_ARGS;
@@ -244,32 +122,36 @@ int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_
     for (int i = 0; i < n; i++) e->held_experts[i] = experts[i];
     mlxs_plan_wave(e, layer, n, experts, slots);
     __atomic_store_n(&e->pending, 1, __ATOMIC_RELEASE);
-    if (e->n_started && e->n_jobs)
+    if (e->n_started && e->n_jobs && !now)
       mlxs_wake(e);
-    else { /* no workers: read it now */
+    else {
       mlxs_run_wave(e);
-      settle(e);
+      hold(e);
     }
   }
   pthread_mutex_unlock(&e->call_lock);
   return st;
 }
 
-/* Wait for the read mlxs_start began; statuses and counters as mlxs_read's. */
-int mlxs_finish(Engine *e, int32_t *status, int64_t *counters) {
+/* Wait for the read mlxs_start began: ``status[i]`` says how record i went and
+ * ``counters`` (N_COUNTERS) add up the work. Returns the first failure (``err``
+ * describes it) or ST_OK. A record whose status is not ST_OK may have written part of its
+ * slot: the caller must not use that slot. */
+int mlxs_finish(Engine *e, int32_t *status, int64_t *counters, char *err, int err_len) {
+  mlxs_say(err, err_len, "%s", e ? "" : "no engine");
   if (!e) return ST_ARGS;
   pthread_mutex_lock(&e->call_lock);
-  settle(e);
+  mlxs_settle(e);
   int first = ST_OK;
   if (e->pending != 2 || !status) {
-    snprintf(e->err, sizeof e->err, "no started read to finish");
+    mlxs_say(err, err_len, "no started read to finish");
     first = ST_ARGS;
   }
   for (int r = 0; first != ST_ARGS && r < e->held_n; r++) {
     status[r] = e->held_status[r];
     if (e->held_status[r] != ST_OK && first == ST_OK) {
       first = e->held_status[r];
-      describe(e, first, e->held_errno[r], e->held_experts[r], e->held_layer);
+      describe(err, err_len, first, e->held_errno[r], e->held_experts[r], e->held_layer);
     }
   }
   if (first != ST_ARGS) {
@@ -277,7 +159,6 @@ int mlxs_finish(Engine *e, int32_t *status, int64_t *counters) {
     add_counts(counters, e->held_n, first == ST_OK ? e->held_n * rb : 0, mlxs_now_ns() - e->held_t0,
                e->held_ns);
     __atomic_store_n(&e->pending, 0, __ATOMIC_RELEASE);
-    if (first == ST_OK) e->err[0] = 0;
   }
   pthread_mutex_unlock(&e->call_lock);
   return first;
@@ -291,21 +172,3 @@ int mlxs_idle(Engine *e) {
   pthread_mutex_unlock(&e->m);
   return idle;
 }
-
-void mlxs_free(Engine *e) {
-  if (!e) return;
-  pthread_mutex_lock(&e->call_lock);
-  settle(e); /* the workers finish what was started before they stop */
-  pthread_mutex_unlock(&e->call_lock);
-  pthread_mutex_lock(&e->m);
-  e->stop = 1;
-  pthread_cond_broadcast(&e->cv);
-  pthread_mutex_unlock(&e->m);
-  for (int w = 0; w < e->n_started; w++) pthread_join(e->workers[w], NULL);
-  free(e->layers);
-  free(e);
-}
-
-int mlxs_threads(const Engine *e) { return e ? e->n_started : 0; }
-
-const char *mlxs_error(const Engine *e) { return e ? e->err : "no engine"; }

@@ -1,5 +1,6 @@
 /* The native record reader's shared definitions: limits, statuses, counters, the engine
- * and its layers (engine.c: the API; engine_io.c: the threads that read and copy). */
+ * and its layers (engine.c: reading; engine_setup.c: set-up and teardown; engine_io.c: the
+ * threads that read and copy). */
 #ifndef MLXS_ENGINE_H
 #define MLXS_ENGINE_H
 #define _GNU_SOURCE
@@ -22,7 +23,8 @@
 
 enum { ST_OK = 0, ST_READ = 1, ST_CHECKSUM = 2, ST_SHORT = 3, ST_ARGS = 4, ST_COPY = 5 };
 /* counters per layer: read ns is pread plus copy calls, summed over threads; busy ns is
- * wall time in mlxs_read; pread, copy-call and sync ns split the threads' time */
+ * wall time from mlxs_start to mlxs_finish; pread, copy-call and sync ns split the
+ * threads' time */
 enum {
   C_CALLS,
   C_RECORDS,
@@ -45,8 +47,6 @@ typedef struct {
   int64_t stride, record_bytes;
   int64_t part_off[MAX_PARTS], part_bytes[MAX_PARTS], part_row[MAX_PARTS];
   char *part_dst[MAX_PARTS];
-  const char *src; /* the file mapped (NULL: pread into staging), src_bytes long */
-  int64_t src_bytes;
   const uint64_t *checksums;
   uint8_t *checked; /* checked[e]: record e passed its checksum (NULL: check every read) */
 } Layer;
@@ -81,10 +81,31 @@ typedef struct Engine {
   int64_t generation;
   int stop, n_started;
   pthread_t workers[MAX_THREADS];
-  char err[512];
 } Engine;
 
+/* ------------------------------------------------------------------ the API (ctypes) */
+Engine *mlxs_new(int n_layers, int n_threads, int wave, int64_t max_stride, int64_t piece_bytes,
+                 char *staging, void *copy, void *sync, void **streams, void *hash, char *err,
+                 int err_len);
+int mlxs_layer(Engine *e, int pos, int fd, int64_t stride, int64_t record_bytes, int num_experts,
+               int capacity, int n_parts, const int64_t *part_off, const int64_t *part_bytes,
+               char **part_dst, const int64_t *part_row, const uint64_t *checksums,
+               uint8_t *checked, char *err, int err_len);
+int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_t *slots, int now,
+               char *err, int err_len);
+int mlxs_finish(Engine *e, int32_t *status, int64_t *counters, char *err, int err_len);
+int mlxs_idle(Engine *e);
+void mlxs_free(Engine *e);
+int mlxs_threads(const Engine *e);
+
+/* ------------------------------------------------------------------ inside the engine */
+#pragma GCC visibility push(hidden) /* not exported: the API above is all there is */
 int64_t mlxs_now_ns(void);
+/* Write a message into the caller's ``err`` (an empty one: no failure); returns -1. */
+__attribute__((format(printf, 3, 4))) int mlxs_say(char *err, int err_len, const char *fmt, ...);
+/* A started read still on the workers: wait for it and hold its outcome for mlxs_finish
+ * (under call_lock). */
+void mlxs_settle(Engine *e);
 /* Run the wave's jobs on every worker and the calling thread; wait for all of them. */
 void mlxs_run_wave(Engine *e);
 /* Hand the wave's jobs to the workers only (mlxs_join waits for them). */
@@ -98,5 +119,6 @@ typedef struct {
   int w;
 } WorkerArg;
 void *mlxs_worker_main(void *arg);
+#pragma GCC visibility pop
 
 #endif

@@ -1,6 +1,5 @@
 /* The native record reader's threads: each takes pieces of the wave's records, reads them
- * with pread into the staging area (or finds them in the file's mapping) and copies them
- * on to their slots (engine.h). */
+ * with pread into the staging area and copies them on to their slots (engine.h). */
 #include "engine.h"
 
 int64_t mlxs_now_ns(void) {
@@ -52,21 +51,12 @@ static int copy_range(Engine *e, int w, const Layer *L, int slot, const char *re
   return rc;
 }
 
-/* A mapped piece is read in place; 0, or -1 where the file no longer holds it (a mapped
- * page past the end of the file would fault instead of failing a read). */
-static int mapped_piece(const Layer *L, int64_t off, int64_t n) {
-  struct stat sb;
-  if (off + n > L->src_bytes || fstat(L->fd, &sb) || sb.st_size < off + n) return -1;
-  return 0;
-}
-
 static void run_job(Engine *e, int w, const Job *j) {
   Layer *L = &e->layers[j->layer];
   int64_t off = (int64_t)j->expert * L->stride;
-  const char *rec = L->src ? L->src + off : e->staging + (int64_t)j->rec * e->max_stride;
+  char *rec = e->staging + (int64_t)j->rec * e->max_stride;
   int64_t t0 = mlxs_now_ns();
-  int rc = L->src ? mapped_piece(L, off + j->start, j->end - j->start)
-                  : read_full(L->fd, (char *)rec + j->start, j->end - j->start, off + j->start);
+  int rc = read_full(L->fd, rec + j->start, j->end - j->start, off + j->start);
   __atomic_fetch_add(&e->pread_ns, mlxs_now_ns() - t0, __ATOMIC_RELAXED);
   if (rc) {
     __atomic_store_n(&e->rec_status[j->rec], rc < 0 ? ST_SHORT : ST_READ, __ATOMIC_RELAXED);
@@ -142,7 +132,7 @@ void mlxs_join(Engine *e) {
 }
 
 void mlxs_run_wave(Engine *e) {
-  if (e->n_jobs == 1 || !e->n_started) { /* one piece: waking the workers costs more */
+  if (e->n_jobs <= 1 || !e->n_started) { /* one piece: waking the workers costs more */
     __atomic_store_n(&e->next_job, 0, __ATOMIC_RELEASE);
     work(e, e->n_started);
     return;
@@ -154,14 +144,11 @@ void mlxs_run_wave(Engine *e) {
 
 void mlxs_plan_wave(Engine *e, int layer, int nr, const int32_t *experts, const int32_t *slots) {
   Layer *L = &e->layers[layer];
-  int64_t per = L->stride; /* mapped onto a device: the copy engine does the work */
-  if (!L->src || !e->copy) {
-    per = (L->stride * nr + e->n_started) / (e->n_started + 1);
-    if (per > e->piece_bytes) per = e->piece_bytes;
-    if (per < L->stride / MAX_PIECES + 1) per = L->stride / MAX_PIECES + 1;
-    if (per < 65536) per = 65536;
-    per = (per + 4095) / 4096 * 4096;
-  }
+  int64_t per = (L->stride * nr + e->n_started) / (e->n_started + 1);
+  if (per > e->piece_bytes) per = e->piece_bytes;
+  if (per < L->stride / MAX_PIECES + 1) per = L->stride / MAX_PIECES + 1;
+  if (per < 65536) per = 65536;
+  per = (per + 4095) / 4096 * 4096;
   e->n_jobs = 0;
   for (int r = 0; r < nr; r++) {
     int pieces = 0;

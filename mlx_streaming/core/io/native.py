@@ -1,18 +1,19 @@
 """The native record reader (``engine.c``), built by ``pip install`` and driven through
 ctypes.
 
-``NativeReader.read(layer, experts, slots)`` reads records into pool slots on the
-engine's own threads, without the GIL: pieces ``pread`` into a staging area, copied into
-each slot's part rows (``cudaMemcpyAsync`` for CUDA pools, ``memcpy`` for host pools),
-XXH3 checksums checked with the xxhash package's own ``XXH3_64bits``. Where the compiled
-library is missing (a source tree never installed), ``library()`` is None, one warning
-says what that costs, and the store reads with the Python reader (``io.reader``).
+``NativeReader.start(layer, experts, slots)`` starts reading a wave of records into pool
+slots on the engine's own threads, without the GIL, and ``Started.result()`` collects it;
+``NativeReader.read`` is start and finish a wave at a time. Pieces ``pread`` into a
+staging area are copied into each slot's part rows (``cudaMemcpyAsync`` for CUDA pools,
+``memcpy`` for host pools), XXH3 checksums checked with the xxhash package's own
+``XXH3_64bits``. Where the compiled library is missing (a source tree never installed),
+``library()`` is None, one warning says what that costs, and the store reads with the
+Python reader (``io.reader``).
 """
 
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
 import threading
 import warnings
@@ -25,13 +26,14 @@ from ..format import ExpertChecksumError
 from .reader import Done, RecordReadError
 
 HERE = Path(__file__).parent
-# mlxs_read's statuses that the reader words itself (engine.h: ST_CHECKSUM, ST_ARGS)
+# mlxs_finish's statuses that the reader words itself (engine.h: ST_CHECKSUM, ST_ARGS)
 CHECKSUM, REFUSED = 2, 4
 # calls, records, bytes, read ns (pread + copy calls), busy ns (wall), pread ns, copy-call ns,
 # sync ns, copy calls: the threads' times are summed over threads
 COUNTERS = ("calls", "records", "bytes", "read_ns", "busy_ns", "pread_ns", "copy_ns", "sync_ns",
             "copies")  # fmt: skip
 N_COUNTERS = len(COUNTERS)
+ERR_BYTES = 512  # an engine message's buffer
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None | bool = None
@@ -86,26 +88,26 @@ def why_unavailable() -> str:
 
 
 def _declare(lib) -> None:
-    P, Int, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    P, Int, L, S = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_char_p
+    # every call that can fail ends with the caller's (err, err_len) for its message
     lib.mlxs_new.restype = P
-    lib.mlxs_new.argtypes = [Int, Int, Int, L, L, P, P, P, P, P]
+    lib.mlxs_new.argtypes = [Int, Int, Int, L, L, P, P, P, P, P, S, Int]
     lib.mlxs_layer.restype = Int
-    lib.mlxs_layer.argtypes = [P, Int, Int, L, L, Int, Int, Int, P, P, P, P, P, P]
-    lib.mlxs_layer_source.restype = Int
-    lib.mlxs_layer_source.argtypes = [P, Int, P, L]
-    lib.mlxs_read.restype = Int
-    lib.mlxs_read.argtypes = [P, Int, Int, P, P, P, P]
+    lib.mlxs_layer.argtypes = [P, Int, Int, L, L, Int, Int, Int, P, P, P, P, P, P, S, Int]
     lib.mlxs_start.restype = Int
-    lib.mlxs_start.argtypes = [P, Int, Int, P, P]
+    lib.mlxs_start.argtypes = [P, Int, Int, P, P, Int, S, Int]
     lib.mlxs_finish.restype = Int
-    lib.mlxs_finish.argtypes = [P, P, P]
+    lib.mlxs_finish.argtypes = [P, P, P, S, Int]
     lib.mlxs_idle.restype = Int
     lib.mlxs_idle.argtypes = [P]
     lib.mlxs_free.argtypes = [P]
     lib.mlxs_threads.restype = Int
     lib.mlxs_threads.argtypes = [P]
-    lib.mlxs_error.restype = ctypes.c_char_p
-    lib.mlxs_error.argtypes = [P]
+
+
+def error_buffer() -> ctypes.Array:
+    """A buffer for an engine call's message (``err``, ``len(buf)``)."""
+    return ctypes.create_string_buffer(ERR_BYTES)
 
 
 def hash_function() -> int | None:
@@ -136,10 +138,6 @@ class NativeReader:
         cuda: The CUDA runtime module (``io.cuda``) for device pools, else None.
         wave: Records staged at once.
         piece_bytes: Largest piece one ``pread`` covers.
-        map_files: Read records in place from a mapping of each file instead of with
-            ``pread``: one host copy fewer; with ``cuda`` the mapping is page-locked
-            (registered) so that the device copies straight from the page cache, which
-            keeps every expert file in host memory while the reader lives.
 
     Raises:
         OSError: the engine is unavailable or refuses a layer (the message says why).
@@ -155,7 +153,6 @@ class NativeReader:
         cuda=None,
         wave: int = 8,
         piece_bytes: int = 4 << 20,
-        map_files: bool = False,
     ):
         lib = library()
         if lib is None:
@@ -176,16 +173,16 @@ class NativeReader:
         h = hash_function() if checksums else None
         if checksums and h is None:
             raise OSError("checksums need XXH3_64bits from the xxhash package: not found")
+        self._err = error_buffer()  # used under self._lock once built
         self.handle = lib.mlxs_new(
             len(pools), threads, wave, stride, piece_bytes, _ptr(self._staging), copy, sync,
-            streams, h,
+            streams, h, self._err, ERR_BYTES,
         )  # fmt: skip
         if not self.handle:
-            raise OSError("the native reader could not be created")
-        self._fds, self._keep, self._maps = [], [], []
-        self._cuda = cuda
-        self.mapped_bytes = 0  # of the files mapped (page-locked with cuda)
-        self.sources: dict[int, int] = {}  # layer -> host address of its file's mapping
+            raise OSError(f"the native reader could not be created: {self._why()}")
+        self._fds, self._keep = [], []
+        self._lock = threading.Lock()  # one start..finish at a time
+        self._pending: Started | None = None  # started, not yet finished
         self.checked: dict[int, np.ndarray] = {}
         self.counters = np.zeros((len(pools), N_COUNTERS), np.int64)
         self._counter_ptrs = [_ptr(c) for c in self.counters]
@@ -194,15 +191,13 @@ class NativeReader:
         self._started_ptrs = [_ptr(r) for r in self._started]
         try:
             for li, pos in self.pos.items():
-                fd = self._add(li, pos, pools[li], direct, checksums)
-                if map_files:
-                    self._map(li, pos, fd)
+                self._add(li, pos, pools[li], direct, checksums)
         except BaseException:
             self.close()
             raise
 
-    def _add(self, li, pos, pool, direct, checksums) -> int:
-        """Open layer ``li``'s file and register its layout with the engine; its fd."""
+    def _add(self, li, pos, pool, direct, checksums) -> None:
+        """Open layer ``li``'s file and register its layout with the engine."""
         lay = self.meta.layers[li]
         flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
         fd = os.open(self.meta.file(li), flags)
@@ -223,89 +218,116 @@ class NativeReader:
         rc = self.lib.mlxs_layer(
             self.handle, pos, fd, lay.stride, lay.record_bytes, lay.num_experts, pool.slots,
             len(lay.parts), _ptr(off), _ptr(nbytes), ctypes.cast(dst, ctypes.c_void_p),
-            _ptr(row), _ptr(sums), _ptr(self.checked[li]),
+            _ptr(row), _ptr(sums), _ptr(self.checked[li]), self._err, ERR_BYTES,
         )  # fmt: skip
         if rc:
-            raise OSError(f"{self.meta.file(li)}: {self.lib.mlxs_error(self.handle).decode()}")
-        return fd
-
-    def _map(self, li: int, pos: int, fd: int) -> None:
-        """Map layer ``li``'s file (open as ``fd``) for in-place reads (registered with
-        CUDA if given)."""
-        size = os.fstat(fd).st_size
-        m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-        view = np.frombuffer(m, np.uint8)
-        addr = view.ctypes.data  # stays valid while m is open
-        del view  # no exported buffer: m can be closed
-        if self._cuda is not None:
-            try:
-                self._cuda.register_read_only(addr, size)
-            except Exception as e:
-                m.close()
-                raise OSError(
-                    f"{self.meta.file(li)}: could not page-lock its mapping ({e}); "
-                    "read without map_files"
-                ) from e
-        self._maps.append((m, addr))
-        self.sources[li] = addr
-        self.mapped_bytes += size
-        if self.lib.mlxs_layer_source(self.handle, pos, addr, size):
-            raise OSError(f"{self.meta.file(li)}: {self.lib.mlxs_error(self.handle).decode()}")
+            raise OSError(f"{self.meta.file(li)}: {self._why()}")
 
     def read(self, layer: int, experts, slots) -> int:
-        """Read records ``experts`` of ``layer`` into ``slots`` (reserved by the caller);
-        returns the bytes read. The GIL is released meanwhile.
+        """Read records ``experts`` of ``layer`` into ``slots`` (reserved by the caller), a
+        wave at a time, each started and finished on the engine's threads; returns the
+        bytes read. The GIL is released meanwhile. A read started and not yet finished is
+        finished first (its ``result()`` keeps its outcome).
 
         Raises:
+            ValueError: a bad request, refused: a slot named twice or lengths that differ
+                before anything is read, a bad expert or slot before its wave is read.
             ExpertChecksumError, RecordReadError: naming the file and the expert; the slots
                 written may hold partial data and must not be used.
         """
         e = np.ascontiguousarray(experts, np.int32)
         s = np.ascontiguousarray(slots, np.int32)
-        st = np.zeros(len(e), np.int32)
-        pos = self.pos[layer]
-        rc = self.lib.mlxs_read(
-            self.handle, pos, len(e), _ptr(e), _ptr(s), _ptr(st), self._counter_ptrs[pos]
-        )
-        return self._outcome(rc, layer, e, st)
+        pos, w = self.pos[layer], self._wave
+        with self._lock:
+            self._collect()
+            if len(e) > w:  # what no one wave's check sees (the engine checks the rest)
+                self._check_waves(layer, e, s)
+            calls = 0
+            try:
+                for a in range(0, max(len(e), 1), w):
+                    calls += 1
+                    self._begin(pos, layer, e[a : a + w], s[a : a + w], now=True)
+                    self._end(pos, layer, e[a : a + w])
+            finally:  # one call per read, as the counters have always counted
+                self.counters[pos, 0] -= max(calls - 1, 0)
+        return len(e) * self.meta.layers[layer].record_bytes
 
     @property
     def wave(self) -> int:
         """The most records ``start`` takes."""
         return self._wave
 
-    def start(self, layer: int, experts, slots) -> Started:
-        """Start reading records ``experts`` of ``layer`` into ``slots`` (at most
-        ``wave``) on the engine's threads and return at once; ``Started.result()`` waits
-        and raises as ``read`` would. Finish it before starting another."""
-        n = len(experts)
-        if n > self._wave:  # more than a wave: read now, wave by wave
+    def start(self, layer: int, experts, slots) -> Started | Done:
+        """Start reading records ``experts`` of ``layer`` into ``slots`` on the engine's
+        threads and return at once; ``result()`` waits and raises as ``read`` would. At
+        most a ``wave`` is started (finish it before starting another); more are read
+        before ``start`` returns, wave by wave (the readers' one call: ``Loader``).
+
+        Raises:
+            ValueError: a bad request, or a started read not yet finished (refused).
+        """
+        if len(experts) > self._wave:
             try:
                 return Done(self.read(layer, experts, slots))
             except Exception as e:  # noqa: BLE001 - raised by result(), as a started read's
                 return Done(error=e)
+        pos = self.pos[layer]
+        with self._lock:
+            self._begin(pos, layer, experts, slots)
+            self._pending = Started(self, layer, np.array(experts, np.int32))
+            return self._pending
+
+    @staticmethod
+    def _check_waves(layer: int, e: np.ndarray, s: np.ndarray) -> None:
+        """Refuse, before any wave is read, a request of several waves that no one wave's
+        check would: lengths that differ, a slot named in two waves."""
+        if len(e) != len(s):
+            why = f"{len(e)} experts for {len(s)} slots"
+        else:
+            seen, count = np.unique(s, return_counts=True)
+            if not (count > 1).any():
+                return
+            why = f"bad request: slot {seen[count > 1][0]} named twice"
+        raise ValueError(f"the native reader refused a request: {why} (layer {layer})")
+
+    def _begin(self, pos: int, layer: int, experts, slots, now: bool = False) -> None:
+        """mlxs_start (under the lock); ``now``: read before returning, on this thread too."""
+        n = len(experts)
+        if len(slots) != n:
+            raise ValueError(
+                f"the native reader refused a request: {n} experts for {len(slots)} slots "
+                f"(layer {layer})"
+            )
         if n <= self._wave:  # one started read at a time: its id buffers are reused
             buf, (pe, ps, _) = self._started, self._started_ptrs
             buf[0, :n], buf[1, :n] = experts, slots
         else:  # the engine refuses it, saying why
             pe, ps = (_ptr(np.ascontiguousarray(a, np.int32)) for a in (experts, slots))
-        rc = self.lib.mlxs_start(self.handle, self.pos[layer], n, pe, ps)
-        if rc:
-            why = self.lib.mlxs_error(self.handle).decode()
-            raise ValueError(f"the native reader refused a request: {why} (layer {layer})")
-        return Started(self, layer, np.array(experts, np.int32))
+        if self.lib.mlxs_start(self.handle, pos, n, pe, ps, now, self._err, ERR_BYTES):
+            raise ValueError(f"the native reader refused a request: {self._why()} (layer {layer})")
 
-    def finish(self, layer: int, e: np.ndarray) -> int:
-        """Wait for the read ``start`` began (records ``e`` of ``layer``): as ``read``."""
-        pos = self.pos[layer]
+    def _end(self, pos: int, layer: int, e: np.ndarray) -> int:
+        """mlxs_finish of the read ``_begin`` started (records ``e``), under the lock."""
         st = self._started[2, : len(e)]
-        rc = self.lib.mlxs_finish(self.handle, self._started_ptrs[2], self._counter_ptrs[pos])
+        rc = self.lib.mlxs_finish(
+            self.handle, self._started_ptrs[2], self._counter_ptrs[pos], self._err, ERR_BYTES
+        )
         return self._outcome(rc, layer, e, st)
+
+    def _collect(self) -> None:
+        """Finish the started read not yet finished, if any, into its ``Started`` (under
+        the lock)."""
+        t, self._pending = self._pending, None
+        if t is not None:
+            try:
+                t._out = self._end(self.pos[t._layer], t._layer, t._experts)
+            except Exception as e:  # noqa: BLE001 - raised again on each result()
+                t._out = e
 
     def _outcome(self, rc: int, layer: int, e: np.ndarray, st: np.ndarray) -> int:
         """Bytes read, or the error that ``rc`` (a call's status) stands for."""
         if rc:
-            why = self.lib.mlxs_error(self.handle).decode()
+            why = self._why()
             if rc == REFUSED:
                 raise ValueError(f"the native reader refused a request: {why} (layer {layer})")
             if rc == CHECKSUM:  # worded as the Python reader words it
@@ -319,28 +341,9 @@ class NativeReader:
             )
         return len(e) * self.meta.layers[layer].record_bytes
 
-    def verify_mapped(self, layer: int) -> None:
-        """Check, on the host, the checksum of every record of ``layer``'s mapped file
-        not yet checked (before the device copies records without the engine).
-
-        Raises:
-            ExpertChecksumError: naming the file and the first bad expert.
-        """
-        from ..format import record_checksum
-
-        lay, checked = self.meta.layers[layer], self.checked[layer]
-        if not lay.checksums:
-            return
-        size = os.fstat(self._fds[self.pos[layer]]).st_size
-        view = np.frombuffer((ctypes.c_uint8 * size).from_address(self.sources[layer]), np.uint8)
-        for e in np.flatnonzero(checked == 0).tolist():
-            rec = view[e * lay.stride : e * lay.stride + lay.record_bytes]
-            if record_checksum(rec) != lay.checksums[e]:
-                raise ExpertChecksumError(
-                    f"expert {e} of layer {layer} in {self.meta.file(layer)} fails its "
-                    "checksum: the file is corrupt; split the model again"
-                )
-            checked[e] = 1
+    def _why(self) -> str:
+        """The last engine call's message (read under the lock its call was made in)."""
+        return self._err.value.decode(errors="replace")
 
     def read_gbps(self) -> float:
         """Bytes over the wall time of the reads (GB/s)."""
@@ -352,18 +355,18 @@ class NativeReader:
 
     @property
     def threads(self) -> int:
+        """The engine's worker threads (all that were asked for: the engine starts all or
+        none)."""
         return self.lib.mlxs_threads(self.handle)
 
     def close(self) -> None:
-        """Stop the threads, unmap and close the files (idempotent)."""
-        if self.handle:
-            self.lib.mlxs_free(self.handle)
-            self.handle = None
-        for m, addr in self._maps:  # the engine, which read them, is gone
-            if self._cuda is not None:
-                self._cuda.unregister(addr)
-            m.close()
-        self._maps, self.mapped_bytes, self.sources = [], 0, {}
+        """Finish a started read (its ``result()`` keeps the outcome), stop the threads
+        and close the files (idempotent)."""
+        with self._lock:
+            self._collect()
+            if self.handle:
+                self.lib.mlxs_free(self.handle)
+                self.handle = None
         for fd in self._fds:
             os.close(fd)
         self._fds = []
@@ -378,14 +381,14 @@ class Started:
         self._out: int | BaseException | None = None
 
     def done(self) -> bool:
+        """Whether the read has landed (``result()`` then does not wait)."""
         return self._out is not None or bool(self._reader.lib.mlxs_idle(self._reader.handle))
 
     def result(self) -> int:
+        """The bytes read; raises the read's error (the same one on every call)."""
         if self._out is None:
-            try:
-                self._out = self._reader.finish(self._layer, self._experts)
-            except Exception as e:  # noqa: BLE001 - raised again on each result()
-                self._out = e
+            with self._reader._lock:
+                self._reader._collect()  # this read: every other one was collected
         if isinstance(self._out, BaseException):
             raise self._out
         return self._out
