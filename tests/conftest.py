@@ -13,7 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from mlx_streaming.prep.split_experts import split_model  # noqa: E402
 
 if os.environ.get("MLX_STREAMING_TEST_ENGINE"):  # .ci/sanitize: the ASan/UBSan build
-    from mlx_streaming.core.io.native import use_library
+    from mlx_streaming.core.io.engine_lib import use_library
 
     use_library(os.environ["MLX_STREAMING_TEST_ENGINE"])
 if os.environ.get("MLX_STREAMING_TEST_POLICY"):  # .ci/sanitize: the policy's ASan/UBSan build

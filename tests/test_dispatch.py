@@ -193,17 +193,10 @@ def test_patch_runs_the_self_test(models, tmp_path):
 
     ck, ed = models.experts("tiny-qwen3_moe")
     model, _ = load(str(ck), lazy=True)
-    store = FileExpertStore(ed, capacity=6, zero_slot=True)
     cache = tmp_path / "k.json"
-    patch_model_filebacked(
-        model,
-        store,
-        128,
-        64,
-        64,
-        4,
-        config=StreamConfig(rows="masked", kernel_check=True, kernel_check_file=cache),
-    )
+    cfg = StreamConfig(rows="masked", kernel_check=True, kernel_check_file=cache)
+    store = FileExpertStore(ed, capacity=6, config=cfg)
+    patch_model_filebacked(model, store, 128, 64, 64, 4, config=cfg)
     assert len(json.loads(cache.read_text())) == 3  # gate, up and down projections
     store.close()
 
@@ -216,24 +209,28 @@ def test_default_rows_fall_back_to_masked_where_subsets_differ(models, monkeypat
     from mlx_lm import load
 
     from mlx_streaming import FileExpertStore, patch_model_filebacked
+    from mlx_streaming.core.meta import load_meta
     from mlx_streaming.core.options import StreamConfig
     from mlx_streaming.core.prefetch import patch
+    from mlx_streaming.core.runtime import resolve
 
-    monkeypatch.setattr(patch, "default_rows", lambda device: "mixed")
     monkeypatch.setattr(selftest, "_subset_same", lambda *a: False)
     monkeypatch.setattr(patch, "_CHECKED", set())
     ck, ed = models.experts("tiny-qwen3_moe")
     for rows in (None, "mixed"):
         model, _ = load(str(ck), lazy=True)
-        store = FileExpertStore(ed, capacity=6, zero_slot=True)
         cfg = StreamConfig(rows=rows, kernel_check=True)
+        # CUDA's default rows (mixed), on this CPU
+        rt = resolve(cfg, load_meta(ed)).replace(rows="mixed", zero_slot=True)
+        store = FileExpertStore(ed, capacity=6, config=cfg, runtime=rt)
         if rows is None:
-            patch_model_filebacked(model, store, config=cfg)
+            patch_model_filebacked(model, store)
             layers = [m for _, m in model.named_modules() if getattr(m, "is_streamed_experts", 0)]
             assert layers and all(m._masked_below == sys.maxsize for m in layers)
+            assert store.runtime.rows == "masked" and store.runtime.reason("rows")
         else:
             with pytest.raises(KernelParityError, match="differ"):
-                patch_model_filebacked(model, store, config=cfg)
+                patch_model_filebacked(model, store)
         store.close()
 
 

@@ -32,7 +32,8 @@ def main():
     a = p.parse_args()
     from mlx_streaming.core.cache.expert_store import FileExpertStore
     from mlx_streaming.core.io import cuda
-    from mlx_streaming.core.io.native import COUNTERS, NativeReader
+    from mlx_streaming.core.io.engine_lib import COUNTERS
+    from mlx_streaming.core.io.native import NativeReader
 
     ck, ed, meta = build(a)
     slots = meta.num_experts // 2

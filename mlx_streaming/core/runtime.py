@@ -88,6 +88,7 @@ def resolve(
     backend: str | None = None,
     memory: tuple[int, int] | None = None,
     cuda_available: bool | None = None,
+    engine_available: bool | None = None,
 ) -> Runtime:
     """The ``Runtime`` for ``cfg`` on ``backend`` (default: MLX's default device's), with
     the expert directory's ``meta`` (its files' size decides the mapping on CUDA) and the
@@ -162,6 +163,18 @@ def resolve(
         reader, why["reader"] = "python", "the native reader is untested on macOS"
     else:
         reader = "native"
+    if reader == "native":
+        if engine_available is None:
+            from .io.engine_lib import library, why_unavailable
+
+            engine_available = library() is not None
+            missing = why_unavailable()
+        else:
+            missing = "not available"
+        if not engine_available and (want is not None or pool_mode == "cuda"):
+            refuse(f"the native reader is not installed ({missing}): pip install the package")
+        if not engine_available:
+            reader, why["reader"] = "python", f"the native reader is not installed ({missing})"
 
     # the decode path
     if cfg.device_reads:

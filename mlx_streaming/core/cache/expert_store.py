@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -98,7 +99,16 @@ class FileExpertStore:
         self.zero_slot = rt.zero_slot
         self.pools = make_pools(meta, caps, rt.pool_mode, rt.zero_slot)
         self.pool_mode = rt.pool_mode
-        self.reader = make_reader(rt, meta, self.pools)
+        try:
+            self.reader = make_reader(rt, meta, self.pools)
+        except OSError as e:  # the files could not be mapped and page-locked
+            if not rt.mapped or cfg.map_files:  # asked for: the error is the answer
+                raise
+            warnings.warn(f"{e}; the store reads with pread instead", RuntimeWarning, stacklevel=2)
+            rt = resolve(cfg.replace(map_files=False), meta)
+            why = f"the files could not be page-locked ({e})"
+            rt = self.runtime = rt.replace(why=(*rt.why, ("decode_path", why)))
+            self.reader = make_reader(rt, meta, self.pools)
         self.lock = threading.RLock()  # the tables and policies, against the policy thread
         self.loads = Loader(
             meta, self.caches, self.pools, self.reader, self.stats, cfg.clear_on_evict, self.lock

@@ -87,7 +87,7 @@ class Loader:
         self._lock = lock or contextlib.nullcontext()
         self.outputs = Outputs(caches)
         self._inflight: dict[int, list[Ticket]] = {li: [] for li in caches}  # read-aheads
-        self._started: Ticket | None = None  # a load whose reads may still be landing
+        self._started: Ticket | None = None  # the latest load, maybe not yet finished
 
     def begin(self, layer: int, experts: np.ndarray) -> Ticket:
         """Start making distinct ``experts`` resident (they must fit): reserve slots and
@@ -187,9 +187,8 @@ class Loader:
         except Exception as e:  # noqa: BLE001 - raised by Ticket.wait, after the abort
             fut = Done(error=e)
         t = Ticket(self, layer, experts, misses, placed, fut, prefetch)
-        if not fut.done():
-            self._started = t
-        elif not prefetch:  # read before start returned (more than a wave, or inline)
+        self._started = t  # finished by its caller, or before the next load
+        if fut.done() and not prefetch:  # read before start returned (over a wave, inline)
             self.stats[layer].read_s += time.perf_counter() - t0
         return t
 

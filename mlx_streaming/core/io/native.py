@@ -16,109 +16,22 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-import warnings
-from pathlib import Path
 
 import numpy as np
 
-from ..extensions import extension_path
 from ..format import ExpertChecksumError
+from .engine_lib import (
+    CHECKSUM,
+    COUNTERS,
+    ERR_BYTES,
+    N_COUNTERS,
+    REFUSED,
+    error_buffer,
+    hash_function,
+    library,
+    why_unavailable,
+)
 from .reader import Done, RecordReadError
-
-HERE = Path(__file__).parent
-# mlxs_finish's statuses that the reader words itself (engine.h: ST_CHECKSUM, ST_ARGS)
-CHECKSUM, REFUSED = 2, 4
-# calls, records, bytes, read ns (pread + copy calls), busy ns (wall), pread ns, copy-call ns,
-# sync ns, copy calls: the threads' times are summed over threads
-COUNTERS = ("calls", "records", "bytes", "read_ns", "busy_ns", "pread_ns", "copy_ns", "sync_ns",
-            "copies")  # fmt: skip
-N_COUNTERS = len(COUNTERS)
-ERR_BYTES = 512  # an engine message's buffer
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None | bool = None
-_why = ""
-
-
-def library_path() -> Path | None:
-    """The compiled engine inside the installed package, if it was built."""
-    return extension_path(HERE, "_engine")
-
-
-def library() -> ctypes.CDLL | None:
-    """The compiled engine, or None (``why_unavailable()`` says why; warned once)."""
-    global _lib, _why
-    with _lock:
-        if _lib is None:
-            path = library_path()
-            try:
-                if path is None:
-                    raise OSError(
-                        f"no compiled engine (_engine*.so) in {HERE}: install the package "
-                        "with pip install (it builds the engine)"
-                    )
-                lib = ctypes.CDLL(str(path))
-                _declare(lib)
-                _lib = lib
-            except OSError as e:
-                _lib, _why = False, str(e)
-                warnings.warn(
-                    f"mlx_streaming's native reader is unavailable ({e}); reading with "
-                    "Python threads instead (measured on an H200: 7.9 against 12.8 tok/s at 50% residency)",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-        return _lib or None
-
-
-def use_library(path: str | Path) -> ctypes.CDLL:
-    """Load the engine from ``path`` instead of the installed package, for this process
-    (a sanitizer build under test: ``.ci/sanitize``). Call before any store is built."""
-    global _lib
-    with _lock:
-        lib = ctypes.CDLL(str(path))
-        _declare(lib)
-        _lib = lib
-    return lib
-
-
-def why_unavailable() -> str:
-    library()
-    return _why
-
-
-def _declare(lib) -> None:
-    P, Int, L, S = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_char_p
-    # every call that can fail ends with the caller's (err, err_len) for its message
-    lib.mlxs_new.restype = P
-    lib.mlxs_new.argtypes = [Int, Int, Int, L, L, P, P, P, P, P, S, Int]
-    lib.mlxs_layer.restype = Int
-    lib.mlxs_layer.argtypes = [P, Int, Int, L, L, Int, Int, Int, P, P, P, P, P, P, S, Int]
-    lib.mlxs_start.restype = Int
-    lib.mlxs_start.argtypes = [P, Int, Int, P, P, Int, S, Int]
-    lib.mlxs_finish.restype = Int
-    lib.mlxs_finish.argtypes = [P, P, P, S, Int]
-    lib.mlxs_idle.restype = Int
-    lib.mlxs_idle.argtypes = [P]
-    lib.mlxs_free.argtypes = [P]
-    lib.mlxs_threads.restype = Int
-    lib.mlxs_threads.argtypes = [P]
-
-
-def error_buffer() -> ctypes.Array:
-    """A buffer for an engine call's message (``err``, ``len(buf)``)."""
-    return ctypes.create_string_buffer(ERR_BYTES)
-
-
-def hash_function() -> int | None:
-    """Address of ``XXH3_64bits`` in the xxhash package's extension (the checksums of the
-    expert directory are XXH3-64)."""
-    try:
-        import xxhash._xxhash as ext
-
-        return ctypes.cast(ctypes.CDLL(ext.__file__).XXH3_64bits, ctypes.c_void_p).value
-    except (ImportError, OSError, AttributeError):
-        return None
 
 
 def _ptr(a) -> int | None:
@@ -320,9 +233,19 @@ class NativeReader:
         t, self._pending = self._pending, None
         if t is not None:
             try:
-                t._out = self._end(self.pos[t._layer], t._layer, t._experts)
+                t.outcome = self._end(self.pos[t.layer], t.layer, t.experts)
             except Exception as e:  # noqa: BLE001 - raised again on each result()
-                t._out = e
+                t.outcome = e
+
+    def collect(self) -> None:
+        """Finish the started read, if one is not yet finished (its ``Started`` keeps
+        the outcome)."""
+        with self._lock:
+            self._collect()
+
+    def idle(self) -> bool:
+        """Whether no started read is still on the engine's threads."""
+        return bool(self.lib.mlxs_idle(self.handle))
 
     def _outcome(self, rc: int, layer: int, e: np.ndarray, st: np.ndarray) -> int:
         """Bytes read, or the error that ``rc`` (a call's status) stands for."""
@@ -377,18 +300,17 @@ class Started:
     read's error), ``done()`` says whether it has landed."""
 
     def __init__(self, reader: NativeReader, layer: int, experts: np.ndarray):
-        self._reader, self._layer, self._experts = reader, layer, experts
-        self._out: int | BaseException | None = None
+        self.reader, self.layer, self.experts = reader, layer, experts
+        self.outcome: int | BaseException | None = None  # set when the read is finished
 
     def done(self) -> bool:
         """Whether the read has landed (``result()`` then does not wait)."""
-        return self._out is not None or bool(self._reader.lib.mlxs_idle(self._reader.handle))
+        return self.outcome is not None or self.reader.idle()
 
     def result(self) -> int:
         """The bytes read; raises the read's error (the same one on every call)."""
-        if self._out is None:
-            with self._reader._lock:
-                self._reader._collect()  # this read: every other one was collected
-        if isinstance(self._out, BaseException):
-            raise self._out
-        return self._out
+        if self.outcome is None:
+            self.reader.collect()  # this read: every other one was collected
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome

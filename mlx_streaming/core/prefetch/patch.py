@@ -241,7 +241,7 @@ def patch_model_filebacked(
         try:
             check_kernels(model, store, options.kernel_check_file, subset=rows != "masked")
         except KernelParityError:
-            if options.rows is not None or rows != "mixed":
+            if store.config.rows is not None or rows != "mixed":
                 raise
             # the default's row subsets differ here (an MLX whose kernels read the row
             # count): every row runs masked instead, in stock's own shapes

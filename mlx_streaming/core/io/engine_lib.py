@@ -1,0 +1,99 @@
+"""The native engine's library (``engine*.c``, built by ``pip install``): found, loaded
+and declared for ctypes once per process; its statuses and counters."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+from ..extensions import extension_path
+
+HERE = Path(__file__).parent
+# mlxs_finish's statuses that the reader words itself (engine.h: ST_CHECKSUM, ST_ARGS)
+CHECKSUM, REFUSED = 2, 4
+# calls, records, bytes, read ns (pread + copy calls), busy ns (wall), pread ns, copy-call ns,
+# sync ns, copy calls: the threads' times are summed over threads
+COUNTERS = ("calls", "records", "bytes", "read_ns", "busy_ns", "pread_ns", "copy_ns", "sync_ns",
+            "copies")  # fmt: skip
+N_COUNTERS = len(COUNTERS)
+ERR_BYTES = 512  # an engine message's buffer
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None | bool = None
+_why = ""
+
+
+def library_path() -> Path | None:
+    """The compiled engine inside the installed package, if it was built."""
+    return extension_path(HERE, "_engine")
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled engine, or None (``why_unavailable()`` says why)."""
+    global _lib, _why
+    with _lock:
+        if _lib is None:
+            path = library_path()
+            try:
+                if path is None:
+                    raise OSError(
+                        f"no compiled engine (_engine*.so) in {HERE}: install the package "
+                        "with pip install (it builds the engine)"
+                    )
+                lib = ctypes.CDLL(str(path))
+                _declare(lib)
+                _lib = lib
+            except OSError as e:
+                _lib, _why = False, str(e)
+        return _lib or None
+
+
+def use_library(path: str | Path) -> ctypes.CDLL:
+    """Load the engine from ``path`` instead of the installed package, for this process
+    (a sanitizer build under test: ``.ci/sanitize``). Call before any store is built."""
+    global _lib
+    with _lock:
+        lib = ctypes.CDLL(str(path))
+        _declare(lib)
+        _lib = lib
+    return lib
+
+
+def why_unavailable() -> str:
+    library()
+    return _why
+
+
+def _declare(lib) -> None:
+    P, Int, L, S = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_char_p
+    # every call that can fail ends with the caller's (err, err_len) for its message
+    lib.mlxs_new.restype = P
+    lib.mlxs_new.argtypes = [Int, Int, Int, L, L, P, P, P, P, P, S, Int]
+    lib.mlxs_layer.restype = Int
+    lib.mlxs_layer.argtypes = [P, Int, Int, L, L, Int, Int, Int, P, P, P, P, P, P, S, Int]
+    lib.mlxs_start.restype = Int
+    lib.mlxs_start.argtypes = [P, Int, Int, P, P, Int, S, Int]
+    lib.mlxs_finish.restype = Int
+    lib.mlxs_finish.argtypes = [P, P, P, S, Int]
+    lib.mlxs_idle.restype = Int
+    lib.mlxs_idle.argtypes = [P]
+    lib.mlxs_free.argtypes = [P]
+    lib.mlxs_threads.restype = Int
+    lib.mlxs_threads.argtypes = [P]
+
+
+def error_buffer() -> ctypes.Array:
+    """A buffer for an engine call's message (``err``, ``len(buf)``)."""
+    return ctypes.create_string_buffer(ERR_BYTES)
+
+
+def hash_function() -> int | None:
+    """Address of ``XXH3_64bits`` in the xxhash package's extension (the checksums of the
+    expert directory are XXH3-64)."""
+    try:
+        import xxhash._xxhash as ext
+
+        return ctypes.cast(ctypes.CDLL(ext.__file__).XXH3_64bits, ctypes.c_void_p).value
+    except (ImportError, OSError, AttributeError):
+        return None
