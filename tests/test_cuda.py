@@ -27,12 +27,14 @@ TEXT = "A mixture of experts routes each token to a few experts out of many. " *
 
 # cheapest first; Qwen3-Next's gated delta runs as ops on CUDA (slow to compile)
 @pytest.mark.parametrize("preset", ["tiny-mixtral", "thresholds-qwen3_moe", "tiny-qwen3_next"])
-@pytest.mark.parametrize("mode", ["cuda", "device", "mlx"])
+@pytest.mark.parametrize("mode", ["device", "host", "pread"])
 def test_streamed_equals_stock_on_cuda(models, tmp_path, preset, mode):
     """Greedy tokens and logits equal stock's, prompts in chunks of 8 and 64, at top-k,
-    half and all slots; ``device``: cuda pools with ``device_reads`` (the default: decode
-    steps on the device path, prompt chunks on the host path, the slot table handed
-    between them); ``cuda``: every call on the host path."""
+    half and all slots. ``device`` (the default): the files mapped, decode steps on the
+    device path, prompt chunks on the host path, both filled by the GPU from the
+    mappings, the slot table handed between them; ``host``: every call on the host path,
+    filled by the GPU; ``pread``: the files not mapped, records read by the native
+    engine and copied in."""
     ck, ed = models.experts(preset, dtype="bfloat16")
     ref, tok = load(str(ck))
     ids = tok.encode(TEXT)
@@ -41,34 +43,53 @@ def test_streamed_equals_stock_on_cuda(models, tmp_path, preset, mode):
         assert np.isfinite(trace.logits).all(), f"stock mlx-lm gives NaN logits (chunk {c})"
     meta = load_meta(ed)
     for slots in (meta.top_k, meta.num_experts // 2, meta.num_experts):
-        pread = mode == "cuda" and slots == meta.top_k  # else the files are mapped (default)
         model, _, store = mlx_streaming.load(
             ck,
             ed,
             slots=slots,
-            pool_mode="cuda" if mode == "device" else mode,
             config=mlx_streaming.StreamConfig(
                 kernel_check=True,
                 kernel_check_file=tmp_path / "k.json",
-                map_files=False if pread else None,
-                device_reads=None if mode == "device" else False,
+                map_files=False if mode == "pread" else None,
+                device_reads=False if mode == "host" else None,
             ),
         )
-        assert store.pool_mode == ("cuda" if mode == "device" else mode)
-        if mode == "device":
-            assert store.device is not None
-        elif mode == "cuda":  # copies straight from page-locked mappings; routing read mapped
-            assert (store.totals()["mapped_bytes"] > 0) == (not pread)
-            assert store.host.mapped is not None
+        rt = store.runtime
+        assert rt.pool_mode == "cuda" and rt.mapped == (mode != "pread")
+        assert rt.reader == ("native" if mode == "pread" else "device")
+        assert rt.decode_path == ("device" if mode == "device" else "host")
+        assert (store.device is not None) == (mode == "device")
         for chunk, ref_trace in want.items():
             cmp = compare_traces(ref_trace, greedy_trace(model, ids, 12, chunk))
             assert cmp.exact, (slots, chunk, cmp.to_json())
+        t = store.totals()
         if mode == "device":  # decode steps took the device path; its counters came back
-            t = store.totals()
             assert t["device_calls"] > 0 and t["hits"] + t["misses"] > 0, t
-            if slots < meta.num_experts:
-                assert t["misses"] > 0 and t["bytes_read"] > 0, t
+        if slots < meta.num_experts:
+            assert t["misses"] > 0 and t["bytes_read"] > 0, t
         store.close()
+
+
+def test_a_mapping_that_cannot_be_page_locked_falls_back_to_pread(models, monkeypatch):
+    """Where the default maps the files and a mapping cannot be page-locked, the store
+    warns, reads with the native engine on the host path, and says why in its runtime;
+    asked for explicitly, the error stands."""
+    from mlx_streaming import FileExpertStore
+    from mlx_streaming.core.io.filemap import FileMaps
+
+    def refuse(self, li):
+        raise OSError(f"{self.meta.file(li)}: could not page-lock its mapping (injected)")
+
+    _, ed = models.experts("tiny-qwen3_moe", dtype="bfloat16")
+    monkeypatch.setattr(FileMaps, "_map", refuse)
+    with pytest.warns(RuntimeWarning, match="injected.*reads with pread instead"):
+        store = FileExpertStore(ed)
+    rt = store.runtime
+    assert (rt.mapped, rt.reader, rt.decode_path) == (False, "native", "host")
+    assert "page-locked" in rt.reason("decode_path")
+    store.close()
+    with pytest.raises(OSError, match="injected"):
+        FileExpertStore(ed, map_files=True)
 
 
 def test_verify_on_cuda(models, capsys):
@@ -126,8 +147,8 @@ def test_device_path_plans_as_the_reference_and_the_simulator(models, policy):
             assert (call.slots is None) == store.record
             if call.slots is None:
                 refs.pop(li, None)
-                slots = [s for _, s in call.steps()][-1]
-                call.done(mx.array(slots.astype(np.int32)))
+                slots = [store.step(call, i)[1] for i in range(len(call.steps))][-1]
+                mx.eval(store.finish(call, store.ids(slots)))
             else:
                 if not on_device or li not in refs:  # handed over just now
                     c = sims[li]
@@ -140,7 +161,7 @@ def test_device_path_plans_as_the_reference_and_the_simulator(models, policy):
                 want, _ = plan_reference(refs[li], WEIGHTS[policy], ids[None])
                 mx.eval(call.slots)  # nothing here chains the calls: run each in turn
                 assert np.array_equal(np.array(call.slots), want), (step, li)
-                call.done(call.slots)
+                store.finish(call, call.slots)
             sims[li].lookup(np.unique(ids))
     report = store.layer_report()  # brings every table and counter back
     for li in store.layers:
