@@ -51,7 +51,7 @@ def probe(record_mb: float, file_gb: float, path: str) -> dict:
     from mlx_streaming.core.io import cuda
 
     if cuda.available():
-        src = cuda.pinned(n)
+        src = cuda.page_locked(n)
         src[:] = host
         from mlx_streaming.core.cache.pool import device_address
 

@@ -37,10 +37,10 @@ def planning(store, trace, tokens: int, start: int = 5000) -> dict:
         for j, li in enumerate(layers):
             t0 = time.perf_counter()
             call = store.request(li, ids[t][j], False)
-            for _ in call.steps():
-                pass
-            if call.before_launch is not None:
-                call.before_launch()
+            for i in range(len(call.steps)):
+                store.step(call, i)
+            if call.wait_at_launch:
+                call.ticket.wait()
             times.append(time.perf_counter() - t0)
     us = 1e6 * np.array(times[50 * len(layers) :])
     return {"median_us": round(float(np.median(us)), 1), "mean_us": round(float(us.mean()), 1)}

@@ -119,8 +119,7 @@ def load(
         store.close()
         raise
     mx.set_cache_limit(memory_plan(model, store, cfg.cache_limit_gb).cache_limit_bytes)
-    if progress is not False:
-        print(store.runtime.line(), file=sys.stderr, flush=True)
+    print(store.runtime.line(), file=sys.stderr, flush=True)
     load_trunk(model, progress)
     if pipeline_group is not None:
         parallel.barrier(pipeline_group)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm import generate, load, stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_streaming
-from mlx_streaming import config
+from mlx_streaming import FileExpertStore, config
 from mlx_streaming.core import mem
 from mlx_streaming.core.meta import load_meta
 from mlx_streaming.model_builder import load_pool_profile
@@ -144,8 +145,16 @@ def test_bench_command_compare_stock(models, tmp_path, capsys):
     assert r["generated_tokens"] == 12 and r["bytes_read"] > 0
     # the host path (CPU): each decode call waits for its routing, then plans
     assert r["decode_path"] == "host" and r["decode_host_us_per_layer_call"] > 0
+    phases = r["decode_phases_us_per_layer_call"]
+    assert set(phases) == {"beside_device", "routing_wait", "plan", "read_wait", "graph"}
+    assert phases["plan"] == r["decode_host_us_per_layer_call"] and phases["routing_wait"] > 0
     assert 0 < r["decode_device_gap_share"] < 1
-    assert json.loads(capsys.readouterr().out) == r
+    rt = r["runtime"]  # every choice made by backend, and why, decided once at load
+    assert (rt["backend"], rt["decode_path"], rt["reader"]) == ("cpu", "host", "native")
+    assert rt["why"]["decode_path"]
+    out = capsys.readouterr()
+    assert json.loads(out.out) == r
+    assert "mlx_streaming: cpu, host path (cpu: the routing is read on the host)" in out.err
 
 
 def test_cli_split_and_bad_flags(models, tmp_path, capsys):
@@ -158,3 +167,28 @@ def test_cli_split_and_bad_flags(models, tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(["bench", "--model", str(ck), *flags])
         assert "must be" in capsys.readouterr().err
+
+
+def test_resident_layers_count_hits_as_they_go(models):
+    """Calls of several tokens to a layer holding every expert count their distinct
+    experts on the device; those counts are folded in as they pile up, never held
+    without bound until the stats are read (they once were: one lazy array a call)."""
+    from mlx_streaming.core.cache.stats import PENDING
+
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    store = FileExpertStore(ed, capacity=meta.num_experts)
+    li = store.layers[0]
+    rng = np.random.default_rng(0)
+    first = mx.array(np.arange(meta.num_experts, dtype=np.uint32).reshape(-1, meta.top_k))
+    store.finish(store.request(li, first), first)  # loads the whole layer: complete
+    store.reset_stats()
+    want = 0
+    for _ in range(5 * PENDING):
+        ids = np.stack([rng.choice(meta.num_experts, meta.top_k, replace=False) for _ in range(3)])
+        call = store.request(li, mx.array(ids.astype(np.uint32)))
+        assert call.path == "resident"
+        want += len(np.unique(ids))
+        assert store.counts.pending < PENDING
+    assert store.hits == want and store.misses == 0
+    store.close()

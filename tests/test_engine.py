@@ -608,7 +608,7 @@ def test_map_files_is_for_cuda_only(models):
 
 
 @needs_library
-def test_abandoned_started_read_is_settled_before_new_reservations(models):
+def test_abandoned_started_read_is_finished_before_new_reservations(models):
     """A call that raised between starting its reads and waiting for them (a client gone,
     an error while building its graph) leaves a started read; the next load finishes it
     first, so the slot table stays consistent and output stays exact."""

@@ -59,7 +59,7 @@ def main():
     dev = ctypes.c_void_p()
     cuda._check(rt.cudaMalloc(ctypes.byref(dev), ctypes.c_size_t(n_dev)), "cudaMalloc")
     streams = [ctypes.c_void_p(cuda.new_stream()) for _ in range(16)]
-    staging = cuda.pinned(4 * stride)
+    staging = cuda.page_locked(4 * stride)
     stage = staging.ctypes.data
 
     def copy(src: int, nrec: int, pieces: int, spread: bool = True):

@@ -46,7 +46,7 @@ def main():
     flag = mx.zeros((16 << 20,), mx.uint32)  # large: plain device memory, not managed
     mx.eval(flag)
     flag_dev = device_address(flag)
-    src = cuda.pinned(4).view(np.uint32)
+    src = cuda.page_locked(4).view(np.uint32)
     big = []
 
     actions = {

@@ -131,7 +131,7 @@ def measure_h2d_gbps(nbytes: int = 64 << 20, repeat: int = 5) -> float | None:
 
     if mx.default_device() == mx.cpu or not cuda.available():
         return None
-    src = cuda.pinned(nbytes)
+    src = cuda.page_locked(nbytes)
     src[:] = 1
     from ..core.cache.pool import device_address
 

@@ -5,6 +5,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+PHASES = {  # the store's stats of a layer call's host phases, by their names here
+    "ahead_s": "beside_device",
+    "sync_s": "routing_wait",
+    "host_s": "plan",
+    "read_s": "read_wait",
+    "graph_s": "graph",
+}
 MEMORY_SOURCES = {
     "rss_*": "the process's resident set size (OS); on macOS it leaves out Metal buffers",
     "mlx_*": "MLX's allocator: active = bytes in live arrays, peak = most since the "
@@ -21,7 +28,7 @@ def summarize(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, sam
     decode_hits = totals["hits"] - first["hits"]
     fast, fall = store.fastpath_calls, store.fallback_calls
     decode = {
-        k: totals[k] - first.get(k, 0) for k in ("host_s", "gap_s", "device_calls", "host_calls")
+        k: totals[k] - first.get(k, 0) for k in ("gap_s", "device_calls", "host_calls", *PHASES)
     }
     decode_calls = decode["device_calls"] + decode["host_calls"]
     caps = [store.capacity(li) for li in store.layers]
@@ -104,6 +111,12 @@ def summarize(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, sam
         # expert work queued (routing read to expert launch, host path; 0 on the device
         # path and for full pools)
         "decode_host_us_per_layer_call": round(1e6 * decode["host_s"] / max(1, decode_calls), 1),
+        # ... split into the phases of a layer call (µs per call): work beside the
+        # device's (launching the routing, the deferred policy update, read-ahead),
+        # waiting for the routing, planning, waiting for reads, building the expert graph
+        "decode_phases_us_per_layer_call": {
+            name: round(1e6 * decode[k] / max(1, decode_calls), 1) for k, name in PHASES.items()
+        },
         "decode_device_gap_share": round(decode["gap_s"] / timed["decode_s"], 4),
         "prefetched": totals["prefetched"],
         "prefetch_used": totals["prefetch_used"],

@@ -189,7 +189,7 @@ class DevicePath:
         policy, once the device is done with them; its counters go to the stats."""
         if layer not in self.on_device:
             return
-        self._settle(layer)
+        self._run_output(layer)
         self._copy(layer, cuda.D2H)
         host, c = self._host[layer], self.caches[layer]
         for name, a in c.policy.state.items():
@@ -200,16 +200,16 @@ class DevicePath:
         self._count(layer, host["counters"])
         self.on_device.discard(layer)
 
-    def settle_stats(self) -> None:
+    def collect_counters(self) -> None:
         """Bring every layer's counters to the stats (tables stay on the device)."""
         for li in sorted(self.on_device):
-            self._settle(li)
+            self._run_output(li)
             ctr = np.zeros(N_COUNTERS, np.int64)
             src = self._addr + self._off[li]["counters"]
             cuda.copy_now(ctr.ctypes.data, src, ctr.nbytes, cuda.D2H)
             self._count(li, ctr)
 
-    def _settle(self, layer: int) -> None:
+    def _run_output(self, layer: int) -> None:
         out = self._outputs.pop(layer, None)
         if out is not None:
             mx.eval(out)  # the layer's kernels have run and no queued matmul reads its slots

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..format import ExpertMeta
-from ..io.mapped import mapped_transfers
+from ..io.transfers import id_transfers
 from ..meta import load_meta
 from ..options import StreamConfig
 from ..runtime import Runtime, resolve
@@ -126,7 +126,7 @@ class FileExpertStore:
             self.routing,
             self.observers,
             self.timeline,
-            mapped_transfers() if rt.pool_mode == "cuda" else None,
+            id_transfers() if rt.pool_mode == "cuda" else None,
         )
         self.device = None
         if rt.decode_path == "device":
@@ -200,7 +200,7 @@ class FileExpertStore:
         if device is not None:
             if not watched and device.takes(layer, indices):
                 if layer not in device.on_device:
-                    self.loads.settle_started()  # no read left pending in its table
+                    self.loads.finish_open()  # no read left pending in its table
                 call = LayerCall(layer, "device", slots=device.slots(layer, indices))
                 self.stats[layer].host_s += time.perf_counter() - t0
                 return call
@@ -230,7 +230,7 @@ class FileExpertStore:
     def prefetch(self, layer: int, experts, limit: int | None = None) -> int:
         """Read ahead experts a coming call of ``layer`` is expected to need, into free
         or evictable slots (never pinned ones, nor ``experts`` themselves). Best effort;
-        the next call of the layer settles them. Returns how many were issued."""
+        the next call of the layer finishes them. Returns how many were issued."""
         if self.device is not None:
             self.device.to_host(layer)
         return self.loads.prefetch(layer, experts, limit)
@@ -282,12 +282,12 @@ class FileExpertStore:
 
     @property
     def hits(self) -> int:
-        self.counts.settle()
+        self.counts.collect()
         return sum(c.stats.hits for c in self.caches.values())
 
     @property
     def misses(self) -> int:
-        self.counts.settle()
+        self.counts.collect()
         return sum(c.stats.misses for c in self.caches.values())
 
     def hit_rate(self) -> float:
@@ -317,7 +317,7 @@ class FileExpertStore:
         if self.device is not None:  # residency as the device left it
             for li in self.layers:
                 self.device.to_host(li)
-        self.counts.settle()
+        self.counts.collect()
         out = {}
         for li in self.layers:
             c = self.caches[li]
@@ -345,5 +345,5 @@ class FileExpertStore:
     def close(self) -> None:
         """Finish read-aheads, stop the reader, close the files."""
         for li in self.caches:
-            self.loads.settle(li)
+            self.loads.finish_read_aheads(li)
         self.reader.close()

@@ -2,7 +2,7 @@
 the store's ``Loader``, the rows computed in steps.
 
 One host synchronisation per call reads the routing (on CUDA a decode step's through
-mapped memory, ``io.mapped``, as is a read-ahead predictor's guess); the layer's shared
+mapped memory, ``io.transfers``, as is a read-ahead predictor's guess); the layer's shared
 experts are launched after it, apart, and compute while the host plans. While the device
 computes the routing, the host applies the previous call's policy update. Then the
 misses start loading at once, while the expert graph is built (launched once they have
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
-from ..io.mapped import MappedTransfers
+from ..io.transfers import IdTransfers
 from .calls import LayerCall, Step
 from .loads import Loader
 from .pool import LayerPool
@@ -62,7 +62,7 @@ class HostPath:
         routing: RoutingCounts,
         observers: list[Callable],
         timeline: Timeline,
-        mapped: MappedTransfers | None,
+        mapped: IdTransfers | None,
     ):
         self.caches, self.pools, self.stats, self.loads = caches, pools, stats, loads
         self.routing, self.observers, self.timeline = routing, observers, timeline
@@ -110,7 +110,7 @@ class HostPath:
         experts, counts = distinct(host)
         if self.routing.on:
             self.routing.add(layer, experts, counts)
-        self.loads.settle(layer, experts)
+        self.loads.finish_read_aheads(layer, experts)
         groups = cache.groups(experts, counts)
         call = LayerCall(layer, "host", host_ids=host, routed_at=t0)
         if also is not None:

@@ -4,7 +4,7 @@ them resident (or the abort that frees their slots).
 A ``Loader`` serves one store. ``begin`` reserves slots for the misses among a call's
 experts and starts their reads at once (``reader.start``: the store's one reader, whose
 reads check each record's checksum on its first read); ``Ticket.wait`` finishes a load.
-Read-aheads (``prefetch``) are tickets settled by the layer's next call. A slot is marked
+Read-aheads (``prefetch``) are tickets finished by the layer's next call. A slot is marked
 resident only once its bytes are in place and checked. Before a pool's slots are
 written, the lazy outputs still reading that pool are evaluated (``Outputs``).
 """
@@ -35,16 +35,16 @@ class Outputs:
         self._lazy: dict[int, list[mx.array]] = {li: [] for li in layers}
 
     def track(self, layer: int, y: mx.array) -> None:
-        if y.nbytes > TRACK_EVAL_BYTES:  # a long prompt's output: settle it now rather
+        if y.nbytes > TRACK_EVAL_BYTES:  # a long prompt's output: run it now rather
             mx.eval(y)  # than hold its buffer until the pool is next written
             return
         lazy = self._lazy[layer]
         lazy.append(y)
-        if len(lazy) > 8:  # calls that wrote nothing: settle the older ones
+        if len(lazy) > 8:  # calls that wrote nothing: run the older ones
             mx.eval(lazy[:-1])
             del lazy[:-1]
 
-    def settle(self, layer: int) -> None:
+    def run(self, layer: int) -> None:
         """Evaluate the outputs still reading ``layer``'s pool."""
         if self._lazy[layer]:
             mx.eval(self._lazy[layer])  # already evaluated in the usual flow: free
@@ -93,7 +93,7 @@ class Loader:
         """Start making distinct ``experts`` resident (they must fit): reserve slots and
         start the reads. ``Ticket.wait()`` finishes; until then only the experts that were
         already resident (``ticket.misses`` excluded) may be used."""
-        self.settle_started()
+        self.finish_open()
         cache = self.caches[layer]
         _, misses = cache.split(experts)
         load = misses
@@ -105,7 +105,7 @@ class Loader:
                 placed = cache.reserve(np.sort(load), protect=experts)
         return self._issue(layer, experts, misses, placed, prefetch=False)
 
-    def settle_started(self) -> None:
+    def finish_open(self) -> None:
         """Finish a load whose call was abandoned (it raised before waiting): its slots
         are committed or freed before any new reservation (or before the device path
         takes the table)."""
@@ -126,9 +126,9 @@ class Loader:
     def prefetch(self, layer: int, experts, limit: int | None = None) -> int:
         """Read ahead experts a coming call of ``layer`` is expected to need, into free
         or evictable slots (never pinned ones, nor ``experts`` themselves), at most one
-        of the reader's waves. Best effort; the next call of the layer settles them.
+        of the reader's waves. Best effort; the next call of the layer finishes them.
         Returns how many were issued."""
-        self.settle_started()
+        self.finish_open()
         cache = self.caches[layer]
         experts = np.asarray(experts, dtype=np.int64)
         todo = [int(e) for e in experts if cache.slot_of[e] < 0 and e not in cache.pending]
@@ -150,14 +150,14 @@ class Loader:
 
     def pin(self, layer: int, ids: np.ndarray) -> None:
         """Load distinct ``ids`` now (the caller then pins them)."""
-        self.settle(layer)
+        self.finish_read_aheads(layer)
         cache = self.caches[layer]
         _, misses = cache.split(ids)
         with self._lock:
             placed = cache.reserve(misses, protect=ids)
         self._issue(layer, ids, misses, placed, prefetch=True).wait()
 
-    def settle(self, layer: int, needed: np.ndarray | None = None) -> None:
+    def finish_read_aheads(self, layer: int, needed: np.ndarray | None = None) -> None:
         """Finish this layer's read-aheads; count those ``needed`` now."""
         if not self._inflight[layer]:
             return
@@ -178,7 +178,7 @@ class Loader:
         """Start the reads of ``placed`` ((expert, slot, victim) reservations)."""
         if not placed:
             return Ticket(self, layer, experts, misses, placed, Done(0), prefetch)
-        self.outputs.settle(layer)  # nothing queued still reads the slots written now
+        self.outputs.run(layer)  # nothing queued still reads the slots written now
         t0 = time.perf_counter()
         try:
             fut = self.reader.start(

@@ -69,7 +69,7 @@ class LayerPool:
             self.lut = mx.zeros((layout.num_experts,), dtype=mx.int32)
             mx.eval(self.lut)
             self._lut_dev = device_address(self.lut)
-            self._lut_host = cuda.pinned(4 * layout.num_experts).view(np.int32)
+            self._lut_host = cuda.page_locked(4 * layout.num_experts).view(np.int32)
             self._lut_host[:] = 0
         else:
             self.lut = mx.array(np.zeros(layout.num_experts, dtype=np.int32))

@@ -53,7 +53,7 @@ PENDING = 64  # lazy hit counts held before they are folded in
 class HitCounts:
     """Hits counted on the device, brought to the slot tables' stats: those of calls
     served with every expert resident (a prompt chunk's distinct experts, counted by a
-    small launch of their own) and the device path's counters (``device.settle_stats``)."""
+    small launch of their own) and the device path's counters (``device.collect_counters``)."""
 
     def __init__(self, caches: dict, stats: dict[int, LayerStats], device=None):
         self.caches, self.stats, self.device = caches, stats, device
@@ -76,16 +76,21 @@ class HitCounts:
         if len(self._pending) >= PENDING:
             self._fold()
 
-    def settle(self) -> None:
+    def collect(self) -> None:
         """Bring every count to the stats."""
         if self.device is not None:
-            self.device.settle_stats()
+            self.device.collect_counters()
         self._fold()
+
+    @property
+    def pending(self) -> int:
+        """Counts computed on the device, not yet brought to the stats."""
+        return len(self._pending)
 
     def drop(self) -> None:
         """Forget what is not yet counted (the stats are being reset)."""
         if self.device is not None:
-            self.device.settle_stats()  # counted so far: not counted again
+            self.device.collect_counters()  # counted so far: not counted again
         self._pending.clear()
 
     def _fold(self) -> None:
@@ -107,13 +112,13 @@ class ResidentSet:
     @property
     def gpu_fastpath(self) -> int:
         """MoE layer calls whose experts were all resident (pure device path)."""
-        self.counts.settle()
+        self.counts.collect()
         return sum(s.fastpath for s in self.stats.values())
 
     @property
     def gpu_fallback(self) -> int:
         """MoE layer calls that loaded misses."""
-        self.counts.settle()
+        self.counts.collect()
         return sum(s.fallback for s in self.stats.values())
 
     @property

@@ -102,7 +102,7 @@ def memory_type(ptr: int) -> int:
     return attrs.type
 
 
-def pinned(nbytes: int):
+def page_locked(nbytes: int):
     """A page-locked host buffer from ``cudaHostAlloc`` as a uint8 NumPy array; the CUDA
     allocation is freed when the array is."""
     import weakref

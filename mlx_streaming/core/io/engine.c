@@ -93,7 +93,7 @@ static void hold(Engine *e) {
   __atomic_store_n(&e->pending, 2, __ATOMIC_RELEASE);
 }
 
-void mlxs_settle(Engine *e) {
+void mlxs_join_started(Engine *e) {
   if (e->pending != 1) return;
   mlxs_join(e);
   hold(e);
@@ -109,7 +109,7 @@ int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_
   mlxs_say(err, err_len, "%s", e ? "" : "no engine");
   if (!e) return ST_ARGS;
   pthread_mutex_lock(&e->call_lock);
-  mlxs_settle(e);
+  mlxs_join_started(e);
   int st = check_read(e, layer, n, experts, slots, err, err_len);
   if (st == ST_OK && (e->pending || n > e->wave)) {
     mlxs_say(err, err_len, "%s",
@@ -141,7 +141,7 @@ int mlxs_finish(Engine *e, int32_t *status, int64_t *counters, char *err, int er
   mlxs_say(err, err_len, "%s", e ? "" : "no engine");
   if (!e) return ST_ARGS;
   pthread_mutex_lock(&e->call_lock);
-  mlxs_settle(e);
+  mlxs_join_started(e);
   int first = ST_OK;
   if (e->pending != 2 || !status) {
     mlxs_say(err, err_len, "no started read to finish");

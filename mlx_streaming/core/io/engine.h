@@ -105,7 +105,7 @@ int64_t mlxs_now_ns(void);
 __attribute__((format(printf, 3, 4))) int mlxs_say(char *err, int err_len, const char *fmt, ...);
 /* A started read still on the workers: wait for it and hold its outcome for mlxs_finish
  * (under call_lock). */
-void mlxs_settle(Engine *e);
+void mlxs_join_started(Engine *e);
 /* Run the wave's jobs on every worker and the calling thread; wait for all of them. */
 void mlxs_run_wave(Engine *e);
 /* Hand the wave's jobs to the workers only (mlxs_join waits for them). */

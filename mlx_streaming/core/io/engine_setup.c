@@ -147,7 +147,7 @@ int mlxs_layer(Engine *e, int pos, int fd, int64_t stride, int64_t record_bytes,
   mlxs_say(err, err_len, "%s", e ? "" : "no engine");
   if (!e) return -1;
   pthread_mutex_lock(&e->call_lock);
-  mlxs_settle(e); /* a started read may be reading the layer */
+  mlxs_join_started(e); /* a started read may be reading the layer */
   int rc = add_layer(e, pos, fd, stride, record_bytes, num_experts, capacity, n_parts, part_off,
                      part_bytes, part_dst, part_row, checksums, checked, err, err_len);
   pthread_mutex_unlock(&e->call_lock);
@@ -158,7 +158,7 @@ int mlxs_layer(Engine *e, int pos, int fd, int64_t stride, int64_t record_bytes,
 void mlxs_free(Engine *e) {
   if (!e) return;
   pthread_mutex_lock(&e->call_lock);
-  mlxs_settle(e); /* the workers finish what was started before they stop */
+  mlxs_join_started(e); /* the workers finish what was started before they stop */
   pthread_mutex_unlock(&e->call_lock);
   destroy(e);
 }

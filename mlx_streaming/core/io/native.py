@@ -74,7 +74,7 @@ class NativeReader:
         self.pos = {li: i for i, li in enumerate(sorted(pools))}
         stride = max(meta.layers[li].stride for li in pools)
         if cuda is not None:
-            self._staging = cuda.pinned(wave * stride)
+            self._staging = cuda.page_locked(wave * stride)
             self._streams = [cuda.new_stream() for _ in range(threads + 1)]
             copy, sync = cuda.function("cudaMemcpyAsync"), cuda.function("cudaStreamSynchronize")
         else:

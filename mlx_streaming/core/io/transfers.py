@@ -2,14 +2,14 @@
 
 MLX's own read of a small array (``mx.eval`` then ``np.array``) touches MLX's managed
 buffer from the host, which migrates its page: ~130 µs on an H200 for six ids, once per
-MoE layer call. ``MappedTransfers.start`` instead launches, with the routing, a one-thread
+MoE layer call. ``IdTransfers.start`` instead launches, with the routing, a one-thread
 kernel that writes the ids into page-locked host memory mapped into the device; once its
 output is evaluated the host reads them there (~46 µs). A second channel brings a
 read-ahead predictor's guess along with the routing.
 
 The other way, ``mx.array(ids)`` of a few host ids (the slots a call runs) may take a
 cached device buffer, which MLX first moves to managed memory (``cudaMallocManaged`` and
-a blocking copy, MLX 0.32 ``CudaAllocator::malloc_async``). ``MappedTransfers.to_device``
+a blocking copy, MLX 0.32 ``CudaAllocator::malloc_async``). ``IdTransfers.to_device``
 writes the ids into a ring of mapped host buffers and a one-thread kernel copies them
 into a device array. The values are the same integers either way; a check at start-up
 compares both transfers with MLX's own and keeps MLX's where they differ.
@@ -36,7 +36,7 @@ _SOURCE = """
 """
 
 
-class MappedTransfers:
+class IdTransfers:
     """Small id arrays between host and device through CUDA mapped memory: a routing
     read on the host (``start``, then ``read``), slot ids sent to the device
     (``to_device``)."""
@@ -111,15 +111,15 @@ class MappedTransfers:
         return out
 
 
-def mapped_transfers() -> MappedTransfers | None:
-    """A ``MappedTransfers`` whose transfers of test arrays equal MLX's own, or None (no
+def id_transfers() -> IdTransfers | None:
+    """A ``IdTransfers`` whose transfers of test arrays equal MLX's own, or None (no
     CUDA runtime, no kernel compiler, or a different result)."""
     from . import cuda
 
     if not cuda.available() or not hasattr(mx.fast, "cuda_kernel"):
         return None
     try:
-        r = MappedTransfers()
+        r = IdTransfers()
         for ids in (
             mx.array([[5, 0, 63, 7, 2, 41]], mx.uint32),
             mx.arange(MAX_IDS, dtype=mx.int32),

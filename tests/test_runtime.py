@@ -1,0 +1,75 @@
+"""``runtime.resolve``: every choice left to the backend made once, with its reason; a
+choice forced where it cannot run is refused, saying why and what to do."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_streaming.core.meta import load_meta
+from mlx_streaming.core.options import StreamConfig
+from mlx_streaming.core.runtime import RuntimeChoiceError, resolve
+
+BIG = (1 << 40, 1 << 40)
+
+
+@pytest.fixture(scope="module")
+def meta(models):
+    return load_meta(models.experts("tiny-qwen3_moe")[1])
+
+
+def cuda(cfg: StreamConfig, meta, memory=BIG, engine=True):
+    return resolve(cfg, meta, backend="cuda", memory=memory, cuda_available=True,
+                   engine_available=engine)  # fmt: skip
+
+
+def test_cuda_maps_the_files_that_fit_and_says_why(meta):
+    rt = cuda(StreamConfig(), meta)
+    assert (rt.mapped, rt.reader, rt.decode_path) == (True, "device", "device")
+    assert "fit in half" in rt.reason("decode_path")
+    assert "device path (expert files" in rt.line()
+    small = cuda(StreamConfig(), meta, memory=(1 << 20, 1 << 20))  # too little memory
+    assert (small.mapped, small.reader, small.decode_path) == (False, "native", "host")
+    assert "do not fit in half" in small.reason("decode_path")
+    ahead = cuda(StreamConfig(prefetch=True), meta)
+    assert ahead.decode_path == "host" and ahead.reason("decode_path") == "read-ahead is on"
+    direct = cuda(StreamConfig(direct_io=True), meta)
+    assert not direct.mapped and direct.reader == "native"
+    off = cuda(StreamConfig(device_reads=False), meta)
+    assert (off.reader, off.decode_path) == ("device", "host")
+
+
+@pytest.mark.parametrize(
+    "backend,cfg,match",
+    [
+        ("cpu", StreamConfig(device_reads=True), "device_reads: the GPU copies misses"),
+        ("cpu", StreamConfig(map_files=True), "map_files lets the GPU copy records"),
+        ("cpu", StreamConfig(pool_mode="cuda"), "needs MLX's CUDA backend"),
+        ("cuda", StreamConfig(pool_mode="host"), "MLX's CUDA kernels do not read"),
+        ("cuda", StreamConfig(reader="python", map_files=False), "reads into host slots only"),
+        ("cuda", StreamConfig(reader="native"), "the GPU copies each record itself"),
+        ("cuda", StreamConfig(device_reads=True, prefetch=True), "exclude each other"),
+        ("cuda", StreamConfig(device_reads=True, map_files=False), "device_reads: the GPU"),
+        ("cuda", StreamConfig(map_files=True, direct_io=True), "exclude each other"),
+        ("cpu", StreamConfig(rows="masked", zero_slot=False), "points skipped rows at a zero"),
+    ],
+)
+def test_a_forced_choice_that_cannot_run_is_refused(meta, backend, cfg, match):
+    with pytest.raises(RuntimeChoiceError, match=match):
+        resolve(cfg, meta, backend=backend, memory=BIG, cuda_available=True,
+                engine_available=True)  # fmt: skip
+
+
+def test_without_the_engine(meta):
+    """The CPU falls back to the Python reader, saying why; asked for, or on CUDA without
+    mappings, the engine's absence is an error."""
+    rt = resolve(StreamConfig(), meta, backend="cpu", engine_available=False)
+    assert rt.reader == "python" and "not installed" in rt.reason("reader")
+    with pytest.raises(RuntimeChoiceError, match="not installed"):
+        resolve(StreamConfig(reader="native"), meta, backend="cpu", engine_available=False)
+    with pytest.raises(RuntimeChoiceError, match="not installed"):
+        cuda(StreamConfig(map_files=False), meta, engine=False)
+
+
+def test_cuda_without_its_runtime_is_refused(meta):
+    with pytest.raises(RuntimeChoiceError, match="libcudart"):
+        resolve(StreamConfig(), meta, backend="cuda", memory=BIG, cuda_available=False)
