@@ -40,6 +40,11 @@ def parser(
     if preset is not None:
         p.add_argument("--preset", default=preset, help="synthetic checkpoint preset")
         p.add_argument("--num-layers", type=int, help="override the preset's layer count")
+        p.add_argument(
+            "--checkpoint",
+            help="an MLX model directory to measure instead of a preset (e.g. the trained "
+            "checkpoints/tiny-stdlib-moe, with --trace none)",
+        )
     p.add_argument("--workdir", default=workdir, help="checkpoints and expert directories")
     if trace:
         p.add_argument("--trace", default=str(TRACE), help="routing trace to replay, or none")
@@ -54,6 +59,10 @@ def build(a, **make_kw):
     from mlx_streaming.synthetic import make_checkpoint
 
     root = Path(a.workdir)
+    if getattr(a, "checkpoint", None):
+        ck = Path(a.checkpoint)
+        ed = root / f"{ck.name}-experts"
+        return ck, ed, ensure_split(ck, ed)
     tag = a.preset + (f"-{a.num_layers}l" if getattr(a, "num_layers", None) else "")
     tag += "".join(f"-{k}{v}" for k, v in sorted(make_kw.items()))
     ck = make_checkpoint(root / tag, a.preset, num_layers=getattr(a, "num_layers", None), **make_kw)

@@ -264,7 +264,7 @@ def main():
         a,
         "speed",
         {
-            "preset": a.preset,
+            "preset": None if a.checkpoint else a.preset,
             "num_layers": a.num_layers,
             "checkpoint": str(ck),
             "expert_mb": round(meta.expert_bytes() / 1e6, 3),

@@ -173,7 +173,7 @@ def test_resident_layers_count_hits_as_they_go(models):
     """Calls of several tokens to a layer holding every expert count their distinct
     experts on the device; those counts are folded in as they pile up, never held
     without bound until the stats are read (they once were: one lazy array a call)."""
-    from mlx_streaming.core.cache.stats import PENDING
+    from mlx_streaming.core.cache.counts import PENDING
 
     _, ed = models.experts("tiny-qwen3_moe")
     meta = load_meta(ed)
@@ -189,6 +189,6 @@ def test_resident_layers_count_hits_as_they_go(models):
         call = store.request(li, mx.array(ids.astype(np.uint32)))
         assert call.path == "resident"
         want += len(np.unique(ids))
-        assert store.counts.pending < PENDING
+        assert store.counts.uncollected < PENDING
     assert store.hits == want and store.misses == 0
     store.close()

@@ -111,3 +111,26 @@ def test_no_private_reach_through():
     hits = [line for line in r.stdout.splitlines() if "SLF001" in line]
     allowed = [h for h in hits if "`_resident`" in h and "bench/" in h]
     assert hits == allowed, "\n".join(hits)
+
+
+# Within the expert cache, the order a layer call runs down (a module imports only
+# those after it): no call runs back up, no part is wired to one above it.
+CACHE_ORDER = [
+    "expert_store", "counts", "host_path", "device_path", "loads", "readers", "device_plan",
+    "calls", "slots", "pool", "recording", "policy", "scored", "native_policy",
+    "base_policy", "stats",
+]  # fmt: skip
+
+
+def test_the_expert_cache_calls_only_down():
+    rank = {m: i for i, m in enumerate(CACHE_ORDER)}
+    found = {f.stem for f in (PKG / "core" / "cache").glob("*.py") if f.stem != "__init__"}
+    assert found == set(CACHE_ORDER), (
+        f"place new modules in CACHE_ORDER: {found ^ set(CACHE_ORDER)}"
+    )
+    for f in (PKG / "core" / "cache").glob("*.py"):
+        if f.stem == "__init__":
+            continue
+        for target in _imports(f, ("core", "cache", f.stem)):
+            if target[:2] == ("core", "cache") and len(target) > 2:
+                assert rank[target[2]] > rank[f.stem], f"{f.stem} imports {target[2]}, above it"

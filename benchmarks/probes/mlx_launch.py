@@ -52,7 +52,7 @@ def _mapped_read(repeat: int) -> dict:
 
     if not cuda.available():
         return {}
-    host, dev = cuda.mapped(64)
+    host, dev = cuda.shared_host(64)
     kernel = mx.fast.cuda_kernel(
         name="mlxs_probe_routing_out",
         input_names=["ids", "dst"],

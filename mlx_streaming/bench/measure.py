@@ -74,7 +74,7 @@ def measure_read_gbps(
     if cold:
         drop_page_cache([meta.file(li) for li in layers])
     if engine:
-        return _engine_read_gbps(meta, threads, records, rng, cold)
+        return _engine_read_gbps(meta, threads, records, rng, cold, direct)
     reader = RecordReader(threads=threads, direct=direct)
     try:
         picks: dict[int, list[int]] = {}
@@ -106,13 +106,15 @@ class _HostRows:
         return [(r.ctypes.data, r.shape[1]) for r in self.rows]
 
 
-def _engine_read_gbps(meta, threads: int, records: int, rng, cold: bool) -> float:
+def _engine_read_gbps(meta, threads: int, records: int, rng, cold: bool, direct: bool) -> float:
     from ..core.io.native import NativeReader
 
     li = sorted(meta.layers)[0]
     lay = meta.layers[li]
     n = min(records, lay.num_experts)
-    reader = NativeReader(meta, {li: _HostRows(lay, n)}, threads=threads, checksums=False)
+    reader = NativeReader(
+        meta, {li: _HostRows(lay, n)}, threads=threads, direct=direct, checksums=False
+    )
     try:
         ids = rng.choice(lay.num_experts, n, replace=False)
         for _ in range(1 if cold else 2):  # warm: the timed pass is the second

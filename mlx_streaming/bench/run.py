@@ -279,8 +279,9 @@ def _run(cfg: BenchConfig, group=None, loaded=None) -> dict:
         out["decode_ratio_vs_stock"] = round(
             out["decode_tok_per_s"] / out["stock_decode_tok_per_s"], 4
         )
+    rt = store.runtime  # the store's own reader, threads and direct reads
     gbps = cfg.read_gbps or measure_read_gbps(
-        meta, cfg.stream.threads or 4, cfg.stream.direct_io, cold=cfg.cold
+        meta, rt.threads, rt.direct_io, cold=cfg.cold, engine=rt.reader != "python"
     )
     out["storage_gbps"] = round(gbps, 3)
     t_compute = (

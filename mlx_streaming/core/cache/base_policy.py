@@ -16,7 +16,6 @@ class Policy:
 
     def __init__(self, num_experts: int = 0, capacity: int | None = None):
         self.num_experts = num_experts
-        self.c = capacity or max(1, num_experts // 2)
         self._pinned = np.zeros(num_experts, np.uint8)
 
     def access(self, experts: Iterable[int]) -> None:

@@ -161,7 +161,7 @@ class DevicePath:
         c.stats.calls += 1
         return out
 
-    def finish(self, call: LayerCall, y: mx.array) -> mx.array:
+    def hold(self, call: LayerCall, y: mx.array) -> mx.array:
         """Complete a device-path call: keep its output, evaluated before the host takes
         the table back (then the layer's kernels have run and its slots are read: each
         decode step's output depends on the one before)."""
@@ -189,7 +189,7 @@ class DevicePath:
         policy, once the device is done with them; its counters go to the stats."""
         if layer not in self.on_device:
             return
-        self._run_output(layer)
+        self._evaluate_output(layer)
         self._copy(layer, cuda.D2H)
         host, c = self._host[layer], self.caches[layer]
         for name, a in c.policy.state.items():
@@ -203,13 +203,13 @@ class DevicePath:
     def collect_counters(self) -> None:
         """Bring every layer's counters to the stats (tables stay on the device)."""
         for li in sorted(self.on_device):
-            self._run_output(li)
+            self._evaluate_output(li)
             ctr = np.zeros(N_COUNTERS, np.int64)
             src = self._addr + self._off[li]["counters"]
             cuda.copy_now(ctr.ctypes.data, src, ctr.nbytes, cuda.D2H)
             self._count(li, ctr)
 
-    def _run_output(self, layer: int) -> None:
+    def _evaluate_output(self, layer: int) -> None:
         out = self._outputs.pop(layer, None)
         if out is not None:
             mx.eval(out)  # the layer's kernels have run and no queued matmul reads its slots

@@ -25,6 +25,7 @@ from ..meta import load_meta
 from ..options import StreamConfig
 from ..runtime import Runtime, resolve
 from .calls import LayerCall
+from .counts import HitCounts, ResidentSet
 from .device_path import DevicePath
 from .host_path import HostPath
 from .loads import Loader
@@ -33,7 +34,7 @@ from .pool import LayerPool, capacities, default_slots, make_pools
 from .readers import make_reader
 from .recording import RoutingCounts
 from .slots import SlotCache
-from .stats import HitCounts, LayerStats, ResidentSet, Timeline, stat_names, summarize
+from .stats import LayerStats, Timeline, stat_names, summarize
 
 
 class FileExpertStore:
@@ -45,24 +46,21 @@ class FileExpertStore:
         capacity: Slots per MoE layer, clipped to the layer's expert count (the seed's
             name for ``StreamConfig.slots``; default: half the experts, at least top-k).
         layer_caps: ``{layer: slots}`` overriding ``capacity`` for some layers.
-        config: The streaming options (``StreamConfig``); the store reads ``policy``,
-            ``threads``, ``reader``, ``direct_io``, ``device_reads`` (and ``prefetch``,
-            which turns its default off), ``checksums``, ``pool_mode``,
-            ``zero_slot``, ``record`` and ``clear_on_evict``.
+        config: The streaming options (``StreamConfig``), resolved once into the
+            store's ``runtime`` (``runtime.resolve``: pools, reader, mapping, decode
+            path...); the store also reads ``record`` and ``clear_on_evict``.
+        runtime: An already resolved ``Runtime`` (``load`` passes the one it printed).
         **options: Overrides of ``config``'s fields (e.g. ``policy="lru"``; the seed
             passes ``clear_on_evict`` and ``record``).
 
     ``clear_on_evict``: after a call that evicted experts, release MLX's buffer cache.
-    ``record``: count how often each expert is routed to (for ``hot``). ``checksums``: check
-    each record's checksum the first time the store reads it (a corrupt file is caught on
-    first use; later reads of a checked record skip the hash, which costs about as much
-    as a read from the page cache). ``zero_slot``: give each pool with fewer slots than
-    its layer has experts an all-zero slot, which masked rows need (default: off the
-    CPU). ``reader``: None picks ``native`` for cuda pools when it is installed, else
-    ``python``; both read the slots the policy chose.
+    ``record``: count how often each expert is routed to (for ``hot``). Each record's
+    checksum is checked the first time the store reads it (``checksums``), so a corrupt
+    file is caught on first use.
 
     Raises:
         ExpertDirError: missing or invalid directory, or a capacity below top-k.
+        RuntimeChoiceError: an option forced where it cannot run (the message says why).
     """
 
     def __init__(
@@ -109,7 +107,7 @@ class FileExpertStore:
             why = f"the files could not be page-locked ({e})"
             rt = self.runtime = rt.replace(why=(*rt.why, ("decode_path", why)))
             self.reader = make_reader(rt, meta, self.pools)
-        self.lock = threading.RLock()  # the tables and policies, against the policy thread
+        self.lock = threading.RLock()  # the tables and policies, against other threads
         self.loads = Loader(
             meta, self.caches, self.pools, self.reader, self.stats, cfg.clear_on_evict, self.lock
         )
@@ -217,14 +215,16 @@ class FileExpertStore:
         if call.path == "host":
             return self.host.finish(call, y)
         if call.path == "device":
-            return self.device.finish(call, y)
+            return self.device.hold(call, y)
         return y
 
     def ids(self, slots: np.ndarray) -> mx.array:
         """Slot ids made on the host, as a device array (on CUDA through mapped memory,
         not a host-made MLX buffer, which MLX may first move to managed memory)."""
-        mapped = self.host.mapped
-        return mx.array(slots.astype(np.int32)) if mapped is None else mapped.to_device(slots)
+        transfers = self.host.transfers
+        if transfers is None:
+            return mx.array(slots.astype(np.int32))
+        return transfers.to_device(slots)
 
     # ------------------------------------------------------------ loading
     def prefetch(self, layer: int, experts, limit: int | None = None) -> int:

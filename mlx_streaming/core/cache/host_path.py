@@ -2,7 +2,7 @@
 the store's ``Loader``, the rows computed in steps.
 
 One host synchronisation per call reads the routing (on CUDA a decode step's through
-mapped memory, ``io.transfers``, as is a read-ahead predictor's guess); the layer's shared
+page-locked host memory the device reads, ``io.transfers``, as is a read-ahead predictor's guess); the layer's shared
 experts are launched after it, apart, and compute while the host plans. While the device
 computes the routing, the host applies the previous call's policy update. Then the
 misses start loading at once, while the expert graph is built (launched once they have
@@ -62,11 +62,11 @@ class HostPath:
         routing: RoutingCounts,
         observers: list[Callable],
         timeline: Timeline,
-        mapped: IdTransfers | None,
+        transfers: IdTransfers | None,
     ):
         self.caches, self.pools, self.stats, self.loads = caches, pools, stats, loads
         self.routing, self.observers, self.timeline = routing, observers, timeline
-        self.mapped = mapped  # cuda pools: a decode step's routing read through mapped memory
+        self.transfers = transfers  # cuda pools: a decode step's ids through shared memory
         self._previous: int | None = None  # the layer last served
 
     def call(
@@ -82,7 +82,7 @@ class HostPath:
         t0 = time.perf_counter()
         self.timeline.mark(layer, "request")
         cache, st = self.caches[layer], self.stats[layer]
-        mapped = self.mapped
+        mapped = self.transfers
         done = mapped.start(indices) if mapped is not None else None
         guess = mapped.start(also, 1) if mapped is not None and also is not None else None
         wanted = [indices if done is None else done]

@@ -35,16 +35,16 @@ class Outputs:
         self._lazy: dict[int, list[mx.array]] = {li: [] for li in layers}
 
     def track(self, layer: int, y: mx.array) -> None:
-        if y.nbytes > TRACK_EVAL_BYTES:  # a long prompt's output: run it now rather
+        if y.nbytes > TRACK_EVAL_BYTES:  # a long prompt's output: evaluate it now rather
             mx.eval(y)  # than hold its buffer until the pool is next written
             return
         lazy = self._lazy[layer]
         lazy.append(y)
-        if len(lazy) > 8:  # calls that wrote nothing: run the older ones
+        if len(lazy) > 8:  # calls that wrote nothing: evaluate the older ones
             mx.eval(lazy[:-1])
             del lazy[:-1]
 
-    def run(self, layer: int) -> None:
+    def evaluate(self, layer: int) -> None:
         """Evaluate the outputs still reading ``layer``'s pool."""
         if self._lazy[layer]:
             mx.eval(self._lazy[layer])  # already evaluated in the usual flow: free
@@ -178,7 +178,7 @@ class Loader:
         """Start the reads of ``placed`` ((expert, slot, victim) reservations)."""
         if not placed:
             return Ticket(self, layer, experts, misses, placed, Done(0), prefetch)
-        self.outputs.run(layer)  # nothing queued still reads the slots written now
+        self.outputs.evaluate(layer)  # nothing queued still reads the slots written now
         t0 = time.perf_counter()
         try:
             fut = self.reader.start(

@@ -65,7 +65,7 @@ class LayerPool:
                 self._rows[p.name] = _host_view(base)
             self.arrays[p.name] = arr
         self._lut_dev, self._lut_stale = 0, False
-        if self.mode == "cuda":  # a pinned host copy, copied over after each change
+        if self.mode == "cuda":  # a page-locked host copy, copied over after each change
             self.lut = mx.zeros((layout.num_experts,), dtype=mx.int32)
             mx.eval(self.lut)
             self._lut_dev = device_address(self.lut)
@@ -83,7 +83,6 @@ class LayerPool:
         self._arange = np.arange(layout.num_experts, dtype=np.int32)
         self.identity = False  # lut[e] == e for every expert (set_lut keeps it)
         self._bufs = None
-        self.writes = 0  # experts written into slots
 
     @property
     def nbytes(self) -> int:
@@ -144,7 +143,6 @@ class LayerPool:
         )
         if self.mode == "cuda":  # copied over when the device next needs it
             self._lut_stale = True
-        self.writes += len(e)
 
 
 _ADDRESS = []  # the address kernel, built on first use

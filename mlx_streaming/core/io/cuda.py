@@ -1,13 +1,12 @@
-"""Host-to-device copies into MLX's CUDA memory, off the main thread.
+"""The CUDA runtime through ctypes: page-locked host memory, copies into MLX's CUDA
+memory, and page-locked file mappings the device reads.
 
-Pools are plain device memory (see ``cache.pool``); records are read into page-locked
-(pinned) host buffers and copied with ``cudaMemcpyAsync`` on a non-blocking stream per
-thread, at PCIe speed, with the GIL released (ctypes drops it around foreign calls; the
-native engine calls the same functions directly). MLX never sees these copies: the store
-only marks a slot resident after its copy has been synchronized.
-
-Everything here is optional: ``available()`` is False without a CUDA runtime, and the
-store then writes slots with MLX operations instead.
+Pools are plain device memory (see ``cache.pool``); the native reader's records land in
+page-locked host buffers and are copied with ``cudaMemcpyAsync`` on a non-blocking stream
+per thread, at PCIe speed, with the GIL released (the engine calls the same functions
+directly). MLX never sees these copies: the store marks a slot resident only after its
+copy has been synchronized. ``available()`` is False without a CUDA runtime (then
+``runtime.resolve`` refuses cuda pools, saying so).
 """
 
 from __future__ import annotations
@@ -119,7 +118,7 @@ def page_locked(nbytes: int):
     return arr
 
 
-def mapped(nbytes: int):
+def shared_host(nbytes: int):
     """Page-locked host memory mapped into the device's address space
     (``cudaHostAllocMapped``): ``(uint8 host array, device address)``. Kernels read and
     write it over the bus; host writes become visible to a running kernel."""

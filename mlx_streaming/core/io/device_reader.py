@@ -92,7 +92,6 @@ class DeviceReader:
         except BaseException:
             self.maps.close()
             raise
-        self.bytes_filled = 0
 
     @property
     def mapped_bytes(self) -> int:

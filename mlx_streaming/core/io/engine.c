@@ -100,7 +100,7 @@ void mlxs_join_started(Engine *e) {
 }
 
 /* Start reading at most one wave of records on the workers and return at once; the caller
- * computes meanwhile and collects the outcome with mlxs_finish (which must come before the
+ * computes meanwhile and takes the outcome with mlxs_finish (which must come before the
  * next mlxs_start). With ``now`` (a caller that would wait at once), or without workers, the
  * wave is read before returning, on this thread too (alone for a single piece, as waking the
  * workers costs more). Returns ST_OK or ST_ARGS (``err`` says why). */

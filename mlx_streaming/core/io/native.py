@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import threading
 
 import numpy as np
@@ -114,7 +115,11 @@ class NativeReader:
         lay = self.meta.layers[li]
         flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
         fd = os.open(self.meta.file(li), flags)
-        self._fds.append(fd)
+        self._fds.append(fd)  # closed by close(), whatever happens next
+        if direct and sys.platform == "darwin":  # macOS has no O_DIRECT: F_NOCACHE
+            import fcntl
+
+            fcntl.fcntl(fd, fcntl.F_NOCACHE, 1)
         rows = pool.row_pointers()
         dst = (ctypes.c_void_p * len(rows))(*[a for a, _ in rows])
         arrays = [
@@ -152,7 +157,7 @@ class NativeReader:
         s = np.ascontiguousarray(slots, np.int32)
         pos, w = self.pos[layer], self._wave
         with self._lock:
-            self._collect()
+            self._wait_started()
             if len(e) > w:  # what no one wave's check sees (the engine checks the rest)
                 self._check_waves(layer, e, s)
             calls = 0
@@ -227,7 +232,7 @@ class NativeReader:
         )
         return self._outcome(rc, layer, e, st)
 
-    def _collect(self) -> None:
+    def _wait_started(self) -> None:
         """Finish the started read not yet finished, if any, into its ``Started`` (under
         the lock)."""
         t, self._pending = self._pending, None
@@ -237,11 +242,11 @@ class NativeReader:
             except Exception as e:  # noqa: BLE001 - raised again on each result()
                 t.outcome = e
 
-    def collect(self) -> None:
+    def wait_started(self) -> None:
         """Finish the started read, if one is not yet finished (its ``Started`` keeps
         the outcome)."""
         with self._lock:
-            self._collect()
+            self._wait_started()
 
     def idle(self) -> bool:
         """Whether no started read is still on the engine's threads."""
@@ -286,7 +291,7 @@ class NativeReader:
         """Finish a started read (its ``result()`` keeps the outcome), stop the threads
         and close the files (idempotent)."""
         with self._lock:
-            self._collect()
+            self._wait_started()
             if self.handle:
                 self.lib.mlxs_free(self.handle)
                 self.handle = None
@@ -310,7 +315,7 @@ class Started:
     def result(self) -> int:
         """The bytes read; raises the read's error (the same one on every call)."""
         if self.outcome is None:
-            self.reader.collect()  # this read: every other one was collected
+            self.reader.wait_started()  # this read: every other one was collected
         if isinstance(self.outcome, BaseException):
             raise self.outcome
         return self.outcome

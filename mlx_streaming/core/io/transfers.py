@@ -45,7 +45,7 @@ class IdTransfers:
         from . import cuda
 
         # CHANNELS host buffers of MAX_IDS ids: the routing, and a predictor's guess
-        self._host, dev = cuda.mapped(4 * MAX_IDS * CHANNELS)
+        self._host, dev = cuda.shared_host(4 * MAX_IDS * CHANNELS)
         self._host = self._host.reshape(CHANNELS, 4 * MAX_IDS)
         self._addr = [
             mx.array(np.array([dev + 4 * MAX_IDS * c], np.uint64)) for c in range(CHANNELS)
@@ -58,7 +58,7 @@ class IdTransfers:
             source=_SOURCE,
         )
         # to_device: RING buffers of MAX_IDS ids, each with its address as a device array
-        self._ring, ring_dev = cuda.mapped(4 * MAX_IDS * RING)
+        self._ring, ring_dev = cuda.shared_host(4 * MAX_IDS * RING)
         self._ring = self._ring.view(np.int32).reshape(RING, MAX_IDS)
         self._ring_addr = [
             mx.array(np.array([ring_dev + 4 * MAX_IDS * i], np.uint64)) for i in range(RING)

@@ -21,7 +21,7 @@ import numpy as np
 from ..cache.expert_store import FileExpertStore
 from ..cache.host_path import launched
 from ..discovery import find_expert_sites, projections
-from ..dispatch import KernelParityError, PoolQuantizedSwitchLinear, PoolSwitchLinear, backend
+from ..dispatch import KernelParityError, PoolQuantizedSwitchLinear, PoolSwitchLinear
 from ..format import LayerLayout, mx_dtype_name
 from ..options import StreamConfig
 from ..runtime import resolve
@@ -235,7 +235,7 @@ def patch_model_filebacked(
         if pred == "router":
             pred = RouterPredictor([s.router for s in sites], store.top_k)
         prefetcher = Prefetcher(store, [s.layer for s in sites], pred)
-    device = backend()
+    device = rt.backend
     rows = rt.rows
     if rt.kernel_check:
         try:
