@@ -66,6 +66,19 @@ def main():
         help="also run streamed alone at this residency with MLX's memory "
         "limited to trunk + pool + 1 GB",
     )
+    p.add_argument(
+        "--beyond-ram",
+        choices=["direct", "memlimit", "both"],
+        help="larger than RAM (benchmarks/beyond_ram.py): stock first, then cold streamed "
+        "runs with the experts kept out of RAM by O_DIRECT, a memory cgroup, or both",
+    )
+    p.add_argument(
+        "--memory-limit-gb",
+        type=float,
+        default=0.0,
+        help="with --beyond-ram memlimit: the cgroup's limit (trunk, pools and the page "
+        "cache it leaves)",
+    )
     add_store_args(p, sizes=False)  # the package's own streaming flags
     p.add_argument("--timeline", help="write one decode step's host timeline (JSON) here")
     p.add_argument("--profile", help="write a cProfile of one streamed decode run here")
@@ -93,10 +106,26 @@ def main():
     trace, start = routing_trace(a)
     files = [meta.file(li) for li in meta.layers]
     log(f"built/split in {time.perf_counter() - t0:.0f}s")
+
+    def prompt_ids(tokenizer):
+        ids = tokenizer.encode(PROMPT)
+        if a.prompt_tokens:
+            ids = (ids * (a.prompt_tokens // len(ids) + 1))[: a.prompt_tokens]
+        return ids
+
+    if a.beyond_ram:
+        import beyond_ram
+
+        if a.beyond_ram != "direct" and not a.memory_limit_gb:
+            p.error("--beyond-ram memlimit needs --memory-limit-gb")
+        res = beyond_ram.run(a, ck, ed, meta, trace, start, stream_config(a), prompt_ids)
+        extra = {"preset": None if a.checkpoint else a.preset, "checkpoint": str(ck),
+                 "expert_mb": round(meta.expert_bytes() / 1e6, 3), "trace": a.trace,
+                 "trace_start": start, "tokens": a.tokens, "repeat": a.repeat}  # fmt: skip
+        finish(a, "speed-beyond-ram", {**extra, **res}, t0)
+        return
     ref, tok, ref_routing = stock(ck, trace, start)
-    ids = tok.encode(PROMPT)
-    if a.prompt_tokens:
-        ids = (ids * (a.prompt_tokens // len(ids) + 1))[: a.prompt_tokens]
+    ids = prompt_ids(tok)
     cfg = stream_config(
         a,
         predictor=TransitionPredictor.from_trace(trace.split(0.5)[0], meta.top_k)
@@ -110,7 +139,9 @@ def main():
     h2d = measure_h2d_gbps()  # on a GPU the copy bounds the read path too
     native = runtime.reader == "native"
     read = {
-        t: measure_read_gbps(meta, runtime.threads, False, cold=t == "cold", engine=native)
+        t: measure_read_gbps(
+            meta, runtime.threads, runtime.direct_io, cold=t == "cold", engine=native
+        )
         for t in ("warm", "cold")
     }
     gbps = {t: min(v, h2d or v) for t, v in read.items()}

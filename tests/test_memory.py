@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -124,3 +125,49 @@ def test_auto_budget_from_this_machine(model, capsys):
     store.close()
     with pytest.raises(ValueError, match="budget_gb must be a number of GB or 'auto'"):
         mlx_streaming.StreamConfig(budget_gb="lots")
+
+
+LIMIT_CHILD = """
+import os, sys
+from mlx_streaming.bench.measure import drop_page_cache, enter_memory_limit
+from mlx_streaming.core.mem import cgroup_memory, machine_memory
+try:
+    group = enter_memory_limit(256 << 20, "mlxs-test")
+except OSError as e:
+    print("NO CGROUP", e)
+    sys.exit(0)
+path = sys.argv[1]
+drop_page_cache([path])
+with open(path, "rb") as f:
+    while f.read(8 << 20):
+        pass
+limit, used, cache = cgroup_memory()
+print("LIMIT", limit, used, cache, machine_memory()[0])
+"""
+
+
+def test_a_memory_limit_keeps_the_page_cache_within_it(tmp_path):
+    """``enter_memory_limit`` (bench --memory-limit-gb, speed.py --beyond-ram memlimit):
+    reading a file larger than the limit leaves at most the limit charged, and the
+    process sees the limit as its machine's memory. Skipped without a writable memory
+    cgroup (it needs root)."""
+    path = tmp_path / "big.bin"
+    with open(path, "wb") as f:
+        for _ in range(48):
+            f.write(os.urandom(8 << 20))  # 384 MB
+    r = subprocess.run([sys.executable, "-c", LIMIT_CHILD, str(path)], capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    if r.stdout.startswith("NO CGROUP"):
+        pytest.skip(r.stdout.strip())
+    limit, used, cache, total = map(int, r.stdout.split("LIMIT")[1].split())
+    assert limit == 256 << 20 and used <= limit and 0 < cache <= limit and total == limit
+
+
+def test_bench_refuses_stock_within_a_memory_limit(models):
+    from mlx_streaming.bench.run import BenchConfig, run_bench
+
+    ck, ed = models.experts("tiny-qwen3_moe")
+    cfg = BenchConfig(model=str(ck), expert_dir=str(ed), memory_limit_gb=0.5, compare_stock=True)
+    with pytest.raises(ValueError, match="--compare-stock loads every expert"):
+        run_bench(cfg)

@@ -199,6 +199,24 @@ def test_plan_command_json(tmp_path, capsys):
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+def test_plan_splits_memory_between_pools_and_the_page_cache(tmp_path, capsys):
+    """``plan --memory-gb``: each split of the memory between pools and the page cache,
+    its hits per tier and predicted tok/s, best first; without the bounds, a clear error."""
+    from mlx_streaming.commands import plan as cmd
+
+    local_trace(T=400).save(tmp_path / "t.npz")
+    args = ["--trace", str(tmp_path / "t.npz"), "--expert-bytes", "4096", "--memory-gb",
+            "0.0004", "--tokens", "200"]  # fmt: skip
+    cmd.main([*args, "--t-compute-ms", "1", "--read-gbps", "0.001", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["predicted_tok_per_s"] == max(r["predicted_tok_per_s"] for r in rows)
+    for r in rows:
+        assert abs(r["pool_share"] + r["page_cache_share"] + r["disk_share"] - 1) < 1e-3
+        assert abs(r["pool_gb"] + r["page_cache_gb"] - 0.0004) < 1e-3
+    with pytest.raises(ValueError, match="--memory-gb needs a compute time"):
+        cmd.main(args)
+
+
 def test_profile_gives_diverse_layers_more_slots(models):
     from mlx_streaming.core.meta import load_meta
 
@@ -381,3 +399,26 @@ def test_complete_holds_until_the_table_changes():
     assert not cache.complete
     cache.lookup(np.array([2]))
     assert cache.complete and len(placed) == 3
+
+
+def test_the_page_cache_tier_beneath_the_pools():
+    """``simulate_tiers``: with no page cache (O_DIRECT) every pool miss is a disk read
+    and the pool's hits are the simulator's; with room for every record only the first
+    touch of each goes to the disk; more page cache never reads more from the disk."""
+    from mlx_streaming.planning.tiers import best_split, simulate_tiers
+
+    trace = local_trace()
+    plain = simulate(trace, "lru", 8)
+    none = simulate_tiers(trace, "lru", 8, 0, record_bytes=1000)
+    assert none.pool_hits == sum(plain.hits.values()) and none.page_cache_hits == 0
+    assert none.disk_reads == sum(plain.misses.values())
+    everything = simulate_tiers(trace, "lru", 8, 10**9, record_bytes=1000)
+    firsts = sum(len(np.unique(trace.experts[:, li])) for li in range(trace.layers))
+    assert everything.disk_reads == firsts
+    assert everything.page_cache_hits == none.disk_reads - firsts
+    reads = [simulate_tiers(trace, "lru", 8, c * 1000, 1000).disk_reads for c in (0, 8, 32, 96)]
+    assert reads == sorted(reads, reverse=True)
+    rows = best_split(trace, "lru", 3 * 32 * 1000, slot_bytes=1000, record_bytes=1000,
+                      top_k=4, t_compute=1e-3, mem_gbps=10, disk_gbps=0.001)  # fmt: skip
+    assert rows[0]["predicted_tok_per_s"] == max(r["predicted_tok_per_s"] for r in rows)
+    assert {r["slots"] for r in rows} >= {4, 32}

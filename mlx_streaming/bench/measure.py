@@ -37,6 +37,66 @@ def memory_limits(wired_gb: float | None, cache_gb: float | None):
             mx.set_cache_limit(old["cache"])
 
 
+def enter_memory_limit(limit_bytes: int, name: str = "mlx_streaming") -> str:
+    """Move this process into a new memory cgroup limited to ``limit_bytes`` (v2, else
+    v1), so that what it maps or reads, the page cache of the expert files included,
+    stays within it: a machine with less memory than the model. The group is removed at
+    exit. Returns its path.
+
+    Raises:
+        OSError: no writable memory cgroup here (it needs root); the message says what
+            to use instead.
+    """
+    import atexit
+    from pathlib import Path
+
+    pid = os.getpid()
+    tries = [
+        (Path("/sys/fs/cgroup"), "memory.max", "cgroup.procs"),
+        (Path("/sys/fs/cgroup/unified"), "memory.max", "cgroup.procs"),
+        (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", "cgroup.procs"),
+    ]
+    errors = []
+    for root, limit_file, procs in tries:
+        if not (root / procs).exists() or (limit_file == "memory.max" and "memory" not in
+                                          _read(root / "cgroup.controllers")):  # fmt: skip
+            continue
+        group = root / f"{name}-{pid}"
+        try:
+            if limit_file == "memory.max" and "memory" not in _read(
+                root / "cgroup.subtree_control"
+            ):
+                (root / "cgroup.subtree_control").write_text("+memory")
+            group.mkdir(exist_ok=True)
+            (group / limit_file).write_text(str(int(limit_bytes)))
+            (group / procs).write_text(str(pid))
+        except OSError as e:
+            errors.append(f"{group}: {e}")
+            continue
+
+        def leave(root=root, group=group, procs=procs):
+            try:
+                (root / procs).write_text(str(os.getpid()))
+                group.rmdir()
+            except OSError:
+                pass
+
+        atexit.register(leave)
+        return str(group)
+    raise OSError(
+        "a memory limit needs a writable memory cgroup (root, cgroup v1 or v2): "
+        + ("; ".join(errors) or "none found")
+        + "; keep the experts out of RAM with --direct-io instead"
+    )
+
+
+def _read(path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
 def drop_page_cache(paths) -> None:
     """Evict files from the OS page cache (POSIX_FADV_DONTNEED; no root needed).
 

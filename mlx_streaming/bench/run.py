@@ -21,7 +21,13 @@ from .. import config
 from ..core import mem
 from ..core.options import StreamConfig
 from ..model_builder import load
-from .measure import bounds, drop_page_cache, measure_read_gbps, memory_limits
+from .measure import (
+    bounds,
+    drop_page_cache,
+    enter_memory_limit,
+    measure_read_gbps,
+    memory_limits,
+)
 from .summary import summarize
 
 DEFAULT_PROMPT = "用三句话解释什么是混合专家模型。"
@@ -49,6 +55,7 @@ class BenchConfig:
     trace_start: int | None = None  # default: the trace's held-out half
     record_trace: str | None = None
     cold: bool = False  # evict the expert files from the page cache before each timed run
+    memory_limit_gb: float | None = None  # run within a memory cgroup this size
     compare_stock: bool = False
     t_compute_ms: float | None = None  # resident time per token, for the bound
     read_gbps: float | None = None  # storage bandwidth for the bound (default: measured)
@@ -180,6 +187,14 @@ def run_bench(cfg: BenchConfig, group=None, watch=None) -> dict:
     """
     if cfg.cold and not hasattr(os, "posix_fadvise"):
         drop_page_cache([])  # raises the clear error before anything is loaded
+    if cfg.memory_limit_gb and cfg.compare_stock:
+        raise ValueError(
+            "--compare-stock loads every expert, which a memory limit smaller than the model "
+            "cannot hold: give the bound --t-compute-ms (stock's time per token, measured "
+            "without the limit), or run benchmarks/speed.py --beyond-ram"
+        )
+    if cfg.memory_limit_gb:
+        enter_memory_limit(int(cfg.memory_limit_gb * 1e9))
     if group is not None and cfg.compare_stock:
         raise ValueError(
             "--compare-stock loads the whole model in one process, which a pipeline "

@@ -84,6 +84,11 @@ def summarize(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, sam
             )
         },
         "prompt_tokens": len(ids),
+        # the prompt's time to the first token, median of the timed runs (cold with --cold)
+        "ttft_s": round(len(ids) / timed["prefill_tok_per_s"], 4)
+        if timed["prefill_tok_per_s"]
+        else None,
+        "memory_limit_gb": cfg.memory_limit_gb,
         "memory_sources": MEMORY_SOURCES,
         "rss_gb_after_patch": round(after_patch.rss_bytes / 1e9, 3),
         "rss_gb_after_gen": round(after_gen.rss_bytes / 1e9, 3),

@@ -88,6 +88,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="evict the expert files from the page cache before each timed run",
     )
     s.add_argument(
+        "--memory-limit-gb",
+        type=positive_float,
+        help="run within a memory cgroup of this size (needs root): larger than RAM, the "
+        "page cache holds only what the trunk and pools leave of it (with --direct-io, "
+        "none); not with --compare-stock",
+    )
+    s.add_argument(
         "--t-compute-ms",
         type=positive_float,
         help="resident time per token for the bound (default: stock's, with --compare-stock)",
@@ -120,6 +127,7 @@ CONFIG_FLAGS = (
     "trace_start",
     "record_trace",
     "cold",
+    "memory_limit_gb",
     "compare_stock",
     "t_compute_ms",
     "read_gbps",

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+import numpy as np
+
 from ..planning.budget import PoolShape
 from ..planning.planner import PlanRow, plan, resolve_policies
 from ..planning.trace import RoutingTrace
@@ -30,6 +32,19 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--budget-gb", type=positive_float, nargs="+")
     size.add_argument("--slots", type=positive_int, nargs="+")
+    size.add_argument(
+        "--memory-gb",
+        type=positive_float,
+        help="the memory left after the trunk, shared by the pools and the page cache: "
+        "each split's hits per tier (pool, page cache, disk) and predicted tok/s, best "
+        "first (needs a compute time and the disk's bandwidth, e.g. --bench)",
+    )
+    p.add_argument(
+        "--mem-gbps",
+        type=positive_float,
+        default=10.0,
+        help="with --memory-gb: the page cache's copy bandwidth (default 10)",
+    )
     p.add_argument(
         "--policy",
         default="auto",
@@ -109,6 +124,35 @@ def _shape(a, trace: RoutingTrace) -> PoolShape:
     )
 
 
+def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
+    """``--memory-gb``: the pools against the page cache (``planning.tiers``)."""
+    from ..planning.tiers import best_split
+
+    if t is None or b is None:
+        raise ValueError("--memory-gb needs a compute time and the disk's bandwidth: --bench, "
+                         "or --t-compute-ms and --read-gbps")  # fmt: skip
+    pol = next((p for p in resolve_policies(a.policy) if p != "belady"), "predictive")
+    pol = "predictive" if a.policy == "auto" else pol
+    L = min(len(shape.slot_bytes), trace.layers)
+    sample = a.layer_sample or L
+    layers = sorted({round(i * (L - 1) / max(1, sample - 1)) for i in range(min(sample, L))})
+    _, test = trace.split(0.5)
+    slot = int(np.mean(shape.slot_bytes[:L]))
+    rows = best_split(test, pol, int(a.memory_gb * 1e9), slot, slot, shape.top_k, t,
+                      a.mem_gbps, b, layers=layers, model_layers=len(shape.slot_bytes),
+                      tokens=a.tokens)  # fmt: skip
+    if a.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"policy {pol}; {a.memory_gb} GB for pools and page cache; best first")
+    print(f"{'slots':>5} {'pool GB':>8} {'cache GB':>9} {'pool':>6} {'cache':>6} {'disk':>6} "
+          f"{'disk MB/tok':>11} {'tok/s':>8}")  # fmt: skip
+    for r in rows:
+        print(f"{r['slots']:>5} {r['pool_gb']:>8.2f} {r['page_cache_gb']:>9.2f} "
+              f"{r['pool_share']:6.3f} {r['page_cache_share']:6.3f} {r['disk_share']:6.3f} "
+              f"{r['disk_mb_per_token']:>11.2f} {r['predicted_tok_per_s']:>8.2f}")  # fmt: skip
+
+
 def _bounds(a) -> tuple[float | None, float | None]:
     t, b = (a.t_compute_ms / 1e3 if a.t_compute_ms else None), a.read_gbps
     if a.bench:
@@ -145,11 +189,15 @@ def main(argv=None) -> None:
     a = setup_arg_parser().parse_args(argv)
     if a.machines_gb:
         return plan_hosts(a)
-    if not a.trace or not (a.budget_gb or a.slots):
-        raise ValueError("plan needs --trace and --budget-gb or --slots (or --machines-gb)")
+    if not a.trace or not (a.budget_gb or a.slots or a.memory_gb):
+        raise ValueError(
+            "plan needs --trace and --budget-gb, --slots or --memory-gb (or --machines-gb)"
+        )
     trace = RoutingTrace.load(a.trace)
     shape = _shape(a, trace)
     t, b = _bounds(a)
+    if a.memory_gb:
+        return plan_tiers(a, trace, shape, t, b)
     rows = plan(
         trace,
         shape,

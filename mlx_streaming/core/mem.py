@@ -140,12 +140,40 @@ def machine_memory() -> tuple[int, int]:
             k, v = line.split(":")
             info[k] = int(v.split()[0]) * 1024
     total, avail = info["MemTotal"], info.get("MemAvailable", info["MemFree"])
-    try:  # a cgroup (v2) limit: what the group may still take
-        cg = Path("/sys/fs/cgroup")
-        raw = (cg / "memory.max").read_text().strip()
-        if raw != "max":
-            used = int((cg / "memory.current").read_text())
-            total, avail = min(total, int(raw)), min(avail, max(0, int(raw) - used))
-    except (OSError, ValueError):
-        pass
+    limit = cgroup_memory()
+    if limit is not None:  # what the process's group may still take (its page cache
+        cap, used, cache = limit  # is reclaimable, so it counts as available)
+        total, avail = min(total, cap), min(avail, max(0, cap - used + cache))
     return total, avail
+
+
+def cgroup_memory() -> tuple[int, int, int] | None:
+    """``(limit, used, page cache)`` bytes of this process's memory cgroup (v2 or v1),
+    or None where it has no limit (or no cgroup can be read)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, ctrls, path = line.split(":", 2)
+        path = path.lstrip("/")
+        if ctrls == "":  # v2
+            names = ("memory.max", "memory.current", "file")
+            roots = [Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")]
+        elif "memory" in ctrls.split(","):  # v1
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")
+            roots = [Path("/sys/fs/cgroup/memory")]
+        else:
+            continue
+        for root in roots:
+            d = root / path
+            try:
+                raw = (d / names[0]).read_text().strip()
+                used = int((d / names[1]).read_text())
+                stat = dict(x.split() for x in (d / "memory.stat").read_text().splitlines())
+            except (OSError, ValueError):
+                continue
+            if raw == "max" or int(raw) >= 1 << 60:  # v1 writes "no limit" as ~2**63
+                continue
+            return int(raw), used, int(stat.get(names[2], 0))
+    return None

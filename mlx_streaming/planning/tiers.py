@@ -1,0 +1,142 @@
+"""Two tiers under the pools: where a pool miss is read from.
+
+A miss is read through the OS page cache unless the store reads with O_DIRECT: the RAM
+the pools, the trunk and the process leave free holds recently read records, and a miss
+found there costs a memory copy, not a disk read. ``simulate_tiers`` replays a trace
+through the store's own slot tables and policy (the pool tier) and, beneath them, a page
+cache of a given size holding whole records (an LRU over every layer's records, a model
+of Linux's active and inactive lists), and counts per token the pool hits, the misses the
+page cache serves and the misses read from the disk. Sampled layers share a page cache
+scaled to their share of the model's layers.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..core.cache.policy import make_policy
+from ..core.cache.slots import SlotCache
+from .simulate import layer_lookups
+from .trace import RoutingTrace
+
+
+@dataclass
+class TierResult:
+    tokens: int
+    pool_hits: int
+    page_cache_hits: int  # pool misses found in the page cache
+    disk_reads: int  # pool misses read from the disk
+    page_cache_bytes_per_token: float  # bytes copied from the page cache
+    disk_bytes_per_token: float  # bytes read from the disk
+
+    @property
+    def lookups(self) -> int:
+        return self.pool_hits + self.page_cache_hits + self.disk_reads
+
+    def shares(self) -> dict[str, float]:
+        n = max(1, self.lookups)
+        return {
+            "pool": self.pool_hits / n,
+            "page_cache": self.page_cache_hits / n,
+            "disk": self.disk_reads / n,
+        }
+
+    def time_per_token(self, t_compute: float, mem_gbps: float, disk_gbps: float,
+                       overlap: bool = True) -> float:  # fmt: skip
+        """Predicted seconds per token: compute and reads overlapped, or one after the
+        other."""
+        io = self.page_cache_bytes_per_token / (mem_gbps * 1e9) + self.disk_bytes_per_token / (
+            disk_gbps * 1e9
+        )
+        return max(t_compute, io) if overlap else t_compute + io
+
+
+def simulate_tiers(
+    trace: RoutingTrace,
+    policy: str,
+    slots: int,
+    page_cache_bytes: int,
+    record_bytes: int,
+    layers=None,
+    model_layers: int | None = None,
+    start: int = 0,
+    tokens: int | None = None,
+) -> TierResult:
+    """Pool hits, page-cache hits and disk reads of ``policy`` with ``slots`` per layer
+    over a page cache of ``page_cache_bytes`` (0: O_DIRECT, every miss from the disk), for
+    records of ``record_bytes`` (read whole, the stride). ``layers``: the trace layers to
+    replay (default all); ``model_layers``: the model's MoE layers (default the trace's),
+    whose page cache the sampled layers get their share of; the bytes per token are
+    scaled to every layer."""
+    layers = list(range(trace.layers)) if layers is None else list(layers)
+    model_layers = model_layers or trace.layers
+    E = trace.num_experts
+    capacity = int(page_cache_bytes * len(layers) / model_layers) // max(1, record_bytes)
+    seqs = {li: layer_lookups(trace, li, start, tokens) for li in layers}
+    caches = {li: SlotCache(E, slots, make_policy(policy, E, slots)) for li in layers}
+    page: OrderedDict[tuple[int, int], None] = OrderedDict()
+    hits = pc = disk = 0
+    T = min(len(s) for s in seqs.values())
+    for t in range(T):
+        for li in layers:
+            need = seqs[li][t]
+            placed = caches[li].lookup(need)
+            hits += len(need) - len(placed)
+            for e, _, _ in placed:
+                key = (li, int(e))
+                if key in page:
+                    page.move_to_end(key)
+                    pc += 1
+                    continue
+                disk += 1
+                if capacity:
+                    page[key] = None
+                    if len(page) > capacity:
+                        page.popitem(last=False)
+    scale = record_bytes * model_layers / len(layers) / max(1, T)
+    return TierResult(T, hits, pc, disk, pc * scale, disk * scale)
+
+
+def best_split(
+    trace: RoutingTrace,
+    policy: str,
+    memory_bytes: int,
+    slot_bytes: int,
+    record_bytes: int,
+    top_k: int,
+    t_compute: float,
+    mem_gbps: float,
+    disk_gbps: float,
+    layers=None,
+    model_layers: int | None = None,
+    tokens: int | None = 4000,
+    steps: int = 8,
+) -> list[dict]:
+    """The memory ``memory_bytes`` left after the trunk split between pools and the
+    page cache, ``steps`` ways from all pools downwards: each split's slots per layer,
+    page cache, hits per tier and predicted tok/s (overlap bound), best first."""
+    model_layers = model_layers or trace.layers
+    most = min(trace.num_experts, memory_bytes // (slot_bytes * model_layers))
+    if most < top_k:
+        raise ValueError(
+            f"{memory_bytes / 1e9:.2f} GB holds {most} slots per layer, below top_k={top_k}"
+        )
+    rows = []
+    for s in sorted({int(x) for x in np.linspace(top_k, most, steps)}, reverse=True):
+        cache = memory_bytes - s * slot_bytes * model_layers
+        r = simulate_tiers(trace, policy, s, cache, record_bytes, layers, model_layers,
+                           tokens=tokens)  # fmt: skip
+        t = r.time_per_token(t_compute, mem_gbps, disk_gbps)
+        rows.append({
+            "slots": s,
+            "pool_gb": round(s * slot_bytes * model_layers / 1e9, 3),
+            "page_cache_gb": round(cache / 1e9, 3),
+            **{f"{k}_share": round(v, 4) for k, v in r.shares().items()},
+            "disk_mb_per_token": round(r.disk_bytes_per_token / 1e6, 3),
+            "page_cache_mb_per_token": round(r.page_cache_bytes_per_token / 1e6, 3),
+            "predicted_tok_per_s": round(1 / t, 3),
+        })  # fmt: skip
+    return sorted(rows, key=lambda r: -r["predicted_tok_per_s"])
