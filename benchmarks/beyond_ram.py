@@ -5,41 +5,90 @@ Two ways to keep the experts out of RAM, both reported:
 
 * ``direct``: the store reads with O_DIRECT (F_NOCACHE on macOS): every miss comes from
   the disk, the page cache never holds an expert.
-* ``memlimit``: the process moves into a memory cgroup smaller than the model (trunk +
-  pools + what ``--memory-limit-gb`` leaves over), so the page cache can hold only part
-  of the expert files: misses come from the page cache or the disk, as on a machine
-  with that much memory.
+* ``memlimit``: the run's process lives in a memory cgroup smaller than the model
+  (``--memory-limit-gb``: trunk, pools, the process and what page cache that leaves), so
+  the page cache holds only part of the expert files: misses come from the page cache or
+  the disk, as on a machine with that much memory.
 
 Stock mlx-lm is measured first, with every expert resident (it cannot run within the
 limit): its time per token is ``t_compute``, its greedy tokens and logits the exactness
-reference. Then, per method and residency, a cold streamed run: the expert files dropped
-from the page cache, the store loaded (load time, cold), the first token (TTFT, cold),
-then the timed decode runs. In the same run, before the store loads, the storage
-bandwidth ``B``: random record-sized reads at the native reader's queue depth (its
-threads), cold, the same way the store reads (O_DIRECT or not). Each row reports tok/s,
-bytes read per token, ``B``, the overlap bound ``max(t_compute, bytes / B)`` and the serial
-bound ``t_compute + bytes / B`` with the run's share of each, and whether the output was
-exact.
+reference. Then each (method, residency) runs in a fresh process (inside the cgroup for
+``memlimit``, so that everything it allocates is charged there): the storage bandwidth
+``B`` (random record-sized reads at the native reader's queue depth, cold, the way the
+store reads), the expert files dropped from the page cache, the store loaded (load time,
+cold), the first token (TTFT, cold), then the timed decode runs. Each row reports tok/s,
+bytes per token from the store and from the disk itself (``/proc/self/io``) beside the
+two-tier simulator's prediction (``planning.tiers``), ``B``, the overlap bound
+``max(t_compute, disk bytes / B)`` and the serial bound ``t_compute + disk bytes / B``
+with the run's share of each, and whether the output was exact.
 """
 
 from __future__ import annotations
 
-import gc
+import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
-import mlx.core as mx
-from harness import decode_run, log, rewind, stock, streamed
+import numpy as np
 
-from mlx_streaming.analysis.verify import compare_traces, greedy_trace
-from mlx_streaming.bench.measure import (
-    bounds,
-    drop_page_cache,
-    enter_memory_limit,
-    measure_read_gbps,
-)
-from mlx_streaming.core.mem import cgroup_memory
-from mlx_streaming.planning.tiers import simulate_tiers
+
+def run(a, ck, ed, meta, trace, start, cfg, prompt_ids) -> dict:
+    """The larger-than-RAM rows (see the module's text): ``a`` speed.py's arguments,
+    ``cfg`` the streaming options, ``prompt_ids(tokenizer)`` the prompt."""
+    import dataclasses
+
+    from harness import decode_run, log, rewind, stock
+
+    from mlx_streaming.analysis.verify import greedy_trace
+
+    ref, tok, ref_routing = stock(ck, trace, start)
+    ids = prompt_ids(tok)
+    decode_run(ref, tok, ids, a.tokens)  # warm up stock (compiles kernels)
+    k_runs = [decode_run(ref, tok, ids, a.tokens)[0] for _ in range(a.repeat)]
+    stock_tps = statistics.median(k_runs)
+    rewind(start, ref_routing)
+    want = greedy_trace(ref, ids, 16)
+    del ref
+    files = [meta.file(li) for li in meta.layers]
+    expert_bytes = sum(f.stat().st_size for f in files)
+    methods = ["direct", "memlimit"] if a.beyond_ram == "both" else [a.beyond_ram]
+    stream = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    stream = {k: (v.value if hasattr(v, "value") else v) for k, v in stream.items()}
+    stream = {k: v for k, v in stream.items() if isinstance(v, (int, float, str, bool, type(None)))}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        ref_file = Path(tmp) / "want.npz"
+        np.savez(ref_file, tokens=np.array(want.tokens), logits=want.logits)
+        for method in methods:
+            for r in [float(x) for x in a.residency.split(",")]:
+                job = {
+                    "method": method, "residency": r, "checkpoint": str(ck),
+                    "expert_dir": str(ed), "trace": a.trace, "start": start, "ids": ids,
+                    "tokens": a.tokens, "repeat": a.repeat, "stock_tps": stock_tps,
+                    "stream": stream, "want": str(ref_file),
+                    "limit": int(a.memory_limit_gb * 1e9) if method == "memlimit" else 0,
+                }  # fmt: skip
+                out = subprocess.run(
+                    [sys.executable, __file__, json.dumps(job)],
+                    capture_output=True, text=True, timeout=1800,
+                    cwd=str(Path(__file__).parent),
+                )  # fmt: skip
+                if out.returncode != 0:
+                    raise RuntimeError(f"{method} at {r}: {out.stderr[-3000:]}")
+                row = json.loads(out.stdout.strip().splitlines()[-1])
+                log(row)
+                rows.append(row)
+    return {
+        "stock_tok_per_s": round(stock_tps, 3),
+        "stock_runs": [round(x, 3) for x in k_runs],
+        "expert_files_gb": round(expert_bytes / 1e9, 3),
+        "memory_limit_gb": a.memory_limit_gb if "memlimit" in methods else None,
+        "rows": rows,
+    }
 
 
 def disk_read_bytes() -> int:
@@ -50,6 +99,8 @@ def disk_read_bytes() -> int:
 
 def page_cache_room() -> int:
     """What the memory cgroup leaves the page cache: its limit less what else it holds."""
+    from mlx_streaming.core.mem import cgroup_memory
+
     m = cgroup_memory()
     if m is None:
         return 0
@@ -57,101 +108,92 @@ def page_cache_room() -> int:
     return max(0, limit - (used - cache))
 
 
-def run(a, ck, ed, meta, trace, start, cfg, prompt_ids) -> dict:
-    """The larger-than-RAM rows (see the module's text): ``a`` speed.py's arguments,
-    ``cfg`` the streaming options, ``prompt_ids(tokenizer)`` the prompt."""
-    from mlx_streaming.core.runtime import resolve
+def child(job: dict) -> dict:
+    """One (method, residency) row, in this fresh process (see the module's text)."""
+    from mlx_streaming.bench.measure import enter_memory_limit
 
-    ref, tok, ref_routing = stock(ck, trace, start)
-    ids = prompt_ids(tok)
-    decode_run(ref, tok, ids, a.tokens)  # warm up stock (compiles kernels)
-    k_runs = [decode_run(ref, tok, ids, a.tokens)[0] for _ in range(a.repeat)]
-    stock_tps = statistics.median(k_runs)
-    rewind(start, ref_routing)
-    want = greedy_trace(ref, ids, 16)
-    del ref
-    gc.collect()
-    mx.clear_cache()
+    if job["limit"]:  # before the model allocates anything: all of it is charged there
+        enter_memory_limit(job["limit"], "mlxs-beyond-ram")
+    from harness import decode_run, rewind, streamed
+
+    from mlx_streaming.analysis.verify import Trace, compare_traces, greedy_trace
+    from mlx_streaming.bench.measure import bounds, drop_page_cache, measure_read_gbps
+    from mlx_streaming.core.meta import load_meta
+    from mlx_streaming.core.options import StreamConfig
+    from mlx_streaming.core.runtime import resolve
+    from mlx_streaming.planning.tiers import simulate_tiers
+    from mlx_streaming.planning.trace import RoutingTrace
+
+    ck, ed, ids, start = Path(job["checkpoint"]), job["expert_dir"], job["ids"], job["start"]
+    meta = load_meta(ed)
+    trace = None if job["trace"] in (None, "none") else RoutingTrace.load(job["trace"])
+    cfg = StreamConfig(**job["stream"]).replace(direct_io=job["method"] == "direct")
+    rt = resolve(cfg, meta)
+    slots = max(meta.top_k, round(job["residency"] * meta.num_experts))
     files = [meta.file(li) for li in meta.layers]
-    expert_bytes = sum(f.stat().st_size for f in files)
-    methods = ["direct", "memlimit"] if a.beyond_ram == "both" else [a.beyond_ram]
-    rows, limit = [], None
-    for method in methods:  # direct first: the memory limit is for the rest of the process
-        if method == "memlimit":
-            limit = int(a.memory_limit_gb * 1e9)
-            group = enter_memory_limit(limit)
-            log(
-                f"memory limit {limit / 1e9:.2f} GB ({group}); expert files {expert_bytes / 1e9:.2f} GB"
-            )
-        mcfg = cfg.replace(direct_io=method == "direct")
-        rt = resolve(mcfg, meta)
-        for r in [float(x) for x in a.residency.split(",")]:
-            slots = max(meta.top_k, round(r * meta.num_experts))
-            drop_page_cache(files)
-            gbps = measure_read_gbps(
-                meta, rt.threads, rt.direct_io, cold=True, engine=rt.reader == "native"
-            )
-            drop_page_cache([*files, *ck.glob("*.safetensors")])
-            t0 = time.perf_counter()
-            model, _, store, routing = streamed(ck, ed, trace, start, slots=slots, config=mcfg)
-            load_s = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            first = decode_run(model, tok, ids, 1)  # cold: the prompt and its first token
-            ttft = time.perf_counter() - t1
-            runs, per_run = [], []
-            cursor = routing.cursor if routing is not None else start
-            disk0 = disk_read_bytes()
-            for _ in range(a.repeat):
-                store.reset_stats()
-                tps, _, n = decode_run(model, tok, ids, a.tokens)
-                runs.append(tps)
-                per_run.append((store.totals(), n + len(ids)))
-            tokens_run = sum(n for _, n in per_run)
-            disk_tok = (disk_read_bytes() - disk0) / tokens_run
-            bytes_tok = sum(t["bytes_read"] for t, _ in per_run) / tokens_run
-            page_cache = page_cache_room() if method == "memlimit" else 0
-            predicted = simulate_tiers(
-                trace, rt.policy, slots, page_cache, meta.layers[meta.moe_layers[0]].stride,
-                model_layers=len(meta.moe_layers), start=cursor, tokens=tokens_run,
-            ) if trace is not None else None  # fmt: skip
-            hits = sum(t["hits"] for t, _ in per_run)
-            lookups = hits + sum(t["misses"] for t, _ in per_run)
-            rewind(start, routing)
-            exact = compare_traces(want, greedy_trace(model, ids, 16)).exact
-            tps = statistics.median(runs)
-            row = {
-                "method": method,
-                "residency": r,
-                "slots": slots,
-                "tok_per_s": round(tps, 3),
-                "decode_runs": [round(x, 3) for x in runs],
-                "ratio_vs_stock": round(tps / stock_tps, 4),
-                "hit_rate": round(hits / max(1, lookups), 4),
-                "bytes_read_per_token": round(bytes_tok),
-                # from the disk itself (/proc/self/io), against the two-tier simulator's
-                # prediction for this span of the trace (planning.tiers)
-                "disk_bytes_per_token": round(disk_tok),
-                "page_cache_room_gb": round(page_cache / 1e9, 3),
-                "predicted_disk_bytes_per_token": predicted
-                and round(predicted.disk_bytes_per_token),
-                "predicted_pool_hit_rate": predicted and round(predicted.shares()["pool"], 4),
-                "storage_gbps": round(gbps, 3),
-                **bounds(1 / stock_tps, bytes_tok, gbps, tps),
-                "ttft_cold_s": round(ttft, 3),
-                "prompt_tps_cold": round(first[1], 2),
-                "load_cold_s": round(load_s, 2),
-                "exact_vs_stock": exact,
-                "runtime": store.runtime.to_json(),
-            }
-            log(row)
-            rows.append(row)
-            store.close()
-            del model
-            gc.collect()
+    drop_page_cache(files)
+    gbps = measure_read_gbps(
+        meta, rt.threads, rt.direct_io, cold=True, engine=rt.reader == "native"
+    )
+    drop_page_cache([*files, *ck.glob("*.safetensors")])
+    t0 = time.perf_counter()
+    model, tok, store, routing = streamed(ck, ed, trace, start, slots=slots, config=cfg)
+    load_s = time.perf_counter() - t0
+    cursor = routing.cursor if routing is not None else start
+    t1 = time.perf_counter()
+    first = decode_run(model, tok, ids, 1)  # cold: the prompt and its first token
+    ttft = time.perf_counter() - t1
+    runs, per_run = [], []
+    disk0 = disk_read_bytes()
+    for _ in range(job["repeat"]):
+        store.reset_stats()
+        tps, _, n = decode_run(model, tok, ids, job["tokens"])
+        runs.append(tps)
+        per_run.append((store.totals(), n + len(ids) - 1))  # the forwards run
+    tokens_run = sum(n for _, n in per_run)
+    disk_tok = (disk_read_bytes() - disk0) / tokens_run
+    bytes_tok = sum(t["bytes_read"] for t, _ in per_run) / tokens_run
+    hits = sum(t["hits"] for t, _ in per_run)
+    lookups = hits + sum(t["misses"] for t, _ in per_run)
+    page_cache = page_cache_room() if job["limit"] else 0
+    predicted = None
+    if trace is not None:  # the calls since the cold start: the first token's prompt
+        # (uncounted), then each run's prompt in one call and one per decoded token
+        calls = [len(ids), *([len(ids), *[1] * (job["tokens"] - 1)] * job["repeat"])]
+        predicted = simulate_tiers(
+            trace, rt.policy, slots, page_cache, meta.layers[meta.moe_layers[0]].stride,
+            model_layers=len(meta.moe_layers), start=cursor, calls=calls, warm_calls=1,
+        )  # fmt: skip
+    rewind(start, routing)
+    ref = np.load(job["want"])
+    want = Trace(ref["tokens"].tolist(), ref["logits"])
+    exact = compare_traces(want, greedy_trace(model, ids, 16)).exact
+    tps = statistics.median(runs)
+    stock_tps = job["stock_tps"]
     return {
-        "stock_tok_per_s": round(stock_tps, 3),
-        "stock_runs": [round(x, 3) for x in k_runs],
-        "expert_files_gb": round(expert_bytes / 1e9, 3),
-        "memory_limit_gb": limit and round(limit / 1e9, 3),
-        "rows": rows,
+        "method": job["method"],
+        "residency": job["residency"],
+        "slots": slots,
+        "tok_per_s": round(tps, 3),
+        "decode_runs": [round(x, 3) for x in runs],
+        "ratio_vs_stock": round(tps / stock_tps, 4),
+        "hit_rate": round(hits / max(1, lookups), 4),
+        "bytes_read_per_token": round(bytes_tok),
+        # from the disk itself, against the two-tier simulator's prediction for the
+        # same calls of the trace and the page cache the limit leaves
+        "disk_bytes_per_token": round(disk_tok),
+        "page_cache_room_gb": round(page_cache / 1e9, 3),
+        "predicted_disk_bytes_per_token": predicted and round(predicted.disk_bytes_per_token),
+        "predicted_pool_hit_rate": predicted and round(predicted.shares()["pool"], 4),
+        "storage_gbps": round(gbps, 3),
+        **bounds(1 / stock_tps, disk_tok, gbps, tps),  # the disk's bound: its bytes
+        "ttft_cold_s": round(ttft, 3),
+        "prompt_tps_cold": round(first[1], 2),
+        "load_cold_s": round(load_s, 2),
+        "exact_vs_stock": exact,
+        "runtime": store.runtime.to_json(),
     }
+
+
+if __name__ == "__main__":
+    print(json.dumps(child(json.loads(sys.argv[1]))), flush=True)

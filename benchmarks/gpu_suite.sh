@@ -18,14 +18,16 @@
 #   bash benchmarks/gpu_suite.sh mapab      decode at 50% and 25%: records read with pread into
 #                                           staging, then from page-locked file mappings (default)
 #   bash benchmarks/gpu_suite.sh final      decode at 50% and 25%, defaults, with a timeline
-#   bash benchmarks/gpu_suite.sh xferab     decode at 50% and 25%: routing and slot ids through MLX,
-#                                           then through mapped memory (the default)
 #   bash benchmarks/gpu_suite.sh graphops   decode at 50% with MLX's CUDA graphs cut at 25 and 50
 #                                           ops (MLX_MAX_OPS_PER_BUFFER; 100 by default on an H200)
 #   bash benchmarks/gpu_suite.sh lruab      decode at 50% and 25% under lru (beside mapab's default)
 #   bash benchmarks/gpu_suite.sh devreads   decode at 50/25/12.5%: misses copied by the GPU itself
 #                                           (device_reads, the default), then the host path
-#   (mapab, xferab, lruab and compare measure the host path: they pass --no-device-reads)
+#   bash benchmarks/gpu_suite.sh beyond     larger than RAM: stock, then 50/25/12.5% cold with
+#                                           O_DIRECT and within a MEMLIMIT-GB cgroup (default 10)
+#   bash benchmarks/gpu_suite.sh policies   decode at 50/25/12.5% on the device path under lru, then
+#                                           the host path under predictive: miss rates per path
+#   (mapab, lruab and compare measure the host path: they pass --no-device-reads)
 #   bash benchmarks/gpu_suite.sh direct     copies to the device straight from the page cache (a
 #                                           registered file mapping) against the staged path
 #   bash benchmarks/gpu_suite.sh launch     MLX's host cost per evaluation call and per op, with and
@@ -61,12 +63,11 @@
 # trained checkpoint's parts. TRACE names the DeepSeek-V2-Lite trace
 # (default .gpu/deepseek-v2-lite.npz, copied from ../shared/traces). MLX compiles each
 # kernel variant on first use; .gpu/ptx.tgz (a former run's $OUT/ptx.tgz) seeds its cache.
-# A call carries at most 64 MiB with the repository (20 MiB with its trained checkpoint):
-# stage 2 (.mlxcuda2, 44 MiB) has no room left for .gpu. So stage 2 only installs
-# (`source .mlxcuda2/stage2.sh`), and the next call, within 30 s, carries .gpu alone and
-# starts with `export PYTHONPATH=/tmp/site:$PWD` (the install stays while the machine is
-# warm). Stage 2 measured 63.9 MiB on 2026-12-01: if the repository grows, split the
-# wheel in three.
+# A call carries at most 64 MiB with the repository (22 MiB with its trained checkpoint):
+# the MLX CUDA wheel travels in three parts (2026-12-02): .mlxcuda1 and .mlxcuda1b (29 MiB
+# each, parked in /tmp by their stage1.sh), then .mlxcuda2 (30 MiB, with .gpu's 9 MiB
+# trace beside it) whose stage2.sh installs; three calls within 30 s of each other. Build
+# the compiled extensions in the same call (`python3 setup.py -q build_ext --inplace`).
 set -u
 export PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false
 out=${OUT:-/tmp/mlxs-out}
@@ -107,10 +108,12 @@ case "$suite" in
            --no-device-reads --timeline "$out/timeline-gpu-dsv2-mapped.json" ;;
   final) speed gpu-dsv2-final --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
            --timeline "$out/timeline-gpu-dsv2-final.json" ;;
-  xferab) speed gpu-dsv2-mlxxfer --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
-            --no-mapped-transfers --no-device-reads
-          speed gpu-dsv2-mapxfer --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
-            --no-device-reads ;;
+  beyond) speed gpu-dsv2-beyond --residency 0.5,0.25,0.125 --repeat 3 --beyond-ram both \
+            --memory-limit-gb "${MEMLIMIT:-10}" ;;
+  policies) speed gpu-dsv2-lru --residency 0.5,0.25,0.125 --cold warm --repeat 3 \
+              --prefill-tokens 0 --policy lru
+            speed gpu-dsv2-hostpath --residency 0.5,0.25,0.125 --cold warm --repeat 3 \
+              --prefill-tokens 0 --no-device-reads ;;
   graphops) for n in 25 50; do
               MLX_MAX_OPS_PER_BUFFER=$n speed gpu-dsv2-ops$n --residency 0.5 --cold warm --repeat 3 \
                 --prefill-tokens 0
@@ -140,9 +143,7 @@ case "$suite" in
   stall) timeout 120 python3 benchmarks/probes/gpu_wait_stall.py 2>&1 | tee "$out/stall.log" | tail -3 ;;
   cold) speed gpu-dsv2-cold --residency 0.5,0.25,0.125 --cold cold --repeat 3 \
           --prefill-tokens 0 ;;
-  compare) speed gpu-dsv2-pyreader --residency 0.5,0.25 --cold warm --repeat 3 \
-             --prefill-tokens 0 --reader python
-           speed gpu-dsv2-overlap --residency 0.5 --cold warm --repeat 3 \
+  compare) speed gpu-dsv2-overlap --residency 0.5 --cold warm --repeat 3 \
              --prefill-tokens 0 --overlap --no-device-reads
            speed gpu-dsv2-lru --residency 0.5,0.25 --cold warm --repeat 3 \
              --prefill-tokens 0 --policy lru --no-device-reads ;;

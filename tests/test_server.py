@@ -153,3 +153,53 @@ def test_failing_request_gets_an_error_and_the_server_keeps_serving(models, tmp_
             model="default_model", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0
         )
         assert r.choices[0].text == offline(ck, PROMPT)
+
+
+def test_health_polled_while_eight_clients_stream():
+    """The trained model served to 8 concurrent streaming clients, 200 requests, while
+    another client polls /health every 50 ms: every output equals stock mlx-lm's, no
+    request fails, every poll answers (from the counters the generation thread publishes:
+    it never touches MLX or the slot tables)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlx_streaming.synthetic.train import trained_checkpoint
+
+    ck = trained_checkpoint()
+    prompts = ["def parse(args):\n", "import os\n\n\nclass ", "    for key, value in ",
+               "# Copyright", "def test_", "    return self.", "try:\n    import "]  # fmt: skip
+    model, tok = load(str(ck))
+    want = {p: generate(model, tok, p, max_tokens=8) for p in prompts}
+    with tempfile.TemporaryDirectory() as ed, running_server(ck, ed, 32) as (base, _):
+        stop, polls, bad = threading.Event(), [], []
+
+        def poll():
+            while not stop.is_set():
+                status, _, body = get(base + "/health")
+                polls.append(body)
+                if status != 200 or body["status"] != "ok":
+                    bad.append(body)
+                time.sleep(0.05)
+
+        def ask(i):
+            client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+            p = prompts[i % len(prompts)]
+            text = "".join(
+                c.choices[0].text
+                for c in client.completions.create(
+                    model="default_model", prompt=p, max_tokens=8, temperature=0.0, stream=True
+                )
+            )
+            return p, text
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        try:
+            with ThreadPoolExecutor(8) as pool:
+                got = list(pool.map(ask, range(200)))
+        finally:
+            stop.set()
+            poller.join()
+    assert len(got) == 200 and all(text == want[p] for p, text in got)
+    assert not bad and len(polls) > 20
+    assert polls[-1]["experts"]["bytes_read"] > 0  # published by the generation thread

@@ -144,3 +144,18 @@ def test_chat_takes_the_trained_model(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "tiny-stdlib-moe" in r.stdout and "16 tokens" in r.stdout, r.stdout[-2000:]
     assert "bye" in r.stdout
+
+
+def test_chat_ends_at_the_end_of_its_input(tmp_path):
+    """A prompt piped in (no q): the answer, then a clean end, no traceback."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_streaming", "chat", "--slots", "32", "--max-tokens", "8",
+         "--expert-dir", str(tmp_path / "ed")],
+        input="def parse(args):\n", capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "EOFError" not in r.stderr, r.stderr[-2000:]
+    assert "8 tokens" in r.stdout and "bye" in r.stdout, r.stdout[-2000:]

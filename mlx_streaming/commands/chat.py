@@ -19,9 +19,6 @@ def setup_arg_parser():
 def main(argv=None) -> None:
     import mlx.core as mx
     from mlx_lm.cli_ui import ChatUI
-    from mlx_lm.generate import stream_generate
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.sample_utils import make_sampler
 
     from ..model_builder import load
     from ..synthetic.train import TRAINED_SAMPLING, trained_checkpoint
@@ -38,33 +35,52 @@ def main(argv=None) -> None:
         raise ValueError("--adapter-path is not supported with streamed experts")
     mx.random.seed(a.seed)
     model, tokenizer, store = load(a.model, **load_kwargs(a))
-    with ChatUI(a) as ui:
-        cache = make_prompt_cache(model, a.max_kv_size)
-        while True:
+    try:
+        with ChatUI(a) as ui:
+            converse(a, ui, model, tokenizer, store)
+    finally:
+        store.close()
+
+
+def converse(a, ui, model, tokenizer, store) -> None:
+    """The chat loop: ends at ``q``, at the end of input (Ctrl-D, a closed pipe) and on
+    Ctrl-C at the prompt; Ctrl-C during an answer stops that answer."""
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
+
+    cache = make_prompt_cache(model, a.max_kv_size)
+    while True:
+        try:
             query = ui.prompt()
-            if query == "q":
-                ui.say_bye()
-                break
-            if query == "r":
-                cache = make_prompt_cache(model, a.max_kv_size)
-                ui.say_reset()
-                continue
-            if query == "h":
-                ui.say_help()
-                continue
-            if not query.strip():  # an empty line asks for nothing
-                continue
-            messages = [{"role": "system", "content": a.system_prompt}] if a.system_prompt else []
-            messages.append({"role": "user", "content": query})
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            last = None
-            sampler = make_sampler(
-                a.temp,
-                a.top_p,
-                xtc_threshold=a.xtc_threshold,
-                xtc_probability=a.xtc_probability,
-                xtc_special_tokens=(tokenizer.encode("\n") + list(tokenizer.eos_token_ids)),
-            )
+        except (EOFError, KeyboardInterrupt):
+            print()
+            ui.say_bye()
+            return
+        if query == "q":
+            ui.say_bye()
+            return
+        if query == "r":
+            cache = make_prompt_cache(model, a.max_kv_size)
+            ui.say_reset()
+            continue
+        if query == "h":
+            ui.say_help()
+            continue
+        if not query.strip():  # an empty line asks for nothing
+            continue
+        messages = [{"role": "system", "content": a.system_prompt}] if a.system_prompt else []
+        messages.append({"role": "user", "content": query})
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        sampler = make_sampler(
+            a.temp,
+            a.top_p,
+            xtc_threshold=a.xtc_threshold,
+            xtc_probability=a.xtc_probability,
+            xtc_special_tokens=(tokenizer.encode("\n") + list(tokenizer.eos_token_ids)),
+        )
+        last = None
+        try:
             for last in stream_generate(
                 model,
                 tokenizer,
@@ -75,12 +91,15 @@ def main(argv=None) -> None:
                 prefill_step_size=a.prefill_step_size,
             ):
                 ui.stream_token(last.text)
-            ui.end_turn(last)
-            print(
-                f"  experts: hit rate {store.hit_rate():.3f}, "
-                f"{store.totals()['bytes_read'] / 1e6:.1f} MB read"
-            )
-    store.close()
+        except KeyboardInterrupt:  # the answer stops; the conversation goes on afresh
+            print("\n  (stopped)")
+            cache = make_prompt_cache(model, a.max_kv_size)
+            continue
+        ui.end_turn(last)
+        print(
+            f"  experts: hit rate {store.hit_rate():.3f}, "
+            f"{store.totals()['bytes_read'] / 1e6:.1f} MB read"
+        )
 
 
 if __name__ == "__main__":

@@ -64,27 +64,42 @@ def simulate_tiers(
     model_layers: int | None = None,
     start: int = 0,
     tokens: int | None = None,
+    calls: list[int] | None = None,
+    warm_calls: int = 0,
 ) -> TierResult:
     """Pool hits, page-cache hits and disk reads of ``policy`` with ``slots`` per layer
     over a page cache of ``page_cache_bytes`` (0: O_DIRECT, every miss from the disk), for
     records of ``record_bytes`` (read whole, the stride). ``layers``: the trace layers to
     replay (default all); ``model_layers``: the model's MoE layers (default the trace's),
     whose page cache the sampled layers get their share of; the bytes per token are
-    scaled to every layer."""
+    scaled to every layer. ``calls``: tokens per layer call, in order (a prompt's chunk is
+    one call: its distinct experts looked up once; default one token per call), of which the
+    first ``warm_calls`` fill the tiers uncounted."""
     layers = list(range(trace.layers)) if layers is None else list(layers)
     model_layers = model_layers or trace.layers
     E = trace.num_experts
     capacity = int(page_cache_bytes * len(layers) / model_layers) // max(1, record_bytes)
-    seqs = {li: layer_lookups(trace, li, start, tokens) for li in layers}
+    if calls is None:
+        seqs = {li: layer_lookups(trace, li, start, tokens) for li in layers}
+    else:
+        bounds = np.cumsum([0, *calls]) + start
+        rows = trace.experts.astype(np.int64)
+        seqs = {
+            li: [np.unique(rows[a:b, li]) for a, b in zip(bounds[:-1], bounds[1:])] for li in layers
+        }
     caches = {li: SlotCache(E, slots, make_policy(policy, E, slots)) for li in layers}
     page: OrderedDict[tuple[int, int], None] = OrderedDict()
     hits = pc = disk = 0
     T = min(len(s) for s in seqs.values())
     for t in range(T):
+        if t == warm_calls:
+            hits = pc = disk = 0
         for li in layers:
-            need = seqs[li][t]
-            placed = caches[li].lookup(need)
-            hits += len(need) - len(placed)
+            placed = []
+            for group in caches[li].groups(seqs[li][t]):  # more than fit: one at a time
+                got = caches[li].lookup(group)
+                hits += len(group) - len(got)
+                placed += got
             for e, _, _ in placed:
                 key = (li, int(e))
                 if key in page:
@@ -96,8 +111,9 @@ def simulate_tiers(
                     page[key] = None
                     if len(page) > capacity:
                         page.popitem(last=False)
-    scale = record_bytes * model_layers / len(layers) / max(1, T)
-    return TierResult(T, hits, pc, disk, pc * scale, disk * scale)
+    n_tokens = sum(calls[warm_calls:]) if calls is not None else T - warm_calls
+    scale = record_bytes * model_layers / len(layers) / max(1, n_tokens)
+    return TierResult(n_tokens, hits, pc, disk, pc * scale, disk * scale)
 
 
 def best_split(

@@ -26,6 +26,7 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         super().__init__(cli_args)
         self.load_kwargs = load_kwargs
         self.store = None
+        self.memory = None  # the loaded model's memory plan
         self.watch = watch  # beats on every layer call of the loaded store
         cfg = load_kwargs.get("config")
         self.cache_limit_gb = load_kwargs.get("cache_limit_gb", cfg and cfg.cache_limit_gb)
@@ -48,7 +49,7 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         return self.model, self.tokenizer
 
     def _load_streamed(self, model_path) -> None:
-        from ..model_builder import load
+        from ..model_builder import load, memory_plan
 
         if self.store is not None:
             self.store.close()
@@ -66,9 +67,24 @@ class StreamingModelProvider(mlx_server.ModelProvider):
             store.watch(self.watch.beat)
         self.model_key = (model_path, None, None)
         self.model, self.tokenizer, self.store = model, tokenizer, store
+        self.memory = memory_plan(model, store, self.cache_limit_gb)
+        store.publish()  # what /health reports until the first request ends
         self.processor = None
         self.draft_model = None
         self.is_batchable = False  # one request at a time: they share the expert pools
+
+
+class StreamingResponseGenerator(mlx_server.ResponseGenerator):
+    """mlx-lm's response generator; after each request, on its own thread (the one that
+    runs the model), the store publishes its counters for ``/health`` to read."""
+
+    def _serve_single(self, request, stream):
+        try:
+            return super()._serve_single(request, stream)
+        finally:
+            store = self.model_provider.store
+            if store is not None:
+                store.publish()
 
 
 class StreamingAPIHandler(mlx_server.APIHandler):
@@ -141,12 +157,12 @@ class StreamingAPIHandler(mlx_server.APIHandler):
             "concurrency": 1,
         }
         store = getattr(provider, "store", None)
-        if store is not None:
-            t = store.totals()
+        if store is not None:  # as published after the last request: no MLX, no tables
+            t = store.snapshot()
             body["experts"] = {
-                "hit_rate": round(store.hit_rate(), 4),
-                "bytes_read": t["bytes_read"],
-                "pool_gb": round(store.pool_bytes() / 1e9, 3),
+                "hit_rate": round(t.get("hit_rate", 0.0), 4),
+                "bytes_read": t.get("bytes_read", 0),
+                "pool_gb": round(t.get("pool_bytes", 0) / 1e9, 3),
             }
             body["memory"] = self._memory(provider)
         self.reply(200 if healthy else 503, body)
@@ -156,9 +172,8 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         peak, and what the budget accounts for (trunk, pools, MLX's buffer-cache cap, the
         prompt cache's KV)."""
         from ..core.mem import peak_rss_bytes, rss_bytes
-        from ..model_builder import memory_plan
 
-        plan = memory_plan(provider.model, provider.store, provider.cache_limit_gb)
+        plan = provider.memory
         return {
             "rss": rss_bytes() - provider.baseline_rss,
             "peak_rss": peak_rss_bytes() - provider.baseline_rss,
@@ -204,7 +219,7 @@ def serve(
         watch = PeerWatch(group, peer_timeout_s, StreamingAPIHandler.fail_inflight)
         StreamingAPIHandler.watch = watch
     provider = StreamingModelProvider(cli_args, load_kwargs, watch)
-    generator = mlx_server.ResponseGenerator(
+    generator = StreamingResponseGenerator(
         provider, mlx_server.LRUPromptCache(cli_args.prompt_cache_size)
     )
     if provider.pipeline_group is not None and provider.pipeline_group.rank() != 0:

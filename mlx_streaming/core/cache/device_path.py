@@ -228,6 +228,11 @@ class DevicePath:
         for name, a in host.items():
             a.reshape(-1).view(np.uint8)[:] = image[off[name] - lo : off[name] - lo + a.nbytes]
 
+    def resident(self, layer: int) -> int:
+        """Experts resident in ``layer``'s pool as of the counters last brought back."""
+        c = self.caches[layer]
+        return c.capacity - int(self._seen[layer][FREE])
+
     def _count(self, layer: int, ctr: np.ndarray) -> None:
         new = ctr.astype(np.int64)
         d = new - self._seen[layer]

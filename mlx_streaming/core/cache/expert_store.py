@@ -134,6 +134,8 @@ class FileExpertStore:
                 self.close()
                 raise
         self.counts = HitCounts(self.caches, self.stats, self.device)
+        self._published: dict = {}  # totals handed to other threads (publish, snapshot)
+        self._published_lock = threading.Lock()
         self._resident = ResidentSet(self.pools, self.stats, self.counts)
 
     @property
@@ -313,11 +315,11 @@ class FileExpertStore:
         return self._resident.nbytes
 
     def layer_report(self) -> dict[int, dict]:
-        """Per-layer counters: hits, misses, evictions, bytes and time read, calls."""
-        if self.device is not None:  # residency as the device left it
-            for li in self.layers:
-                self.device.to_host(li)
+        """Per-layer counters: hits, misses, evictions, bytes and time read, calls (the
+        slot tables stay where they are). Call it on the thread that runs the model; other
+        threads read ``snapshot()``."""
         self.counts.collect()
+        on_device = self.device.on_device if self.device is not None else set()
         out = {}
         for li in self.layers:
             c = self.caches[li]
@@ -327,11 +329,26 @@ class FileExpertStore:
                 misses=c.stats.misses,
                 evictions=c.stats.evictions,
                 slots=c.capacity,
-                resident=c.resident,
+                resident=self.device.resident(li) if li in on_device else c.resident,
                 pinned=len(c.pinned),
             )
             out[li] = d
         return out
+
+    def publish(self) -> dict:
+        """Take the counters (``totals``) for ``snapshot`` to hand to other threads; call
+        it on the thread that runs the model, between calls (the server does after each
+        request)."""
+        t = self.totals()
+        with self._published_lock:
+            self._published = t
+        return t
+
+    def snapshot(self) -> dict:
+        """The counters as last published (``publish``): safe from any thread, touches
+        neither MLX nor the slot tables; empty before the first publication."""
+        with self._published_lock:
+            return dict(self._published)
 
     def totals(self) -> dict:
         """Counters summed over layers, with hit rate, host µs per call, read-ahead and
