@@ -432,3 +432,27 @@ def test_bench_under_ranks_then_a_stopped_rank(models, tmp_path):
     err = (run / "rank0.err").read_text()
     assert code == 6, err[-2000:]
     assert "no answer within 5 s: rank 1" in err and waited < 5 + 5
+
+
+def test_a_hung_rank_ends_the_whole_job(models, tmp_path):
+    """Under ``mlx.launch``, rank 1 hangs mid-generation (blocked for good, alive): rank 0
+    exits within --pipeline-timeout naming it, on stderr apart from the text; mlx.launch
+    then ends the hung rank, and the user's command returns within the timeout plus 30 s
+    of the hang."""
+    ck = models.checkpoint("tiny-qwen3_moe")
+    hang = tmp_path / "hung_at"
+    cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "-p", str(free_ports(2)), "--",
+           sys.executable, str(Path(__file__).with_name("hang_rank.py")),
+           "--hang-after", "60", "--hang-file", str(hang),
+           "generate", "--model", str(ck), "--expert-dir", str(tmp_path / "ed"),
+           "--slots", "5", "--pipeline", "--pipeline-timeout", "5", "--prompt", PROMPT,
+           "--max-tokens", str(LONG)]  # fmt: skip
+    r = run_session(cmd, 180)
+    returned = time.time()
+    assert hang.exists(), r.stderr[-3000:]
+    assert returned - float(hang.read_text()) < 5 + 30, r.stderr[-3000:]
+    print(f"returned {returned - float(hang.read_text()):.1f} s after the hang")  # with -s
+    # mlx.launch (0.32) itself exits 0 whatever its ranks did; it says which failed
+    assert "rank 0 exited with code 6" in r.stderr, r.stderr[-3000:]
+    assert "no answer within 5 s: rank 1" in r.stderr, r.stderr[-3000:]
+    assert "no answer within" not in r.stdout  # the error is not mixed into the text
