@@ -171,3 +171,79 @@ def test_bench_refuses_stock_within_a_memory_limit(models):
     cfg = BenchConfig(model=str(ck), expert_dir=str(ed), memory_limit_gb=0.5, compare_stock=True)
     with pytest.raises(ValueError, match="--compare-stock loads every expert"):
         run_bench(cfg)
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(x for x in f if x.startswith("VmRSS:")).split()[1]) * 1024
+
+
+def test_a_thousand_requests_leak_nothing(tmp_path):
+    """``serve`` (the trained model) over 1,000 requests: plain and streamed ones, clients
+    that hang up mid-stream, prompts longer than the context, malformed JSON. Every bad
+    request gets a 4xx naming what is wrong, every good one a 200, and the server's RSS
+    after the run is within 5% of its RSS after the first 100."""
+    import socket
+
+    from mlx_streaming.synthetic.train import trained_checkpoint
+
+    ck = trained_checkpoint()
+    port = free_ports(1)
+    cmd = [sys.executable, "-m", "mlx_streaming", "serve", "--model", str(ck), "--slots", "32"]
+    cmd += ["--expert-dir", str(tmp_path / "ed"), "--port", str(port), "--max-tokens", "4"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "err", "w"))
+    long_prompt = "def f(x):\n    return x\n" * 800  # past the model's 4,096 positions
+
+    def call(body: bytes):
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        r = c.getresponse()
+        status, data = r.status, r.read()
+        c.close()
+        return status, data
+
+    def hang_up():  # a streamed request whose client leaves after the first bytes
+        s = socket.create_connection(("127.0.0.1", port), timeout=60)
+        body = json.dumps({"prompt": "import ", "max_tokens": 32, "stream": True}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)  # fmt: skip
+        assert s.recv(64)
+        s.close()
+
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                c.request("GET", "/health")
+                if c.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.time() < deadline and proc.poll() is None, (tmp_path / "err").read_text()
+            time.sleep(0.3)
+        after_100 = None
+        for i in range(1000):
+            kind = i % 10
+            if kind == 7:
+                hang_up()
+            elif kind == 8:
+                status, data = call(json.dumps({"prompt": long_prompt}).encode())
+                assert status == 400 and b"exceed the model's context" in data, data
+            elif kind == 9:
+                status, data = call(
+                    b'{"prompt": "def f(',
+                )
+                assert status == 400 and b"Invalid JSON" in data, data
+            else:
+                body = {"prompt": f"def f{i % 13}(", "stream": kind % 2 == 1}
+                status, data = call(json.dumps(body).encode())
+                assert status == 200, data
+            if i == 99:
+                after_100 = _rss(proc.pid)
+        end = _rss(proc.pid)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    print(f"RSS after 100 requests {after_100 / 1e6:.1f} MB, after 1,000 {end / 1e6:.1f} MB")
+    assert end <= 1.05 * after_100, (after_100, end)

@@ -27,6 +27,7 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         self.load_kwargs = load_kwargs
         self.store = None
         self.memory = None  # the loaded model's memory plan
+        self.context_tokens = None  # positions the loaded model was made for
         self.watch = watch  # beats on every layer call of the loaded store
         cfg = load_kwargs.get("config")
         self.cache_limit_gb = load_kwargs.get("cache_limit_gb", cfg and cfg.cache_limit_gb)
@@ -68,6 +69,8 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         self.model_key = (model_path, None, None)
         self.model, self.tokenizer, self.store = model, tokenizer, store
         self.memory = memory_plan(model, store, self.cache_limit_gb)
+        args = model.args if isinstance(model.args, dict) else vars(model.args)
+        self.context_tokens = args.get("max_position_embeddings")
         store.publish()  # what /health reports until the first request ends
         self.processor = None
         self.draft_model = None
@@ -127,6 +130,30 @@ class StreamingAPIHandler(mlx_server.APIHandler):
 
     def _queue_depth(self) -> int:
         return self.response_generator.requests.qsize()
+
+    def validate_model_parameters(self) -> None:
+        """mlx-lm's checks, and the context: a prompt that with ``max_tokens`` would run
+        past the model's positions is refused with a 400 naming the counts (mlx-lm would
+        compute it, for long, past what the model was made for)."""
+        super().validate_model_parameters()
+        provider = self.response_generator.model_provider
+        limit, tok = provider.context_tokens, provider.tokenizer
+        if not limit or tok is None:
+            return
+        try:
+            if "messages" in self.body:
+                n = len(tok.apply_chat_template(self.body["messages"], add_generation_prompt=True))
+            elif isinstance(self.body.get("prompt"), str):
+                n = len(tok.encode(self.body["prompt"]))
+            else:
+                return  # mlx-lm words the error of a malformed request
+        except Exception:  # noqa: BLE001 - likewise
+            return
+        if n + int(self.max_tokens) > limit:
+            raise ValueError(
+                f"the prompt ({n} tokens) and max_tokens ({self.max_tokens}) exceed the "
+                f"model's context of {limit} tokens: shorten the prompt or lower max_tokens"
+            )
 
     def end_headers(self):
         """Every response reports the request queue's depth."""
