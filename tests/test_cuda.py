@@ -18,15 +18,46 @@ pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend"),
     # a case stuck in native code (a kernel, a copy) cannot take a signal: the thread
-    # method dumps every stack and ends the run, inside the bound
-    pytest.mark.timeout(240, method="thread"),
+    # method dumps every stack and ends the run, inside the bound; the bound is the
+    # case's own (func_only), the kernels having been compiled by the fixture below
+    pytest.mark.timeout(240, method="thread", func_only=True),
+    pytest.mark.usefixtures("kernels_compiled"),
 ]
 
 TEXT = "A mixture of experts routes each token to a few experts out of many. " * 3
+PRESETS = ["tiny-mixtral", "thresholds-qwen3_moe", "tiny-qwen3_next"]
+WARMUP_S = 1200  # compiling every kernel on an empty cache (about 7 minutes on an H200)
+
+
+@pytest.fixture(scope="session")
+def kernels_compiled(models, tmp_path_factory):
+    """Compile the suite's kernels once, in a process of their own bounded by
+    ``WARMUP_S``, so that no case pays for compiling (or runs near its bound) on a
+    machine with an empty kernel cache."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if backend() != "cuda":
+        return
+    jobs = [[p, *map(str, models.experts(p, dtype="bfloat16"))] for p in PRESETS]
+    jobs.append(["tiny-qwen3_moe", *map(str, models.experts("tiny-qwen3_moe", dtype="bfloat16"))])
+    from mlx_streaming.synthetic.train import trained_checkpoint  # the server's case
+
+    trained = trained_checkpoint()
+    if trained is not None:
+        jobs.append(["trained", str(trained), str(tmp_path_factory.mktemp("trained-ed"))])
+    kernel_file = tmp_path_factory.mktemp("kernels") / "k.json"
+    script = Path(__file__).with_name("cuda_warmup.py")
+    r = subprocess.run([sys.executable, str(script), json.dumps(jobs), TEXT, str(kernel_file)],
+                       capture_output=True, text=True, timeout=WARMUP_S)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    print(r.stdout)
 
 
 # cheapest first; Qwen3-Next's gated delta runs as ops on CUDA (slow to compile)
-@pytest.mark.parametrize("preset", ["tiny-mixtral", "thresholds-qwen3_moe", "tiny-qwen3_next"])
+@pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("mode", ["device", "host", "pread"])
 def test_streamed_equals_stock_on_cuda(models, tmp_path, preset, mode):
     """Greedy tokens and logits equal stock's, prompts in chunks of 8 and 64, at top-k,
@@ -188,3 +219,12 @@ def test_device_path_plans_as_the_reference_and_the_simulator(models, policy):
             want = raw[e * lay.stride + p.offset : e * lay.stride + p.offset + p.nbytes]
             assert np.array_equal(got, want), (e, p.name)
     store.close()
+
+
+def test_health_polled_while_eight_clients_stream_on_cuda():
+    """``tests/test_server.py``'s case on CUDA: 8 streaming clients, 200 requests,
+    /health polled every 50 ms while the device path owns the slot tables; every output
+    equals stock's."""
+    from test_server import health_under_load
+
+    health_under_load(200)

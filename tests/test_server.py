@@ -159,7 +159,12 @@ def test_health_polled_while_eight_clients_stream():
     """The trained model served to 8 concurrent streaming clients, 200 requests, while
     another client polls /health every 50 ms: every output equals stock mlx-lm's, no
     request fails, every poll answers (from the counters the generation thread publishes:
-    it never touches MLX or the slot tables)."""
+    it never touches MLX or the slot tables). ``tests/test_cuda.py`` runs it on CUDA."""
+    health_under_load(200)
+
+
+def health_under_load(requests: int) -> None:
+    """The body of ``test_health_polled_while_eight_clients_stream``."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -196,10 +201,10 @@ def test_health_polled_while_eight_clients_stream():
         poller.start()
         try:
             with ThreadPoolExecutor(8) as pool:
-                got = list(pool.map(ask, range(200)))
+                got = list(pool.map(ask, range(requests)))
         finally:
             stop.set()
             poller.join()
-    assert len(got) == 200 and all(text == want[p] for p, text in got)
+    assert len(got) == requests and all(text == want[p] for p, text in got)
     assert not bad and len(polls) > 20
     assert polls[-1]["experts"]["bytes_read"] > 0  # published by the generation thread
