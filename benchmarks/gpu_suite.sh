@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU runs, on the H200 device machine, after MLX's CUDA build is installed
 # (../shared/device/mlx-cuda/README.md). Results go to $OUT (or /tmp/mlxs-out).
-#   bash benchmarks/gpu_suite.sh tests      the cuda-marked tests (exactness of both pool modes,
-#                                           the kernel self-test, verify)
+#   bash benchmarks/gpu_suite.sh warmup     compile the CUDA suite's kernels (its session fixture,
+#                                           alone: a fresh machine's first call)
+#   bash benchmarks/gpu_suite.sh tests      the cuda-marked tests (every CUDA path's exactness,
+#                                           the plan kernel against its reference, verify, /health)
 #   bash benchmarks/gpu_suite.sh speed      DeepSeek-V2-Lite shape at full width, its real routing:
 #                                           stock and streamed alternating at 50/25/12.5%,
 #                                           warm page cache, 32-token prompt, 96 decode tokens;
@@ -98,6 +100,8 @@ quality() {  # the quality table of the float model that train left in /tmp/tiny
 }
 for suite in "$@"; do
 case "$suite" in
+  warmup) timeout "$limit" python3 -m pytest -v -s --durations=0 -m cuda tests/test_cuda.py \
+            -k test_kernels_compiled 2>&1 | tee "$out/warmup-cuda.log" | tail -8 ;;
   tests) timeout "$limit" python3 -m pytest -v --durations=0 -m cuda tests/test_cuda.py 2>&1 \
            | tee "$out/tests-cuda.log" | tail -15 ;;
   quick) speed gpu-dsv2-quick --residency 0.5 --cold warm --repeat 3 --prefill-tokens 0 \
