@@ -120,6 +120,8 @@ class NativeReader:
             import fcntl
 
             fcntl.fcntl(fd, fcntl.F_NOCACHE, 1)
+        elif not direct and hasattr(os, "posix_fadvise"):  # records are read at random:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead around them
         rows = pool.row_pointers()
         dst = (ctypes.c_void_p * len(rows))(*[a for a, _ in rows])
         arrays = [

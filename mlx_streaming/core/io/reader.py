@@ -124,6 +124,8 @@ class RecordReader:
             fd = os.open(path, os.O_RDONLY)
         except OSError as e:
             raise RecordReadError(e.errno, f"cannot open expert file {path}: {e.strerror}") from e
+        if not self.direct and hasattr(os, "posix_fadvise"):  # records are read at random:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead around them
         if self.direct:
             import fcntl
 
