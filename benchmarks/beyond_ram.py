@@ -36,9 +36,10 @@ from pathlib import Path
 import numpy as np
 
 
-def run(a, ck, ed, meta, trace, start, cfg, prompt_ids) -> dict:
+def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
     """The larger-than-RAM rows (see the module's text): ``a`` speed.py's arguments,
-    ``cfg`` the streaming options, ``prompt_ids(tokenizer)`` the prompt."""
+    ``cfg`` the streaming options, ``prompt_ids(tokenizer)`` the prompt; ``progress``
+    is given the result so far after each row (a run cut short keeps its rows)."""
     import dataclasses
 
     from harness import decode_run, log, rewind, stock
@@ -59,7 +60,19 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids) -> dict:
     stream = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     stream = {k: (v.value if hasattr(v, "value") else v) for k, v in stream.items()}
     stream = {k: v for k, v in stream.items() if isinstance(v, (int, float, str, bool, type(None)))}
+    trace_file = str(Path(a.trace).resolve()) if a.trace else None  # the child runs elsewhere
     rows = []
+
+    def result(rows, complete):
+        return {
+            "stock_tok_per_s": round(stock_tps, 3),
+            "stock_runs": [round(x, 3) for x in k_runs],
+            "expert_files_gb": round(expert_bytes / 1e9, 3),
+            "memory_limit_gb": a.memory_limit_gb if "memlimit" in methods else None,
+            "rows": rows,
+            "complete": complete,
+        }
+
     with tempfile.TemporaryDirectory() as tmp:
         ref_file = Path(tmp) / "want.npz"
         np.savez(ref_file, tokens=np.array(want.tokens), logits=want.logits)
@@ -67,7 +80,7 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids) -> dict:
             for r in [float(x) for x in a.residency.split(",")]:
                 job = {
                     "method": method, "residency": r, "checkpoint": str(ck),
-                    "expert_dir": str(ed), "trace": a.trace, "start": start, "ids": ids,
+                    "expert_dir": str(ed), "trace": trace_file, "start": start, "ids": ids,
                     "tokens": a.tokens, "repeat": a.repeat, "stock_tps": stock_tps,
                     "stream": stream, "want": str(ref_file),
                     "limit": int(a.memory_limit_gb * 1e9) if method == "memlimit" else 0,
@@ -82,13 +95,9 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids) -> dict:
                 row = json.loads(out.stdout.strip().splitlines()[-1])
                 log(row)
                 rows.append(row)
-    return {
-        "stock_tok_per_s": round(stock_tps, 3),
-        "stock_runs": [round(x, 3) for x in k_runs],
-        "expert_files_gb": round(expert_bytes / 1e9, 3),
-        "memory_limit_gb": a.memory_limit_gb if "memlimit" in methods else None,
-        "rows": rows,
-    }
+                if progress is not None:
+                    progress(result(rows, complete=False))
+    return result(rows, complete=True)
 
 
 def disk_read_bytes() -> int:

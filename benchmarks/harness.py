@@ -138,9 +138,8 @@ def machine() -> str:
     )
 
 
-def finish(a, name: str, result: dict, t0: float | None = None, quiet=()) -> dict:
-    """Stamp ``result`` with the benchmark, date, machine and command, print it (without
-    the ``quiet`` keys) and write it to ``--json``."""
+def stamped(a, name: str, result: dict, t0: float | None = None) -> dict:
+    """``result`` with the benchmark, date, machine, command and wall time."""
     out = {
         "benchmark": name,
         "date": time.strftime("%Y-%m-%d"),
@@ -150,10 +149,25 @@ def finish(a, name: str, result: dict, t0: float | None = None, quiet=()) -> dic
     }
     if t0 is not None:
         out["wall_s"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def save(a, out: dict) -> None:
+    """Write ``out`` to ``--json`` (if given), whole or not at all."""
+    if a.json_out:
+        path = Path(a.json_out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
+        tmp.replace(path)
+
+
+def finish(a, name: str, result: dict, t0: float | None = None, quiet=()) -> dict:
+    """Stamp ``result`` (``stamped``), print it (without the ``quiet`` keys) and write it
+    to ``--json``."""
+    out = stamped(a, name, result, t0)
     print(
         json.dumps({k: v for k, v in out.items() if k not in quiet}, indent=1, ensure_ascii=False)
     )
-    if a.json_out:
-        Path(a.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json_out).write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
+    save(a, out)
     return out

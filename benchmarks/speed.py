@@ -39,6 +39,8 @@ from harness import (
     parser,
     rewind,
     routing_trace,
+    save,
+    stamped,
     stock,
     streamed,
 )
@@ -118,10 +120,16 @@ def main():
 
         if a.beyond_ram != "direct" and not a.memory_limit_gb:
             p.error("--beyond-ram memlimit needs --memory-limit-gb")
-        res = beyond_ram.run(a, ck, ed, meta, trace, start, stream_config(a), prompt_ids)
         extra = {"preset": None if a.checkpoint else a.preset, "checkpoint": str(ck),
                  "expert_mb": round(meta.expert_bytes() / 1e6, 3), "trace": a.trace,
                  "trace_start": start, "tokens": a.tokens, "repeat": a.repeat}  # fmt: skip
+
+        def progress(res):  # each row on disk as it comes: a run cut short keeps its rows
+            save(a, stamped(a, "speed-beyond-ram", {**extra, **res}, t0))
+
+        res = beyond_ram.run(
+            a, ck, ed, meta, trace, start, stream_config(a), prompt_ids, progress
+        )  # fmt: skip
         finish(a, "speed-beyond-ram", {**extra, **res}, t0)
         return
     ref, tok, ref_routing = stock(ck, trace, start)

@@ -231,6 +231,6 @@ def test_health_polled_while_eight_clients_stream_on_cuda():
     """``tests/test_server.py``'s case on CUDA: 8 streaming clients, 200 requests,
     /health polled every 50 ms while the device path owns the slot tables; every output
     equals stock's."""
-    from test_server import health_under_load
+    from serving import health_under_load
 
     health_under_load(200)

@@ -3,70 +3,15 @@ client, streaming and not: its text equals offline generation with the same sett
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-import urllib.request
-
 import pytest
 from mlx_lm import generate, load
+from serving import get, health_under_load, running_server
 
 openai = pytest.importorskip("openai")
 
 MESSAGES = [{"role": "user", "content": "Why do experts stream from disk?"}]
 PROMPT = "The expert pool holds"
 MAX_TOKENS = 24
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get(url):
-    with urllib.request.urlopen(url, timeout=5) as r:
-        return r.status, dict(r.headers), json.loads(r.read())
-
-
-@contextlib.contextmanager
-def running_server(ck, ed, slots: int):
-    """``serve`` in a subprocess, healthy: yields ``(base url, port)``."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "mlx_streaming", "serve", "--model", str(ck)]
-    cmd += ["--expert-dir", str(ed), "--slots", str(slots), "--port", str(port)]
-    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would block it
-    proc = subprocess.Popen(
-        [*cmd, "--log-level", "WARNING"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if get(base + "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(log.read())
-            if time.time() > deadline:
-                pytest.fail("the server did not become healthy within 60 s")
-            time.sleep(0.5)
-        yield base, port
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -161,50 +106,3 @@ def test_health_polled_while_eight_clients_stream():
     request fails, every poll answers (from the counters the generation thread publishes:
     it never touches MLX or the slot tables). ``tests/test_cuda.py`` runs it on CUDA."""
     health_under_load(200)
-
-
-def health_under_load(requests: int) -> None:
-    """The body of ``test_health_polled_while_eight_clients_stream``."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
-    from mlx_streaming.synthetic.train import trained_checkpoint
-
-    ck = trained_checkpoint()
-    prompts = ["def parse(args):\n", "import os\n\n\nclass ", "    for key, value in ",
-               "# Copyright", "def test_", "    return self.", "try:\n    import "]  # fmt: skip
-    model, tok = load(str(ck))
-    want = {p: generate(model, tok, p, max_tokens=8) for p in prompts}
-    with tempfile.TemporaryDirectory() as ed, running_server(ck, ed, 32) as (base, _):
-        stop, polls, bad = threading.Event(), [], []
-
-        def poll():
-            while not stop.is_set():
-                status, _, body = get(base + "/health")
-                polls.append(body)
-                if status != 200 or body["status"] != "ok":
-                    bad.append(body)
-                time.sleep(0.05)
-
-        def ask(i):
-            client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
-            p = prompts[i % len(prompts)]
-            text = "".join(
-                c.choices[0].text
-                for c in client.completions.create(
-                    model="default_model", prompt=p, max_tokens=8, temperature=0.0, stream=True
-                )
-            )
-            return p, text
-
-        poller = threading.Thread(target=poll)
-        poller.start()
-        try:
-            with ThreadPoolExecutor(8) as pool:
-                got = list(pool.map(ask, range(requests)))
-        finally:
-            stop.set()
-            poller.join()
-    assert len(got) == requests and all(text == want[p] for p, text in got)
-    assert not bad and len(polls) > 20
-    assert polls[-1]["experts"]["bytes_read"] > 0  # published by the generation thread
