@@ -131,7 +131,7 @@ def test_bench_command_compare_stock(models, tmp_path, capsys):
             "--max-tokens",
             "12",
             "--repeat",
-            "1",
+            "2",
             "--compare-stock",
             "--json",
             str(out),
@@ -142,6 +142,10 @@ def test_bench_command_compare_stock(models, tmp_path, capsys):
     r = json.loads(out.read_text())
     assert r["exact_vs_stock"] is True and r["exactness"]["max_abs_logit_diff"] == 0.0
     assert r["stock_tok_per_s"] > 0 and r["ratio_vs_stock"] > 0
+    # stock and streamed alternate: one ratio per pair, the ratio their median
+    pairs = r["ratio_pairs"]
+    assert len(pairs) == 2 == len(r["stock_tok_per_s_runs"]) == len(r["paired_tok_per_s_runs"])
+    assert abs(r["ratio_vs_stock"] - sum(pairs) / 2) < 1e-3
     assert r["generated_tokens"] == 12 and r["bytes_read"] > 0
     # the host path (CPU): each decode call waits for its routing, then plans
     assert r["decode_path"] == "host" and r["decode_host_us_per_layer_call"] > 0

@@ -290,10 +290,7 @@ def _run(cfg: BenchConfig, group=None, loaded=None) -> dict:
         recorder.save(cfg.record_trace)
         out["recorded_trace"] = cfg.record_trace
     if cfg.compare_stock:
-        out.update(_compare_stock(cfg, model, tokenizer, ids, out["tok_per_s"], routing))
-        out["decode_ratio_vs_stock"] = round(
-            out["decode_tok_per_s"] / out["stock_decode_tok_per_s"], 4
-        )
+        out.update(_compare_stock(cfg, model, tokenizer, ids, routing, files))
     rt = store.runtime  # the store's own reader, threads and direct reads
     gbps = cfg.read_gbps or measure_read_gbps(
         meta, rt.threads, rt.direct_io, cold=cfg.cold, engine=rt.reader != "python"
@@ -311,34 +308,61 @@ def _run(cfg: BenchConfig, group=None, loaded=None) -> dict:
     return out
 
 
-def _compare_stock(cfg: BenchConfig, streamed, tokenizer, ids, streamed_tps, routing) -> dict:
-    """Stock mlx-lm, fully resident, same prompt, settings and routing, in this run."""
+def _compare_stock(cfg: BenchConfig, streamed, tokenizer, ids, routing, files=()) -> dict:
+    """Stock mlx-lm, fully resident, same prompt, settings and routing, in this run:
+    ``repeat`` alternating pairs (stock, then streamed, each replaying the same stretch
+    of a routing trace), so that both see the machine's load alike; the ratios are the
+    pairs' medians. Then the exactness check."""
     from mlx_lm import load as mlx_load
 
     from ..analysis.verify import compare
     from ..prep.hub import resolve_model_path
 
     stock, _ = mlx_load(str(resolve_model_path(cfg.model)))
-    stock_routing = None
+    stock_routing, start = None, None
     if cfg.routing_trace:
         from ..planning.trace import apply_trace_routing
 
         trace, start, _ = _trace(cfg)
         stock_routing = apply_trace_routing(stock, trace, start)
-    timed = _timed_runs(stock, tokenizer, ids, cfg)
-    if routing is not None:  # both replay the trace from the same token
-        routing.cursor = stock_routing.cursor = _trace(cfg)[1]
+    warm = cfg.max_tokens if cfg.warmup_tokens is None else cfg.warmup_tokens
+    if warm > 0:
+        generate_once(stock, tokenizer, ids, warm, cfg)
+    pairs = []
+    for _ in range(cfg.repeat):
+        pair = []
+        for model in (stock, streamed):
+            if routing is not None:  # both replay the trace from the same token
+                routing.cursor = stock_routing.cursor = start
+            if cfg.cold and files and model is streamed:
+                drop_page_cache(files)
+            wall, last, _ = generate_once(model, tokenizer, ids, cfg.max_tokens, cfg)
+            pair.append((last.generation_tokens / wall, last.generation_tps, last.prompt_tps))
+        pairs.append(pair)
+    if routing is not None:
+        routing.cursor = stock_routing.cursor = start
     step = cfg.prefill_chunk if cfg.prefill_chunk > 0 else config.PREFILL_CHUNK
     cmp = compare(stock, streamed, ids, min(cfg.max_tokens, 64), step)
     del stock
     gc.collect()
     mem.clear_cache()
+
+    def median(i, who=0):
+        return round(statistics.median(p[who][i] for p in pairs), 2)
+
+    def ratio(i):
+        return round(statistics.median(p[1][i] / p[0][i] for p in pairs), 4)
+
     return {
-        "stock_tok_per_s": timed["tok_per_s"],
-        "stock_tok_per_s_runs": timed["tok_per_s_runs"],
-        "stock_decode_tok_per_s": timed["decode_tok_per_s"],
-        "stock_prefill_tok_per_s": timed["prefill_tok_per_s"],
-        "ratio_vs_stock": round(streamed_tps / timed["tok_per_s"], 4),
+        "stock_tok_per_s": median(0),
+        "stock_tok_per_s_runs": [round(p[0][0], 2) for p in pairs],
+        "stock_decode_tok_per_s": median(1),
+        "stock_prefill_tok_per_s": median(2),
+        "paired_tok_per_s_runs": [round(p[1][0], 2) for p in pairs],
+        "paired_decode_tok_per_s_runs": [round(p[1][1], 2) for p in pairs],
+        "ratio_vs_stock": ratio(0),  # per alternating pair, median
+        "decode_ratio_vs_stock": ratio(1),
+        "ratio_pairs": [round(p[1][0] / p[0][0], 4) for p in pairs],
         "exact_vs_stock": cmp.exact,
         "exactness": cmp.to_json(),
     }

@@ -65,7 +65,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compare-stock",
         action="store_true",
-        help="also run stock mlx-lm fully resident and check exactness",
+        help="also run stock mlx-lm fully resident, in --repeat pairs alternating with the "
+        "streamed model (ratios: the pairs' medians), and check exactness",
     )
     s = p.add_argument_group("speed")
     s.add_argument(

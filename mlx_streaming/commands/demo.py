@@ -115,7 +115,8 @@ def summary(r: dict) -> str:
             f"{r['device']})",
             f"  experts    {r['expert_dir']} ({r['expert_mb']} MB each; pools {r['pool_gb']} GB)",
             f"  speed      {r['tok_per_s']} tok/s streamed, {r['stock_tok_per_s']} tok/s stock "
-            f"mlx-lm ({r['ratio_vs_stock']:.2f}x)",
+            f"mlx-lm: {r['ratio_vs_stock']:.2f}x (decode {r['decode_ratio_vs_stock']:.2f}x), "
+            f"the median of {len(r['ratio_pairs'])} alternating pairs",
             f"  experts    hit rate {r['expert_hit_rate']:.3f}, "
             f"{r['bytes_read_per_token'] / 1e6:.2f} MB read per decoded token",
             f"  memory     peak RSS {r['peak_rss_gb']} GB, MLX peak {r['mlx_peak_gb']} GB",
