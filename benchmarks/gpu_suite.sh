@@ -2,7 +2,10 @@
 # The GPU runs, on the H200 device machine, after MLX's CUDA build is installed
 # (../shared/device/mlx-cuda/README.md). Results go to $OUT (or /tmp/mlxs-out).
 #   bash benchmarks/gpu_suite.sh warmup     compile the CUDA suite's kernels (its session fixture,
-#                                           alone: a fresh machine's first call)
+#                                           alone: a fresh machine's first call; 508 s on an
+#                                           empty cache, 2026-12-02h)
+#   bash benchmarks/gpu_suite.sh warmup1    its first part (tiny-mixtral, thresholds-qwen3_moe:
+#                                           265 s of the 508) in a call of its own, before warmup
 #   bash benchmarks/gpu_suite.sh tests      the cuda-marked tests (every CUDA path's exactness,
 #                                           the plan kernel against its reference, verify, /health)
 #   bash benchmarks/gpu_suite.sh speed      DeepSeek-V2-Lite shape at full width, its real routing:
@@ -100,6 +103,9 @@ quality() {  # the quality table of the float model that train left in /tmp/tiny
 }
 for suite in "$@"; do
 case "$suite" in
+  warmup1) MLXS_WARMUP_ONLY=tiny-mixtral,thresholds-qwen3_moe timeout "$limit" python3 -m pytest \
+            -v -s --durations=0 -m cuda tests/test_cuda.py -k test_kernels_compiled 2>&1 \
+            | tee "$out/warmup1-cuda.log" | tail -8 ;;
   warmup) timeout "$limit" python3 -m pytest -v -s --durations=0 -m cuda tests/test_cuda.py \
             -k test_kernels_compiled 2>&1 | tee "$out/warmup-cuda.log" | tail -8 ;;
   tests) timeout "$limit" python3 -m pytest -v --durations=0 -m cuda tests/test_cuda.py 2>&1 \

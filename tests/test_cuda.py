@@ -35,6 +35,7 @@ def kernels_compiled(models, tmp_path_factory):
     ``WARMUP_S``, so that no case pays for compiling (or runs near its bound) on a
     machine with an empty kernel cache."""
     import json
+    import os
     import subprocess
     import sys
     from pathlib import Path
@@ -48,6 +49,9 @@ def kernels_compiled(models, tmp_path_factory):
     trained = trained_checkpoint()
     if trained is not None:
         jobs.append(["trained", str(trained), str(tmp_path_factory.mktemp("trained-ed"))])
+    only = os.environ.get("MLXS_WARMUP_ONLY")  # gpu_suite.sh warmup1: a first part alone
+    if only:
+        jobs = [j for j in jobs if j[0] in only.split(",")]
     kernel_file = tmp_path_factory.mktemp("kernels") / "k.json"
     script = Path(__file__).with_name("cuda_warmup.py")
     r = subprocess.run([sys.executable, str(script), json.dumps(jobs), TEXT, str(kernel_file)],
