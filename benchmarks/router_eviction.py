@@ -127,6 +127,69 @@ def simulate_layer(top: np.ndarray, probs: np.ndarray, capacity: int, policy: st
     return misses, (hit_next / asked if asked else float("nan"))
 
 
+def router_scored(E: int, weights, extra=(0.0, 0.0), decay: float = 0.95):
+    """The package's ranking (numpy reference) with two more terms: the soft average of
+    the expert's router probability (this token's included) and this token's."""
+    from mlx_streaming.core.cache.scored import Scored
+
+    class RouterScored(Scored):
+        def __init__(self):
+            super().__init__(E, weights=weights, native=False)
+            self.ema, self.cur, self.extra = np.zeros(E), np.zeros(E), extra
+
+        def see(self, p: np.ndarray) -> None:
+            self.ema = decay * self.ema + (1 - decay) * p
+            self.cur = p
+
+        def scores(self, current):
+            return super().scores(current) + self.extra[0] * self.ema + self.extra[1] * self.cur
+
+    return RouterScored()
+
+
+def fit(top: np.ndarray, probs: np.ndarray, router: bool, horizon=8, discount=0.8):
+    """Least-squares weights, as ``planning.simulate.fit_predictive`` fits the shipped
+    ones (target: discounted use over the next ``horizon`` lookups), on ``top``/``probs``
+    [T, L, ...]; with ``router``, the two router terms too. Returns (weights, extra)."""
+    T, L, E = probs.shape
+    Xs, ys = [], []
+    for li in range(L):
+        use = np.zeros((T, E))
+        for t in range(T):
+            use[t, top[t, li]] = 1
+        target = np.zeros_like(use)
+        for j in range(1, horizon + 1):
+            target[:-j] += discount ** (j - 1) * use[j:]
+        pol = router_scored(E, (0.0,) * 6)
+        for t in range(T - horizon):
+            need = np.unique(top[t, li])
+            pol.see(probs[t, li])
+            if t % 4 == 0 and t > 64:
+                f = pol.features(need)
+                if router:
+                    f = np.hstack([f, pol.ema[:, None], pol.cur[:, None]])
+                Xs.append(f)
+                ys.append(target[t])
+            pol.access(need)
+    X, y = np.concatenate(Xs), np.concatenate(ys)
+    w, *_ = np.linalg.lstsq(np.hstack([X, np.ones((len(X), 1))]), y, rcond=None)
+    w = [round(float(v), 5) for v in w[:-1]]
+    return tuple(w[:6]), (tuple(w[6:]) if router else (0.0, 0.0))
+
+
+def scored_misses(top, probs, capacity, weights, extra) -> int:
+    """Misses of one layer under ``router_scored`` through the store's ``SlotCache``."""
+    from mlx_streaming.core.cache.slots import SlotCache
+
+    E = probs.shape[-1]
+    pol = router_scored(E, weights, extra)
+    cache = SlotCache(E, capacity, pol)
+    for t in range(len(top)):
+        pol.see(probs[t])
+        cache.lookup(np.unique(top[t]))
+    return cache.stats.misses
+
+
 def package_policy(top: np.ndarray, capacity: int, name: str) -> int:
     """Misses of the package's own policy ``name`` through ``SlotCache``."""
     from mlx_streaming.core.cache.policy import make_policy
@@ -182,6 +245,33 @@ def main() -> None:
             r["gap_closed"] = round((lru - r["misses"]) / (lru - best), 3) if lru > best else 0
         rows[f"1/{frac} ({c} slots)"] = res
         log(f"1/{frac}: " + ", ".join(f"{k} {v['gap_closed']}" for k, v in res.items()))
+    # learned on the first half of the tokens, measured on the second
+    half = T // 2
+    learned = {"history (refit here)": fit(top[:half], probs[:half], False),
+               "history + router": fit(top[:half], probs[:half], True)}  # fmt: skip
+    from mlx_streaming.core.cache.scored import PREDICTIVE_WEIGHTS
+
+    held = {}
+    for frac in (8, 4, 2):
+        c = E // frac
+        res = {}
+        for label, pol in (("lru", "lru"), ("belady", "belady")):
+            res[label] = sum(
+                simulate_layer(top[half:, li], probs[half:, li], c, pol)[0] for li in range(L)
+            )  # fmt: skip
+        cases = {"predictive (shipped)": (PREDICTIVE_WEIGHTS, (0.0, 0.0)), **learned}
+        for label, (w, extra) in cases.items():
+            res[label] = sum(
+                scored_misses(top[half:, li], probs[half:, li], c, w, extra) for li in range(L)
+            )  # fmt: skip
+        lru, best = res["lru"], res["belady"]
+        held[f"1/{frac} ({c} slots)"] = {
+            k: {"misses_per_token": round(v / (T - half), 3),
+                "gap_closed": round((lru - v) / (lru - best), 3) if lru > best else 0}
+            for k, v in res.items()
+        }  # fmt: skip
+        log(f"held-out 1/{frac}: " + ", ".join(
+            f"{k} {v['gap_closed']}" for k, v in held[f"1/{frac} ({c} slots)"].items()))  # fmt: skip
     finish(
         a,
         "router-eviction",
@@ -192,7 +282,9 @@ def main() -> None:
             "experts": E,
             "top_k": int(top.shape[-1]),
             "rows": rows,
-        },  # fmt: skip
+            "learned_weights": {k: {"history": w, "router": x} for k, (w, x) in learned.items()},
+            "held_out_second_half": held,
+        },
         t0,
     )
 
