@@ -117,6 +117,39 @@ def page_cache_room() -> int:
     return max(0, limit - (used - cache))
 
 
+class RoomSampler:
+    """``page_cache_room`` sampled every 50 ms on a thread while a ``with`` block runs (the
+    room at the end of a run overstates what the cache had during it)."""
+
+    def __init__(self, on: bool):
+        import threading
+
+        self.on, self.samples = on, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.wait(0.05):
+            self.samples.append(page_cache_room())
+
+    def __enter__(self):
+        if self.on:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            self._stop.set()
+            self._thread.join()
+            self.samples.append(page_cache_room())
+
+    def median(self) -> int:
+        return int(statistics.median(self.samples)) if self.samples else 0
+
+    def range(self) -> tuple[int, int]:
+        return (min(self.samples), max(self.samples)) if self.samples else (0, 0)
+
+
 def child(job: dict) -> dict:
     """One (method, residency) row, in this fresh process (see the module's text)."""
     from mlx_streaming.bench.measure import enter_memory_limit
@@ -154,17 +187,19 @@ def child(job: dict) -> dict:
     ttft = time.perf_counter() - t1
     runs, per_run = [], []
     disk0 = disk_read_bytes()
-    for _ in range(job["repeat"]):
-        store.reset_stats()
-        tps, _, n = decode_run(model, tok, ids, job["tokens"])
-        runs.append(tps)
-        per_run.append((store.totals(), n + len(ids) - 1))  # the forwards run
+    with RoomSampler(bool(job["limit"])) as room:
+        for _ in range(job["repeat"]):
+            store.reset_stats()
+            tps, _, n = decode_run(model, tok, ids, job["tokens"])
+            runs.append(tps)
+            per_run.append((store.totals(), n + len(ids) - 1))  # the forwards run
     tokens_run = sum(n for _, n in per_run)
     disk_tok = (disk_read_bytes() - disk0) / tokens_run
     bytes_tok = sum(t["bytes_read"] for t, _ in per_run) / tokens_run
     hits = sum(t["hits"] for t, _ in per_run)
     lookups = hits + sum(t["misses"] for t, _ in per_run)
-    page_cache = page_cache_room() if job["limit"] else 0
+    page_cache_end = page_cache_room() if job["limit"] else 0
+    page_cache = room.median() if job["limit"] else 0  # what the runs had, not the end
     predicted = None
     if trace is not None:  # the calls since the cold start: the first token's prompt
         # (uncounted), then each run's prompt in one call and one per decoded token
@@ -191,7 +226,9 @@ def child(job: dict) -> dict:
         # from the disk itself, against the two-tier simulator's prediction for the
         # same calls of the trace and the page cache the limit leaves
         "disk_bytes_per_token": round(disk_tok),
-        "page_cache_room_gb": round(page_cache / 1e9, 3),
+        "page_cache_room_gb": round(page_cache / 1e9, 3),  # the median during the runs
+        "page_cache_room_gb_range": [round(x / 1e9, 3) for x in room.range()],
+        "page_cache_room_gb_at_end": round(page_cache_end / 1e9, 3),
         "predicted_disk_bytes_per_token": predicted and round(predicted.disk_bytes_per_token),
         "predicted_pool_hit_rate": predicted and round(predicted.shares()["pool"], 4),
         "storage_gbps": round(gbps, 3),

@@ -1,0 +1,96 @@
+"""Fewer bits per expert where bytes are the speed: larger than RAM at 8, 4, 3 and mixed
+bits (issue 33, item 3).
+
+The preset's checkpoint (4-bit experts) is requantized to each format (``requantize``,
+a whole checkpoint beside the expert directory, so that stock mlx-lm runs the same
+model); then for each, ``speed.py --beyond-ram direct`` in a process of its own: stock on
+that model first, then the streamed model cold with O_DIRECT at ``--residency``, exact
+against that stock. What each row costs in quality is the trained model's table
+(``trained_quality.py``; random weights here say nothing about it).
+
+    python benchmarks/precision_beyond.py --json benchmarks/results/precision-beyond-cpu.json
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from harness import build, finish, log, parser
+
+FORMATS = {
+    "8-bit": {"bits": 8},
+    "4-bit": None,  # the preset's own experts
+    "mixed gate=3,up=3,down=4": {"bits": 4, "proj_bits": "gate=3,up=3,down=4"},
+    "3-bit": {"bits": 3},
+}
+KEEP = ("tok_per_s", "decode_runs", "ratio_vs_stock", "hit_rate", "bytes_read_per_token",
+        "storage_gbps", "t_compute_ms", "t_io_ms", "efficiency", "efficiency_vs_serial",
+        "exact_vs_stock")  # fmt: skip
+
+
+def main() -> None:
+    p = parser(__doc__, workdir="scratch/precision-beyond")
+    p.add_argument("--residency", default="0.25")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--repeat", type=int, default=3)
+    a = p.parse_args()
+    from mlx_streaming.core.meta import load_meta
+    from mlx_streaming.prep.requantize import requantize
+
+    t0 = time.perf_counter()
+    ck, src, meta = build(a)
+    root = Path(a.workdir)
+    rows = []
+    for name, spec in FORMATS.items():
+        model = ck
+        if spec is not None:
+            tag = name.split()[0]
+            model = root / f"model-{tag}"
+            if not (model / "config.json").exists():
+                requantize(src, root / f"experts-{tag}", model_out=model, model=ck, **spec)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "r.json"
+            cmd = [
+                sys.executable,
+                str(Path(__file__).with_name("speed.py")),
+                "--checkpoint",
+                str(model),
+                "--workdir",
+                str(root),
+                "--residency",
+                a.residency,
+                "--tokens",
+                str(a.tokens),
+                "--repeat",
+                str(a.repeat),
+                "--beyond-ram",
+                "direct",
+                "--json",
+                str(out),
+            ]
+            cmd += ["--trace", a.trace] if a.trace else []  # fmt: skip
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            r = json.loads(out.read_text())
+        ed = root / f"{model.name}-experts"
+        for row in r["rows"]:
+            rows.append({"format": name, "residency": row["residency"],
+                         "expert_mb": round(load_meta(ed).expert_bytes() / 1e6, 3),
+                         "stock_tok_per_s": r["stock_tok_per_s"],
+                         **{k: row[k] for k in KEEP}})  # fmt: skip
+            log(rows[-1])
+    finish(
+        a,
+        "precision-beyond-ram",
+        {"preset": a.preset, "source_expert_mb": round(meta.expert_bytes() / 1e6, 3),
+         "method": "O_DIRECT", "tokens": a.tokens, "repeat": a.repeat, "rows": rows},
+        t0,
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
