@@ -43,25 +43,35 @@ def running_server(ck, ed, slots: int):
         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
     )
     base = f"http://127.0.0.1:{port}"
+
+    def output():
+        log.seek(0)
+        return log.read()
+
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if get(base + "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(log.read())
-            if time.time() > deadline:
-                pytest.fail("the server did not become healthy within 60 s")
-            time.sleep(0.5)
+        wait_healthy(port, proc, output, 60)
         yield base, port
     finally:
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def wait_healthy(port: int, proc, output, timeout: float = 120) -> None:
+    """Wait until the server on ``port`` answers /health with 200; fail with its
+    ``output()`` if ``proc`` (its process, or rank 0's) exits first or ``timeout`` s pass."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if get(f"http://127.0.0.1:{port}/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited before it was healthy:\n{output()[-3000:]}")
+        if time.time() > deadline:
+            pytest.fail(f"the server was not healthy within {timeout} s:\n{output()[-3000:]}")
+        time.sleep(0.3)
 
 
 def stream_completion(base: str, prompt: str, max_tokens: int) -> str:

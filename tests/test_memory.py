@@ -10,10 +10,10 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from serving import wait_healthy
 from test_pipeline import free_ports
 
 HERE = Path(__file__).parent
@@ -60,16 +60,7 @@ def test_budget_holds_under_concurrent_serving(model, tmp_path):
         return resp.status, json.loads(resp.read())
 
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                call("GET", "/health")
-                break
-            except OSError:
-                assert time.time() < deadline and proc.poll() is None, (
-                    tmp_path / "err"
-                ).read_text()
-                time.sleep(0.3)
+        wait_healthy(port, proc, (tmp_path / "err").read_text)
         codes = []
 
         def client(i):
@@ -211,17 +202,7 @@ def test_a_thousand_requests_leak_nothing(tmp_path):
         s.close()
 
     try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                c.request("GET", "/health")
-                if c.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            assert time.time() < deadline and proc.poll() is None, (tmp_path / "err").read_text()
-            time.sleep(0.3)
+        wait_healthy(port, proc, (tmp_path / "err").read_text)
         after_100 = None
         for i in range(1000):
             kind = i % 10

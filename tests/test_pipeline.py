@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mlx_lm import load
+from serving import wait_healthy
 
 from mlx_streaming.analysis.verify import greedy_trace
 
@@ -373,19 +374,7 @@ def test_a_stopped_rank_fails_the_request_in_flight(models, tmp_path):
     argv += ["--pipeline", "--pipeline-timeout", "5", "--port", str(port)]
     procs = _start_ranks(2, tmp_path, argv)
     try:
-        deadline = time.time() + 120
-        while True:  # up once /health answers
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                c.request("GET", "/health")
-                if c.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            assert time.time() < deadline and procs[0].poll() is None, (
-                tmp_path / "rank0.err"
-            ).read_text()
-            time.sleep(0.5)
+        wait_healthy(port, procs[0], (tmp_path / "rank0.err").read_text)
         body = {"prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "stream": True}
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})

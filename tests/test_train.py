@@ -130,17 +130,22 @@ def test_the_committed_model_is_predictable(tmp_path):
     assert t["prefetch_used"] > 0, t
 
 
-def test_chat_takes_the_trained_model(tmp_path):
-    """`chat` without --model: the trained model continues the text typed; a blank line
-    asks for nothing; q ends it."""
+def chat(tmp_path, stdin: str, max_tokens: int):
+    """``chat`` on the trained model (no --model) with ``stdin`` piped in."""
     import subprocess
     import sys
 
-    r = subprocess.run(
-        [sys.executable, "-m", "mlx_streaming", "chat", "--slots", "32", "--max-tokens", "16",
-         "--expert-dir", str(tmp_path / "ed")],
-        input="def add(a, b):\n\nq\n", capture_output=True, text=True, timeout=240,
+    return subprocess.run(
+        [sys.executable, "-m", "mlx_streaming", "chat", "--slots", "32", "--max-tokens",
+         str(max_tokens), "--expert-dir", str(tmp_path / "ed")],
+        input=stdin, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
+
+
+def test_chat_takes_the_trained_model(tmp_path):
+    """`chat` without --model: the trained model continues the text typed; a blank line
+    asks for nothing; q ends it."""
+    r = chat(tmp_path, "def add(a, b):\n\nq\n", 16)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "tiny-stdlib-moe" in r.stdout and "16 tokens" in r.stdout, r.stdout[-2000:]
     assert "bye" in r.stdout
@@ -148,14 +153,7 @@ def test_chat_takes_the_trained_model(tmp_path):
 
 def test_chat_ends_at_the_end_of_its_input(tmp_path):
     """A prompt piped in (no q): the answer, then a clean end, no traceback."""
-    import subprocess
-    import sys
-
-    r = subprocess.run(
-        [sys.executable, "-m", "mlx_streaming", "chat", "--slots", "32", "--max-tokens", "8",
-         "--expert-dir", str(tmp_path / "ed")],
-        input="def parse(args):\n", capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+    r = chat(tmp_path, "def parse(args):\n", 8)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "EOFError" not in r.stderr, r.stderr[-2000:]
     assert "8 tokens" in r.stdout and "bye" in r.stdout, r.stdout[-2000:]
