@@ -347,8 +347,8 @@ def _compare_stock(cfg: BenchConfig, streamed, tokenizer, ids, routing, files=()
     gc.collect()
     mem.clear_cache()
 
-    def median(i, who=0):
-        return round(statistics.median(p[who][i] for p in pairs), 2)
+    def median(i):  # stock's runs
+        return round(statistics.median(p[0][i] for p in pairs), 2)
 
     def ratio(i):
         return round(statistics.median(p[1][i] / p[0][i] for p in pairs), 4)

@@ -4,8 +4,8 @@ A miss is read through the OS page cache unless the store reads with O_DIRECT: t
 the pools, the trunk and the process leave free holds recently read records, and a miss
 found there costs a memory copy, not a disk read. ``simulate_tiers`` replays a trace
 through the store's own slot tables and policy (the pool tier) and, beneath them, a page
-cache of a given size holding whole records (an LRU over every layer's records, a model
-of Linux's active and inactive lists), and counts per token the pool hits, the misses the
+cache of a given size holding whole records (one LRU over every layer's records: a
+model of Linux's active and inactive lists moved its prediction by 2% only), and counts per token the pool hits, the misses the
 page cache serves and the misses read from the disk. Sampled layers share a page cache
 scaled to their share of the model's layers.
 """
