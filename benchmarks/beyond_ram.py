@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -117,39 +118,6 @@ def page_cache_room() -> int:
     return max(0, limit - (used - cache))
 
 
-class RoomSampler:
-    """``page_cache_room`` sampled every 50 ms on a thread while a ``with`` block runs (the
-    room at the end of a run overstates what the cache had during it)."""
-
-    def __init__(self, on: bool):
-        import threading
-
-        self.on, self.samples = on, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.wait(0.05):
-            self.samples.append(page_cache_room())
-
-    def __enter__(self):
-        if self.on:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.on:
-            self._stop.set()
-            self._thread.join()
-            self.samples.append(page_cache_room())
-
-    def median(self) -> int:
-        return int(statistics.median(self.samples)) if self.samples else 0
-
-    def range(self) -> tuple[int, int]:
-        return (min(self.samples), max(self.samples)) if self.samples else (0, 0)
-
-
 def child(job: dict) -> dict:
     """One (method, residency) row, in this fresh process (see the module's text)."""
     from mlx_streaming.bench.measure import enter_memory_limit
@@ -160,6 +128,7 @@ def child(job: dict) -> dict:
 
     from mlx_streaming.analysis.verify import Trace, compare_traces, greedy_trace
     from mlx_streaming.bench.measure import bounds, drop_page_cache, measure_read_gbps
+    from mlx_streaming.core.mem import Sampler
     from mlx_streaming.core.meta import load_meta
     from mlx_streaming.core.options import StreamConfig
     from mlx_streaming.core.runtime import resolve
@@ -187,7 +156,8 @@ def child(job: dict) -> dict:
     ttft = time.perf_counter() - t1
     runs, per_run = [], []
     disk0 = disk_read_bytes()
-    with RoomSampler(bool(job["limit"])) as room:
+    room = Sampler(lambda: (page_cache_room(),), 0.05) if job["limit"] else nullcontext()
+    with room:
         for _ in range(job["repeat"]):
             store.reset_stats()
             tps, _, n = decode_run(model, tok, ids, job["tokens"])
@@ -199,7 +169,8 @@ def child(job: dict) -> dict:
     hits = sum(t["hits"] for t, _ in per_run)
     lookups = hits + sum(t["misses"] for t, _ in per_run)
     page_cache_end = page_cache_room() if job["limit"] else 0
-    page_cache = room.median() if job["limit"] else 0  # what the runs had, not the end
+    rooms = [r for _, r in room.series] if job["limit"] else [0]
+    page_cache = int(statistics.median(rooms))  # what the runs had, not the end
     predicted = None
     if trace is not None:  # the calls since the cold start: the first token's prompt
         # (uncounted), then each run's prompt in one call and one per decoded token
@@ -227,7 +198,7 @@ def child(job: dict) -> dict:
         # same calls of the trace and the page cache the limit leaves
         "disk_bytes_per_token": round(disk_tok),
         "page_cache_room_gb": round(page_cache / 1e9, 3),  # the median during the runs
-        "page_cache_room_gb_range": [round(x / 1e9, 3) for x in room.range()],
+        "page_cache_room_gb_range": [round(min(rooms) / 1e9, 3), round(max(rooms) / 1e9, 3)],
         "page_cache_room_gb_at_end": round(page_cache_end / 1e9, 3),
         "predicted_disk_bytes_per_token": predicted and round(predicted.disk_bytes_per_token),
         "predicted_pool_hit_rate": predicted and round(predicted.shares()["pool"], 4),

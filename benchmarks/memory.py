@@ -51,12 +51,12 @@ def phase_split(model: str, experts: str) -> dict:
         t0 = time.perf_counter()
         split_model(model, experts, progress=False)
         secs = time.perf_counter() - t0
-    s.peak_rss = max(s.peak_rss, peak_rss_bytes())
+    peak = max(s.peak_rss, peak_rss_bytes())
     meta = load_meta(experts)
     lay = next(iter(meta.layers.values()))
     return {
         "split_s": round(secs, 2),
-        "split_peak_rss_delta": s.peak_rss - base,
+        "split_peak_rss_delta": peak - base,
         "layer_expert_bytes": lay.num_experts * lay.record_bytes,
     }
 

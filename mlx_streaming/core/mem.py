@@ -89,28 +89,29 @@ def clear_cache() -> None:
     mx.clear_cache()
 
 
-class MemorySampler:
-    """Samples RSS and MLX active memory on a thread while a ``with`` block runs; keeps
-    the peaks and a time series."""
+class Sampler:
+    """Calls ``probe`` (which returns a tuple) on a thread every ``every_s`` seconds while
+    a ``with`` block runs, and once more at its end; ``series`` keeps
+    ``(seconds, *probe())``."""
 
-    def __init__(self, every_s: float = 0.02):
+    def __init__(self, probe, every_s: float = 0.02):
         import threading
         import time
 
-        self._time, self.every = time, every_s
-        self.peak_rss = rss_bytes()
-        self.peak_mlx = mx.get_active_memory()
-        self.series: list[tuple[float, int, int]] = []  # (seconds, rss, mlx active)
+        self.probe, self.every, self._time = probe, every_s, time
+        self.series: list[tuple] = []
+        self._t0 = time.perf_counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def _sample(self):
+        self.series.append((round(self._time.perf_counter() - self._t0, 3), *self.probe()))
+
     def _run(self):
-        t0 = self._time.perf_counter()
-        while not self._stop.is_set():
-            r, m = rss_bytes(), mx.get_active_memory()
-            self.peak_rss, self.peak_mlx = max(self.peak_rss, r), max(self.peak_mlx, m)
-            self.series.append((round(self._time.perf_counter() - t0, 3), r, m))
-            self._time.sleep(self.every)
+        while True:
+            self._sample()
+            if self._stop.wait(self.every):
+                return
 
     def __enter__(self):
         self._thread.start()
@@ -119,7 +120,24 @@ class MemorySampler:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak_rss = max(self.peak_rss, rss_bytes())
+        self._sample()
+
+
+class MemorySampler(Sampler):
+    """Samples RSS and MLX active memory on a thread while a ``with`` block runs; keeps
+    the peaks and a time series of ``(seconds, rss, mlx active)``."""
+
+    def __init__(self, every_s: float = 0.02):
+        super().__init__(lambda: (rss_bytes(), mx.get_active_memory()), every_s)
+        self._start = (rss_bytes(), mx.get_active_memory())
+
+    @property
+    def peak_rss(self) -> int:
+        return max([self._start[0], *(r for _, r, _ in self.series)])
+
+    @property
+    def peak_mlx(self) -> int:
+        return max([self._start[1], *(m for _, _, m in self.series)])
 
 
 def machine_memory() -> tuple[int, int]:
