@@ -9,15 +9,16 @@ runs on the trained model (``checkpoints/tiny-stdlib-moe``, real routers on held
 Python), whose router probabilities at every token and layer it records.
 
 Demand caching per MoE layer at 1/8, 1/4 and 1/2 of the experts, one lookup per token
-(the token's distinct experts must be resident; victims are chosen among the others):
+(the token's distinct experts must be resident; victims are chosen among the others),
+every row through the store's own slot tables (``SlotCache``); the router rankings are
+the package's ranking with its history weights at 0 and router terms added (ties to the
+least recently used):
 
 - ``lru``, ``belady``: the two ends of the gap; ``predictive``: the package's default
-  (its weights as shipped), through the store's own slot tables;
+  (its weights as shipped);
 - ``soft-ema b``: evict the resident expert with the lowest exponential average (decay
   ``b``) of its router probability, this token's included (what the host knows when it
   evicts: this token's routing is in hand);
-- ``soft-ema b + lru``: the same, ties and near-ties broken by recency (the average
-  plus a small recency term);
 - ``next-router (oracle)``: evict by the next token's router probability at this layer,
   which no online policy has: how far a perfect next-token router predictor would go;
   ``+ soft-ema 0.95``: that oracle plus the history of the averages.
@@ -74,62 +75,23 @@ def record(model, ids: np.ndarray, seq: int, windows: int):
     return np.concatenate(top).astype(np.int64), np.concatenate(probs)
 
 
-def simulate_layer(top: np.ndarray, probs: np.ndarray, capacity: int, policy: str,
-                   decay: float = 0.5) -> tuple[int, float]:  # fmt: skip
-    """Misses of one layer's demand cache (``top`` [T, k], ``probs`` [T, E]) and, for the
-    soft averages, the predictor's accuracy (share of the next token's experts among
-    its ``capacity`` best-ranked)."""
-    T, E = probs.shape
-    resident = np.zeros(E, bool)
-    last = np.full(E, -1.0)
-    ema = np.zeros(E)
-    next_use = None
-    if policy == "belady":
-        next_use = np.full((T, E), np.inf)
-        upcoming = np.full(E, np.inf)
-        for t in range(T - 1, -1, -1):
-            next_use[t] = upcoming
-            upcoming[np.unique(top[t])] = t
-    misses, hit_next, asked = 0, 0, 0
-    for t in range(T):
-        need = np.unique(top[t])
-        if policy.startswith("soft-ema") or policy == "next-router+ema":
-            ema = decay * ema + (1 - decay) * probs[t]
-            if t + 1 < T:
-                ranked = np.argsort(-ema)[:capacity]
-                nxt = np.unique(top[t + 1])
-                hit_next += np.isin(nxt, ranked).sum()
-                asked += len(nxt)
-        last[need] = t
-        miss = need[~resident[need]]
-        misses += len(miss)
-        free = capacity - int(resident.sum())
-        over = len(miss) - free
-        if over > 0:
-            cand = np.flatnonzero(resident)
-            cand = cand[~np.isin(cand, need)]
-            if policy == "lru":
-                score = last[cand]
-            elif policy == "belady":
-                score = -next_use[t][cand]
-            elif policy == "soft-ema":
-                score = ema[cand]
-            elif policy == "soft-ema+lru":
-                score = ema[cand] + 1e-3 * last[cand] / T
-            elif policy == "next-router":
-                score = probs[min(t + 1, T - 1)][cand]
-            elif policy == "next-router+ema":
-                score = probs[min(t + 1, T - 1)][cand] + ema[cand]
-            else:
-                raise ValueError(policy)
-            resident[cand[np.argsort(score, kind="stable")[:over]]] = False
-        resident[miss] = True
-    return misses, (hit_next / asked if asked else float("nan"))
+def ema_accuracy(top: np.ndarray, probs: np.ndarray, capacity: int, decay: float) -> float:
+    """Share of each next token's experts among the ``capacity`` experts with the highest
+    soft average of router probabilities (this token's included): the soft averages'
+    accuracy as a predictor of the next token's routing."""
+    ema, hit, asked = np.zeros(probs.shape[-1]), 0, 0
+    for t in range(len(top) - 1):
+        ema = decay * ema + (1 - decay) * probs[t]
+        nxt = np.unique(top[t + 1])
+        hit += np.isin(nxt, np.argsort(-ema)[:capacity]).sum()
+        asked += len(nxt)
+    return hit / asked
 
 
 def router_scored(E: int, weights, extra=(0.0, 0.0), decay: float = 0.95):
     """The package's ranking (numpy reference) with two more terms: the soft average of
-    the expert's router probability (this token's included) and this token's."""
+    the expert's router probability (this token's included) and this token's (or, for
+    the oracles, the next token's)."""
     from mlx_streaming.core.cache.scored import Scored
 
     class RouterScored(Scored):
@@ -137,9 +99,9 @@ def router_scored(E: int, weights, extra=(0.0, 0.0), decay: float = 0.95):
             super().__init__(E, weights=weights, native=False)
             self.ema, self.cur, self.extra = np.zeros(E), np.zeros(E), extra
 
-        def see(self, p: np.ndarray) -> None:
+        def see(self, p: np.ndarray, ahead: np.ndarray | None = None) -> None:
             self.ema = decay * self.ema + (1 - decay) * p
-            self.cur = p
+            self.cur = p if ahead is None else ahead
 
         def scores(self, current):
             return super().scores(current) + self.extra[0] * self.ema + self.extra[1] * self.cur
@@ -177,30 +139,31 @@ def fit(top: np.ndarray, probs: np.ndarray, router: bool, horizon=8, discount=0.
     return tuple(w[:6]), (tuple(w[6:]) if router else (0.0, 0.0))
 
 
-def scored_misses(top, probs, capacity, weights, extra) -> int:
-    """Misses of one layer under ``router_scored`` through the store's ``SlotCache``."""
+def layer_misses(top: np.ndarray, probs: np.ndarray, capacity: int, policy: str,
+                 weights=(0.0,) * 6, extra=(0.0, 0.0), decay: float = 0.95) -> int:  # fmt: skip
+    """Misses of one layer (``top`` [T, k], ``probs`` [T, E]) through the store's
+    ``SlotCache``: ``lru``, ``predictive`` or ``belady`` (the package's policies), or
+    ``router`` (``router_scored`` with ``weights``, ``extra`` and ``decay``) or
+    ``router-ahead`` (the same, its second term the next token's probabilities)."""
+    from mlx_streaming.core.cache.policy import Belady, make_policy
     from mlx_streaming.core.cache.slots import SlotCache
 
     E = probs.shape[-1]
-    pol = router_scored(E, weights, extra)
+    lookups = [np.unique(row) for row in top]
+    if policy == "belady":
+        pol = Belady(E, lookups)
+    elif policy.startswith("router"):
+        pol = router_scored(E, weights, extra, decay)
+    else:
+        pol = make_policy(policy, E, capacity)
     cache = SlotCache(E, capacity, pol)
-    for t in range(len(top)):
-        pol.see(probs[t])
-        cache.lookup(np.unique(top[t]))
+    for t, need in enumerate(lookups):
+        if policy == "router":
+            pol.see(probs[t])
+        elif policy == "router-ahead":
+            pol.see(probs[t], probs[min(t + 1, len(top) - 1)])
+        cache.lookup(need)
     return cache.stats.misses
-
-
-def package_policy(top: np.ndarray, capacity: int, name: str) -> int:
-    """Misses of the package's own policy ``name`` through ``SlotCache``."""
-    from mlx_streaming.core.cache.policy import make_policy
-    from mlx_streaming.core.cache.slots import SlotCache
-
-    E = int(top.max()) + 1
-    cache = SlotCache(E, capacity, make_policy(name, E, capacity))
-    before = cache.stats.misses
-    for row in top:
-        cache.lookup(np.unique(row))
-    return cache.stats.misses - before
 
 
 def main() -> None:
@@ -223,22 +186,20 @@ def main() -> None:
     for frac in (8, 4, 2):
         c = E // frac
         res: dict[str, dict] = {}
-        named = [("lru", "lru", 0), ("belady", "belady", 0)]
-        named += [(f"soft-ema {b}", "soft-ema", b) for b in (0.5, 0.9, 0.95, 0.98, 0.99)]
-        named += [(f"soft-ema {b} + lru", "soft-ema+lru", b) for b in (0.95,)]
-        named += [("next-router (oracle)", "next-router", 0)]
-        named += [("next-router + soft-ema 0.95 (oracle)", "next-router+ema", 0.95)]
-        for label, pol, b in named:
-            out = [simulate_layer(top[:, li], probs[:, li], c, pol, b) for li in range(L)]
-            res[label] = {"misses": sum(m for m, _ in out),
-                          "predictor_accuracy": round(float(np.mean([x for _, x in out])), 3)
-                          if pol.startswith("soft") else None}  # fmt: skip
-        res["predictive"] = {
-            "misses": sum(package_policy(top[:, li], c, "predictive") for li in range(L)),
-            "predictor_accuracy": None,
-        }
-        check = sum(package_policy(top[:, li], c, "lru") for li in range(L))
-        assert check == res["lru"]["misses"], (check, res["lru"])  # the same bookkeeping
+        named = {"lru": {"policy": "lru"}, "belady": {"policy": "belady"}}
+        named |= {f"soft-ema {b}": {"policy": "router", "extra": (1.0, 0.0), "decay": b}
+                  for b in (0.5, 0.9, 0.95, 0.98, 0.99)}  # fmt: skip
+        named["next-router (oracle)"] = {"policy": "router-ahead", "extra": (0.0, 1.0)}
+        named["next-router + soft-ema 0.95 (oracle)"] = {"policy": "router-ahead",
+                                                         "extra": (1.0, 1.0)}  # fmt: skip
+        named["predictive"] = {"policy": "predictive"}
+        for label, kw in named.items():
+            res[label] = {
+                "misses": sum(layer_misses(top[:, li], probs[:, li], c, **kw) for li in range(L)),
+                "predictor_accuracy": round(float(np.mean([
+                    ema_accuracy(top[:, li], probs[:, li], c, kw["decay"]) for li in range(L)
+                ])), 3) if "decay" in kw else None,
+            }  # fmt: skip
         lru, best = res["lru"]["misses"], res["belady"]["misses"]
         for r in res.values():
             r["misses_per_token"] = round(r["misses"] / T, 3)
@@ -249,20 +210,18 @@ def main() -> None:
     half = T // 2
     learned = {"history (refit here)": fit(top[:half], probs[:half], False),
                "history + router": fit(top[:half], probs[:half], True)}  # fmt: skip
-    from mlx_streaming.core.cache.scored import PREDICTIVE_WEIGHTS
-
     held = {}
     for frac in (8, 4, 2):
         c = E // frac
         res = {}
-        for label, pol in (("lru", "lru"), ("belady", "belady")):
+        cases = {"lru": {"policy": "lru"}, "belady": {"policy": "belady"},
+                 "predictive (shipped)": {"policy": "predictive"}}  # fmt: skip
+        cases |= {
+            k: {"policy": "router", "weights": w, "extra": x} for k, (w, x) in learned.items()
+        }
+        for label, kw in cases.items():
             res[label] = sum(
-                simulate_layer(top[half:, li], probs[half:, li], c, pol)[0] for li in range(L)
-            )  # fmt: skip
-        cases = {"predictive (shipped)": (PREDICTIVE_WEIGHTS, (0.0, 0.0)), **learned}
-        for label, (w, extra) in cases.items():
-            res[label] = sum(
-                scored_misses(top[half:, li], probs[half:, li], c, w, extra) for li in range(L)
+                layer_misses(top[half:, li], probs[half:, li], c, **kw) for li in range(L)
             )  # fmt: skip
         lru, best = res["lru"], res["belady"]
         held[f"1/{frac} ({c} slots)"] = {
