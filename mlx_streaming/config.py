@@ -32,6 +32,8 @@ class Settings:
     prefill_chunk: int = SEED_PREFILL_CHUNK
     pool_profile: str | None = None  # a path, "none", or None (use EXPERT_DIR's)
     home_dir: Path = Path("~/.cache/mlx_streaming").expanduser()
+    launch_rank: str = "?"  # what mlx.launch set: this rank and its hostfile (for errors)
+    launch_hostfile: str = "unset"
 
     @property
     def kernel_check_file(self) -> Path:
@@ -49,6 +51,8 @@ def settings() -> Settings:
         prefill_chunk=_int_env("PREFILL_CHUNK", SEED_PREFILL_CHUNK),
         pool_profile=os.environ.get("EXPERT_POOL_PROFILE") or None,
         home_dir=Path(os.environ.get("MLX_STREAMING_HOME", "~/.cache/mlx_streaming")).expanduser(),
+        launch_rank=os.environ.get("MLX_RANK", "?"),
+        launch_hostfile=os.environ.get("MLX_HOSTFILE", "unset"),
     )
 
 

@@ -25,6 +25,8 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
+from .config import settings
+
 DEFAULT_CONNECT_TIMEOUT_S = 60.0  # to connect, and for a peer to answer during a step
 EXIT_PEER_SILENT = 6
 
@@ -43,10 +45,11 @@ def init_pipeline(timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S):
     Raises:
         PipelineError: the process was not launched as part of a group of two or more.
     """
+    env = settings()
     message = (
-        f"mlx_streaming: error: rank {os.environ.get('MLX_RANK', '?')} could not connect "
+        f"mlx_streaming: error: rank {env.launch_rank} could not connect "
         f"to its pipeline peers within {timeout_s:.0f} s (hostfile "
-        f"{os.environ.get('MLX_HOSTFILE', 'unset')}): start every rank with mlx.launch, "
+        f"{env.launch_hostfile}): start every rank with mlx.launch, "
         "check the hosts and ports, or raise --pipeline-timeout"
     )
     with _Watchdog(timeout_s, message):

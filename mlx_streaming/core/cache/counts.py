@@ -73,7 +73,7 @@ class ResidentSet:
 
     @property
     def gpu_fastpath(self) -> int:
-        """MoE layer calls whose experts were all resident (pure device path)."""
+        """MoE layer calls whose experts were all resident: nothing loaded (either path)."""
         self.counts.collect()
         return sum(s.fastpath for s in self.stats.values())
 

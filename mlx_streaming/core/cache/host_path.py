@@ -83,9 +83,9 @@ class HostPath:
         t0 = time.perf_counter()
         self.timeline.mark(layer, "request")
         cache, st = self.caches[layer], self.stats[layer]
-        mapped = self.transfers
-        done = mapped.start(indices) if mapped is not None else None
-        guess = mapped.start(also, 1) if mapped is not None and also is not None else None
+        transfers = self.transfers
+        done = transfers.start(indices) if transfers is not None else None
+        guess = transfers.start(also, 1) if transfers is not None and also is not None else None
         wanted = [indices if done is None else done]
         wanted += [] if also is None else [also if guess is None else guess]
         mx.async_eval(wanted)  # the device computes the routing while the host works
@@ -101,7 +101,7 @@ class HostPath:
         # what the graph's evaluation raised (a lost pipeline peer), where a numpy
         # conversion would not (MLX 0.32)
         mx.eval(wanted)
-        host = np.array(indices) if done is None else mapped.read(indices)
+        host = np.array(indices) if done is None else transfers.read(indices)
         t0 = time.perf_counter()  # host time counts the store's own work, not the wait
         self.timeline.mark(layer, "routed")
         st.sync_s += t0 - t1
@@ -115,7 +115,7 @@ class HostPath:
         groups = cache.groups(experts, counts)
         call = LayerCall(layer, "host", host_ids=host, routed_at=t0)
         if also is not None:
-            call.also = np.array(also) if guess is None else mapped.read(also, 1)
+            call.also = np.array(also) if guess is None else transfers.read(also, 1)
         if len(groups) == 1:
             self._one_group(call, groups[0], overlap)
         else:  # expert-major: each group loaded before its step; steps reuse slots

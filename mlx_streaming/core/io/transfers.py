@@ -1,16 +1,17 @@
-"""Small transfers between host and device on CUDA, through page-locked mapped memory.
+"""Small transfers between host and device on CUDA, through page-locked host memory
+the device reads.
 
 MLX's own read of a small array (``mx.eval`` then ``np.array``) touches MLX's managed
 buffer from the host, which migrates its page: ~130 µs on an H200 for six ids, once per
 MoE layer call. ``IdTransfers.start`` instead launches, with the routing, a one-thread
-kernel that writes the ids into page-locked host memory mapped into the device; once its
+kernel that writes the ids into page-locked host memory the device can address; once its
 output is evaluated the host reads them there (~46 µs). A second channel brings a
 read-ahead predictor's guess along with the routing.
 
 The other way, ``mx.array(ids)`` of a few host ids (the slots a call runs) may take a
 cached device buffer, which MLX first moves to managed memory (``cudaMallocManaged`` and
 a blocking copy, MLX 0.32 ``CudaAllocator::malloc_async``). ``IdTransfers.to_device``
-writes the ids into a ring of mapped host buffers and a one-thread kernel copies them
+writes the ids into a ring of such host buffers and a one-thread kernel copies them
 into a device array. The values are the same integers either way; a check at start-up
 compares both transfers with MLX's own and keeps MLX's where they differ.
 """
@@ -37,7 +38,7 @@ _SOURCE = """
 
 
 class IdTransfers:
-    """Small id arrays between host and device through CUDA mapped memory: a routing
+    """Small id arrays between host and device through page-locked host memory the device reads: a routing
     read on the host (``start``, then ``read``), slot ids sent to the device
     (``to_device``)."""
 
