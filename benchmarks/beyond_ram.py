@@ -144,7 +144,7 @@ def child(job: dict) -> dict:
     files = [meta.file(li) for li in meta.layers]
     drop_page_cache(files)
     gbps = measure_read_gbps(
-        meta, rt.threads, rt.direct_io, cold=True, engine=rt.reader == "native"
+        meta, rt.threads, rt.direct_io, cold=True, engine=rt.reader != "python"
     )
     drop_page_cache([*files, *ck.glob("*.safetensors")])
     t0 = time.perf_counter()

@@ -105,7 +105,7 @@ class FileExpertStore:
             warnings.warn(f"{e}; the store reads with pread instead", RuntimeWarning, stacklevel=2)
             rt = resolve(cfg.replace(map_files=False), meta)
             why = f"the files could not be page-locked ({e})"
-            rt = self.runtime = rt.replace(why=(*rt.why, ("decode_path", why)))
+            rt = self.runtime = rt.replace(why=(*rt.why, ("mapped", why), ("decode_path", why)))
             self.reader = make_reader(rt, meta, self.pools)
         self.lock = threading.RLock()  # the tables and policies, against other threads
         self.loads = Loader(
