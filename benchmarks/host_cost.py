@@ -40,7 +40,7 @@ def planning(store, trace, tokens: int, start: int = 5000) -> dict:
             for i in range(len(call.steps)):
                 store.step(call, i)
             if call.wait_at_launch:
-                call.ticket.wait()
+                store.host.wait(call)
             times.append(time.perf_counter() - t0)
     us = 1e6 * np.array(times[50 * len(layers) :])
     return {"median_us": round(float(np.median(us)), 1), "mean_us": round(float(us.mean()), 1)}

@@ -34,7 +34,6 @@ class LayerCall:
     host_ids: np.ndarray | None = None
     steps: list[Step] = field(default_factory=list)
     evaluate_each: bool = False
-    ticket: object | None = None  # the loads' Ticket of a one-group call
     wait_at_launch: bool = False  # the graph was built on reserved slots: wait, then launch
     also: np.ndarray | None = None  # request(also=...) read on the host
     misses: int = 0  # experts this call loaded

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..io.transfers import IdTransfers
 from .calls import LayerCall, Step
-from .loads import Loader
+from .loads import Loader, Ticket
 from .pool import LayerPool
 from .recording import RoutingCounts
 from .slots import SlotCache
@@ -69,6 +69,7 @@ class HostPath:
         self.routing, self.observers, self.timeline = routing, observers, timeline
         self.transfers = transfers  # cuda pools: a decode step's ids through shared memory
         self._previous: int | None = None  # the layer last served
+        self._tickets: dict[int, Ticket] = {}  # per layer: its call's load, until waited
 
     def call(
         self,
@@ -132,10 +133,10 @@ class HostPath:
         reserved slots while the reads land (``finish`` waits before the launch)."""
         cache = self.caches[call.layer]
         split = overlap and 0 < int((cache.slot_of[experts] < 0).sum()) < len(experts)
-        call.ticket = self.loads.begin(call.layer, experts)
-        call.misses = len(call.ticket.misses)
+        ticket = self._tickets[call.layer] = self.loads.begin(call.layer, experts)
+        call.misses = len(ticket.misses)
         if split:
-            miss = member(call.host_ids, call.ticket.misses, cache.num_experts)
+            miss = member(call.host_ids, ticket.misses, cache.num_experts)
             call.steps = [Step(~miss), Step(miss, after_reads=True)]
         else:
             call.steps = [Step()]
@@ -151,17 +152,20 @@ class HostPath:
             call.waited_s += time.perf_counter() - t0
             return s.rows, pool.slots_of(host)
         if s.after_reads:
-            self._wait(call)
+            self.wait(call)
             return s.rows, pool.slots_of(host)
         slots = pool.slots_of(host)
         if call.wait_at_launch:  # the misses' slots, reserved (resident once they land)
-            for e, slot, _ in call.ticket.placed:
+            for e, slot, _ in self._tickets[call.layer].placed:
                 slots[host == e] = slot
         return s.rows, slots
 
-    def _wait(self, call: LayerCall) -> None:
+    def wait(self, call: LayerCall) -> None:
+        """Wait for the misses' reads of ``call`` (a one-group call) and commit them."""
         t0 = time.perf_counter()
-        call.ticket.wait()
+        ticket = self._tickets.pop(call.layer, None)
+        if ticket is not None:
+            ticket.wait()
         call.waited_s += time.perf_counter() - t0
         self.timeline.mark(call.layer, "read")
 
@@ -169,7 +173,7 @@ class HostPath:
         """Wait for the misses' reads if they are still landing; count the call,
         start its output on the device, track it."""
         if call.wait_at_launch:
-            self._wait(call)
+            self.wait(call)
         t0 = time.perf_counter()
         st = self.stats[call.layer]
         if call.misses:
