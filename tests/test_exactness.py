@@ -69,6 +69,13 @@ CONFIGS = {
     "python_reader": lambda m: {"capacity": m.top_k + 1, "reader": "python"},
     "direct_io": lambda m: {"capacity": m.top_k + 1, "direct_io": True},
     "no_overlap": lambda m: {"capacity": m.top_k + 1, "config": StreamConfig(overlap=False)},
+    # the tiny models' records are under OVERLAP_MIN_RECORD: the split is asked for
+    "overlap": lambda m: {"capacity": m.top_k + 1, "config": StreamConfig(overlap=True)},
+    "overlap_python_reader": lambda m: {
+        "capacity": m.top_k + 1,
+        "reader": "python",
+        "config": StreamConfig(overlap=True),
+    },
     "masked_rows": lambda m: {
         "capacity": m.top_k + 1,
         "zero_slot": True,

@@ -107,7 +107,9 @@ class StreamConfig:
         None, "cap on MLX's cache of freed buffers (default: 5%% of the pools, at least 32 MB)"
     )
     overlap: bool | None = option(
-        None, "compute resident experts while misses load (default: on the CPU only)"
+        None,
+        "compute resident experts while misses load (default: on the CPU, for records "
+        "of 256 KiB or more)",
     )
     prefetch: bool = option(False, "read the next layer's predicted experts ahead")
     predictor: object = option(
