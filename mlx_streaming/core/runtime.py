@@ -26,8 +26,9 @@ from .options import StreamConfig
 
 GB = 1e9
 # On the CPU the overlap split (resident rows launched while the misses load) costs a
-# second launch per call, about 100 µs on two cores; it pays for records whose read takes
-# longer. The trained demo model (31 KiB records): 0.85 of stock without it, 0.77-0.79
+# second launch per call with misses (an ``async_eval``, which blocks on MLX's CPU backend:
+# a call's launch in ``HostPath.finish`` took ~100 µs on two cores); it pays for records
+# whose read takes longer. The trained demo model (31 KiB records): 0.85 of stock without it, 0.77-0.79
 # with it, five runs of benchmarks/demo_gap.py (2026-12-02); DeepSeek-V2-Lite's 4-bit
 # shape (0.55 MB records): 0.854 with it, 0.811 without at 12.5% (RESULTS.md).
 OVERLAP_MIN_RECORD = 256 * 1024
@@ -218,16 +219,14 @@ def resolve(
 
     if cfg.overlap is not None:
         overlap = cfg.overlap
-    elif b != "cpu":
-        overlap = False
+    elif b != "cpu" or meta is None:
+        overlap = b == "cpu"
     else:  # the split's second launch pays only where a record's read outlasts it
-        biggest = max((lay.record_bytes for lay in meta.layers.values()), default=0) if meta else 0
-        overlap = meta is None or biggest >= OVERLAP_MIN_RECORD
+        biggest = max((lay.record_bytes for lay in meta.layers.values()), default=0)
+        overlap = biggest >= OVERLAP_MIN_RECORD
         why["overlap"] = (
             f"records of {biggest / 1024:.0f} KiB "
             f"{'reach' if overlap else 'are under'} {OVERLAP_MIN_RECORD // 1024} KiB"
-            if meta is not None
-            else ""
         )
     if cfg.threads is not None:
         threads = cfg.threads

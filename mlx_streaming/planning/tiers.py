@@ -5,9 +5,9 @@ the pools, the trunk and the process leave free holds recently read records, and
 found there costs a memory copy, not a disk read. ``simulate_tiers`` replays a trace
 through the store's own slot tables and policy (the pool tier) and, beneath them, a page
 cache of a given size holding whole records (one LRU over every layer's records: a
-model of Linux's active and inactive lists moved its prediction by 2% only), and counts per token the pool hits, the misses the
-page cache serves and the misses read from the disk. Sampled layers share a page cache
-scaled to their share of the model's layers.
+model of Linux's active and inactive lists moved its prediction by 2% only), and counts
+per token the pool hits, the misses the page cache serves and the misses read from the
+disk. Sampled layers share a page cache scaled to their share of the model's layers.
 """
 
 from __future__ import annotations

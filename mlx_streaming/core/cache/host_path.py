@@ -4,10 +4,10 @@ the store's ``Loader``, the rows computed in steps.
 One host synchronisation per call reads the routing (on CUDA a decode step's through
 page-locked host memory the device reads, ``io.transfers``, as is a read-ahead
 predictor's guess); the layer's shared experts are launched after it, apart, and compute
-while the host plans. While the device
-computes the routing, the host applies the previous call's policy update. Then the
-misses start loading at once, while the expert graph is built (launched once they have
-landed); with overlap, the resident experts' rows form a first step that needs no wait.
+while the host plans. While the device computes the routing, the host applies the
+previous call's policy update. Then the misses start loading at once, while the expert
+graph is built (launched once they have landed); with overlap, the resident experts' rows
+form a first step that needs no wait.
 A call with more distinct experts than slots runs expert-major: one group of experts at
 a time, each read at most once per call.
 """

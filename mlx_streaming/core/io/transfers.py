@@ -38,9 +38,9 @@ _SOURCE = """
 
 
 class IdTransfers:
-    """Small id arrays between host and device through page-locked host memory the device reads: a routing
-    read on the host (``start``, then ``read``), slot ids sent to the device
-    (``to_device``)."""
+    """Small id arrays between host and device through page-locked host memory the
+    device reads: a routing read on the host (``start``, then ``read``), slot ids sent to
+    the device (``to_device``)."""
 
     def __init__(self):
         from . import cuda
