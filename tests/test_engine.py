@@ -84,7 +84,7 @@ def test_reads_records_into_the_slots_asked(models):
     for li in meta.layers:
         experts = rng.choice(meta.num_experts, 12, replace=False)
         slots = rng.permutation(12)
-        assert reader.read(li, experts, slots) == 12 * meta.layers[li].record_bytes
+        assert reader._read_waves(li, experts, slots) == 12 * meta.layers[li].record_bytes
         for e, s in zip(experts, slots):
             assert_slot_holds(meta, pools, li, s, e)
     c = dict(zip(COUNTERS, reader.counters.sum(0).tolist()))
@@ -110,10 +110,10 @@ def test_bad_requests_raise_and_leave_the_reader_usable(models):
         ([0, 1], [0], "2 experts for 1 slots"),
     ]:
         with pytest.raises(ValueError, match=what):
-            reader.read(li, experts, slots)
+            reader._read_waves(li, experts, slots)
     with pytest.raises(KeyError):
-        reader.read(10**6, [0], [0])
-    reader.read(li, [3], [1])
+        reader._read_waves(10**6, [0], [0])
+    reader._read_waves(li, [3], [1])
     assert_slot_holds(meta, pools, li, 1, 3)
     reader.close()
 
@@ -167,7 +167,7 @@ except OSError as e:
 print("threads left:", tasks() - before)
 r = NativeReader(meta, pools, threads=1, checksums=False)  # room for one again: all freed
 li = sorted(meta.layers)[0]
-print("then:", r.threads, r.read(li, [3], [1]) == meta.layers[li].record_bytes)
+print("then:", r.threads, r._read_waves(li, [3], [1]) == meta.layers[li].record_bytes)
 r.close()
 """
 
@@ -239,13 +239,13 @@ def test_concurrent_errors_name_their_own_request(models):
         for i in range(300):
             bad = E + 1 + 2 * i + t  # this thread's request, this time
             try:
-                (reader.read if t == 0 else reader.start)(li, [bad], [4 * t])
+                (reader._read_waves if t == 0 else reader.start)(li, [bad], [4 * t])
                 wrong.append(f"expert {bad} was not refused")
             except ValueError as ex:
                 if f"expert {bad} " not in str(ex):
                     wrong.append(f"expert {bad}: {ex}")
             if t == 0:
-                reader.read(li, [0, 2, 4], [1, 2, 3])  # two waves
+                reader._read_waves(li, [0, 2, 4], [1, 2, 3])  # two waves
             else:
                 reader.start(li, [1, 3], [5, 6]).result()
 
@@ -300,7 +300,7 @@ def test_fuzzed_requests_never_crash(fuzz_reader, ops, trim):
             and len(set(slots)) == len(slots)
             and (kind == "read" or big or not is_open)
         )
-        op = reader.read if kind == "read" else reader.start
+        op = reader._read_waves if kind == "read" else reader.start
         if ok:
             got = op(li, experts, slots)
             if kind == "start":
@@ -348,7 +348,7 @@ def test_started_reads_land_like_reads(models, tmp_path):
     big = reader.start(li, [1, 10, 11, 12, 13], [0, 1, 2, 3, 4])  # over a wave: read now
     assert big.done() and big.result() == 5 * meta.layers[li].record_bytes
     r = reader.start(li, [6], [3])
-    reader.read(li, [7, 8], [4, 5])  # waits for the started read first, keeps its outcome
+    reader._read_waves(li, [7, 8], [4, 5])  # waits for the started read first, keeps its outcome
     assert r.result() == meta.layers[li].record_bytes
     for e, s in [(6, 3), (7, 4), (8, 5)]:
         assert_slot_holds(meta, pools, li, s, e)
@@ -373,13 +373,13 @@ def test_corrupt_record_names_file_and_expert(models, tmp_path):
     data.tofile(meta.file(li))
     meta, pools, reader = reader_over(ed, 4, threads=2)
     with pytest.raises(ExpertChecksumError, match=r"expert 5 of layer .* in .*layer_.*fails its"):
-        reader.read(li, [6, 5], [0, 1])
-    reader.read(li, [6, 7], [0, 1])  # the next call works
+        reader._read_waves(li, [6, 5], [0, 1])
+    reader._read_waves(li, [6, 7], [0, 1])  # the next call works
     assert_slot_holds(meta, pools, li, 1, 7)
     # each record is checked the first time it is read: 6 and 7 passed, 5 never did
     assert reader.checked[li][[5, 6, 7]].tolist() == [0, 1, 1]
     with pytest.raises(ExpertChecksumError, match=r"expert 5 of"):
-        reader.read(li, [5], [2])  # a failed record is checked again
+        reader._read_waves(li, [5], [2])  # a failed record is checked again
     reader.close()
 
 
@@ -456,8 +456,8 @@ def test_short_and_shrinking_files(models, tmp_path):
     meta, pools, reader = reader_over(ed, 4, threads=2)
     os.truncate(meta.file(li), 3 * lay.stride)  # shrinks underneath the open reader
     with pytest.raises(RecordReadError, match=r"shrank.*expert 9 .*split the model again"):
-        reader.read(li, [9], [0])
-    reader.read(li, [1], [0])  # records still in the file read on
+        reader._read_waves(li, [9], [0])
+    reader._read_waves(li, [1], [0])  # records still in the file read on
     reader.close()
     with pytest.raises(OSError, match="holds"):  # the meta was read before the cut
         NativeReader(meta, pools)
@@ -475,7 +475,7 @@ def test_a_file_short_of_its_last_stride_is_refused(models, tmp_path, short):
     need = lay.num_experts * lay.stride
     assert meta.file(li).stat().st_size == need and lay.record_bytes < lay.stride
     meta, pools, reader = reader_over(ed, 4, threads=2)
-    reader.read(li, [lay.num_experts - 1], [0])
+    reader._read_waves(li, [lay.num_experts - 1], [0])
     assert_slot_holds(meta, pools, li, 0, lay.num_experts - 1)
     reader.close()
     size = {"stride": need - lay.stride, "byte": need - 1,

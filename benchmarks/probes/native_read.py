@@ -65,7 +65,7 @@ def main():
                             y = y @ x * 1e-3
                         mx.async_eval(y)
                     t = time.perf_counter()
-                    r.read(layer, experts, np.arange(n))
+                    r.start(layer, experts, np.arange(n)).result()
                     ts.append(time.perf_counter() - t)
                     if busy:
                         mx.eval(y)

@@ -3,7 +3,7 @@ ctypes.
 
 ``NativeReader.start(layer, experts, slots)`` starts reading a wave of records into pool
 slots on the engine's own threads, without the GIL, and ``Started.result()`` collects it;
-``NativeReader.read`` is start and finish a wave at a time. Pieces ``pread`` into a
+a request over a wave is read before ``start`` returns, a wave at a time. Pieces ``pread`` into a
 staging area are copied into each slot's part rows (``cudaMemcpyAsync`` for CUDA pools,
 ``memcpy`` for host pools), XXH3 checksums checked with the xxhash package's own
 ``XXH3_64bits``. Where the compiled library is missing (a source tree never installed),
@@ -143,18 +143,11 @@ class NativeReader:
         if rc:
             raise OSError(f"{self.meta.file(li)}: {self._why()}")
 
-    def read(self, layer: int, experts, slots) -> int:
-        """Read records ``experts`` of ``layer`` into ``slots`` (reserved by the caller), a
-        wave at a time, each started and finished on the engine's threads; returns the
-        bytes read. The GIL is released meanwhile. A read started and not yet finished is
-        finished first (its ``result()`` keeps its outcome).
-
-        Raises:
-            ValueError: a bad request, refused: a slot named twice or lengths that differ
-                before anything is read, a bad expert or slot before its wave is read.
-            ExpertChecksumError, RecordReadError: naming the file and the expert; the slots
-                written may hold partial data and must not be used.
-        """
+    def _read_waves(self, layer: int, experts, slots) -> int:
+        """``start``'s read of more than a wave: the records a wave at a time, each started
+        and finished on the engine's threads, the GIL released meanwhile; returns the bytes
+        read. A read started and not yet finished is finished first (its ``result()``
+        keeps its outcome)."""
         e = np.ascontiguousarray(experts, np.int32)
         s = np.ascontiguousarray(slots, np.int32)
         pos, w = self.pos[layer], self._wave
@@ -178,17 +171,21 @@ class NativeReader:
         return self._wave
 
     def start(self, layer: int, experts, slots) -> Started | Done:
-        """Start reading records ``experts`` of ``layer`` into ``slots`` on the engine's
-        threads and return at once; ``result()`` waits and raises as ``read`` would. At
-        most a ``wave`` is started (finish it before starting another); more are read
-        before ``start`` returns, wave by wave (the readers' one call: ``Loader``).
+        """Start reading records ``experts`` of ``layer`` into ``slots`` (reserved by the
+        caller) on the engine's threads and return at once; ``result()`` waits and returns
+        the bytes read. At most a ``wave`` is started (finish it before starting another);
+        more are read before ``start`` returns, wave by wave, after the started read is
+        finished. The reader's one way to read (``Loader`` calls it).
 
         Raises:
-            ValueError: a bad request, or a started read not yet finished (refused).
+            ValueError: a bad request, or a started read not yet finished (refused); over a
+                wave, a slot named twice or lengths that differ, before anything is read.
+            ExpertChecksumError, RecordReadError (from ``result()``): naming the file and
+                the expert; the slots written may hold partial data and must not be used.
         """
         if len(experts) > self._wave:
             try:
-                return Done(self.read(layer, experts, slots))
+                return Done(self._read_waves(layer, experts, slots))
             except Exception as e:  # noqa: BLE001 - raised by result(), as a started read's
                 return Done(error=e)
         pos = self.pos[layer]
