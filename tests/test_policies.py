@@ -117,6 +117,31 @@ def test_simulator_equals_live_store(models):
         store.close()
 
 
+def test_a_calls_reads_are_waited_for_once(models):
+    """The host path commits a call's reads once; waiting again is the caller's bug and
+    raises instead of passing silently."""
+    import mlx.core as mx
+
+    from mlx_streaming import FileExpertStore
+    from mlx_streaming.core.meta import load_meta
+
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    store = FileExpertStore(ed, capacity=meta.top_k + 2)
+    try:
+        li = store.layers[0]
+        ids = mx.array(np.arange(meta.top_k, dtype=np.int32)[None, None])
+        call = store.request(li, ids, overlap=False)
+        assert call.misses == meta.top_k and call.wait_at_launch
+        store.step(call, 0)
+        store.host.wait(call)
+        assert store.caches[li].slot_of[: meta.top_k].min() >= 0
+        with pytest.raises(RuntimeError, match="waited twice"):
+            store.host.wait(call)
+    finally:
+        store.close()
+
+
 def test_trace_roundtrip_and_validation(tmp_path):
     t = local_trace(T=50)
     t.save(tmp_path / "t.npz")

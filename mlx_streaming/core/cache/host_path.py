@@ -161,11 +161,13 @@ class HostPath:
         return s.rows, slots
 
     def wait(self, call: LayerCall) -> None:
-        """Wait for the misses' reads of ``call`` (a one-group call) and commit them."""
+        """Wait for the misses' reads of ``call`` (a one-group call) and commit them; once
+        per call (a second wait is a bug in the caller and raises)."""
         t0 = time.perf_counter()
         ticket = self._tickets.pop(call.layer, None)
-        if ticket is not None:
-            ticket.wait()
+        if ticket is None:
+            raise RuntimeError(f"layer {call.layer}: no reads to wait for (waited twice?)")
+        ticket.wait()
         call.waited_s += time.perf_counter() - t0
         self.timeline.mark(call.layer, "read")
 
