@@ -48,12 +48,15 @@ def plan(
     layer_sample: int | None = 6,
     pin_hot: int = 0,
     held_out: bool = True,
+    zero_slot: bool | None = None,
 ) -> list[PlanRow]:
     """Predicted hit rate, miss bytes and tok/s of each policy at each budget or slot count.
 
     The trace's second half is replayed (``held_out``) so that policies or pins fitted on
-    its first half are judged on routing they have not seen.
+    its first half are judged on routing they have not seen. ``zero_slot``: whether pools
+    hold one (default: as ``load`` makes them here, ``Runtime.zero_slot``).
     """
+    zero = default_zero_slot() if zero_slot is None else bool(zero_slot)
     L = min(len(shape.slot_bytes), trace.layers)
     if L == 0:
         raise ValueError("the trace and the model share no MoE layer")
@@ -63,9 +66,8 @@ def plan(
     fit_part, test = trace.split(0.5) if held_out else (trace, trace)
     pins = static_hot(fit_part, pin_hot) if pin_hot else None
     sizes = [(s, None) for s in slots] + [
-        (plan_budget(shape, g).default_slots, g) for g in budgets_gb
+        (plan_budget(shape, g, zero).default_slots, g) for g in budgets_gb
     ]
-    zero = default_zero_slot()
     rows = []
     for s, g in sizes:
         if s < shape.top_k:
