@@ -40,13 +40,15 @@ from harness import ROOT, finish, log, parser
 CHECKPOINT = ROOT / "checkpoints" / "tiny-stdlib-moe"
 
 
-def record(model, ids: np.ndarray, seq: int, windows: int):
-    """Top-k ids [T, L, k] and router probabilities [T, L, E] over held-out windows."""
+def record(model, ids: np.ndarray, seq: int, windows: int, hidden: bool = False):
+    """Top-k ids [T, L, k] and router probabilities [T, L, E] over held-out windows; with
+    ``hidden``, also each MoE block's input [T, L, D] (what the router reads, before the
+    experts run)."""
     import mlx.core as mx
 
     layers = model.model.layers
     k = layers[0].mlp.top_k
-    seen = []
+    seen, inputs = [], []
     gates = [layer.mlp.gate for layer in layers]
 
     class Tap:
@@ -56,23 +58,29 @@ def record(model, ids: np.ndarray, seq: int, windows: int):
         def __call__(self, x):
             out = self.gate(x)
             seen.append(out)
+            if hidden:
+                inputs.append(x)
             return out
 
     for layer, g in zip(layers, gates):
         layer.mlp.gate = Tap(g)
-    top, probs = [], []
+    top, probs, xs = [], [], []
     try:
         for w in range(windows):
             seen.clear()
+            inputs.clear()
             model(mx.array(ids[w * seq : (w + 1) * seq])[None])
             logits = mx.stack([s[0] for s in seen], 1).astype(mx.float32)  # [S, L, E]
             p = mx.softmax(logits, axis=-1)
             top.append(np.array(mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]))
             probs.append(np.array(p))
+            if hidden:
+                xs.append(np.array(mx.stack([x[0] for x in inputs], 1).astype(mx.float32)))
     finally:
         for layer, g in zip(layers, gates):
             layer.mlp.gate = g
-    return np.concatenate(top).astype(np.int64), np.concatenate(probs)
+    out = np.concatenate(top).astype(np.int64), np.concatenate(probs)
+    return (*out, np.concatenate(xs)) if hidden else out
 
 
 def ema_accuracy(top: np.ndarray, probs: np.ndarray, capacity: int, decay: float) -> float:
