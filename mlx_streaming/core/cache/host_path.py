@@ -25,10 +25,8 @@ from .calls import LayerCall, Step
 from .loads import Loader, Ticket
 from .pool import LayerPool
 from .recording import RoutingCounts
-from .slots import SlotCache
+from .slots import SMALL_CALL, SlotCache
 from .stats import LayerStats, Timeline
-
-SMALL_CALL = 64  # routed rows up to which Python sets beat np.unique (a decode step)
 
 
 def distinct(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -45,7 +43,11 @@ def distinct(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def member(values: np.ndarray, ids: np.ndarray, size: int) -> np.ndarray:
-    """``np.isin(values, ids)`` for ids below ``size``, by a table (cheaper)."""
+    """``np.isin(values, ids)`` for ids below ``size``, by a table (cheaper); a decode
+    step's few values by a set (see ``SMALL_CALL``)."""
+    if values.size <= SMALL_CALL:
+        want = set(ids.tolist())
+        return np.array([v in want for v in values.ravel().tolist()]).reshape(values.shape)
     table = np.zeros(size, bool)
     table[ids] = True
     return table[values]
@@ -131,12 +133,10 @@ class HostPath:
         ``overlap`` (and some experts resident) the resident rows form a first step that
         does not wait for them; otherwise one step runs every row, its graph built on the
         reserved slots while the reads land (``finish`` waits before the launch)."""
-        cache = self.caches[call.layer]
-        split = overlap and 0 < int((cache.slot_of[experts] < 0).sum()) < len(experts)
         ticket = self._tickets[call.layer] = self.loads.begin(call.layer, experts)
         call.misses = len(ticket.misses)
-        if split:
-            miss = member(call.host_ids, ticket.misses, cache.num_experts)
+        if overlap and 0 < call.misses < len(experts):
+            miss = member(call.host_ids, ticket.misses, self.caches[call.layer].num_experts)
             call.steps = [Step(~miss), Step(miss, after_reads=True)]
         else:
             call.steps = [Step()]
@@ -154,11 +154,9 @@ class HostPath:
         if s.after_reads:
             self.wait(call)
             return s.rows, pool.slots_of(host)
-        slots = pool.slots_of(host)
-        if call.wait_at_launch:  # the misses' slots, reserved (resident once they land)
-            for e, slot, _ in self._tickets[call.layer].placed:
-                slots[host == e] = slot
-        return s.rows, slots
+        placed = self._tickets[call.layer].placed if call.wait_at_launch else ()
+        # the misses' slots are reserved (resident once they land)
+        return s.rows, pool.slots_of(host, {e: slot for e, slot, _ in placed})
 
     def wait(self, call: LayerCall) -> None:
         """Wait for the misses' reads of ``call`` (a one-group call) and commit them; once

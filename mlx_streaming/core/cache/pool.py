@@ -22,6 +22,7 @@ import numpy as np
 
 from ..format import DTYPES, ExpertDirError, LayerLayout
 from ..io import cuda
+from .slots import SMALL_CALL
 
 MODES = ("host", "cuda")
 
@@ -127,16 +128,26 @@ class LayerPool:
         return out
 
     # ---------------------------------------------------------------- all modes
-    def slots_of(self, experts: np.ndarray) -> np.ndarray:
+    def slots_of(self, experts: np.ndarray, reserved: dict | None = None) -> np.ndarray:
         """The slot of each expert id in ``experts`` (host copy of the lookup table;
-        valid for resident experts)."""
-        return self._lut_host[experts]
+        valid for resident experts, and for those in ``reserved``: expert -> its slot
+        while it loads). A decode step's few ids go one at a time: numpy's fancy
+        indexing costs more, cold, than the work (``core/cache/slots.py``)."""
+        reserved = reserved or {}
+        if experts.size > SMALL_CALL:
+            out = self._lut_host[experts]
+            for e, s in reserved.items():
+                out[experts == e] = s
+            return out
+        lut, ids = self._lut_host, experts.ravel().tolist()
+        out = [reserved[e] if e in reserved else lut[e] for e in ids]
+        return np.array(out, np.int32).reshape(experts.shape)
 
     def set_lut(self, experts, slots) -> None:
         """Point ``lut[experts]`` at ``slots``."""
-        e = np.asarray(experts, dtype=np.int64)
-        s = np.asarray(slots, dtype=np.int32)
-        self._lut_host[e] = s
+        lut = self._lut_host
+        for e, s in zip(experts, slots):
+            lut[e] = s
         # slot e holds expert e everywhere: only possible with a slot per expert
         self.identity = self.slots >= len(self._arange) and bool(
             np.array_equal(self._lut_host, self._arange)

@@ -11,6 +11,11 @@ A lookup's policy update (``access``) is queued and applied before the policy's 
 event (or by ``flush``), so the live store can run it while the device computes
 instead of on a layer call's critical path; the policy sees the same events in the
 same order either way.
+
+A decode step's lookups are a handful of ids: the tables are read and written one id
+at a time from Python lists, not by numpy's fancy or boolean indexing, whose code
+(cold between layer calls, behind the model's compute) costs ~50 µs a call here against
+~5 µs for the lists (``benchmarks/RESULTS.md``, "numpy's cold indexing").
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class CacheStats:
 
 
 Placement = tuple[int, int, int]  # (expert, slot, evicted expert or -1)
+SMALL_CALL = 64  # ids up to which Python lists beat numpy's indexing (a decode step)
 
 
 class SlotCache:
@@ -52,6 +58,7 @@ class SlotCache:
         self.pinned_mask = np.zeros(num_experts, dtype=np.uint8)
         self.pin_count = 0  # how many are pinned (set with ``pinned``)
         self.pending: dict[int, int] = {}  # expert -> slot being loaded
+        self._free = capacity  # slots holding no expert, loaded or pending
         self.stats = CacheStats()
         self._complete = False  # seen complete: only an eviction or new tables undo it
 
@@ -92,12 +99,16 @@ class SlotCache:
     def set_tables(self, slot_of: np.ndarray, expert_in: np.ndarray) -> None:
         """Replace the slot table (one kept elsewhere, e.g. on the device, comes back)."""
         self.slot_of[:], self.expert_in[:] = slot_of, expert_in
+        self._free = int((self.expert_in < 0).sum())
         self._complete = False
 
     def split(self, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(resident, not resident) among distinct ``experts``."""
-        r = self.slot_of[experts] >= 0
-        return experts[r], experts[~r]
+        experts = np.asarray(experts)
+        slot_of, res, miss = self.slot_of, [], []
+        for e in experts.tolist():
+            (res if slot_of[e] >= 0 else miss).append(e)
+        return np.array(res, experts.dtype), np.array(miss, experts.dtype)
 
     def fits(self, experts: np.ndarray) -> bool:
         """Can all of ``experts`` be resident at once?"""
@@ -134,7 +145,8 @@ class SlotCache:
         raise."""
         want = [int(e) for e in experts]
         n = len(want) if limit is None else min(len(want), limit)
-        slots = [(int(s), -1) for s in np.flatnonzero(self.expert_in < 0)[:n]]
+        free = np.flatnonzero(self.expert_in < 0)[:n].tolist() if self._free else []
+        slots = [(s, -1) for s in free]
         if len(slots) < n:
             victims = self.policy.victims(n - len(slots), protect)
             if len(victims) < n - len(slots) and limit is None:
@@ -152,6 +164,7 @@ class SlotCache:
                 self.stats.evictions += 1
             self.expert_in[s] = e
             self.pending[e] = s
+        self._free -= len(free[: len(placed)])
         return placed
 
     def commit(self, placements: list[Placement]) -> None:
@@ -168,6 +181,7 @@ class SlotCache:
             if self.pending.pop(e, None) is not None:
                 self._complete = False
                 self.expert_in[s] = -1
+                self._free += 1
 
     def access(self, experts: np.ndarray, n_misses: int) -> None:
         """Count one lookup of distinct ``experts`` of which ``n_misses`` missed (the
