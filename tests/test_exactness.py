@@ -69,8 +69,14 @@ CONFIGS = {
     "python_reader": lambda m: {"capacity": m.top_k + 1, "reader": "python"},
     "direct_io": lambda m: {"capacity": m.top_k + 1, "direct_io": True},
     "no_overlap": lambda m: {"capacity": m.top_k + 1, "config": StreamConfig(overlap=False)},
-    # the tiny models' records are under OVERLAP_MIN_RECORD: the split is asked for
+    # the tiny models' records are under SMALL_RECORD: the split is asked for
     "overlap": lambda m: {"capacity": m.top_k + 1, "config": StreamConfig(overlap=True)},
+    # and read inline: the engine's threads, the default from SMALL_RECORD, as asked
+    "overlap_threads": lambda m: {
+        "capacity": m.top_k + 1,
+        "config": StreamConfig(overlap=True, threads=4),
+    },
+    "threads": lambda m: {"capacity": m.top_k + 1, "config": StreamConfig(threads=2)},
     "overlap_python_reader": lambda m: {
         "capacity": m.top_k + 1,
         "reader": "python",

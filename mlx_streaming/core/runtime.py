@@ -25,13 +25,15 @@ from dataclasses import dataclass
 from .options import StreamConfig
 
 GB = 1e9
-# On the CPU the overlap split (resident rows launched while the misses load) costs a
-# second launch per call with misses (an ``async_eval``, which blocks on MLX's CPU backend:
-# a call's launch in ``HostPath.finish`` took ~100 µs on two cores); it pays for records
-# whose read takes longer. The trained demo model (31 KiB records): 0.85 of stock without it, 0.77-0.79
-# with it, five runs of benchmarks/demo_gap.py (2026-12-02); DeepSeek-V2-Lite's 4-bit
-# shape (0.55 MB records): 0.854 with it, 0.811 without at 12.5% (RESULTS.md).
-OVERLAP_MIN_RECORD = 256 * 1024
+# On the CPU, records under SMALL_RECORD are read inline and without the overlap split.
+# The split costs a second launch per call with misses (an ``async_eval``, which blocks on
+# MLX's CPU backend: ~100 µs on two cores) and waking the reader's threads ~40 µs more
+# than reading such a record on the calling thread; both pay only for records whose read
+# takes longer. The trained demo model (31 KiB records): 0.85 of stock without the split,
+# 0.77-0.79 with it (benchmarks/demo_gap.py, 2026-12-02); then 0.903/0.912 reading inline
+# against 0.889/0.880 on 4 threads (15 alternating pairs each, 2026-12-03). DeepSeek-V2-
+# Lite's 4-bit shape (0.55 MB records): 0.854 with the split, 0.811 without at 12.5%.
+SMALL_RECORD = 256 * 1024
 
 
 class RuntimeChoiceError(ValueError):
@@ -69,7 +71,8 @@ class Runtime:
             path += f" ({self.reason('decode_path')})"
         return (
             f"mlx_streaming: {self.backend}, {path}; reader {self.reader}, {self.pool_mode} "
-            f"pools, rows {self.rows}, policy {self.policy}, {self.threads} threads"
+            f"pools, rows {self.rows}, policy {self.policy}, "
+            + (f"{self.threads} threads" if self.threads else "reads inline")
             + (", O_DIRECT" if self.direct_io else "")
             + (", read-ahead" if self.prefetch else "")
         )
@@ -217,19 +220,21 @@ def resolve(
     if rows != "subset" and not zero_slot:
         refuse(f"rows={rows!r} points skipped rows at a zero slot: drop zero_slot=False")
 
+    biggest = max((lay.record_bytes for lay in meta.layers.values()), default=0) if meta else 0
+    small = b == "cpu" and meta is not None and biggest < SMALL_RECORD
+    size = f"records of {biggest / 1024:.0f} KiB {'are under' if small else 'reach'} "
+    size += f"{SMALL_RECORD // 1024} KiB"
     if cfg.overlap is not None:
         overlap = cfg.overlap
-    elif b != "cpu" or meta is None:
-        overlap = b == "cpu"
     else:  # the split's second launch pays only where a record's read outlasts it
-        biggest = max((lay.record_bytes for lay in meta.layers.values()), default=0)
-        overlap = biggest >= OVERLAP_MIN_RECORD
-        why["overlap"] = (
-            f"records of {biggest / 1024:.0f} KiB "
-            f"{'reach' if overlap else 'are under'} {OVERLAP_MIN_RECORD // 1024} KiB"
-        )
+        overlap = b == "cpu" and not small
+        if b == "cpu" and meta is not None:
+            why["overlap"] = size
     if cfg.threads is not None:
         threads = cfg.threads
+    elif small:  # waking the reader's threads costs more than reading a small record
+        threads = 0
+        why["threads"] = size + ": read inline"
     else:
         threads = min(15, (os.cpu_count() or 2) - 1) if pool_mode == "cuda" else 4
     kernel_check = cfg.kernel_check if cfg.kernel_check is not None else b != "cpu"
