@@ -23,9 +23,9 @@ import numpy as np
 from ..io.transfers import IdTransfers
 from .calls import LayerCall, Step
 from .loads import Loader, Ticket
-from .pool import LayerPool
+from .pool import SMALL_CALL, LayerPool
 from .recording import RoutingCounts
-from .slots import SMALL_CALL, SlotCache
+from .slots import SlotCache
 from .stats import LayerStats, Timeline
 
 

@@ -22,7 +22,8 @@ import numpy as np
 
 from ..format import DTYPES, ExpertDirError, LayerLayout
 from ..io import cuda
-from .slots import SMALL_CALL
+
+SMALL_CALL = 64  # ids up to which Python lists beat numpy's indexing (a decode step)
 
 MODES = ("host", "cuda")
 

@@ -40,7 +40,6 @@ class CacheStats:
 
 
 Placement = tuple[int, int, int]  # (expert, slot, evicted expert or -1)
-SMALL_CALL = 64  # ids up to which Python lists beat numpy's indexing (a decode step)
 
 
 class SlotCache:
