@@ -329,7 +329,8 @@ def test_host_path_set_helpers_equal_numpy(n, E, seed):
     assert got.dtype == want.dtype and np.array_equal(got, want)
     assert np.array_equal(counts, want_counts)
     some = rng.choice(E, rng.integers(0, E + 1), replace=False)
-    assert np.array_equal(member(ids, some, E), np.isin(ids, some))
+    got = member(ids, some, E)
+    assert got.dtype == bool and np.array_equal(got, np.isin(ids, some))
 
 
 def test_predictive_windows_count_the_latest_lookups():

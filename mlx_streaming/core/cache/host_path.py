@@ -47,7 +47,7 @@ def member(values: np.ndarray, ids: np.ndarray, size: int) -> np.ndarray:
     step's few values by a set (see ``SMALL_CALL``)."""
     if values.size <= SMALL_CALL:
         want = set(ids.tolist())
-        return np.array([v in want for v in values.ravel().tolist()]).reshape(values.shape)
+        return np.array([v in want for v in values.ravel().tolist()], bool).reshape(values.shape)
     table = np.zeros(size, bool)
     table[ids] = True
     return table[values]
