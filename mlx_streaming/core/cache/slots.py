@@ -57,7 +57,6 @@ class SlotCache:
         self.pinned_mask = np.zeros(num_experts, dtype=np.uint8)
         self.pin_count = 0  # how many are pinned (set with ``pinned``)
         self.pending: dict[int, int] = {}  # expert -> slot being loaded
-        self._free = capacity  # slots holding no expert, loaded or pending
         self.stats = CacheStats()
         self._complete = False  # seen complete: only an eviction or new tables undo it
 
@@ -98,7 +97,6 @@ class SlotCache:
     def set_tables(self, slot_of: np.ndarray, expert_in: np.ndarray) -> None:
         """Replace the slot table (one kept elsewhere, e.g. on the device, comes back)."""
         self.slot_of[:], self.expert_in[:] = slot_of, expert_in
-        self._free = int((self.expert_in < 0).sum())
         self._complete = False
 
     def split(self, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -144,7 +142,7 @@ class SlotCache:
         raise."""
         want = [int(e) for e in experts]
         n = len(want) if limit is None else min(len(want), limit)
-        free = np.flatnonzero(self.expert_in < 0)[:n].tolist() if self._free else []
+        free = [s for s, e in enumerate(self.expert_in.tolist()) if e < 0][:n]
         slots = [(s, -1) for s in free]
         if len(slots) < n:
             victims = self.policy.victims(n - len(slots), protect)
@@ -163,7 +161,6 @@ class SlotCache:
                 self.stats.evictions += 1
             self.expert_in[s] = e
             self.pending[e] = s
-        self._free -= len(free[: len(placed)])
         return placed
 
     def commit(self, placements: list[Placement]) -> None:
@@ -180,7 +177,6 @@ class SlotCache:
             if self.pending.pop(e, None) is not None:
                 self._complete = False
                 self.expert_in[s] = -1
-                self._free += 1
 
     def access(self, experts: np.ndarray, n_misses: int) -> None:
         """Count one lookup of distinct ``experts`` of which ``n_misses`` missed (the
