@@ -24,14 +24,13 @@ def pool_slots(slots: int, num_experts: int, zero_slot: bool) -> int:
     return slots + int(zero_slot and slots < num_experts)
 
 
-def default_zero_slot(config=None) -> bool:
-    """Whether pools get a zero slot here under ``config`` (a ``StreamConfig``; default:
-    the defaults): ``Runtime.zero_slot``, true where rows are masked (GPU backends, or
-    ``rows="masked"``)."""
+def default_zero_slot() -> bool:
+    """Whether pools get a zero slot here by default (``Runtime.zero_slot``: on GPU
+    backends, where rows are masked)."""
     from ..core.options import StreamConfig
     from ..core.runtime import resolve
 
-    return resolve(config or StreamConfig()).zero_slot
+    return resolve(StreamConfig()).zero_slot
 
 
 @dataclass
