@@ -5,8 +5,9 @@ item 7): numpy's indexing code is cold between layer calls.
    index of six ids into a 64-entry table, twice; median µs of the first and the second.
 2. In the demo's decode (the trained model, 32 of 64 experts resident): the slot table's
    split of a call's experts into resident and missing, the first such lookup of each
-   layer call, by numpy's fancy and boolean indexing, and by Python lists over the same
-   table (the store's way since 2026-12-03); each variant timed first in turn.
+   layer call, by numpy's fancy and boolean indexing, and by the store's own
+   ``SlotCache.split`` (Python lists over the same table, since 2026-12-03); each
+   variant timed first in turn.
 
     python benchmarks/probes/cold_numpy.py --json benchmarks/results/cold-numpy-cpu.json
 """
@@ -53,13 +54,6 @@ def by_numpy(slot_of: np.ndarray, experts: np.ndarray):
     return experts[r], experts[~r]
 
 
-def by_lists(slot_of: np.ndarray, experts: np.ndarray):
-    res, miss = [], []
-    for e in experts.tolist():
-        (res if slot_of[e] >= 0 else miss).append(e)
-    return np.array(res, experts.dtype), np.array(miss, experts.dtype)
-
-
 def in_decode(workdir: str, runs: int) -> dict:
     """Each variant's time when it is a layer call's first lookup, median µs."""
     from mlx_lm import stream_generate
@@ -72,15 +66,15 @@ def in_decode(workdir: str, runs: int) -> dict:
     ed = f"{workdir}/experts"
     ensure_split(CHECKPOINT, ed)
     model, tok, _ = load(CHECKPOINT, ed, StreamConfig(slots=32), progress=False)
-    variants = {"numpy": by_numpy, "lists": by_lists}
+    split = SlotCache.split  # the store's own: Python lists
+    variants = {"numpy": lambda c, e: by_numpy(c.slot_of, e), "lists": split}
     times = {k: [] for k in variants}
     turn = itertools.cycle(variants)
-    split = SlotCache.split
 
     def timed(self, experts):
         name = next(turn)
         t = time.perf_counter()
-        variants[name](self.slot_of, experts)
+        variants[name](self, experts)
         times[name].append(time.perf_counter() - t)
         return split(self, experts)
 
