@@ -37,6 +37,8 @@ def planning(store, trace, tokens: int, start: int = 5000) -> dict:
         for j, li in enumerate(layers):
             t0 = time.perf_counter()
             call = store.request(li, ids[t][j], False)
+            if call.routing is not None:  # planned late, at finish (which launches)
+                store.finish(call, call.slots)
             for i in range(len(call.steps)):
                 store.step(call, i)
             if call.wait_at_launch:

@@ -132,9 +132,9 @@ def test_a_calls_reads_are_waited_for_once(models):
         li = store.layers[0]
         ids = mx.array(np.arange(meta.top_k, dtype=np.int32)[None, None])
         call = store.request(li, ids, overlap=False)
+        assert call.routing is not None  # planned late: at finish
+        store.finish(call, call.slots)
         assert call.misses == meta.top_k and call.wait_at_launch
-        store.step(call, 0)
-        store.host.wait(call)
         assert store.caches[li].slot_of[: meta.top_k].min() >= 0
         with pytest.raises(RuntimeError, match="waited twice"):
             store.host.wait(call)

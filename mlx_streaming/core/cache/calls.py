@@ -24,9 +24,11 @@ class Step:
 class LayerCall:
     """One MoE layer call. ``path``: ``resident`` (every expert resident: ids remapped on
     the device), ``device`` (the device path plans and fills on the GPU) or ``host`` (the
-    routing read on the host, ``host_ids``). ``slots``: the device-side slot of every row
-    where the host has no work; otherwise ``steps`` in order. ``evaluate_each``: each
-    step's output must be evaluated before the next (they reuse slots)."""
+    routing read on the host, ``host_ids``). ``slots``: the device-side slot of every row,
+    where the graph is built on the pool's table (resident and device calls, and a late
+    host call, whose ``routing`` the host reads at ``finish``, before the launch);
+    otherwise ``steps`` in order. ``evaluate_each``: each step's output must be evaluated
+    before the next (they reuse slots)."""
 
     layer: int
     path: str
@@ -35,6 +37,7 @@ class LayerCall:
     steps: list[Step] = field(default_factory=list)
     evaluate_each: bool = False
     wait_at_launch: bool = False  # the graph was built on reserved slots: wait, then launch
+    routing: mx.array | None = None  # a late call's routing, not yet read
     also: np.ndarray | None = None  # request(also=...) read on the host
     misses: int = 0  # experts this call loaded
     waited_s: float = 0.0  # of the steps' and completion's time, spent waiting for reads

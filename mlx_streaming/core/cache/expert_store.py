@@ -125,6 +125,7 @@ class FileExpertStore:
             self.observers,
             self.timeline,
             id_transfers() if rt.pool_mode == "cuda" else None,
+            late=not rt.prefetch,  # read-ahead guesses from the routing before the graph
         )
         self.device = None
         if rt.decode_path == "device":

@@ -66,11 +66,13 @@ class HostPath:
         observers: list[Callable],
         timeline: Timeline,
         transfers: IdTransfers | None,
+        late: bool = True,
     ):
         self.caches, self.pools, self.stats, self.loads = caches, pools, stats, loads
         self.routing, self.observers, self.timeline = routing, observers, timeline
         self.transfers = transfers  # cuda pools: a decode step's ids through shared memory
         self._previous: int | None = None  # the layer last served
+        self.late = late  # one-step calls on host pools may be planned at finish
         self._tickets: dict[int, Ticket] = {}  # per layer: its call's load, until waited
 
     def call(
@@ -81,8 +83,12 @@ class HostPath:
         also: mx.array | None = None,
         beside: mx.array | None = None,
     ) -> LayerCall:
-        """Read the routing (with ``also``), start the misses' reads, plan the steps;
-        ``beside`` computes after the routing, in its own launch, while the host plans."""
+        """Launch the routing (with ``also``), then read it, start the misses' reads and
+        plan the steps; ``beside`` computes after the routing, in its own launch, while
+        the host plans. A call that is sure to be one step of every row on a host pool
+        (no overlap split, no guess, fewer rows than free slots) is planned late: its
+        graph is built on the pool's table (``call.slots``) while the device computes
+        the routing, and ``finish`` plans it and fills the table before the launch."""
         t0 = time.perf_counter()
         self.timeline.mark(layer, "request")
         cache, st = self.caches[layer], self.stats[layer]
@@ -97,12 +103,28 @@ class HostPath:
         if self._previous is not None:
             self.loads.flush(self._previous)
         self._previous = layer
-        t1 = time.perf_counter()
-        st.ahead_s += t1 - t0
+        st.ahead_s += time.perf_counter() - t0
         self.timeline.mark(layer, "ahead")
-        # the one host synchronisation of this layer call; mx.eval first: it raises
-        # what the graph's evaluation raised (a lost pipeline peer), where a numpy
-        # conversion would not (MLX 0.32)
+        pool = self.pools[layer]
+        if (
+            self.late
+            and pool.mode == "host"
+            and not overlap
+            and also is None
+            and indices.size + cache.pin_count <= cache.capacity
+        ):
+            return LayerCall(layer, "host", slots=pool.device_lut()[indices], routing=indices)
+        call = LayerCall(layer, "host")
+        self._plan(call, indices, wanted, done, also, guess, overlap)
+        return call
+
+    def _plan(self, call: LayerCall, indices, wanted, done, also, guess, overlap) -> None:
+        """Read the routing (the call's one host synchronisation), start the misses'
+        reads, plan the steps."""
+        layer, t1 = call.layer, time.perf_counter()
+        cache, st, transfers = self.caches[layer], self.stats[layer], self.transfers
+        # mx.eval first: it raises what the graph's evaluation raised (a lost pipeline
+        # peer), where a numpy conversion would not (MLX 0.32)
         mx.eval(wanted)
         host = np.array(indices) if done is None else transfers.read(indices)
         t0 = time.perf_counter()  # host time counts the store's own work, not the wait
@@ -116,7 +138,7 @@ class HostPath:
             self.routing.add(layer, experts, counts)
         self.loads.finish_read_aheads(layer, experts)
         groups = cache.groups(experts, counts)
-        call = LayerCall(layer, "host", host_ids=host, routed_at=t0)
+        call.host_ids, call.routed_at = host, t0
         if also is not None:
             call.also = np.array(also) if guess is None else transfers.read(also, 1)
         if len(groups) == 1:
@@ -126,7 +148,6 @@ class HostPath:
             call.evaluate_each = True
         st.host_s += time.perf_counter() - t0
         self.timeline.mark(layer, "planned")
-        return call
 
     def _one_group(self, call: LayerCall, experts: np.ndarray, overlap: bool) -> None:
         """The steps of a call whose experts fit. The misses' reads start now. With
@@ -170,8 +191,14 @@ class HostPath:
         self.timeline.mark(call.layer, "read")
 
     def finish(self, call: LayerCall, y: mx.array) -> mx.array:
-        """Wait for the misses' reads if they are still landing; count the call,
-        start its output on the device, track it."""
+        """Plan a late call (its graph ``y`` is built, not launched); wait for the
+        misses' reads if they are still landing; count the call, start its output on
+        the device, track it."""
+        if call.routing is not None:  # late: the routing is read and the table filled now
+            indices, call.routing = call.routing, None
+            self._plan(call, indices, [indices], None, None, None, overlap=False)
+            if call.steps != [Step()]:  # request's test for a late call promises one step
+                raise RuntimeError(f"layer {call.layer}: a late call planned {call.steps}")
         if call.wait_at_launch:
             self.wait(call)
         t0 = time.perf_counter()
@@ -182,6 +209,7 @@ class HostPath:
             st.fastpath += 1
         launched(call)
         mx.async_eval(y)  # the device starts on it while the next layer is built
+        self.timeline.mark(call.layer, "built")
         st.gap_s += call.launched_at - call.routed_at
         self.loads.outputs.track(call.layer, y)
         st.host_s += time.perf_counter() - t0

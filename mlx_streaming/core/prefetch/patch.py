@@ -89,7 +89,6 @@ class StreamedExperts(nn.Module):
             t1 = time.perf_counter()
             pf.issue(self.pos + 1)
             st.ahead_s += time.perf_counter() - t1  # work beside the device's, not the graph
-        store.timeline.mark(self.layer, "built")
         return y
 
     def _rows(self, x, indices, rows, slots, out):
