@@ -2,8 +2,9 @@
 experts, stock and streamed variants in alternating runs, then one streamed decode's
 host timeline split into its segments.
 
-1. Pairs: stock mlx-lm and each streamed variant (the default; overlap off; ``lru``;
-   rows masked) run in turn, ``--repeat`` rounds of ``--tokens`` decode tokens; each
+1. Pairs: stock mlx-lm and each streamed variant (the default; planned early: every call
+   planned before its expert graph is built, ``HostPath.late`` off; ``lru``; rows
+   masked) run in turn, ``--repeat`` rounds of ``--tokens`` decode tokens; each
    variant's decode tok/s over the stock run of its round, median.
 2. Timeline: the default's layer calls marked (``store.timeline``) over one run; the
    median µs of each segment between consecutive marks (``request``: the MoE call
@@ -48,7 +49,7 @@ def main() -> None:
 
     variants = {
         "default": StreamConfig(slots=32),
-        "overlap off": StreamConfig(slots=32, overlap=False),
+        "planned early": StreamConfig(slots=32),
         "lru": StreamConfig(slots=32, policy="lru"),
         "rows masked": StreamConfig(slots=32, rows="masked"),
     }
@@ -56,6 +57,7 @@ def main() -> None:
     stores = {}
     for name, cfg in variants.items():
         models[name], _, stores[name] = load(CHECKPOINT, ed, cfg, progress=False)
+    stores["planned early"].host.late = False  # the plan before the graph, as in 786a343^
     for m in models.values():
         run(m, 16)  # warm up: compile, fill the pools
     tps = {k: [] for k in models}
