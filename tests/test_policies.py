@@ -142,6 +142,42 @@ def test_a_calls_reads_are_waited_for_once(models):
         store.close()
 
 
+def test_a_late_call_gathers_the_slots_the_host_plans(models):
+    """A one-step call on a host pool is planned late: its graph, built on the pool's
+    table before the routing is read, gives at launch the slot the plan gave each row,
+    misses of the call included; calls that may split (overlap, or more rows than free
+    slots) are planned before their graph."""
+    import mlx.core as mx
+
+    from mlx_streaming import FileExpertStore
+    from mlx_streaming.core.meta import load_meta
+
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    k, cap = meta.top_k, meta.top_k + 2
+    store = FileExpertStore(ed, capacity=cap)
+    try:
+        li = store.layers[0]
+        rng = np.random.default_rng(1)
+        for _ in range(6):  # misses, hits and evictions
+            ids = np.sort(rng.choice(meta.num_experts, k, replace=False)).astype(np.int32)
+            call = store.request(li, mx.array(ids[None, None]), overlap=False)
+            assert call.routing is not None and not call.steps
+            got = store.finish(call, call.slots)
+            assert call.routing is None and call.wait_at_launch
+            assert np.array_equal(np.array(got)[0, 0], store.pool(li).slots_of(ids))
+            assert (store.caches[li].slot_of[ids] >= 0).all()
+        ids = mx.array(np.arange(k, dtype=np.int32)[None, None])
+        call = store.request(li, ids, overlap=True)  # may split: planned now
+        assert call.routing is None and call.slots is None and call.steps
+        store.finish(call, mx.zeros(1))
+        two = mx.array(np.arange(2 * k, dtype=np.int32).reshape(1, 2, k))  # 2k rows > cap
+        call = store.request(li, two, overlap=False)
+        assert call.routing is None and call.slots is None and call.steps
+    finally:
+        store.close()
+
+
 def test_trace_roundtrip_and_validation(tmp_path):
     t = local_trace(T=50)
     t.save(tmp_path / "t.npz")

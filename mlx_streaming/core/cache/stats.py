@@ -27,7 +27,8 @@ class LayerStats:
     sync_s: float = 0.0  # host time waiting for the routing to reach the host
     ahead_s: float = 0.0  # host work beside the device's: launching the routing, the
     # deferred policy update, issuing the next layer's read-ahead
-    graph_s: float = 0.0  # host time building the expert graph on slot ids
+    graph_s: float = 0.0  # host time building the expert graph on slot ids (for a late
+    # call, while the device computes the routing)
     gap_s: float = 0.0  # from the routing's arrival on the host to the first launch of
     # the call's experts: the device has no routed-expert work queued (at most the
     # shared experts), so this bounds its idle time per host-path call

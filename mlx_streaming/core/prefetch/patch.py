@@ -67,8 +67,13 @@ class StreamedExperts(nn.Module):
         guess = pf.lazy(self.pos, x, indices) if pf else None
         beside = self._shared.start(x) if self._shared is not None else None
         call = store.request(self.layer, indices, self._overlap, guess, beside)
-        if call.slots is not None:  # no host work: the ids are slots on the device
-            return store.finish(call, self.experts(x, call.slots))
+        if call.slots is not None:  # the ids are slots on the device
+            if call.routing is None:  # no host work
+                return store.finish(call, self.experts(x, call.slots))
+            t0 = time.perf_counter()  # a late call: built while the routing computes
+            y = self.experts(x, call.slots)
+            store.stats[self.layer].graph_s += time.perf_counter() - t0
+            return store.finish(call, y)
         t0, waited = time.perf_counter(), call.waited_s
         if pf:
             pf.step(self.pos, call.host_ids, call.also)
