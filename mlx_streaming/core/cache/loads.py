@@ -102,7 +102,7 @@ class Loader:
         placed = []
         if len(load):
             with self._lock:  # the policy picks victims (prefetch may run beside)
-                placed = cache.reserve(np.sort(load), protect=experts)
+                placed = cache.reserve(sorted(load.tolist()), protect=experts)
         return self._issue(layer, experts, misses, placed, prefetch=False)
 
     def finish_open(self) -> None:

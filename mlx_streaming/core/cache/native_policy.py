@@ -102,11 +102,11 @@ class NativeState:
         if self.lib.mlxs_scored_access(self._ref, self._in, n):
             raise ValueError(f"expert ids out of range: {list(experts)}")
 
-    def victims(self, n: int, protect: np.ndarray) -> list[int]:
+    def victims(self, n: int, protect) -> list[int]:
         """``n`` victims outside ``protect`` (sorted); the transition score follows
         ``protect``, or the latest lookup where it is empty (as ``Scored.victims``)."""
         k = self._load(protect)
         got = self.lib.mlxs_scored_victims(self._ref, n, self._in, k, self._out)
         if got < 0:
-            raise ValueError(f"expert ids out of range: {protect.tolist()}")
+            raise ValueError(f"expert ids out of range: {list(protect)}")
         return self._ids[1, :got].tolist()

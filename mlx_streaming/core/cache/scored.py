@@ -175,9 +175,9 @@ class Scored(Policy):
         """``n`` resident, unpinned experts outside ``protect`` (the call's experts,
         sorted), lowest score first; the transition score follows ``protect``, or the
         latest lookup where it is empty."""
-        protect = np.asarray(protect, np.int64)
         if self._native is not None:
             return self._native.victims(n, protect)
+        protect = np.asarray(protect, np.int64)
         ok = (self.resident != 0) & (self._pinned == 0)
         ok[protect] = False
         cand = np.flatnonzero(ok)
