@@ -6,6 +6,11 @@
 #                                           empty cache, 2026-12-02h)
 #   bash benchmarks/gpu_suite.sh warmup1    its first part (tiny-mixtral, thresholds-qwen3_moe:
 #                                           265 s of the 508) in a call of its own, before warmup
+#   bash benchmarks/gpu_suite.sh isolate    each device-path case, then host-tiny-mixtral, in a
+#                                           process of their own (CUDA_LAUNCH_BLOCKING=1, each
+#                                           under LIMIT): which case leaves a sticky CUDA
+#                                           error (2026-12-03b: the suite's later cases failed
+#                                           on "an illegal memory access")
 #   bash benchmarks/gpu_suite.sh tests      the cuda-marked tests (every CUDA path's exactness,
 #                                           the plan kernel against its reference, verify, /health)
 #   bash benchmarks/gpu_suite.sh speed      DeepSeek-V2-Lite shape at full width, its real routing:
@@ -108,6 +113,12 @@ case "$suite" in
             | tee "$out/warmup1-cuda.log" | tail -8 ;;
   warmup) timeout "$limit" python3 -m pytest -v -s --durations=0 -m cuda tests/test_cuda.py \
             -k test_kernels_compiled 2>&1 | tee "$out/warmup-cuda.log" | tail -8 ;;
+  isolate) for preset in tiny-mixtral thresholds-qwen3_moe tiny-qwen3_next; do
+            MLXS_WARMUP_ONLY=$preset,tiny-mixtral CUDA_LAUNCH_BLOCKING=1 timeout "$limit" \
+              python3 -m pytest -x -v -m cuda tests/test_cuda.py \
+              -k "device-$preset or host-tiny-mixtral" > "$out/isolate-$preset.log" 2>&1
+            echo "device-$preset then host-tiny-mixtral: rc $? $(tail -1 "$out/isolate-$preset.log")"
+          done ;;
   tests) timeout "$limit" python3 -m pytest -v --durations=0 -m cuda tests/test_cuda.py 2>&1 \
            | tee "$out/tests-cuda.log" | tail -15 ;;
   quick) speed gpu-dsv2-quick --residency 0.5 --cold warm --repeat 3 --prefill-tokens 0 \
