@@ -227,6 +227,11 @@ def gather_lines(group, line: str) -> list[str]:
     return [b.decode() for b in out]
 
 
+def _is_local_wait(filename: str) -> bool:
+    """A frame of the standard library's blocking waits (locks, events, queues)."""
+    return os.path.basename(filename) in ("threading.py", "queue.py")
+
+
 class PeerWatch:
     """Ends this rank when work that needs its peers makes no progress for ``timeout_s``.
 
@@ -235,13 +240,17 @@ class PeerWatch:
     through ``FileExpertStore.watch``) pushes the deadline back; past it, a thread
     (MLX releases the GIL while it waits) runs ``on_silence(message)`` (the server answers
     its request in flight), prints the message naming the rank this one waits on, and
-    exits the process with code ``EXIT_PEER_SILENT``.
+    exits the process with code ``EXIT_PEER_SILENT``. A rank whose own thread is the one
+    stuck (blocked on a lock or event of this process, not on MLX's transport) says so
+    and names itself instead: a rank that hangs between two layer calls beat last before
+    its peers did, so its watch is often the first to fire.
     """
 
     def __init__(self, group, timeout_s: float, on_silence: Callable[[str], None] | None = None):
         self.rank, self.size, self.timeout_s = group.rank(), group.size(), float(timeout_s)
         self.on_silence = on_silence
         self._armed, self._deadline, self._depth = False, 0.0, 0
+        self._worker: int | None = None  # the thread that beat last (runs the model)
         self._lock = threading.Lock()
         threading.Thread(target=self._watch, name="mlxs-peer-watch", daemon=True).start()
 
@@ -252,6 +261,15 @@ class PeerWatch:
         return self.rank + 1 if self.rank + 1 < self.size else 0
 
     def message(self) -> str:
+        """What this rank says when it gives up: the rank it waits on, or itself when its
+        own thread is blocked in this process (see ``stuck_at``)."""
+        stuck = self.stuck_at()
+        if stuck is not None:
+            return (
+                f"mlx_streaming: error: rank {self.rank}: no progress within "
+                f"{self.timeout_s:.0f} s: this rank is stuck in its own work ({stuck}), "
+                "not waiting on a peer; the other ranks wait on it"
+            )
         return (
             f"mlx_streaming: error: rank {self.rank}: no answer within {self.timeout_s:.0f} s: "
             f"rank {self.waits_on()} (or a rank it waits on) stopped answering; a stopped or "
@@ -259,9 +277,25 @@ class PeerWatch:
             "--pipeline-timeout if one step can take longer)"
         )
 
+    def stuck_at(self) -> str | None:
+        """Where the thread that beat last is blocked, as ``function (file:line)``
+        of the first frame outside ``threading``/``queue``, when it waits on a lock or
+        event of this process; None when it is inside a call that may wait on a peer."""
+        worker = self._worker
+        frame = sys._current_frames().get(worker) if worker is not None else None
+        if frame is None or not _is_local_wait(frame.f_code.co_filename):
+            return None
+        while frame is not None and _is_local_wait(frame.f_code.co_filename):
+            frame = frame.f_back
+        if frame is None:
+            return "a lock or event"
+        where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+        return f"{frame.f_code.co_name} ({where}), on a lock or event"
+
     def beat(self) -> None:
         """Progress: push the deadline back."""
         self._deadline = time.monotonic() + self.timeout_s
+        self._worker = threading.get_ident()
 
     def __enter__(self) -> PeerWatch:
         with self._lock:
@@ -276,10 +310,16 @@ class PeerWatch:
             self._armed = self._depth > 0
 
     def _watch(self) -> None:
+        # wake at the deadline itself, not on a coarse tick: the rank that stopped beat
+        # last (its peers wait on it), so the first to fire is one that waits and names it
         while True:
-            time.sleep(min(1.0, self.timeout_s / 4))
-            if self._armed and time.monotonic() > self._deadline:
+            if not self._armed:
+                time.sleep(min(0.25, self.timeout_s / 4))
+                continue
+            left = self._deadline - time.monotonic()
+            if left <= 0:
                 self._fire()
+            time.sleep(max(left, 0.001))
 
     def _fire(self) -> None:
         msg = self.message()

@@ -13,9 +13,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import load
@@ -424,10 +426,11 @@ def test_bench_under_ranks_then_a_stopped_rank(models, tmp_path):
 
 
 def test_a_hung_rank_ends_the_whole_job(models, tmp_path):
-    """Under ``mlx.launch``, rank 1 hangs mid-generation (blocked for good, alive): rank 0
-    exits within --pipeline-timeout naming it, on stderr apart from the text; mlx.launch
-    then ends the hung rank, and the user's command returns within the timeout plus 30 s
-    of the hang."""
+    """Under ``mlx.launch``, rank 1 hangs mid-generation (blocked for good, alive): within
+    --pipeline-timeout a rank exits naming it, on stderr apart from the text (rank 0,
+    waiting on it, or rank 1 itself, stuck on an event of its own: the first watch to fire;
+    rank 1 hangs before its step's first beat, so its own often is); mlx.launch then ends
+    the other, and the user's command returns within the timeout plus 30 s of the hang."""
     ck = models.checkpoint("tiny-qwen3_moe")
     hang = tmp_path / "hung_at"
     cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "-p", str(free_ports(2)), "--",
@@ -442,6 +445,51 @@ def test_a_hung_rank_ends_the_whole_job(models, tmp_path):
     assert returned - float(hang.read_text()) < 5 + 30, r.stderr[-3000:]
     print(f"returned {returned - float(hang.read_text()):.1f} s after the hang")  # with -s
     # mlx.launch (0.32) itself exits 0 whatever its ranks did; it says which failed
-    assert "rank 0 exited with code 6" in r.stderr, r.stderr[-3000:]
-    assert "no answer within 5 s: rank 1" in r.stderr, r.stderr[-3000:]
-    assert "no answer within" not in r.stdout  # the error is not mixed into the text
+    by_peer = "rank 0: no answer within 5 s: rank 1 " in r.stderr
+    by_itself = (
+        "rank 1: no progress within 5 s: this rank is stuck in its own work "
+        "(request (hang_rank.py:" in r.stderr
+    )
+    assert by_peer or by_itself, r.stderr[-3000:]  # a witness, naming rank 1
+    assert f"rank {1 if by_itself else 0} exited with code 6" in r.stderr, r.stderr[-3000:]
+    assert "within 5 s" not in r.stdout  # the error is not mixed into the text
+
+
+def test_the_watch_tells_a_stuck_rank_from_one_that_waits():
+    """``PeerWatch.stuck_at``: the thread that beat, blocked on an event of its own process, is
+    named (function, file:line), and the message blames this rank; blocked in a call that
+    may wait on a peer (here a sleep in C), it is None and the message names the peer."""
+    from mlx_streaming.parallel import PeerWatch
+
+    watch = PeerWatch(mx.distributed.init(), timeout_s=3600)
+    go, armed = threading.Event(), threading.Event()
+
+    def on_event():
+        with watch:
+            watch.beat()
+            armed.set()
+            go.wait()
+
+    def in_c_call():
+        with watch:
+            watch.beat()
+            armed.set()
+            time.sleep(1.0)
+
+    t = threading.Thread(target=on_event, daemon=True)
+    t.start()
+    armed.wait(10)
+    time.sleep(0.1)  # into the wait
+    where = watch.stuck_at()
+    assert where is not None and where.startswith("on_event (test_pipeline.py:"), where
+    assert "rank 0: no progress within 3600 s: this rank is stuck" in watch.message()
+    go.set()
+    t.join(10)
+    armed.clear()
+    t = threading.Thread(target=in_c_call, daemon=True)
+    t.start()
+    armed.wait(10)
+    time.sleep(0.1)
+    assert watch.stuck_at() is None
+    assert "rank 0: no answer within 3600 s: rank 0 (or a rank it waits on)" in watch.message()
+    t.join(10)
