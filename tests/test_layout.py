@@ -110,6 +110,8 @@ def test_no_private_reach_through():
     assert r.returncode in (0, 1) and "No module named" not in r.stderr, r.stderr  # ruff ran
     hits = [line for line in r.stdout.splitlines() if "SLF001" in line]
     allowed = [h for h in hits if "`_resident`" in h and "bench/" in h]
+    # the standard library's one way to read another thread's stack (PeerWatch.stuck_at)
+    allowed += [h for h in hits if "`_current_frames`" in h and "parallel.py" in h]
     assert hits == allowed, "\n".join(hits)
 
 
