@@ -42,6 +42,8 @@
 #                                           registered file mapping) against the staged path
 #   bash benchmarks/gpu_suite.sh launch     MLX's host cost per evaluation call and per op, with and
 #                                           without CUDA graphs
+#   bash benchmarks/gpu_suite.sh split      one decode step's build / launch / wait, stock against
+#                                           50% (as loaded, copies dropped, all resident)
 #   bash benchmarks/gpu_suite.sh hostprof   cProfile of decode, stock against 50% and 25%: where the
 #                                           host's time goes, MLX's eval calls shown apart
 #   bash benchmarks/gpu_suite.sh stall      the probe of why the removed kernel transport stalled
@@ -197,6 +199,11 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
             MLX_USE_CUDA_GRAPHS=$g timeout 200 python3 benchmarks/probes/mlx_launch.py \
               --json "$out/mlx-launch-graphs$g.json" 2>&1 | tail -8
           done ;;
+  split) for r in ${RESIDENCY:-0.5}; do
+           timeout "$limit" python3 benchmarks/probes/decode_split.py --workdir $work \
+             --trace "$trace" --residency $r --json "$out/decode-split-$r.json" 2>&1 \
+             | grep -v "PyTorch was not found" | tee "$out/decode-split-$r.log" | tail -3
+         done ;;
   hostprof) timeout "$limit" python3 benchmarks/probes/host_profile.py --workdir $work \
               --trace "$trace" --json "$out/host-profile.json" 2>&1 | tail -3 ;;
   probe) timeout "$limit" python3 benchmarks/gpu.py --workdir $work --preset dsv2-lite \
