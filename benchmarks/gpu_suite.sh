@@ -202,7 +202,7 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
   split) for r in ${RESIDENCY:-0.5}; do
            timeout "$limit" python3 benchmarks/probes/decode_split.py --workdir $work \
              --trace "$trace" --residency $r --json "$out/decode-split-$r.json" 2>&1 \
-             | grep -v "PyTorch was not found" | tee "$out/decode-split-$r.log" | tail -3
+             | grep -v "PyTorch was not found" | tee "$out/decode-split-$r.log" | grep -E "^(stock|streamed)"
          done ;;
   hostprof) timeout "$limit" python3 benchmarks/probes/host_profile.py --workdir $work \
               --trace "$trace" --json "$out/host-profile.json" 2>&1 | tail -3 ;;
