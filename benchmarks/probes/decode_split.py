@@ -8,9 +8,12 @@ the argmax, Python and MLX's graph), ``launch`` (MLX encoding and launching it) 
 ``synced`` = build + launch + the device's tail after the last launch. A wait near 0
 means the host bounds the step; a wait > 0, the device.
 
-Models, each on the same trace position: stock; streamed at ``--residency``; the same
-with the fill kernel copying nothing (inexact: the device cost of the copies is the
-difference); every expert resident (no plan, no fill). Medians in ms per token.
+Models, all loaded at once and run in alternating rounds (the same trace position each
+run, so that the machine's drift hits each alike): stock; streamed at ``--residency``;
+the same with the fill kernel's copies dropped, and with neither kernel (both inexact,
+in their own pools: what the copies and the kernels cost); every expert resident. Wall
+time and the main thread's CPU time, medians in ms per token, and the excess over stock
+per MoE layer call in µs.
 
     python benchmarks/probes/decode_split.py --preset dsv2-lite --residency 0.5 \
         --workdir /tmp/mlxs --json out.json
@@ -33,8 +36,9 @@ def _ms(xs: list[float]) -> float:
     return round(1e3 * statistics.median(xs), 3)
 
 
-def split(model, tok, tokens: int, synced: bool) -> dict:
-    """Per-token medians of build, launch and wait (ms) over ``tokens`` decode steps."""
+def split(model, tok, tokens: int, synced: bool = False) -> dict:
+    """Per-token medians (ms) over ``tokens`` decode steps: wall time of build, launch and
+    wait, and the main thread's CPU time of build and launch."""
     from mlx_lm.generate import generation_stream
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -43,73 +47,75 @@ def split(model, tok, tokens: int, synced: bool) -> dict:
     with mx.stream(generation_stream):
         y = mx.argmax(model(ids[None], cache=cache)[:, -1, :], axis=-1)
     mx.eval(y)
-    build_s, launch_s, wait_s, step_s = [], [], [], []
+    rows = []
     t_prev = time.perf_counter()
     for _ in range(tokens):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         with mx.stream(generation_stream):
             nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         mx.async_eval(nxt)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.thread_time()
         (nxt if synced else y).item()
         t3 = time.perf_counter()
-        build_s.append(t1 - t0)
-        launch_s.append(t2 - t1)
-        wait_s.append(t3 - t2)
-        step_s.append(t3 - t_prev)
+        rows.append((t1 - t0, t2 - t1, t3 - t2, t3 - t_prev, c1 - c0, c2 - c1))
         t_prev, y = t3, nxt
     mx.eval(y)
-    skip = 4  # warm-up steps
-    return {
-        "build_ms": _ms(build_s[skip:]),
-        "launch_ms": _ms(launch_s[skip:]),
-        "wait_ms": _ms(wait_s[skip:]),
-        "step_ms": _ms(step_s[skip:]),
-    }
-
-
-def measure(name: str, model, tok, routing, start: int, tokens: int, store=None) -> dict:
-    out = {}
-    for mode in ("pipelined", "synced", "pipelined_again"):
-        rewind(start, routing)
-        if store is not None:
-            store.reset_stats()
-        out[mode] = split(model, tok, tokens, synced=mode == "synced")
-    if store is not None:
-        out["hit_rate"] = round(store.totals()["hit_rate"], 4)
-    log(name, out)
-    return out
+    rows = rows[4:]  # warm-up steps
+    names = ("build_ms", "launch_ms", "wait_ms", "step_ms", "build_cpu_ms", "launch_cpu_ms")
+    return {n: _ms([r[i] for r in rows]) for i, n in enumerate(names)}
 
 
 def main():
     p = parser(__doc__, preset="dsv2-lite", workdir="/tmp/mlxs")
     p.add_argument("--residency", type=float, default=0.5)
-    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=5)
     a = p.parse_args()
     ck, ed, meta = build(a)
     trace, start = routing_trace(a)
-    runs = {}
-    ref, tok, routing = stock(ck, trace, start)
-    runs["stock"] = measure("stock", ref, tok, routing, start, a.tokens)
-    del ref
     slots = max(meta.top_k, round(a.residency * meta.num_experts))
-    for name, n, copies in (
-        (f"streamed_{a.residency}", slots, True),
-        (f"streamed_{a.residency}_no_copies", slots, False),
-        ("streamed_resident", meta.num_experts, True),
-    ):
-        model, tok, store, routing = streamed(ck, ed, trace, start, slots=n)
-        if not copies:  # the plan kernel still runs; its fills are dropped (inexact)
-            store.reader.fill = lambda layer, fills, slots: slots
-        runs[name] = measure(name, model, tok, routing, start, a.tokens, store)
-        runs[name]["decode_path"] = store.runtime.decode_path
-        store.close()
-        del model
-    # stock again: the machine's drift over the run
     ref, tok, routing = stock(ck, trace, start)
-    runs["stock_again"] = measure("stock_again", ref, tok, routing, start, a.tokens)
-    finish(a, "decode_split", {"slots": slots, "tokens": a.tokens, "runs": runs})
+    models = {"stock": (ref, routing, None)}
+    for name, n, variant in (
+        (f"streamed_{a.residency}", slots, None),
+        (f"streamed_{a.residency}_no_copies", slots, "no_copies"),
+        (f"streamed_{a.residency}_no_kernels", slots, "no_kernels"),
+        ("streamed_resident", meta.num_experts, None),
+    ):
+        model, _, store, r = streamed(ck, ed, trace, start, slots=n)
+        dev = store.device
+        if variant == "no_copies" and dev is not None:  # the plan runs, its fills dropped
+            dev.reader.fill = lambda layer, fills, slots: slots
+        if variant == "no_kernels" and dev is not None:  # neither kernel: slots in range
+            dev.slots = lambda layer, ids, cap=n: mx.minimum(ids, cap - 1)
+        models[name] = (model, r, store)
+    # inexact variants write wrong bytes in their own pools only; the rounds alternate
+    # the models so that the machine's drift hits each alike
+    per = {name: [] for name in models}
+    for _ in range(a.rounds):
+        for name, (model, r, _) in models.items():
+            rewind(start, r)
+            per[name].append(split(model, tok, a.tokens))
+    runs = {}
+    for name, rs in per.items():
+        runs[name] = {k: round(statistics.median(x[k] for x in rs), 3) for k in rs[0]}
+        runs[name]["step_ms_rounds"] = [x["step_ms"] for x in rs]
+        store = models[name][2]
+        if store is not None:
+            runs[name]["decode_path"] = store.runtime.decode_path
+        rewind(start, models[name][1])
+        runs[name]["synced"] = split(models[name][0], tok, a.tokens, synced=True)
+        log(name, runs[name])
+    base = runs["stock"]
+    for r in runs.values():
+        r["extra_per_moe_layer_us"] = {
+            k: round(1e3 * (r[k] - base[k]) / len(meta.layers), 1)
+            for k in ("build_cpu_ms", "launch_cpu_ms", "step_ms")
+        }
+    finish(
+        a, "decode_split", {"slots": slots, "tokens": a.tokens, "rounds": a.rounds, "runs": runs}
+    )
 
 
 if __name__ == "__main__":
