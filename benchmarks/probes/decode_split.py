@@ -10,7 +10,7 @@ means the host bounds the step; a wait > 0, the device.
 
 Models, all loaded at once and run in alternating rounds (the same trace position each
 run, so that the machine's drift hits each alike): stock; streamed at ``--residency``;
-the same with the fill kernel's copies dropped, and with neither kernel (both inexact,
+the same with the kernel's copies dropped, and with neither kernel (both inexact,
 in their own pools: what the copies and the kernels cost); every expert resident. Wall
 time and the main thread's CPU time, medians in ms per token, and the excess over stock
 per MoE layer call in µs.
@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 from harness import PROMPT, build, finish, log, parser, rewind, routing_trace, stock, streamed  # noqa: E402
 
 
@@ -66,6 +67,13 @@ def split(model, tok, tokens: int, synced: bool = False) -> dict:
     return {n: _ms([r[i] for r in rows]) for i, n in enumerate(names)}
 
 
+def _no_parts(meta: mx.array, word: int) -> tuple[mx.array, int]:
+    """A layer's copy description with no parts to copy."""
+    m = np.array(meta)
+    m[2] = 0
+    return mx.array(m), word
+
+
 def main():
     p = parser(__doc__, preset="dsv2-lite", workdir="/tmp/mlxs")
     p.add_argument("--residency", type=float, default=0.5)
@@ -85,8 +93,8 @@ def main():
     ):
         model, _, store, r = streamed(ck, ed, trace, start, slots=n)
         dev = store.device
-        if variant == "no_copies" and dev is not None:  # the plan runs, its fills dropped
-            dev.reader.fill = lambda layer, fills, slots: slots
+        if variant == "no_copies" and dev is not None:  # the plan runs, copying no part
+            dev.reader.copy_meta = lambda layer, f=dev.reader.copy_meta: _no_parts(*f(layer))
         if variant == "no_kernels" and dev is not None:  # neither kernel: slots in range
             dev.slots = lambda layer, ids, cap=n: mx.minimum(ids, cap - 1)
         models[name] = (model, r, store)

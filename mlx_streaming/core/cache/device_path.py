@@ -1,16 +1,14 @@
 """The device path of a decode step's layer call on CUDA: no host synchronisation.
 
 Where the expert files are mapped, page-locked and mapped into the device's address space
-(``map_files`` on CUDA), the device itself can serve a small call's misses. Two kernels
-join the call's graph, before the expert matmuls:
-
-* ``plan`` (``device_plan``: one block) looks the routed ids up in a slot table kept in
-  device memory, takes slots for the misses from the store's own policy (its ranking's
-  state lives beside the table: the same victims as on the host, to the bit), updates
-  the ranking, and outputs the rows' slot ids and the list of (expert, slot) to fill;
-* ``fill`` (the store's ``DeviceReader``, the kernel the host path's misses take too)
-  copies each listed record's parts from the mapped file into its slot, then passes the
-  slot ids on, so that the matmuls, which read them, run after.
+(``map_files`` on CUDA), the device itself can serve a small call's misses. One kernel (``device_plan``'s
+``PLAN``) joins the call's graph, before the expert matmuls. Its first block looks the
+routed ids up in a slot table kept in device memory, takes slots for the misses from the
+store's own policy (its ranking's state lives beside the table: the same victims as on
+the host, to the bit), updates the ranking, and lists (expert, slot) to fill; then every
+block copies its share of the listed records from the mapped file into their slots (the
+store's ``DeviceReader`` routine, which the host path's misses take too). Its output is
+the rows' slot ids, so the matmuls, which read them, run after the copies.
 
 The host never waits: it builds the next layer at once, as stock mlx-lm does. Every row
 is the same matmul on the same bytes as in the host path, so outputs stay bit-identical.
@@ -30,12 +28,15 @@ import mlx.core as mx
 import numpy as np
 
 from ..io import cuda
+from ..io.device_reader import COPY_HEADER, WORDS
 from .calls import LayerCall
 from .device_plan import (
+    BLOCKS,
     EVICTIONS,
     FAILED,
     FREE,
     HITS,
+    LATE,
     MAX_EXPERTS,
     MAX_IDS,
     MISSED_CALLS,
@@ -46,6 +47,7 @@ from .device_plan import (
     THREADS,
     constants,
     layer_arrays,
+    scratch_arrays,
     template,
 )
 from .pool import LayerPool, device_address
@@ -74,7 +76,7 @@ class DevicePath:
 
     Args:
         caches, pools, stats: the store's, per layer (each cache's policy a ``Scored``).
-        reader: The store's ``DeviceReader``, whose kernel copies the misses in.
+        reader: The store's ``DeviceReader``: the mapped files and their copy routine.
     """
 
     def __init__(
@@ -107,7 +109,11 @@ class DevicePath:
             self._span[li] = (pos, end)
             pos = end
         const = constants(self.weights)
-        const_off, total = _offsets(const, pos)
+        const_off, pos = _offsets(const, pos)
+        scratch = {}  # zeros, as the buffer starts
+        for li in self.layers:
+            scratch[li], pos = _offsets(scratch_arrays(), pos)
+        total = pos
         mx.clear_cache()  # a fresh device buffer, not a recycled managed one
         self._buf = mx.zeros((total,), mx.uint8)
         mx.eval(self._buf)
@@ -121,16 +127,28 @@ class DevicePath:
         self._outputs: dict[int, mx.array] = {}  # each layer's last device-path output
         self._ptrs = {}
         for li in self.layers:
-            off = {**self._off[li], **const_off}
+            off = {**self._off[li], **const_off, **scratch[li]}
             addr = [self._addr + off[name] for name in POINTERS]
             self._ptrs[li] = mx.array(np.array(addr, np.uint64))
         mx.eval(list(self._ptrs.values()))
-        self._kernel = mx.fast.cuda_kernel(
-            name="mlxs_plan",
-            input_names=["ids", "p"],
-            output_names=["slots", "fills"],
-            source=PLAN,
-        )
+        self._kernels = {}  # by copy word
+        self._calls = {}  # (layer, ids): the kernel call's fixed arguments
+
+    def _call_args(self, layer: int, n: int) -> tuple:
+        """The kernel, its copy description and its template for ``n`` ids of ``layer``."""
+        meta, word = self.reader.copy_meta(layer)
+        if word not in self._kernels:
+            self._kernels[word] = mx.fast.cuda_kernel(
+                name=f"mlxs_plan_{word}",
+                input_names=["ids", "p", "meta"],
+                output_names=["slots"],
+                source=PLAN.replace("WORD", WORDS[word]),
+                header=COPY_HEADER,
+            )
+        c = self.caches[layer]
+        args = (self._kernels[word], meta, template(c.num_experts, c.capacity, n, self.weights))
+        self._calls[layer, n] = args
+        return args
 
     # ------------------------------------------------------------ calls
     def takes(self, layer: int, indices: mx.array) -> bool:
@@ -144,21 +162,20 @@ class DevicePath:
         """The call's slot ids, lazily: misses filled by the device before use."""
         if layer not in self.on_device:
             self.to_device(layer)
-        c = self.caches[layer]
         n = indices.size
-        slots, fills = self._kernel(
-            inputs=[indices, self._ptrs[layer]],
-            template=template(c.num_experts, c.capacity, n, self.weights),
-            grid=(THREADS, 1, 1),
+        kernel, meta, tmpl = self._calls.get((layer, n)) or self._call_args(layer, n)
+        (out,) = kernel(
+            inputs=[indices, self._ptrs[layer], meta],
+            template=tmpl,
+            grid=(BLOCKS * THREADS, 1, 1),
             threadgroup=(THREADS, 1, 1),
-            output_shapes=[indices.shape, (1 + 2 * n,)],
-            output_dtypes=[mx.int32, mx.int32],
+            output_shapes=[indices.shape],
+            output_dtypes=[mx.int32],
         )
-        out = self.reader.fill(layer, fills, slots)
         st = self.stats[layer]
         st.device_calls += 1
         st.fastpath += 1  # until the counters say the call missed
-        c.stats.calls += 1
+        self.caches[layer].stats.calls += 1
         return out
 
     def hold(self, call: LayerCall, y: mx.array) -> mx.array:
@@ -240,6 +257,11 @@ class DevicePath:
         if d[FAILED]:
             raise DevicePathError(
                 f"layer {layer}: the device path found no free slot for {d[FAILED]} misses"
+            )
+        if d[LATE]:
+            raise DevicePathError(
+                f"layer {layer}: {d[LATE]} blocks of the device path's kernel gave up "
+                "waiting for its plan, and copied nothing; run with device_reads=False"
             )
         c, st = self.caches[layer], self.stats[layer]
         c.stats.hits += int(d[HITS])

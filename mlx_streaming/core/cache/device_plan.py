@@ -1,5 +1,5 @@
 """The device path's planning step: one layer call's lookup, victims and policy update,
-as a CUDA kernel, and its numpy reference.
+as a CUDA kernel that then copies the misses in, and its numpy reference.
 
 The step does, on the device, what ``SlotCache.lookup`` does on the host with the layer's
 ``Scored`` policy: the call's distinct experts (sorted) are looked up in the slot table;
@@ -26,8 +26,9 @@ MAX_IDS = 64  # routed ids per call the device path takes (a decode step's)
 MAX_EXPERTS = 4096  # per layer (the kernel keeps a mark per expert in shared memory)
 THREADS = 256
 # counters kept on the device per layer: hits, misses, evictions, calls with misses,
-# misses left without a slot (a defect), free slots left
-HITS, MISSES, EVICTIONS, MISSED_CALLS, FAILED, FREE = range(6)
+# misses left without a slot (a defect), free slots left, blocks that gave up waiting for
+# the plan (a defect)
+HITS, MISSES, EVICTIONS, MISSED_CALLS, FAILED, FREE, LATE = range(7)
 N_COUNTERS = 8
 
 
@@ -42,7 +43,18 @@ def layer_arrays(num_experts: int, capacity: int) -> dict[str, np.ndarray]:
     }
 
 
-POINTERS = tuple(layer_arrays(1, 1)) + ("weights", "windows", "log1p_rec", "age_pow")
+def scratch_arrays() -> dict[str, np.ndarray]:
+    """A layer's scratch on the device, outside the state the host and the device hand
+    over: the plan's fills list (read by the kernel's other blocks) and the flag they wait
+    on with the count of blocks done (reset by the last block of each call)."""
+    return {"fills": np.zeros(1 + 2 * MAX_IDS, np.int32), "sync": np.zeros(2, np.int32)}
+
+
+POINTERS = (
+    *layer_arrays(1, 1),
+    *("weights", "windows", "log1p_rec", "age_pow"),
+    *scratch_arrays(),
+)
 
 
 def plan_reference(
@@ -91,8 +103,16 @@ def constants(weights) -> dict[str, np.ndarray]:
     }
 
 
-# The kernel: one block of THREADS threads per call. Template: N (ids), E, S, H, NREC,
-# NAGE, NWIN, SCORE (some weight is not 0). Inputs: ids [N], p [len(POINTERS)] addresses.
+# The kernel, BLOCKS blocks of THREADS threads per call: block 0 plans (the step above)
+# and publishes its fills; every block then copies its share of them (``COPY_HEADER``'s
+# ``mlxs_copy``, the host path's copy too), so a call is one kernel. A block waits for the
+# plan at most WAIT_NS; one that gives up counts LATE and the host raises. Block 0 is
+# dispatched first and BLOCKS fit on the device at once, so none waits on a block that
+# cannot run. Template: N (ids), E, S, H, NREC, NAGE, NWIN, SCORE (some weight is not
+# 0), WAIT_NS; WORD, the copy word, is written into the source. Inputs: ids [N], p
+# [len(POINTERS)] addresses, meta (the layer's copy description). Output: slots [N].
+BLOCKS = 128
+WAIT_NS = 1_000_000_000
 PLAN = """
     int* slot_of = (int*)p[0];
     int* expert_in = (int*)p[1];
@@ -112,7 +132,12 @@ PLAN = """
     const long long* windows = (const long long*)p[15];
     const double* log1p_rec = (const double*)p[16];
     const double* age_pow = (const double*)p[17];
+    int* fills = (int*)p[18];
+    int* sync = (int*)p[19];
     const int tid = threadIdx.x, nth = blockDim.x;
+    __shared__ int fl[1 + 2 * N];  // the fills, as each block reads them
+    __shared__ int late;
+    if (blockIdx.x == 0) {  // the plan: one block
     __shared__ int d[N], m[N], target[N], victim[N];
     __shared__ int nd, nm, nfree, nvict;
     __shared__ unsigned char ok[E];
@@ -253,6 +278,10 @@ PLAN = """
         ctr[5] -= nfree;
     }
     __syncthreads();
+    if (tid == 0) {  // the fills are out: the other blocks may copy
+        __threadfence();
+        atomicExch(sync, 1);
+    }
     for (int i = tid; i < N; i += nth) {  // each row's slot
         const int s = slot_of[(int)ids[i]];
         slots[i] = s < 0 ? 0 : s;
@@ -282,6 +311,36 @@ PLAN = """
     if (tid == 0) {
         nprev[0] = nd;
         tp[0] = t + 1;
+        late = 0;
+    }
+    } else if (tid == 0) {  // wait for the plan's fills, for at most WAIT_NS
+        unsigned long long t0, now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        late = 0;
+        while (atomicAdd(sync, 0) == 0) {
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+            if (now - t0 > WAIT_NS) { late = 1; break; }
+            __nanosleep(64);
+        }
+        __threadfence();
+    }
+    __syncthreads();
+    if (!late) {  // every block copies its share of the fills (read past L1: __ldcg)
+        if (tid == 0) fl[0] = __ldcg(fills);
+        __syncthreads();
+        for (int i = 1 + tid; i < 1 + 2 * fl[0]; i += nth) fl[i] = __ldcg(fills + i);
+        __syncthreads();
+        mlxs_copy<WORD>(fl, meta, (long long)blockIdx.x * nth + tid, (long long)gridDim.x * nth);
+    } else if (tid == 0) {
+        atomicAdd((unsigned long long*)(ctr + 6), 1ull);  // LATE: the host raises
+    }
+    __syncthreads();
+    if (tid == 0) {  // the last block out resets the flag for the layer's next call
+        __threadfence();
+        if (atomicAdd(sync + 1, 1) == (int)gridDim.x - 1) {
+            sync[1] = 0;
+            atomicExch(sync, 0);
+        }
     }
 """
 
@@ -297,4 +356,5 @@ def template(num_experts: int, capacity: int, n_ids: int, weights) -> list[tuple
         ("NAGE", len(AGE_POW)),
         ("NWIN", len(WINDOWS)),
         ("SCORE", int(any(float(w) != 0.0 for w in weights))),
+        ("WAIT_NS", WAIT_NS),
     ]

@@ -2,13 +2,15 @@
 itself, from page-locked mappings of the expert files (``filemap.FileMaps``), in the
 graph of the call that needs them.
 
-One kernel, ``fill``, copies the records a list names (``[n, e0, s0, e1, s1...]``: expert,
-slot) into their slots' part rows, then passes the slot ids it was given on: the matmuls
-that read them run after it. The device path plans that list on the GPU; the host path
-gives it from the host (``start``). Either way the copy is queued on MLX's stream, behind
-every computation queued before it and ahead of every one after, so nothing waits on the
-host. Every record's checksum is checked on the host when the reader opens (the GPU
-copies without checking).
+One routine, ``mlxs_copy`` (``COPY_HEADER``), copies the records a list names (``[n, e0,
+s0, e1, s1...]``: expert, slot) into their slots' part rows. The host path gives that
+list from the host (``start``), through the kernel ``fill``, which then passes the slot ids
+it was given on: the matmuls that read them run after it. The device path's kernel plans
+the list on the GPU and runs the same routine (``copy_meta`` gives it the layer's
+description). Either way the copy is queued on MLX's stream, behind every computation
+queued before it and ahead of every one after, so nothing waits on the host. Every
+record's checksum is checked on the host when the reader opens (the GPU copies without
+checking).
 """
 
 from __future__ import annotations
@@ -22,33 +24,43 @@ from .reader import Done
 
 FILL_BLOCKS, FILL_THREADS = 1024, 256
 
-_FILL = """
+# The one copy routine, shared with the device path's plan kernel (``device_plan``):
+# the records a fills list names (``[n, e0, s0, e1, s1...]``) into their slots' part rows,
+# in words of ``W``, by thread ``tid`` of ``nth``. ``meta``: the layer's source address,
+# stride, part count, then per part its offset, bytes, pool address and row bytes.
+COPY_HEADER = """
+struct __align__(16) mlxs_w16 { unsigned long long x, y; };
+template <typename W>
+__device__ void mlxs_copy(const int* f, const int64_t* meta, long long tid, long long nth) {
     const char* src = (const char*)(meta[0]);
     const int64_t stride = meta[1];
     const int parts = (int)meta[2];
-    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long nth = (long long)gridDim.x * blockDim.x;
-    if (tid < N) out[tid] = slots[tid];
-    const int n = fills[0];
+    const int n = f[0];
     for (int k = 0; k < n; k++) {
-        const char* rec = src + (int64_t)fills[1 + 2 * k] * stride;
-        const int64_t slot = fills[2 + 2 * k];
+        const char* rec = src + (int64_t)f[1 + 2 * k] * stride;
+        const int64_t slot = f[2 + 2 * k];
         for (int p = 0; p < parts; p++) {
-            const int64_t* q = meta + 3 + 4 * p;  // offset, bytes, address, row bytes
-            const WORD* a = (const WORD*)(rec + q[0]);
-            WORD* b = (WORD*)((char*)(q[2]) + slot * q[3]);
-            const long long words = q[1] / (int64_t)sizeof(WORD);
+            const int64_t* q = meta + 3 + 4 * p;
+            const W* a = (const W*)(rec + q[0]);
+            W* b = (W*)((char*)(q[2]) + slot * q[3]);
+            const long long words = q[1] / (int64_t)sizeof(W);
             for (long long w = tid; w < words; w += nth) b[w] = a[w];
         }
     }
+}
 """
-_HEADER = "struct __align__(16) mlxs_w16 { unsigned long long x, y; };"
-_WORDS = {16: "mlxs_w16", 8: "unsigned long long", 4: "unsigned int", 1: "unsigned char"}
+_FILL = """
+    const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long nth = (long long)gridDim.x * blockDim.x;
+    if (tid < N) out[tid] = slots[tid];
+    mlxs_copy<WORD>(fills, meta, tid, nth);
+"""
+WORDS = {16: "mlxs_w16", 8: "unsigned long long", 4: "unsigned int", 1: "unsigned char"}
 
 
 def _word(values: list[int]) -> int:
     """The widest copy word dividing every offset, size and address."""
-    return next(w for w in _WORDS if all(v % w == 0 for v in values))
+    return next(w for w in WORDS if all(v % w == 0 for v in values))
 
 
 class DeviceReader:
@@ -85,8 +97,8 @@ class DeviceReader:
                         name=f"mlxs_fill_{word}",
                         input_names=["fills", "slots", "meta"],
                         output_names=["out"],
-                        source=_FILL.replace("WORD", _WORDS[word]),
-                        header=_HEADER,
+                        source=_FILL.replace("WORD", WORDS[word]),
+                        header=COPY_HEADER,
                     )
             mx.eval([m for m, _ in self._meta.values()])
         except BaseException:
@@ -105,6 +117,11 @@ class DeviceReader:
             meta += [p.offset, p.nbytes, addr, row]
             checked += [p.offset, p.nbytes, addr, row]
         return mx.array(np.array(meta, np.int64)), _word(checked)
+
+    def copy_meta(self, layer: int) -> tuple[mx.array, int]:
+        """``layer``'s copy description (``COPY_HEADER``'s ``meta``) and its copy word
+        (a key of ``WORDS``), for a kernel that copies records itself."""
+        return self._meta[layer]
 
     def fill(self, layer: int, fills: mx.array, slots: mx.array) -> mx.array:
         """Copy the records ``fills`` names into their slots, lazily; returns ``slots``
