@@ -71,3 +71,36 @@ def test_reference_equals_the_simulator(policy, pins, tokens):
     assert np.array_equal(arrays["expert_in"], sim.expert_in)
     for name, a in sim.policy.state.items():
         assert np.array_equal(arrays[name], a), name
+
+
+def test_the_kernel_reads_each_array_where_the_device_path_puts_it():
+    """The CUDA kernel (not run in CI) takes its arrays as ``p[i]`` by position: every
+    position it reads is the named array's place in ``POINTERS``, with a C type of the
+    array's dtype, and it reads them all."""
+    import re
+
+    from mlx_streaming.core.cache.device_plan import (
+        PLAN,
+        POINTERS,
+        constants,
+        layer_arrays,
+        scratch_arrays,
+    )
+
+    arrays = {**layer_arrays(4, 2), **constants(np.zeros(8)), **scratch_arrays()}
+    c_type = {
+        np.dtype(np.int32): "int",
+        np.dtype(np.int64): "long long",
+        np.dtype(np.uint8): "unsigned char",
+        np.dtype(np.float32): "float",
+        np.dtype(np.float64): "double",
+    }
+    pattern = r"^\s*(?:const )?([a-z ]+?)\* (\w+) = \((?:const )?[a-z ]+\*\)p\[(\d+)\];"
+    read = re.findall(pattern, PLAN, flags=re.M)
+    assert sorted(int(i) for _, _, i in read) == list(range(len(POINTERS)))
+    for ctype, name, i in read:
+        want = {"t": "tp", "counters": "ctr", "weights": "w"}.get(
+            POINTERS[int(i)], POINTERS[int(i)]
+        )
+        assert name == want, (name, i, POINTERS[int(i)])
+        assert ctype == c_type[arrays[POINTERS[int(i)]].dtype], (name, ctype)
