@@ -10,8 +10,11 @@ means the host bounds the step; a wait > 0, the device.
 
 Models, all loaded at once and run in alternating rounds (the same trace position each
 run, so that the machine's drift hits each alike): stock; streamed at ``--residency``;
-the same with the kernel's copies dropped, and with neither kernel (both inexact,
-in their own pools: what the copies and the kernels cost); every expert resident. Wall
+the same with the kernel's copies dropped, and with no kernel (both inexact, in their
+own pools: what the copies and the kernel cost); the same with a second, empty kernel
+after each call (the launches of the two-kernel device path before 2026-12-04), and
+with the kernel's grid at 1,024 blocks instead of 128 (the copy's parallelism); every
+expert resident. Wall
 time and the main thread's CPU time, medians in ms per token, and the excess over stock
 per MoE layer call in µs.
 
@@ -74,6 +77,18 @@ def _no_parts(meta: mx.array, word: int) -> tuple[mx.array, int]:
     return mx.array(m), word
 
 
+def _second_kernel(dev):
+    """``dev.slots`` followed by the reader's fill kernel on an empty list: the host and
+    launch cost of the second kernel per call that the device path had until 2026-12-04
+    (exact: it copies nothing)."""
+    slots, empty = dev.slots, mx.zeros((1,), mx.int32)
+
+    def call(layer, ids):
+        return dev.reader.fill(layer, empty, slots(layer, ids))
+
+    return call
+
+
 def main():
     p = parser(__doc__, preset="dsv2-lite", workdir="/tmp/mlxs")
     p.add_argument("--residency", type=float, default=0.5)
@@ -89,14 +104,20 @@ def main():
         (f"streamed_{a.residency}", slots, None),
         (f"streamed_{a.residency}_no_copies", slots, "no_copies"),
         (f"streamed_{a.residency}_no_kernels", slots, "no_kernels"),
+        (f"streamed_{a.residency}_second_kernel", slots, "second_kernel"),
+        (f"streamed_{a.residency}_1024_blocks", slots, "1024_blocks"),
         ("streamed_resident", meta.num_experts, None),
     ):
         model, _, store, r = streamed(ck, ed, trace, start, slots=n)
         dev = store.device
         if variant == "no_copies" and dev is not None:  # the plan runs, copying no part
             dev.reader.copy_meta = lambda layer, f=dev.reader.copy_meta: _no_parts(*f(layer))
-        if variant == "no_kernels" and dev is not None:  # neither kernel: slots in range
+        if variant == "no_kernels" and dev is not None:  # no kernel: slots in range
             dev.slots = lambda layer, ids, cap=n: mx.minimum(ids, cap - 1)
+        if variant == "second_kernel" and dev is not None:  # as before 2026-12-04: the
+            dev.slots = _second_kernel(dev)  # plan, then a fill kernel (here empty)
+        if variant == "1024_blocks" and dev is not None:  # the fill kernel's grid
+            dev.blocks = 1024
         models[name] = (model, r, store)
     # inexact variants write wrong bytes in their own pools only; the rounds alternate
     # the models so that the machine's drift hits each alike

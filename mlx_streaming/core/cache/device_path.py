@@ -131,6 +131,7 @@ class DevicePath:
             addr = [self._addr + off[name] for name in POINTERS]
             self._ptrs[li] = mx.array(np.array(addr, np.uint64))
         mx.eval(list(self._ptrs.values()))
+        self.blocks = BLOCKS  # of the kernel (a probe may change it)
         self._kernels = {}  # by copy word
         self._calls = {}  # (layer, ids): the kernel call's fixed arguments
 
@@ -167,7 +168,7 @@ class DevicePath:
         (out,) = kernel(
             inputs=[indices, self._ptrs[layer], meta],
             template=tmpl,
-            grid=(BLOCKS * THREADS, 1, 1),
+            grid=(self.blocks * THREADS, 1, 1),
             threadgroup=(THREADS, 1, 1),
             output_shapes=[indices.shape],
             output_dtypes=[mx.int32],
