@@ -43,7 +43,10 @@
 #   bash benchmarks/gpu_suite.sh launch     MLX's host cost per evaluation call and per op, with and
 #                                           without CUDA graphs
 #   bash benchmarks/gpu_suite.sh split      one decode step's build / launch / wait, stock against
-#                                           50% (as loaded, copies dropped, all resident)
+#                                           streamed at RESIDENCY (default 0.5; e.g. "0.5 0.125"):
+#                                           as loaded, copies dropped, no kernel, a second empty
+#                                           kernel per call, 1,024 blocks, every expert resident;
+#                                           ROUNDS alternating rounds (default 5)
 #   bash benchmarks/gpu_suite.sh hostprof   cProfile of decode, stock against 50% and 25%: where the
 #                                           host's time goes, MLX's eval calls shown apart
 #   bash benchmarks/gpu_suite.sh stall      the probe of why the removed kernel transport stalled
@@ -201,7 +204,8 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
           done ;;
   split) for r in ${RESIDENCY:-0.5}; do
            timeout "$limit" python3 benchmarks/probes/decode_split.py --workdir $work \
-             --trace "$trace" --residency $r --json "$out/decode-split-$r.json" 2>&1 \
+             --trace "$trace" --residency $r --rounds "${ROUNDS:-5}" \
+             --json "$out/decode-split-$r.json" 2>&1 \
              | grep -v "PyTorch was not found" | tee "$out/decode-split-$r.log" | grep -E "^(stock|streamed)"
          done ;;
   hostprof) timeout "$limit" python3 benchmarks/probes/host_profile.py --workdir $work \
