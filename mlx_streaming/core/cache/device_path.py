@@ -97,7 +97,8 @@ class DevicePath:
                     f"layer {li}: {c.num_experts} experts exceed the device path's "
                     f"{MAX_EXPERTS}; use device_reads=False"
                 )
-        # every layer's table and ranking, then the constants, in one device buffer
+        # every layer's table and ranking, the constants, then every layer's scratch, in
+        # one device buffer
         self._host: dict[int, dict[str, np.ndarray]] = {}
         self._off: dict[int, dict[str, int]] = {}
         self._span: dict[int, tuple[int, int]] = {}
@@ -133,7 +134,7 @@ class DevicePath:
         mx.eval(list(self._ptrs.values()))
         self.blocks = BLOCKS  # of the kernel (a probe may change it)
         self._kernels = {}  # by copy word
-        self._calls = {}  # (layer, ids): the kernel call's fixed arguments
+        self._calls = {}  # (layer, routed ids): the kernel call's fixed arguments
 
     def _call_args(self, layer: int, n: int) -> tuple:
         """The kernel, its copy description and its template for ``n`` ids of ``layer``."""
