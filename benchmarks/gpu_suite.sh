@@ -47,6 +47,8 @@
 #                                           as loaded, copies dropped, no kernel, a second empty
 #                                           kernel per call, 1,024 blocks, every expert resident;
 #                                           ROUNDS alternating rounds (default 5)
+#   bash benchmarks/gpu_suite.sh precision  larger than RAM (O_DIRECT) at 25% by expert precision:
+#                                           FORMATS (default "4-bit,3-bit"; see precision_beyond.py)
 #   bash benchmarks/gpu_suite.sh hostprof   cProfile of decode, stock against 50% and 25%: where the
 #                                           host's time goes, MLX's eval calls shown apart
 #   bash benchmarks/gpu_suite.sh stall      the probe of why the removed kernel transport stalled
@@ -208,6 +210,10 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
              --json "$out/decode-split-$r.json" 2>&1 \
              | grep -v "PyTorch was not found" | tee "$out/decode-split-$r.log" | grep -E "^(stock|streamed)"
          done ;;
+  precision) timeout "$limit" python3 benchmarks/precision_beyond.py --preset dsv2-lite \
+               --workdir $work --trace "$trace" --residency 0.25 --tokens 32 --repeat 3 \
+               --formats "${FORMATS:-4-bit,3-bit}" --json "$out/precision-beyond-gpu.json" 2>&1 \
+               | grep -v "PyTorch was not found" | tee "$out/precision-beyond-gpu.log" | tail -4 ;;
   hostprof) timeout "$limit" python3 benchmarks/probes/host_profile.py --workdir $work \
               --trace "$trace" --json "$out/host-profile.json" 2>&1 | tail -3 ;;
   probe) timeout "$limit" python3 benchmarks/gpu.py --workdir $work --preset dsv2-lite \

@@ -38,7 +38,16 @@ def main() -> None:
     p.add_argument("--residency", default="0.25")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument(
+        "--formats",
+        default=",".join(FORMATS),
+        help="which formats, comma-separated (a device call may fit only some)",
+    )
     a = p.parse_args()
+    wanted = [f.strip() for f in a.formats.split(",")]
+    unknown = [f for f in wanted if f not in FORMATS]
+    if unknown:
+        p.error(f"unknown formats {unknown}; choose from {list(FORMATS)}")
     from mlx_streaming.core.meta import load_meta
     from mlx_streaming.prep.requantize import requantize
 
@@ -47,6 +56,8 @@ def main() -> None:
     root = Path(a.workdir)
     rows = []
     for name, spec in FORMATS.items():
+        if name not in wanted:
+            continue
         model = ck
         if spec is not None:
             tag = name.split()[0]
