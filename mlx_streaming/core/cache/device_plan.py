@@ -106,9 +106,10 @@ def constants(weights) -> dict[str, np.ndarray]:
 # The kernel, BLOCKS blocks of THREADS threads per call: block 0 plans (the step above)
 # and publishes its fills; every block then copies its share of them (``COPY_HEADER``'s
 # ``mlxs_copy``, the host path's copy too), so a call is one kernel. A block waits for the
-# plan at most WAIT_NS; one that gives up counts LATE and the host raises. Block 0 is
-# dispatched first and BLOCKS fit on the device at once, so none waits on a block that
-# cannot run. Template: N (ids), E, S, H, NREC, NAGE, NWIN, SCORE (some weight is not
+# plan at most WAIT_NS; one that gives up counts LATE and the host raises. This relies on
+# block 0 being dispatched first, which CUDA does not promise (on a full H200 the BLOCKS
+# fit at once); the branch kernel-ticket, not yet run on CUDA, lets the first block to
+# take a ticket plan instead, and traps on a wait past its bound. Template: N (ids), E, S, H, NREC, NAGE, NWIN, SCORE (some weight is not
 # 0), WAIT_NS; WORD, the copy word, is written into the source. Inputs: ids [N], p
 # [len(POINTERS)] addresses, meta (the layer's copy description). Output: slots [N].
 BLOCKS = 128
