@@ -109,9 +109,10 @@ def constants(weights) -> dict[str, np.ndarray]:
 # plan at most WAIT_NS; one that gives up counts LATE and the host raises. This relies on
 # block 0 being dispatched first, which CUDA does not promise (on a full H200 the BLOCKS
 # fit at once); the branch kernel-ticket, not yet run on CUDA, lets the first block to
-# take a ticket plan instead, and traps on a wait past its bound. Template: N (ids), E, S, H, NREC, NAGE, NWIN, SCORE (some weight is not
-# 0), WAIT_NS; WORD, the copy word, is written into the source. Inputs: ids [N], p
-# [len(POINTERS)] addresses, meta (the layer's copy description). Output: slots [N].
+# take a ticket plan instead, and traps on a wait past its bound. Template: N (ids), E,
+# S, H, NREC, NAGE, NWIN, SCORE (some weight is not 0), WAIT_NS; WORD, the copy word, is
+# written into the source. Inputs: ids [N], p [len(POINTERS)] addresses, meta (the
+# layer's copy description). Output: slots [N].
 BLOCKS = 128
 WAIT_NS = 1_000_000_000
 PLAN = """
