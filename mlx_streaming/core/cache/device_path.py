@@ -1,14 +1,15 @@
 """The device path of a decode step's layer call on CUDA: no host synchronisation.
 
 Where the expert files are mapped, page-locked and mapped into the device's address space
-(``map_files`` on CUDA), the device itself can serve a small call's misses. One kernel (``device_plan``'s
-``PLAN``) joins the call's graph, before the expert matmuls. Its first block looks the
-routed ids up in a slot table kept in device memory, takes slots for the misses from the
-store's own policy (its ranking's state lives beside the table: the same victims as on
-the host, to the bit), updates the ranking, and lists (expert, slot) to fill; then every
-block copies its share of the listed records from the mapped file into their slots (the
-store's ``DeviceReader`` routine, which the host path's misses take too). Its output is
-the rows' slot ids, so the matmuls, which read them, run after the copies.
+(``map_files`` on CUDA), the device itself can serve a small call's misses. One kernel
+(``device_plan``'s ``PLAN``) joins the call's graph, before the expert matmuls. Its first
+block looks the routed ids up in a slot table kept in device memory, takes slots for the
+misses from the store's own policy (its ranking's state lives beside the table: the same
+victims as on the host, to the bit), updates the ranking, and lists (expert, slot) to
+fill; then every block copies its share of the listed records from the mapped file into
+their slots (the store's ``DeviceReader`` routine, which the host path's misses take
+too). Its output is the rows' slot ids, so the matmuls, which read them, run after the
+copies.
 
 The host never waits: it builds the next layer at once, as stock mlx-lm does. Every row
 is the same matmul on the same bytes as in the host path, so outputs stay bit-identical.
