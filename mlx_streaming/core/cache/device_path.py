@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..io import cuda
-from ..io.device_reader import COPY_HEADER, WORDS
+from ..io.device_reader import copy_kernel
 from .calls import LayerCall
 from .device_plan import (
     BLOCKS,
@@ -141,12 +141,8 @@ class DevicePath:
         """The kernel, its copy description and its template for ``n`` ids of ``layer``."""
         meta, word = self.reader.copy_meta(layer)
         if word not in self._kernels:
-            self._kernels[word] = mx.fast.cuda_kernel(
-                name=f"mlxs_plan_{word}",
-                input_names=["ids", "p", "meta"],
-                output_names=["slots"],
-                source=PLAN.replace("WORD", WORDS[word]),
-                header=COPY_HEADER,
+            self._kernels[word] = copy_kernel(
+                "mlxs_plan", PLAN, word, ["ids", "p", "meta"], ["slots"]
             )
         c = self.caches[layer]
         args = (self._kernels[word], meta, template(c.num_experts, c.capacity, n, self.weights))

@@ -55,12 +55,24 @@ _FILL = """
     if (tid < N) out[tid] = slots[tid];
     mlxs_copy<WORD>(fills, meta, tid, nth);
 """
-WORDS = {16: "mlxs_w16", 8: "unsigned long long", 4: "unsigned int", 1: "unsigned char"}
+_WORDS = {16: "mlxs_w16", 8: "unsigned long long", 4: "unsigned int", 1: "unsigned char"}
+
+
+def copy_kernel(name: str, source: str, word: int, input_names: list[str], output_names):
+    """An MLX CUDA kernel whose ``source`` calls ``mlxs_copy<WORD>``, for copy words of
+    ``word`` bytes."""
+    return mx.fast.cuda_kernel(
+        name=f"{name}_{word}",
+        input_names=input_names,
+        output_names=output_names,
+        source=source.replace("WORD", _WORDS[word]),
+        header=COPY_HEADER,
+    )
 
 
 def _word(values: list[int]) -> int:
     """The widest copy word dividing every offset, size and address."""
-    return next(w for w in WORDS if all(v % w == 0 for v in values))
+    return next(w for w in _WORDS if all(v % w == 0 for v in values))
 
 
 class DeviceReader:
@@ -93,12 +105,8 @@ class DeviceReader:
                 self._meta[li] = self._layer_meta(li)
                 word = self._meta[li][1]
                 if word not in self._kernels:
-                    self._kernels[word] = mx.fast.cuda_kernel(
-                        name=f"mlxs_fill_{word}",
-                        input_names=["fills", "slots", "meta"],
-                        output_names=["out"],
-                        source=_FILL.replace("WORD", WORDS[word]),
-                        header=COPY_HEADER,
+                    self._kernels[word] = copy_kernel(
+                        "mlxs_fill", _FILL, word, ["fills", "slots", "meta"], ["out"]
                     )
             mx.eval([m for m, _ in self._meta.values()])
         except BaseException:
@@ -120,7 +128,7 @@ class DeviceReader:
 
     def copy_meta(self, layer: int) -> tuple[mx.array, int]:
         """``layer``'s copy description (``COPY_HEADER``'s ``meta``) and its copy word
-        (a key of ``WORDS``), for a kernel that copies records itself."""
+        (bytes), for a kernel that copies records itself (``copy_kernel``)."""
         return self._meta[layer]
 
     def fill(self, layer: int, fills: mx.array, slots: mx.array) -> mx.array:
