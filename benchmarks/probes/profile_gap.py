@@ -23,22 +23,19 @@ def main():
     p.add_argument("--slots", default="8,16,32", help="uniform slots per layer")
     p.add_argument("--tokens", type=int, default=4000, help="held-out tokens replayed")
     a = p.parse_args()
-    from mlx_streaming.planning.allocate import climb
-    from mlx_streaming.planning.profiles import hit_curves
+    from mlx_streaming.planning.budget import PoolShape
+    from mlx_streaming.planning.profiles import build_profile
     from mlx_streaming.planning.simulate import simulate
     from mlx_streaming.planning.trace import RoutingTrace
 
     trace = RoutingTrace.load(a.trace)
-    calib, held = trace.split(0.5)
-    L, E, k = trace.layers, trace.num_experts, trace.top_k
+    held = trace.split(0.5)[1]
+    # one byte per slot and no zero slot: equal bytes are equal total slots
+    shape = PoolShape([1] * trace.layers, trace.num_experts, trace.top_k)
     rows = []
     for u in (int(s) for s in a.slots.split(",")):
-        top = min(E, 3 * u)
-        grid = sorted(set(range(k, top + 1, max(1, (top - k) // 16))) | {u, top})
-        curves = hit_curves(calib, list(range(L)), grid, "predictive", a.tokens)
-        cost, value = (lambda i, j, g=grid: g[j]), (lambda i, j, c=curves: c[i, j])
-        at = climb([len(grid)] * L, cost, value, u * L)
-        caps = {i: int(grid[j]) for i, j in enumerate(at)}
+        prof = build_profile(trace, shape, slots=u, tokens=a.tokens, zero_slot=False)
+        caps = prof.slots
         row = {"slots": u, "profile_slots": sorted(caps.values())}
         for name, policy, slots in (
             ("lru", "lru", u),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.format import write_json_atomic
+from ..core.format import ExpertMeta, write_json_atomic
 from .allocate import climb
 from .budget import PoolShape, default_zero_slot, plan_budget
 from .simulate import simulate
@@ -97,7 +97,7 @@ class Profile:
 
 def build_profile(
     trace: RoutingTrace,
-    meta,
+    meta: PoolShape | ExpertMeta,
     *,
     budget_gb: float | None = None,
     slots: int | None = None,
@@ -107,15 +107,16 @@ def build_profile(
     step: int | None = None,
     zero_slot: bool | None = None,
 ) -> Profile:
-    """Per-layer slots for ``meta``'s MoE layers from the first half of ``trace``, judged
-    on its second half against uniform slots at equal bytes.
+    """Per-layer slots for ``meta``'s MoE layers (an expert directory's meta, or a
+    ``PoolShape``) from the first half of ``trace``, judged on its second half against
+    uniform slots at equal bytes.
 
     Modes: ``budget`` shares ``budget_gb`` (through ``plan_budget``, the formula ``load``
     uses) or the bytes of ``slots`` uniform slots, by hit-rate curves; ``lossless`` caps
     each layer at the distinct experts it used (the seed's profile: same hits as
     unbounded pools on the calibration routing).
     """
-    full = PoolShape.from_meta(meta)
+    full = PoolShape.from_meta(meta) if isinstance(meta, ExpertMeta) else meta
     zero = default_zero_slot() if zero_slot is None else zero_slot
     L = min(len(full.layers), trace.layers)
     shape = PoolShape(full.slot_bytes[:L], full.num_experts[:L], full.top_k, full.layers[:L])
