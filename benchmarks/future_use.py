@@ -48,7 +48,7 @@ import time
 
 import numpy as np
 from harness import ROOT, finish, log, parser
-from router_eviction import CHECKPOINT, layer_misses, record
+from router_eviction import CHECKPOINT, held_out, layer_misses, record
 
 from mlx_streaming.core.cache.base_policy import Policy
 
@@ -228,15 +228,10 @@ def main() -> None:
     p = parser(__doc__, preset=None, trace=False)
     p.add_argument("--windows", type=int, default=48, help="held-out windows of 256 tokens")
     a = p.parse_args()
-    from mlx_lm import load
-
     from mlx_streaming.core.cache.scored import PREDICTIVE_WEIGHTS
-    from mlx_streaming.synthetic.train import held_out_text
 
     t0 = time.perf_counter()
-    model, tok = load(str(CHECKPOINT))
-    ids = np.array(tok.encode(held_out_text(CHECKPOINT)), dtype=np.int32)
-    windows = min(a.windows, len(ids) // SEQ)
+    model, ids, windows = held_out(a.windows, SEQ)
     windows -= windows % 4  # halves of whole windows, each half in two folds
     top, probs, hid = record(model, ids, SEQ, windows, hidden=True)
     del model

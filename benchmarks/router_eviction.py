@@ -40,6 +40,18 @@ from harness import ROOT, finish, log, parser
 CHECKPOINT = ROOT / "checkpoints" / "tiny-stdlib-moe"
 
 
+def held_out(windows: int, seq: int = 256):
+    """The trained model, its held-out text's token ids, and how many of the ``windows``
+    of ``seq`` tokens that text holds: ``(model, ids, windows)``."""
+    from mlx_lm import load
+
+    from mlx_streaming.synthetic.train import held_out_text
+
+    model, tok = load(str(CHECKPOINT))
+    ids = np.array(tok.encode(held_out_text(CHECKPOINT)), dtype=np.int32)
+    return model, ids, min(windows, len(ids) // seq)
+
+
 def record(model, ids: np.ndarray, seq: int, windows: int, hidden: bool = False):
     """Top-k ids [T, L, k] and router probabilities [T, L, E] over held-out windows; with
     ``hidden``, also each MoE block's input [T, L, D] (what the router reads, before the
@@ -178,15 +190,9 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("--windows", type=int, default=48, help="held-out windows of 256 tokens")
     a = p.parse_args()
-    from mlx_lm import load
-
-    from mlx_streaming.synthetic.train import held_out_text
-
     t0 = time.perf_counter()
-    model, tok = load(str(CHECKPOINT))
     seq = 256
-    ids = np.array(tok.encode(held_out_text(CHECKPOINT)), dtype=np.int32)
-    windows = min(a.windows, len(ids) // seq)
+    model, ids, windows = held_out(a.windows, seq)
     top, probs = record(model, ids, seq, windows)
     T, L, E = probs.shape
     log(f"recorded {T} tokens x {L} layers x {E} experts in {time.perf_counter() - t0:.0f}s")

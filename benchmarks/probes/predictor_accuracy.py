@@ -12,8 +12,8 @@ held-out windows. Per layer L and token, the share of the true top-k found among
   models;
 - ``previous token``: the same layer's experts at the token before (history).
 
-With ``--guess m`` above k, the share of the true top-k among the guess's top m (m extra
-reads per layer for the recall).
+Each row is a guess of ``m`` experts (k, k + 2 and 2k): the share of the true top-k among
+the guess's top m (m - k extra reads per layer bought for the recall).
 
     python benchmarks/probes/predictor_accuracy.py --json benchmarks/results/predictor-accuracy.json
 """
@@ -27,9 +27,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness import ROOT, finish, log, parser  # noqa: E402
-
-CHECKPOINT = ROOT / "checkpoints" / "tiny-stdlib-moe"
+from harness import finish, log, parser  # noqa: E402
+from router_eviction import CHECKPOINT, held_out  # noqa: E402
 
 
 def _top(logits, m: int) -> np.ndarray:
@@ -86,15 +85,9 @@ def main() -> None:
     p = parser(__doc__, preset=None, trace=False)
     p.add_argument("--windows", type=int, default=16, help="held-out windows of 256 tokens")
     a = p.parse_args()
-    from mlx_lm import load
-
-    from mlx_streaming.synthetic.train import held_out_text
-
     t0 = time.perf_counter()
-    model, tok = load(str(CHECKPOINT))
     seq = 256
-    ids = np.array(tok.encode(held_out_text(CHECKPOINT)), dtype=np.int32)
-    windows = min(a.windows, len(ids) // seq)
+    model, ids, windows = held_out(a.windows, seq)
     k = model.model.layers[0].mlp.top_k
     rows = []
     for m in (k, k + 2, 2 * k):
