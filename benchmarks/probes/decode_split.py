@@ -14,9 +14,8 @@ the same with the kernel's copies dropped, and with no kernel (both inexact, in 
 own pools: what the copies and the kernel cost); the same with a second, empty kernel
 after each call (the launches of the two-kernel device path before 2026-12-04), and
 with the kernel's grid at 1,024 blocks instead of 128 (the copy's parallelism); every
-expert resident. Wall
-time and the main thread's CPU time, medians in ms per token, and the excess over stock
-per MoE layer call in µs.
+expert resident. Wall time and the main thread's CPU time, medians in ms per token, and
+the excess over stock per MoE layer call in µs.
 
     python benchmarks/probes/decode_split.py --preset dsv2-lite --residency 0.5 \
         --workdir /tmp/mlxs --json out.json
