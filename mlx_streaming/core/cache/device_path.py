@@ -136,13 +136,14 @@ class DevicePath:
         self.blocks = BLOCKS  # of the kernel (a probe may change it)
         self._kernels = {}  # by copy word
         self._calls = {}  # (layer, routed ids): the kernel call's fixed arguments
+        self._prev = {li: mx.zeros((1,), mx.int32) for li in self.layers}  # last outputs
 
     def _call_args(self, layer: int, n: int) -> tuple:
         """The kernel, its copy description and its template for ``n`` ids of ``layer``."""
         meta, word = self.reader.copy_meta(layer)
         if word not in self._kernels:
             self._kernels[word] = copy_kernel(
-                "mlxs_plan", PLAN, word, ["ids", "p", "meta"], ["slots"]
+                "mlxs_plan", PLAN, word, ["ids", "p", "meta", "prev"], ["slots"]
             )
         c = self.caches[layer]
         args = (self._kernels[word], meta, template(c.num_experts, c.capacity, n, self.weights))
@@ -164,13 +165,14 @@ class DevicePath:
         n = indices.size
         kernel, meta, tmpl = self._calls.get((layer, n)) or self._call_args(layer, n)
         (out,) = kernel(
-            inputs=[indices, self._ptrs[layer], meta],
+            inputs=[indices, self._ptrs[layer], meta, self._prev[layer]],
             template=tmpl,
             grid=(self.blocks * THREADS, 1, 1),
             threadgroup=(THREADS, 1, 1),
             output_shapes=[indices.shape],
             output_dtypes=[mx.int32],
         )
+        self._prev[layer] = out  # the layer's next call comes after this one
         st = self.stats[layer]
         st.device_calls += 1
         st.fastpath += 1  # until the counters say the call missed
@@ -257,10 +259,10 @@ class DevicePath:
             raise DevicePathError(
                 f"layer {layer}: the device path found no free slot for {d[FAILED]} misses"
             )
-        if d[LATE]:
+        if d[LATE]:  # the kernel trapped too: this is read only if the device survived
             raise DevicePathError(
                 f"layer {layer}: {d[LATE]} blocks of the device path's kernel gave up "
-                "waiting for its plan, and copied nothing; run with device_reads=False"
+                "waiting for its plan; run with device_reads=False"
             )
         c, st = self.caches[layer], self.stats[layer]
         c.stats.hits += int(d[HITS])

@@ -27,7 +27,7 @@ MAX_EXPERTS = 4096  # per layer (the kernel keeps a mark per expert in shared me
 THREADS = 256
 # counters kept on the device per layer: hits, misses, evictions, calls with misses,
 # misses left without a slot (a defect), free slots left, blocks that gave up waiting for
-# the plan (a defect)
+# the plan (a defect; the kernel then traps)
 HITS, MISSES, EVICTIONS, MISSED_CALLS, FAILED, FREE, LATE = range(7)
 N_COUNTERS = 8
 
@@ -47,7 +47,7 @@ def scratch_arrays() -> dict[str, np.ndarray]:
     """A layer's scratch on the device, outside the state the host and the device hand
     over: the plan's fills list (read by the kernel's other blocks) and the flag they wait
     on with the count of blocks done (reset by the last block of each call)."""
-    return {"fills": np.zeros(1 + 2 * MAX_IDS, np.int32), "sync": np.zeros(2, np.int32)}
+    return {"fills": np.zeros(1 + 2 * MAX_IDS, np.int32), "sync": np.zeros(4, np.int32)}
 
 
 POINTERS = (
@@ -103,18 +103,19 @@ def constants(weights) -> dict[str, np.ndarray]:
     }
 
 
-# The kernel, BLOCKS blocks of THREADS threads per call: block 0 plans (the step above)
-# and publishes its fills; every block then copies its share of them (``COPY_HEADER``'s
-# ``mlxs_copy``, the host path's copy too), so a call is one kernel. A block waits for the
-# plan at most WAIT_NS; one that gives up counts LATE and the host raises. This relies on
-# block 0 being dispatched first, which CUDA does not promise (on a full H200 the BLOCKS
-# fit at once); the branch kernel-ticket, not yet run on CUDA, lets the first block to
-# take a ticket plan instead, and traps on a wait past its bound. Template: N (ids), E,
-# S, H, NREC, NAGE, NWIN, SCORE (some weight is not 0), WAIT_NS; WORD, the copy word, is
-# written into the source. Inputs: ids [N], p [len(POINTERS)] addresses, meta (the
-# layer's copy description). Output: slots [N].
+# The kernel, BLOCKS blocks of THREADS threads per call. The first block to take a
+# ticket plans (the step above) and publishes its fills; every block then copies its share
+# of them (``COPY_HEADER``'s ``mlxs_copy``, the host path's copy too), so a call is one
+# kernel. A block waits only on a planner that is already running, so it needs no other
+# block to be scheduled; a wait past WAIT_NS (a stalled device) traps: the call fails
+# loudly rather than leave experts marked resident and unfilled. The last block out
+# resets the flag and the tickets. ``prev`` (the layer's previous output) is unread: it
+# orders the layer's calls in any graph. Template: N (ids), E, S, H, NREC, NAGE, NWIN,
+# SCORE (some weight is not 0), WAIT_NS; WORD, the copy word, is written into the
+# source. Inputs: ids [N], p [len(POINTERS)] addresses, meta (the layer's copy
+# description), prev. Output: slots [N].
 BLOCKS = 128
-WAIT_NS = 1_000_000_000
+WAIT_NS = 2_000_000_000  # a template int: under 2**31
 PLAN = """
     int* slot_of = (int*)p[0];
     int* expert_in = (int*)p[1];
@@ -138,8 +139,10 @@ PLAN = """
     int* sync = (int*)p[19];
     const int tid = threadIdx.x, nth = blockDim.x;
     __shared__ int fl[1 + 2 * N];  // the fills, as each block reads them
-    __shared__ int late;
-    if (blockIdx.x == 0) {  // the plan: one block
+    __shared__ int role;  // the block's ticket: the first block to run plans
+    if (tid == 0) role = atomicAdd(sync + 2, 1);
+    __syncthreads();
+    if (role == 0) {  // the plan: one block
     __shared__ int d[N], m[N], target[N], victim[N];
     __shared__ int nd, nm, nfree, nvict;
     __shared__ unsigned char ok[E];
@@ -313,34 +316,33 @@ PLAN = """
     if (tid == 0) {
         nprev[0] = nd;
         tp[0] = t + 1;
-        late = 0;
     }
-    } else if (tid == 0) {  // wait for the plan's fills, for at most WAIT_NS
+    } else if (tid == 0) {  // wait for the plan's fills: the planner is running
         unsigned long long t0, now;
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-        late = 0;
-        while (atomicAdd(sync, 0) == 0) {
+        while (((volatile int*)sync)[0] == 0) {
             asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-            if (now - t0 > WAIT_NS) { late = 1; break; }
+            if (now - t0 > WAIT_NS) {  // never for a running planner: fail loudly, since
+                atomicAdd((unsigned long long*)(ctr + 6), 1ull);  // copying nothing
+                __trap();  // would leave resident experts unfilled (LATE)
+            }
             __nanosleep(64);
         }
         __threadfence();
     }
     __syncthreads();
-    if (!late) {  // every block copies its share of the fills (read past L1: __ldcg)
-        if (tid == 0) fl[0] = __ldcg(fills);
-        __syncthreads();
-        for (int i = 1 + tid; i < 1 + 2 * fl[0]; i += nth) fl[i] = __ldcg(fills + i);
-        __syncthreads();
-        mlxs_copy<WORD>(fl, meta, (long long)blockIdx.x * nth + tid, (long long)gridDim.x * nth);
-    } else if (tid == 0) {
-        atomicAdd((unsigned long long*)(ctr + 6), 1ull);  // LATE: the host raises
-    }
+    // every block copies its share of the fills (read past L1: __ldcg)
+    if (tid == 0) fl[0] = __ldcg(fills);
     __syncthreads();
-    if (tid == 0) {  // the last block out resets the flag for the layer's next call
+    for (int i = 1 + tid; i < 1 + 2 * fl[0]; i += nth) fl[i] = __ldcg(fills + i);
+    __syncthreads();
+    mlxs_copy<WORD>(fl, meta, (long long)blockIdx.x * nth + tid, (long long)gridDim.x * nth);
+    __syncthreads();
+    if (tid == 0) {  // the last block out resets the flag and the tickets for the next call
         __threadfence();
         if (atomicAdd(sync + 1, 1) == (int)gridDim.x - 1) {
             sync[1] = 0;
+            sync[2] = 0;
             atomicExch(sync, 0);
         }
     }
