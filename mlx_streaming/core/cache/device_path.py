@@ -143,7 +143,7 @@ class DevicePath:
         meta, word = self.reader.copy_meta(layer)
         if word not in self._kernels:
             self._kernels[word] = copy_kernel(
-                "mlxs_plan", PLAN, word, ["ids", "p", "meta", "prev"], ["slots"]
+                "mlxs_plan", PLAN, word, ["ids", "p", "meta", "after"], ["slots"]
             )
         c = self.caches[layer]
         args = (self._kernels[word], meta, template(c.num_experts, c.capacity, n, self.weights))

@@ -109,11 +109,11 @@ def constants(weights) -> dict[str, np.ndarray]:
 # kernel. A block waits only on a planner that is already running, so it needs no other
 # block to be scheduled; a wait past WAIT_NS (a stalled device) traps: the call fails
 # loudly rather than leave experts marked resident and unfilled. The last block out
-# resets the flag and the tickets. ``prev`` (the layer's previous output) is unread: it
+# resets the flag and the tickets. ``after`` (the layer's previous output) is unread: it
 # orders the layer's calls in any graph. Template: N (ids), E, S, H, NREC, NAGE, NWIN,
 # SCORE (some weight is not 0), WAIT_NS; WORD, the copy word, is written into the
 # source. Inputs: ids [N], p [len(POINTERS)] addresses, meta (the layer's copy
-# description), prev. Output: slots [N].
+# description), after. Output: slots [N].
 BLOCKS = 128
 WAIT_NS = 2_000_000_000  # a template int: under 2**31
 PLAN = """
