@@ -104,3 +104,16 @@ def test_the_kernel_reads_each_array_where_the_device_path_puts_it():
         )
         assert name == want, (name, i, POINTERS[int(i)])
         assert ctype == c_type[arrays[POINTERS[int(i)]].dtype], (name, ctype)
+
+
+def test_no_kernel_declares_its_own_inputs_or_outputs():
+    """MLX declares a CUDA kernel's inputs and outputs by name, so a source that declares
+    one again fails to compile, and only on a CUDA machine (``prev`` did, 2026-12-04):
+    the check refuses such a kernel on any machine, and both kernels pass it."""
+    from mlx_streaming.core.cache.device_plan import PLAN, PLAN_NAMES
+    from mlx_streaming.core.io.device_reader import _FILL, FILL_NAMES, check_names
+
+    check_names("mlxs_plan", PLAN, [*PLAN_NAMES[0], *PLAN_NAMES[1]])
+    check_names("mlxs_fill", _FILL, [*FILL_NAMES[0], *FILL_NAMES[1]])
+    with pytest.raises(ValueError, match=r"mlxs_plan: \['nprev'\]"):
+        check_names("mlxs_plan", PLAN, ["ids", "nprev"])

@@ -44,6 +44,7 @@ from .device_plan import (
     MISSES,
     N_COUNTERS,
     PLAN,
+    PLAN_NAMES,
     POINTERS,
     THREADS,
     constants,
@@ -142,9 +143,7 @@ class DevicePath:
         """The kernel, its copy description and its template for ``n`` ids of ``layer``."""
         meta, word = self.reader.copy_meta(layer)
         if word not in self._kernels:
-            self._kernels[word] = copy_kernel(
-                "mlxs_plan", PLAN, word, ["ids", "p", "meta", "after"], ["slots"]
-            )
+            self._kernels[word] = copy_kernel("mlxs_plan", PLAN, word, *PLAN_NAMES)
         c = self.caches[layer]
         args = (self._kernels[word], meta, template(c.num_experts, c.capacity, n, self.weights))
         self._calls[layer, n] = args

@@ -114,6 +114,7 @@ def constants(weights) -> dict[str, np.ndarray]:
 # SCORE (some weight is not 0), WAIT_NS; WORD, the copy word, is written into the
 # source. Inputs: ids [N], p [len(POINTERS)] addresses, meta (the layer's copy
 # description), after. Output: slots [N].
+PLAN_NAMES = (["ids", "p", "meta", "after"], ["slots"])  # the kernel's inputs, outputs
 BLOCKS = 128
 WAIT_NS = 2_000_000_000  # a template int: under 2**31
 PLAN = """

@@ -15,6 +15,8 @@ checking).
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import numpy as np
 
@@ -55,12 +57,35 @@ _FILL = """
     if (tid < N) out[tid] = slots[tid];
     mlxs_copy<WORD>(fills, meta, tid, nth);
 """
+FILL_NAMES = (["fills", "slots", "meta"], ["out"])  # the fill kernel's inputs, outputs
 _WORDS = {16: "mlxs_w16", 8: "unsigned long long", 4: "unsigned int", 1: "unsigned char"}
+
+
+# A declaration in a kernel's body: a C type, an optional pointer star, the name.
+_DECLARED = re.compile(
+    r"\b(?:int|long long|float|double|char|bool|auto|\w+_t)\s*\*?\s+(\w+)\s*[=;\[]"
+)
+
+
+def check_names(name: str, source: str, names: list[str]) -> None:
+    """MLX declares a kernel's inputs and outputs by name in the body it wraps around
+    ``source``, so the source may not declare them again (nvcc would refuse it, and only
+    on a CUDA machine).
+
+    Raises:
+        ValueError: naming the kernel and the clashing names.
+    """
+    clash = sorted(set(names) & set(_DECLARED.findall(source)))
+    if clash:
+        raise ValueError(
+            f"kernel {name}: {clash} are its inputs or outputs and declared in its source; rename one"
+        )
 
 
 def copy_kernel(name: str, source: str, word: int, input_names: list[str], output_names):
     """An MLX CUDA kernel whose ``source`` calls ``mlxs_copy<WORD>``, for copy words of
     ``word`` bytes."""
+    check_names(name, source, [*input_names, *output_names])
     return mx.fast.cuda_kernel(
         name=f"{name}_{word}",
         input_names=input_names,
@@ -105,9 +130,7 @@ class DeviceReader:
                 self._meta[li] = self._layer_meta(li)
                 word = self._meta[li][1]
                 if word not in self._kernels:
-                    self._kernels[word] = copy_kernel(
-                        "mlxs_fill", _FILL, word, ["fills", "slots", "meta"], ["out"]
-                    )
+                    self._kernels[word] = copy_kernel("mlxs_fill", _FILL, word, *FILL_NAMES)
             mx.eval([m for m, _ in self._meta.values()])
         except BaseException:
             self.maps.close()
