@@ -23,6 +23,9 @@
 #   bash benchmarks/gpu_suite.sh prefill    a 2048-token prompt at 25% against stock (and a short
 #                                           decode at 25%)
 #   bash benchmarks/gpu_suite.sh parity     every expert resident against stock, 15 alternating pairs
+#   bash benchmarks/gpu_suite.sh layers     decode at 50% with FULL (default "4 6 8") layers whole and
+#                                           the rest streamed at equal slots, then uniform
+#                                           (probes/resident_layers.py writes the profiles)
 #   bash benchmarks/gpu_suite.sh readprobe  the native reader's time for 1-4 records by threads and
 #                                           piece size, alone and beside device work
 #   bash benchmarks/gpu_suite.sh mapab      decode at 50% and 25%: records read with pread into
@@ -94,8 +97,10 @@ trace=${TRACE:-.gpu/deepseek-v2-lite.npz}
 limit=${LIMIT:-540}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt"
 export MLX_PTX_CACHE_DIR=/tmp/mlxs-ptx
-[ -f .gpu/ptx.tgz ] && [ ! -d $MLX_PTX_CACHE_DIR ] && mkdir -p $MLX_PTX_CACHE_DIR \
-  && tar xzf .gpu/ptx.tgz -C $MLX_PTX_CACHE_DIR --strip-components=1
+for seed in .gpu/ptx.tgz .gpuseed/ptx.tgz /tmp/ptx-seed.tgz; do  # an empty cache: minutes
+  [ -f $seed ] && [ -z "$(ls -A $MLX_PTX_CACHE_DIR 2>/dev/null)" ] && mkdir -p $MLX_PTX_CACHE_DIR \
+    && tar xzf $seed -C $MLX_PTX_CACHE_DIR --strip-components=1
+done
 bundle() {  # the device returns only a few files per call: the results go back as one
   tar czf "$out/ptx.tgz" -C /tmp mlxs-ptx 2>/dev/null
   local files
@@ -162,6 +167,14 @@ case "$suite" in
   prefill) speed gpu-dsv2-prefill --residency 0.25 --cold warm --repeat 2 --tokens 16 \
              --prefill-tokens 2048 --prefill-residency 0.25 --prefill-chunk 2048 ;;
   parity) speed gpu-dsv2-parity --residency 1 --repeat 15 --prefill-tokens 0 ;;
+  layers) full=${FULL:-4 6 8}
+          python3 benchmarks/probes/resident_layers.py --trace "$trace" --full "0,${full// /,}" \
+            --out /tmp/mlxs-layers --json "$out/resident-layers.json" 2>&1 | tail -1
+          for f in $full 0; do  # 0: the uniform default, last (its profile: none)
+            prof=/tmp/mlxs-layers/layers-$f.json; [ "$f" = 0 ] && prof=none
+            speed gpu-dsv2-layers-$f --residency 0.5 --cold warm --repeat 5 --prefill-tokens 0 \
+              --pool-profile "$prof"
+          done ;;
   oracle) speed gpu-dsv2-oracle --residency 0.5 --cold warm --repeat 3 --tokens 64 \
             --prefill-tokens 0 --oracle 0,0.5,0.7,0.9,1 ;;
   exact) for p in tiny-mixtral thresholds-qwen3_moe tiny-qwen3_next; do

@@ -230,6 +230,10 @@ def main():
         rec = {
             "residency": r,
             "slots": slots,
+            # a pool profile's per-layer slots, where they are not uniform
+            "layer_slots": None
+            if len({store.capacity(li) for li in store.layers}) == 1
+            else {li: store.capacity(li) for li in store.layers},
             "page_cache": temp,
             "tok_per_s": round(tps, 3),
             "decode_runs": [round(x, 3) for x in s_runs],
