@@ -3,7 +3,9 @@
 A chain of ``n`` small elementwise ops is launched with one ``mx.async_eval`` (its host
 time is MLX encoding and launching them), or in ``k`` pieces of ``n / k`` ops each; then
 the cost of reading a tiny array on the host (``mx.eval`` plus ``np.array``) once the
-device is idle, and of making a tiny array from NumPy. Medians over repeats, µs.
+device is idle, and of making a tiny array from NumPy; on CUDA, what a custom kernel call
+costs to build and launch against an elementwise op, by its inputs, template arguments
+and source size. Medians over repeats, µs.
 
     python benchmarks/probes/mlx_launch.py --json out.json
 """
@@ -89,6 +91,66 @@ def _mapped_read(repeat: int) -> dict:
     }
 
 
+def _custom_kernels(n: int = 26) -> list[dict]:
+    """Host µs per op to build and to launch a chain of ``n`` ops (a decode step's MoE
+    layer calls): an elementwise op, then custom kernels that copy their input, from a
+    tiny one up to the device path's call shape (4 inputs, 9 template arguments, an
+    11 KB source): which of these MLX's per-call cost follows."""
+    pad = "// " + "x" * 11000 + "\n"  # the size of the device path's kernel source
+    body = "uint i = threadIdx.x; if (i < 6) y[i] = a[i];"
+
+    def kernel(name, inputs, source):
+        return mx.fast.cuda_kernel(
+            name=name, input_names=inputs, output_names=["y"], source=source
+        )  # fmt: skip
+
+    tmpl = [(c, 7) for c in "ABCDEFGHI"]
+    variants = {
+        "tiny": (kernel("mlxs_probe_tiny", ["a"], body), 1, None),
+        "template9": (kernel("mlxs_probe_t9", ["a"], body), 1, tmpl),
+        "source11kb": (kernel("mlxs_probe_11kb", ["a"], pad + body), 1, None),
+        "inputs4": (kernel("mlxs_probe_in4", ["a", "b", "c", "d"], body), 4, None),
+        "plan_shaped": (kernel("mlxs_probe_plan", ["a", "b", "c", "d"], pad + body), 4, tmpl),
+    }
+    x = mx.arange(6, dtype=mx.int32)
+    extra = [mx.zeros((20,), mx.int64), mx.zeros((64,), mx.uint8), mx.zeros((1,), mx.int32)]
+    mx.eval(x, *extra)
+
+    def chain(step):
+        builds, launches = [], []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            y = x
+            for _ in range(n):
+                y = step(y)
+            t1 = time.perf_counter()
+            mx.async_eval(y)
+            t2 = time.perf_counter()
+            mx.synchronize()
+            builds.append(t1 - t0)
+            launches.append(t2 - t1)
+        med = lambda v: round(1e6 * statistics.median(v[3:]) / n, 2)  # noqa: E731
+        return med(builds), med(launches)
+
+    rows = []
+    b, la = chain(lambda y: y + 1)
+    rows.append({"op": "elementwise", "build_us": b, "launch_us": la})
+    for name, (k, n_in, t) in variants.items():
+
+        def step(y, k=k, n_in=n_in, t=t):
+            kw = {"template": t} if t else {}
+            (out,) = k(
+                inputs=[y, *extra[: n_in - 1]], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                output_shapes=[y.shape], output_dtypes=[mx.int32], **kw,
+            )  # fmt: skip
+            return out
+
+        b, la = chain(step)
+        rows.append({"op": name, "build_us": b, "launch_us": la})
+        log(rows[-1])
+    return rows
+
+
 def main():
     p = parser(__doc__, preset=None, trace=False)
     p.add_argument("--repeat", type=int, default=50)
@@ -119,10 +181,16 @@ def main():
         ),
         "empty_async_eval_us": median_us(lambda: mx.async_eval(idx), a.repeat, skip=2),
     }
+    kernels = []
     if mx.default_device() != mx.cpu:
         prims.update(_mapped_read(a.repeat))
+        kernels = _custom_kernels()
     log(prims)
-    finish(a, "mlx_launch", {"device": str(mx.default_device()), "chains": rows, **prims})
+    finish(
+        a,
+        "mlx_launch",
+        {"device": str(mx.default_device()), "chains": rows, **prims, "custom_kernels": kernels},
+    )
 
 
 if __name__ == "__main__":
