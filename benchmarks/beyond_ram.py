@@ -139,6 +139,11 @@ def child(job: dict) -> dict:
     meta = load_meta(ed)
     trace = None if job["trace"] in (None, "none") else RoutingTrace.load(job["trace"])
     cfg = StreamConfig(**job["stream"]).replace(direct_io=job["method"] == "direct")
+    if cfg.prefetch and trace is not None:  # the replayed routing is the trace's, not the
+        # model's router: guess by the trace's first half, as speed.py's warm runs do
+        from mlx_streaming.core.prefetch.predictor import TransitionPredictor
+
+        cfg = cfg.replace(predictor=TransitionPredictor.from_trace(trace.split(0.5)[0], meta.top_k))
     rt = resolve(cfg, meta)
     slots = max(meta.top_k, round(job["residency"] * meta.num_experts))
     files = [meta.file(li) for li in meta.layers]
@@ -167,6 +172,7 @@ def child(job: dict) -> dict:
     disk_tok = (disk_read_bytes() - disk0) / tokens_run
     bytes_tok = sum(t["bytes_read"] for t, _ in per_run) / tokens_run
     hits = sum(t["hits"] for t, _ in per_run)
+    ahead, ahead_used = (sum(t[k] for t, _ in per_run) for k in ("prefetched", "prefetch_used"))
     lookups = hits + sum(t["misses"] for t, _ in per_run)
     page_cache_end = page_cache_room() if job["limit"] else 0
     rooms = [r for _, r in room.series] if job["limit"] else [0]
@@ -193,6 +199,9 @@ def child(job: dict) -> dict:
         "decode_runs": [round(x, 3) for x in runs],
         "ratio_vs_stock": round(tps / stock_tps, 4),
         "hit_rate": round(hits / max(1, lookups), 4),
+        # read-ahead (--prefetch): experts read on a guess, and those a call then used
+        "prefetched_per_token": round(ahead / tokens_run, 3),
+        "prefetch_used_share": round(ahead_used / ahead, 4) if ahead else None,
         "bytes_read_per_token": round(bytes_tok),
         # from the disk itself, against the two-tier simulator's prediction for the
         # same calls of the trace and the page cache the limit leaves

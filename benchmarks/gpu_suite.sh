@@ -38,6 +38,8 @@
 #                                           (device_reads, the default), then the host path
 #   bash benchmarks/gpu_suite.sh beyond     larger than RAM: stock, then 50/25/12.5% cold with
 #                                           O_DIRECT and within a MEMLIMIT-GB cgroup (default 10)
+#   bash benchmarks/gpu_suite.sh beyondahead  larger than RAM with O_DIRECT at 50% and 25%,
+#                                           read-ahead (the next layer's router) off, then on
 #   bash benchmarks/gpu_suite.sh policies   decode at 50/25/12.5% on the device path under lru, then
 #                                           the host path under predictive: miss rates per path
 #   (mapab, lruab and compare measure the host path: they pass --no-device-reads)
@@ -143,6 +145,10 @@ case "$suite" in
            --timeline "$out/timeline-gpu-dsv2-final.json" ;;
   beyond) speed gpu-dsv2-beyond --residency 0.5,0.25,0.125 --repeat 3 --beyond-ram both \
             --memory-limit-gb "${MEMLIMIT:-10}" ;;
+  beyondahead) for ahead in "" --prefetch; do  # larger than RAM (O_DIRECT): read-ahead off, on
+                speed gpu-dsv2-beyond${ahead:+-ahead} --residency 0.5,0.25 --repeat 3 \
+                  --beyond-ram direct $ahead
+              done ;;
   policies) speed gpu-dsv2-lru --residency 0.5,0.25,0.125 --cold warm --repeat 3 \
               --prefill-tokens 0 --policy lru
             speed gpu-dsv2-hostpath --residency 0.5,0.25,0.125 --cold warm --repeat 3 \
