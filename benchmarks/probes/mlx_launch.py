@@ -97,7 +97,7 @@ def _custom_kernels(n: int = 26) -> list[dict]:
     tiny one up to the device path's call shape (4 inputs, 9 template arguments, an
     11 KB source): which of these MLX's per-call cost follows."""
     pad = "// " + "x" * 11000 + "\n"  # the size of the device path's kernel source
-    body = "uint i = threadIdx.x; if (i < 6) y[i] = a[i];"
+    body = "unsigned int i = threadIdx.x; if (i < 6) y[i] = a[i];"
 
     def kernel(name, inputs, source):
         return mx.fast.cuda_kernel(
