@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -269,3 +270,80 @@ def test_no_pickle_on_any_load_path():
                     if "np.load(" in line:
                         assert "allow_pickle=False" in line, (n, line)
     assert np.__version__
+
+
+def _store_call(store, layer, ids):
+    call = store.request(layer, mx.array([ids], mx.int32), overlap=False)
+    store.finish(call, mx.zeros((1,)))
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+def test_an_interrupt_during_a_read_leaves_reader_and_store_usable(models, threads):
+    """Ctrl-C (a BaseException) once the engine has started a read: the engine's read is
+    finished before the interrupt leaves the reader, the reservation is undone, and every
+    later call works (``chat`` catches Ctrl-C and goes on). Before: the reader refused
+    every later read, and the slots stayed reserved."""
+    from mlx_streaming.core.io import native
+
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    store = FileExpertStore(ed, capacity=meta.top_k + 2, threads=threads, reader="native")
+    layer, *others = meta.moe_layers
+    real = native.Started.__init__
+
+    def interrupted(self, *a):  # the engine has started the read; Python is interrupted
+        native.Started.__init__ = real
+        raise KeyboardInterrupt
+
+    native.Started.__init__ = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _store_call(store, layer, [0, 1, 2, 3])
+    finally:
+        native.Started.__init__ = real
+    assert not store.caches[layer].pending
+    for li in [*others, layer]:
+        _store_call(store, li, [4, 5, 6, 7])
+        assert all(store.caches[li].slot_of[e] >= 0 for e in (4, 5, 6, 7))
+    store.close()
+
+
+def test_pin_after_another_layers_read_ahead(models):
+    """A read-ahead of one layer is still on the reader when another layer is pinned:
+    the pin waits for it instead of being refused and orphaning it (which failed every
+    later load of the other layers)."""
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    store = FileExpertStore(ed, capacity=8, threads=2, overlap=False, reader="native")
+    a, b = meta.moe_layers[:2]
+    store.prefetch(a, list(range(8)))
+    store.pin(b, [3])
+    for _ in range(3):
+        _store_call(store, b, [9, 10, 11, 12])
+    _store_call(store, a, [0, 1, 2, 3])
+    assert store.caches[a].stats.misses == 0  # the read-ahead landed and was kept
+    store.close()
+
+
+def test_a_failed_read_fails_its_call_though_another_load_finished_it(models, tmp_path):
+    """A call's read fails, and a read-ahead of another layer, issued before the call
+    finishes, finishes that read first: the call still raises (before: it computed on
+    a slot that had been freed)."""
+    _, src = models.experts("tiny-qwen3_moe")
+    ed = tmp_path / "experts"
+    shutil.copytree(src, ed)
+    meta = load_meta(ed)
+    a, b = meta.moe_layers[:2]
+    lay = meta.layers[a]
+    corrupt(meta.file(a), 9 * lay.stride + 7)
+    # read-ahead on: the call is planned, and its reads started, at request
+    store = FileExpertStore(ed, capacity=8, threads=2, reader="native", prefetch=True)
+    call = store.request(a, mx.array([[9, 10, 11, 12]], mx.int32), overlap=False)
+    assert call.steps  # planned early, not late
+    store.prefetch(b, [0, 1])
+    with pytest.raises(ExpertChecksumError, match=f"expert 9 of layer {a}"):
+        for i in range(len(call.steps)):
+            store.step(call, i)
+        store.finish(call, mx.zeros((1,)))
+    assert store.caches[a].slot_of[9] < 0 and not store.caches[a].pending
+    store.close()

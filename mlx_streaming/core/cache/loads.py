@@ -59,13 +59,20 @@ class Ticket:
         self.future, self.prefetch = future, prefetch
         self.t0 = time.perf_counter()
         self.done = False
+        self.error: BaseException | None = None  # a failed load fails every wait
         self._loader = loader
 
     def wait(self) -> int:
         """Finish the load (commit, or abort and raise); returns the misses loaded."""
         if not self.done:
             self.done = True
-            self._loader.finish(self)
+            try:
+                self._loader.finish(self)
+            except BaseException as e:
+                self.error = e
+                raise
+        if self.error is not None:  # e.g. finished by finish_open for a later load
+            raise self.error
         return len(self.misses)
 
 
@@ -178,14 +185,20 @@ class Loader:
         """Start the reads of ``placed`` ((expert, slot, victim) reservations)."""
         if not placed:
             return Ticket(self, layer, experts, misses, placed, Done(0), prefetch)
-        self.outputs.evaluate(layer)  # nothing queued still reads the slots written now
-        t0 = time.perf_counter()
         try:
-            fut = self.reader.start(
-                layer, [e for e, _, _ in placed], [s for _, s, _ in placed]
-            )  # fmt: skip
-        except Exception as e:  # noqa: BLE001 - raised by Ticket.wait, after the abort
-            fut = Done(error=e)
+            self.finish_open()  # the reader takes one started read at a time
+            self.outputs.evaluate(layer)  # nothing queued still reads the slots written now
+            t0 = time.perf_counter()
+            try:
+                fut = self.reader.start(
+                    layer, [e for e, _, _ in placed], [s for _, s, _ in placed]
+                )  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - raised by Ticket.wait, after the abort
+                fut = Done(error=e)
+        except BaseException:  # e.g. an interrupt: the reader has let go of the slots
+            with self._lock:
+                self.caches[layer].abort(placed)
+            raise
         t = Ticket(self, layer, experts, misses, placed, fut, prefetch)
         self._started = t  # finished by its caller, or before the next load
         if fut.done() and not prefetch:  # read before start returned (over a wave, inline)

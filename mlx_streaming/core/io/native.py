@@ -161,6 +161,11 @@ class NativeReader:
                     calls += 1
                     self._begin(pos, layer, e[a : a + w], s[a : a + w], now=True)
                     self._end(pos, layer, e[a : a + w])
+            except Exception:
+                raise
+            except BaseException:  # an interrupt between a wave's start and finish
+                self._drain()
+                raise
             finally:  # one call per read, as the counters have always counted
                 self.counters[pos, 0] -= max(calls - 1, 0)
         return len(e) * self.meta.layers[layer].record_bytes
@@ -173,13 +178,13 @@ class NativeReader:
     def start(self, layer: int, experts, slots) -> Started | Done:
         """Start reading records ``experts`` of ``layer`` into ``slots`` (reserved by the
         caller) on the engine's threads and return at once; ``result()`` waits and returns
-        the bytes read. At most a ``wave`` is started (finish it before starting another);
-        more are read before ``start`` returns, wave by wave, after the started read is
-        finished. The reader's one way to read (``Loader`` calls it).
+        the bytes read. A read started and not yet finished is finished first (its
+        ``result()`` keeps its outcome). At most a ``wave`` is started; more are read
+        before ``start`` returns, wave by wave, and a bad request among them comes back as
+        ``Done(error)``. The reader's one way to read (``Loader`` calls it).
 
         Raises:
-            ValueError: a bad request, or a started read not yet finished (refused); over a
-                wave, a slot named twice or lengths that differ, before anything is read.
+            ValueError: a bad request of at most a wave (refused, nothing read).
             ExpertChecksumError, RecordReadError (from ``result()``): naming the file and
                 the expert; the slots written may hold partial data and must not be used.
         """
@@ -190,9 +195,26 @@ class NativeReader:
                 return Done(error=e)
         pos = self.pos[layer]
         with self._lock:
-            self._begin(pos, layer, experts, slots)
-            self._pending = Started(self, layer, np.array(experts, np.int32))
+            self._wait_started()  # one its caller lost (interrupted): its Started keeps it
+            try:
+                self._begin(pos, layer, experts, slots)
+                self._pending = Started(self, layer, np.array(experts, np.int32))
+            except Exception:
+                raise
+            except BaseException:  # an interrupt once the engine may have started: no
+                self._drain()  # thread writes the caller's slots once this returns
+                raise
             return self._pending
+
+    def _drain(self) -> None:
+        """Finish whatever read the engine holds (under the lock): an interrupt came
+        between its start and its finish. Into its ``Started`` where one was made; else
+        its outcome is dropped (the engine refuses, harmlessly, when it holds none)."""
+        if self._pending is not None:
+            self._wait_started()
+            return
+        status, counts = np.zeros(self._wave, np.int32), np.zeros(N_COUNTERS, np.int64)
+        self.lib.mlxs_finish(self.handle, _ptr(status), _ptr(counts), self._err, ERR_BYTES)
 
     @staticmethod
     def _check_waves(layer: int, e: np.ndarray, s: np.ndarray) -> None:
@@ -234,12 +256,15 @@ class NativeReader:
     def _wait_started(self) -> None:
         """Finish the started read not yet finished, if any, into its ``Started`` (under
         the lock)."""
-        t, self._pending = self._pending, None
-        if t is not None:
+        t = self._pending
+        if t is None:
+            return
+        if t.outcome is None:  # cleared only once finished: an interrupt retries it
             try:
                 t.outcome = self._end(self.pos[t.layer], t.layer, t.experts)
             except Exception as e:  # noqa: BLE001 - raised again on each result()
                 t.outcome = e
+        self._pending = None
 
     def wait_started(self) -> None:
         """Finish the started read, if one is not yet finished (its ``Started`` keeps

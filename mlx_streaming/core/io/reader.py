@@ -247,9 +247,16 @@ class RecordReader:
                 return Done(finish(sum(self._read_piece(fd, path, pc, lock) for pc in pieces)))
             except Exception as e:  # noqa: BLE001 - handed to the caller through the future
                 return Done(error=e)
-        return _Gather(
-            [self._pool.submit(self._read_piece, fd, path, pc, lock) for pc in pieces], finish
-        )
+        futures = []
+        try:
+            for pc in pieces:
+                futures.append(self._pool.submit(self._read_piece, fd, path, pc, lock))
+        except BaseException:  # an interrupt: no thread writes the caller's slots after
+            for f in futures:
+                f.cancel()
+            wait(futures)
+            raise
+        return _Gather(futures, finish)
 
     def read(self, key, ids, out: np.ndarray) -> int:
         """Read whole records ``ids`` into rows of ``out`` ([n, stride]); returns bytes."""
