@@ -484,3 +484,41 @@ def test_the_page_cache_tier_beneath_the_pools():
                       top_k=4, t_compute=1e-3, mem_gbps=10, disk_gbps=0.001)  # fmt: skip
     assert rows[0]["predicted_tok_per_s"] == max(r["predicted_tok_per_s"] for r in rows)
     assert {r["slots"] for r in rows} >= {4, 32}
+
+
+def test_a_trace_of_one_sequence_splits_inside_it():
+    """``generate --record-trace`` writes one sequence: its halves are cut inside it (the
+    boundary split gave an empty first half, and profiles and pins fitted on nothing)."""
+    from mlx_streaming.planning.trace import RoutingTrace
+
+    one = local_trace(T=238)
+    one = RoutingTrace(one.experts, np.array([0, 238]), one.num_experts)
+    first, rest = one.split(0.5)
+    assert (first.tokens, rest.tokens) == (119, 119)
+    first.validate(), rest.validate()
+    assert (np.concatenate([first.experts, rest.experts]) == one.experts).all()
+
+
+def test_profile_command_refuses_a_profile_worse_than_uniform(models, tmp_path):
+    """A profile that hits less on the held-out half than uniform slots is not written:
+    ``load`` would pick it up from the expert directory unasked."""
+    from mlx_streaming.commands import profile as cmd
+    from mlx_streaming.planning.trace import RoutingTrace
+
+    _, ed = models.experts("tiny-qwen3_moe")  # 3 MoE layers, 16 experts, top-4
+    rng = np.random.default_rng(0)
+    # the first half concentrated on layer 0's few experts, the second half the opposite:
+    # a profile fitted on the first is wrong for the second
+    T, E, k = 400, 16, 4
+    ex = np.zeros((T, 3, k), np.uint8)
+    for t in range(T):
+        for li in range(3):
+            few = (li == 0) == (t < T // 2)
+            ex[t, li] = rng.choice(6 if few else E, k, replace=False)
+    path = tmp_path / "shift.npz"
+    RoutingTrace(ex, np.array([0, T // 2, T]), E).save(path)
+    out = tmp_path / "p.json"
+    args = ["--expert-dir", str(ed), "--trace", str(path), "--slots", "8", "--out", str(out)]
+    with pytest.raises(ValueError, match="not written"):
+        cmd.main([*args, "--policy", "lru"])
+    assert not out.exists()

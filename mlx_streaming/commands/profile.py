@@ -49,6 +49,13 @@ def main(argv=None) -> None:
         tokens=a.tokens,
     )
     out = Path(a.out or Path(a.expert_dir) / PROFILE_NAME)
+    if prof.heldout_hit_rate < prof.uniform_heldout_hit_rate:  # load would use it unasked
+        raise ValueError(
+            f"{a.trace}: the profile fitted on the trace's first half hits "
+            f"{prof.heldout_hit_rate:.3f} of its second half, uniform slots "
+            f"{prof.uniform_heldout_hit_rate:.3f}: {out} not written. Record more routing "
+            "(more prompts or tokens), or keep uniform slots (no profile)"
+        )
     write_pool_profile(out, prof.slots, **prof.info())
     print(
         json.dumps(

@@ -93,12 +93,18 @@ class RoutingTrace:
         tmp.replace(path)
 
     def split(self, fraction: float) -> tuple[RoutingTrace, RoutingTrace]:
-        """(first, rest) at a sequence boundary near ``fraction`` of the tokens."""
-        cut = int(np.searchsorted(self.offsets, fraction * self.tokens))
-        cut = min(max(cut, 1), len(self.offsets) - 2)
-        at = int(self.offsets[cut])
-        a = RoutingTrace(self.experts[:at], self.offsets[: cut + 1], self.num_experts, self.model)
-        b = RoutingTrace(self.experts[at:], self.offsets[cut:] - at, self.num_experts, self.model)
+        """(first, rest) at a sequence boundary near ``fraction`` of the tokens; within
+        a sequence where no boundary leaves both parts tokens (a trace of one sequence,
+        as ``generate --record-trace`` writes)."""
+        o, T = self.offsets, self.tokens
+        cut = min(max(int(np.searchsorted(o, fraction * T)), 1), len(o) - 2)
+        at = int(o[cut]) if len(o) > 2 else 0
+        if not 0 < at < T:  # cut inside a sequence
+            at = min(max(round(fraction * T), 1), T - 1)
+        head = np.concatenate([o[o < at], [at]])
+        tail = np.concatenate([[at], o[o > at]]) - at
+        a = RoutingTrace(self.experts[:at], head, self.num_experts, self.model)
+        b = RoutingTrace(self.experts[at:], tail, self.num_experts, self.model)
         return a, b
 
 
