@@ -12,6 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from serving import wait_healthy
 from test_pipeline import free_ports
@@ -102,6 +103,32 @@ def test_auto_budget_fits_a_simulated_small_machine(model, capsys):
         assert "--budget-gb auto:" in capsys.readouterr().err
     with pytest.raises(ValueError, match="nothing is left for expert pools.*--context"):
         auto_budget_for(lazy, 4096, machine=(300 << 20, 300 << 20))
+
+
+@pytest.mark.parametrize("preset", ["tiny-deepseek_v3", "tiny-deepseek_v2", "tiny-qwen3_next",
+                                    "tiny-gpt_oss", "tiny-mixtral"])  # fmt: skip
+def test_kv_bytes_per_token_as_a_real_prompt_grows_the_cache(models, preset):
+    """``budget_gb="auto"``'s KV figure, traced lazily (nothing evaluated), equals what a
+    real prompt adds to mlx-lm's cache per token on each cache layout: DeepSeek-V3's
+    latent (the config formula counted every head: 71x too much on the real model), hybrid
+    and sliding-window models."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_streaming.model_builder import kv_bytes_measured
+
+    lazy, _ = load(str(models.checkpoint(preset)), lazy=True)
+    before = mx.get_active_memory()
+    kv = kv_bytes_measured(lazy)
+    assert mx.get_active_memory() - before < 1 << 10  # nothing loaded or allocated
+    grown = []
+    for n in (300, 556):  # past one 256-position allocation, and past the next
+        cache = make_prompt_cache(lazy)
+        lazy(mx.array([list(range(1, n + 1))]), cache=cache)
+        mx.eval([c.state for c in cache])
+        grown.append(sum(c.nbytes for c in cache))
+    truth = (grown[1] - grown[0]) // 256
+    assert truth * 0.95 <= kv <= truth  # a sliding window fills before 257 tokens
 
 
 def test_auto_budget_from_this_machine(model, capsys):

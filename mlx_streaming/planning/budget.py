@@ -185,10 +185,12 @@ MARGIN_BYTES = 32 << 20  # what the budget leaves out: staging, reader buffers, 
 
 
 def kv_bytes_per_token(args: dict, dtype_bytes: int) -> int:
-    """The KV cache one token adds, from an mlx-lm model's config: multi-head latent
-    attention (DeepSeek) caches every head's keys and values; others ``2 x kv heads x
-    head dim`` per attention layer (every ``full_attention_interval``-th layer on hybrid
-    models such as Qwen3-Next)."""
+    """The KV cache one token adds, from an mlx-lm model's config (where
+    ``model_builder.kv_bytes_measured`` cannot trace the model): multi-head latent
+    attention caches every head's keys and values (DeepSeek-V2; DeepSeek-V3's caches its
+    latent only, so this is an upper bound there); others ``2 x kv heads x head dim`` per
+    attention layer (every ``full_attention_interval``-th layer on hybrid models such as
+    Qwen3-Next)."""
     layers = args["num_hidden_layers"]
     if args.get("kv_lora_rank"):
         width = args["num_attention_heads"] * (
