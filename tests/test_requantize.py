@@ -136,3 +136,29 @@ def test_target_gb_allocation_beats_uniform(models, tmp_path):
     assert rep["mean_error"] <= rep["uniform_mean_error"]
     out = requantize(ed, tmp_path / "t", 4, layer_bits=layer_bits)
     assert sum(lay["record_bytes"] for lay in out["layers"].values()) > 0
+
+
+def test_bad_bit_specs_are_refused_before_anything_is_written(models, tmp_path):
+    """Every ``proj_bits`` / ``layer_bits`` entry is checked before the first file is
+    written: an unknown projection or layer, or bits that are not numbers, name the
+    entry; a good directory at ``--out`` survives a failed run whole (before: layers
+    were overwritten until the bad one, and the directory no longer loaded)."""
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    out = tmp_path / "rq"
+    requantize(ed, out, bits=4)
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    last = max(meta.layers)
+    for kw, match in [
+        ({"proj_bits": "gat=2"}, "'gat_proj'"),
+        ({"layer_bits": {"1": {"gate": 2}, str(last): {"upp": 3}}}, "'upp_proj'"),
+        ({"layer_bits": {"2": "2"}}, "bits must be numbers"),
+        ({"layer_bits": {"99": 3}}, "layer '99'"),
+        ({"layer_bits": {str(last): 7}}, "bits 7"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            requantize(ed, out, bits=3, **kw)
+        assert {f.name: f.read_bytes() for f in out.iterdir()} == before
+    requantize(ed, out, bits=3, layer_bits={"1": {"gate": 2}})  # the short names work
+    assert load_meta(out).layers[1].quant["gate_proj"].bits == 2
+    assert not (tmp_path / "rq.partial").exists()

@@ -47,15 +47,51 @@ def parse_proj_bits(spec: str | dict | None) -> dict[str, int] | None:
         name, _, b = item.partition("=")
         if not b.isdigit():
             raise ValueError(f"--proj-bits entry {item!r} must look like gate=2")
-        name = name.strip()
-        out[name if name.endswith("_proj") or name.startswith("fc") else f"{name}_proj"] = int(b)
+        out[_proj_name(name)] = int(b)
+    return out
+
+
+def _proj_name(name: str) -> str:
+    """``gate`` -> ``gate_proj``; full names (and ``fc1``-style) as they are."""
+    name = str(name).strip()
+    return name if name.endswith("_proj") or name.startswith("fc") else f"{name}_proj"
+
+
+def check_bit_specs(meta: ExpertMeta, proj_bits: dict | None, layer_bits: dict | None) -> dict:
+    """Refuse, before anything is written, a ``proj_bits`` or ``layer_bits`` entry that
+    would be ignored: an unknown projection or layer, or bits not given as a number;
+    returns ``layer_bits`` keyed by layer with projection names completed."""
+    projs = {p for lay in meta.layers.values() for p in lay.quant}
+    for name in proj_bits or {}:
+        if name not in projs:
+            raise ValueError(f"--proj-bits names {name!r}: the projections are {sorted(projs)}")
+    out = {}
+    for key, v in (layer_bits or {}).items():
+        if not str(key).isdigit() or int(key) not in meta.layers:
+            raise ValueError(
+                f"layer_bits names layer {key!r}: the MoE layers are {sorted(meta.layers)}"
+            )
+        if isinstance(v, dict):
+            v = {_proj_name(n): b for n, b in v.items()}
+            unknown = sorted(set(v) - projs)
+            if unknown:
+                raise ValueError(
+                    f"layer_bits for layer {key} names {unknown}: the projections are "
+                    f"{sorted(projs)}"
+                )
+            bad = [b for b in v.values() if isinstance(b, bool) or not isinstance(b, int)]
+        else:
+            bad = [v] if isinstance(v, bool) or not isinstance(v, int) else []
+        if bad:
+            raise ValueError(f"layer_bits for layer {key}: bits must be numbers, got {bad[0]!r}")
+        out[int(key)] = v
     return out
 
 
 def _targets(layout: LayerLayout, bits, group_size, proj_bits, layer_bits, mode) -> dict:
     """Target Quant of each projection of one layer."""
     want = {}
-    lb = (layer_bits or {}).get(layout.layer, (layer_bits or {}).get(str(layout.layer)))
+    lb = (layer_bits or {}).get(layout.layer)
     for proj in layout.quant:
         b = bits
         if proj_bits and proj in proj_bits:
@@ -197,6 +233,16 @@ def requantize(
         raise ValueError(
             "requantize writes a new expert directory: choose --out apart from the source"
         )
+    if out.exists() and any(out.iterdir()) and not (out / META_NAME).exists():
+        raise ValueError(f"--out {out} holds files but no expert directory: choose another")
+    layer_bits = check_bit_specs(meta, proj_bits, layer_bits)
+    targets = {  # every layer's, before anything is written
+        li: _targets(meta.layers[li], bits, group_size, proj_bits, layer_bits, mode)
+        for li in sorted(meta.layers)
+    }
+    final, out = out, out.with_name(out.name + ".partial")  # renamed once complete
+    if out.exists():
+        shutil.rmtree(out)
     prepare_out_dir(out)
     reader = RecordReader(threads=1)
     layouts = {}
@@ -208,7 +254,7 @@ def requantize(
     ):
         lay = meta.layers[li]
         reader.open(li, meta.file(li), lay.stride)
-        target = _targets(lay, bits, group_size, proj_bits, layer_bits, mode)
+        target = targets[li]
         dst = _dst_layout(lay, target)
         sums = write_layer_file(out / dst.file, _RequantSource(reader, li, lay, dst, target), dst)
         layouts[li] = LayerLayout(**{**dst.__dict__, "checksums": tuple(sums)})
@@ -231,6 +277,9 @@ def requantize(
     if model_out:
         write_model(model or meta.source, new, model_out)
     write_json_atomic(out / META_NAME, d)
+    if final.exists():  # an expert directory (checked above), replaced only now
+        shutil.rmtree(final)
+    out.rename(final)
     return d
 
 
