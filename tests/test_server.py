@@ -106,3 +106,30 @@ def test_health_polled_while_eight_clients_stream():
     request fails, every poll answers (from the counters the generation thread publishes:
     it never touches MLX or the slot tables). ``tests/test_cuda.py`` runs it on CUDA."""
     health_under_load(200)
+
+
+def test_serve_exits_when_the_model_cannot_load_or_the_port_is_taken(models, tmp_path):
+    """Startup failures end the process with the reason (before: a model that failed to
+    load left a server answering 404s, and a taken port a process that never exited)."""
+    import socket
+    import subprocess
+    import sys
+
+    from serving import free_port
+
+    ck, ed = models.experts("tiny-qwen3_moe")
+    serve = [sys.executable, "-m", "mlx_streaming", "serve", "--log-level", "WARNING"]
+    r = subprocess.run(
+        [*serve, "--model", str(tmp_path / "missing"), "--port", str(free_port())],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode != 0 and "could not be loaded" in r.stderr, r.stderr[-2000:]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run(
+            [*serve, "--model", str(ck), "--expert-dir", str(ed), "--port", str(port)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert r.returncode != 0 and "Address already in use" in r.stderr, r.stderr[-2000:]

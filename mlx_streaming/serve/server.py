@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import socket
 import threading
 
 import mlx.core as mx
@@ -249,16 +250,31 @@ def serve(
     generator = StreamingResponseGenerator(
         provider, mlx_server.LRUPromptCache(cli_args.prompt_cache_size)
     )
-    if provider.pipeline_group is not None and provider.pipeline_group.rank() != 0:
-        generator.join()  # a follower: runs rank 0's requests on its own layers
-        return
-    fingerprint = mlx_server.get_system_fingerprint()
-    httpd = ThreadingHTTPServer(
-        (host, port),
-        lambda *a, **kw: StreamingAPIHandler(generator, *a, system_fingerprint=fingerprint, **kw),
-    )
     try:
-        httpd.serve_forever()
+        if provider.pipeline_group is not None and provider.pipeline_group.rank() != 0:
+            generator.join()  # a follower: runs rank 0's requests on its own layers
+            return
+        fingerprint = mlx_server.get_system_fingerprint()
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        server_class = type("Server", (ThreadingHTTPServer,), {"address_family": info[0][0]})
+        httpd = server_class(  # IPv4 or IPv6, as the host resolves
+            info[0][4][:2],
+            lambda *a, **kw: StreamingAPIHandler(
+                generator, *a, system_fingerprint=fingerprint, **kw
+            ),
+        )
+    except BaseException:  # e.g. the port is taken: the generator's thread must not
+        generator.stop_and_join()  # keep the process alive
+        raise
+    http = threading.Thread(target=httpd.serve_forever, name="http", daemon=True)
+    http.start()
+    try:  # the generator's thread loads the model, then serves: if it dies, so do we
+        while generator.generation_available():
+            http.join(timeout=0.5)
+        raise RuntimeError(
+            f"the model could not be loaded, or its generation thread died ({cli_args.model}): "
+            "see the log above; the server stops"
+        )
     except KeyboardInterrupt:
         pass
     finally:
