@@ -171,6 +171,8 @@ def test_pin_limits(copy_of):
     store = FileExpertStore(ed, capacity=meta.top_k + 1)
     with pytest.raises(ValueError, match=r"leaves fewer than top_k"):
         store.pin(meta.moe_layers[0], [0, 1])
+    with pytest.raises(ValueError, match=r"pin at most 1 or raise"):  # every expert, too
+        store.pin(meta.moe_layers[0], range(meta.num_experts))
     with pytest.raises(ValueError, match=r"out of range"):
         store.pin(meta.moe_layers[0], [meta.num_experts])
     store.pin(meta.moe_layers[0], [0])

@@ -3,6 +3,8 @@ choice forced where it cannot run is refused, saying why and what to do."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from mlx_streaming.core.meta import load_meta
@@ -68,6 +70,9 @@ def test_without_the_engine(meta):
         resolve(StreamConfig(reader="native"), meta, backend="cpu", engine_available=False)
     with pytest.raises(RuntimeChoiceError, match="not installed"):
         cuda(StreamConfig(map_files=False), meta, engine=False)
+    if sys.platform.startswith("linux"):  # O_DIRECT there needs the engine's aligned reads
+        with pytest.raises(RuntimeChoiceError, match="direct_io needs it"):
+            resolve(StreamConfig(direct_io=True), meta, backend="cpu", engine_available=False)
 
 
 def test_cuda_without_its_runtime_is_refused(meta):

@@ -181,8 +181,11 @@ def resolve(
             missing = why_unavailable()
         else:
             missing = "not available"
-        if not engine_available and (want is not None or pool_mode == "cuda"):
-            refuse(f"the native reader is not installed ({missing}): pip install the package")
+        direct = cfg.direct_io and _linux()  # O_DIRECT: whole aligned records, read natively
+        if not engine_available and (want is not None or pool_mode == "cuda" or direct):
+            refuse(f"the native reader is not installed ({missing}): pip install the package"
+                   + (" (direct_io needs it: O_DIRECT reads whole aligned records)"
+                      if direct else ""))  # fmt: skip
         if not engine_available:
             reader, why["reader"] = "python", f"the native reader is not installed ({missing})"
 

@@ -254,15 +254,6 @@ class DevicePath:
         new = ctr.astype(np.int64)
         d = new - self._seen[layer]
         self._seen[layer] = new.copy()
-        if d[FAILED]:
-            raise DevicePathError(
-                f"layer {layer}: the device path found no free slot for {d[FAILED]} misses"
-            )
-        if d[LATE]:  # the kernel trapped too: this is read only if the device survived
-            raise DevicePathError(
-                f"layer {layer}: {d[LATE]} blocks of the device path's kernel gave up "
-                "waiting for its plan; run with device_reads=False"
-            )
         c, st = self.caches[layer], self.stats[layer]
         c.stats.hits += int(d[HITS])
         c.stats.misses += int(d[MISSES])
@@ -272,3 +263,12 @@ class DevicePath:
         nbytes = self.pools[layer].layout.record_bytes
         st.records_read += int(d[MISSES])
         st.bytes_read += int(d[MISSES]) * nbytes
+        if d[FAILED]:  # counted above first: the stats keep the calls that ran
+            raise DevicePathError(
+                f"layer {layer}: the device path found no free slot for {d[FAILED]} misses"
+            )
+        if d[LATE]:  # the kernel trapped too: this is read only if the device survived
+            raise DevicePathError(
+                f"layer {layer}: {d[LATE]} blocks of the device path's kernel gave up "
+                "waiting for its plan; run with device_reads=False"
+            )
