@@ -111,18 +111,18 @@ def load(
     runtime = resolve(cfg, meta)
     capacity, layer_caps = store_slots(meta, cfg.slots, cfg.budget_gb, caps, runtime.zero_slot)
     store = FileExpertStore(meta, capacity, layer_caps, config=cfg, runtime=runtime)
-    if cfg.kernel_check_file is None:
-        cfg = cfg.replace(kernel_check_file=env.settings().kernel_check_file)
-    try:
+    try:  # a failure from here on releases the store (threads, files, page-locked maps)
+        if cfg.kernel_check_file is None:
+            cfg = cfg.replace(kernel_check_file=env.settings().kernel_check_file)
         patch_model_filebacked(model, store, config=cfg, model_fingerprint=model_fp)
-    except Exception:
+        mx.set_cache_limit(memory_plan(model, store, cfg.cache_limit_gb).cache_limit_bytes)
+        print(store.runtime.line(), file=sys.stderr, flush=True)
+        load_trunk(model, progress)
+        if pipeline_group is not None:
+            parallel.barrier(pipeline_group)
+    except BaseException:
         store.close()
         raise
-    mx.set_cache_limit(memory_plan(model, store, cfg.cache_limit_gb).cache_limit_bytes)
-    print(store.runtime.line(), file=sys.stderr, flush=True)
-    load_trunk(model, progress)
-    if pipeline_group is not None:
-        parallel.barrier(pipeline_group)
     return model, tokenizer, store
 
 

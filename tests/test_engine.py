@@ -627,3 +627,26 @@ def test_abandoned_started_read_is_finished_before_new_reservations(models):
     ids = tok.encode("After an abandoned read the store still computes exactly.")
     assert compare_traces(greedy_trace(ref, ids, 8), greedy_trace(model, ids, 8)).exact
     store.close()
+
+
+@needs_library
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts Linux's threads")
+def test_a_store_dropped_without_close_releases_threads_and_files(models):
+    """The native reader's threads and file descriptors go with a store that is dropped
+    unclosed (before: 10 dropped stores left 40 threads and 30 descriptors)."""
+    import gc
+
+    from mlx_streaming import FileExpertStore
+
+    _, ed = models.experts("tiny-qwen3_moe")
+
+    def counts():
+        return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+    gc.collect()
+    before = counts()
+    for _ in range(5):
+        store = FileExpertStore(ed, capacity=8, threads=4, reader="native")
+        del store
+    gc.collect()
+    assert counts() == before

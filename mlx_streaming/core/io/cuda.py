@@ -175,6 +175,11 @@ def new_stream() -> int:
     return s.value
 
 
+def destroy_stream(stream: int) -> None:
+    """Destroy a stream made by ``new_stream`` (its queued work finishes first)."""
+    _check(lib().cudaStreamDestroy(ctypes.c_void_p(stream)), "cudaStreamDestroy")
+
+
 def function(name: str) -> int:
     """The address of a CUDA runtime function, for native code to call."""
     return ctypes.cast(getattr(lib(), name), ctypes.c_void_p).value

@@ -185,5 +185,7 @@ class DeviceReader:
         pass
 
     def close(self) -> None:
-        mx.synchronize()  # no kernel reads the mappings any more
-        self.maps.close()
+        try:
+            mx.synchronize()  # no kernel reads the mappings any more
+        finally:  # a device that failed (a kernel's trap) runs nothing more
+            self.maps.close()

@@ -90,12 +90,20 @@ class FileMaps:
             checked[e] = 1
 
     def close(self) -> None:
-        """Unregister (with cuda) and unmap every file (idempotent)."""
-        for m, addr in self._maps:
-            if self._cuda is not None:
-                self._cuda.unregister(addr)
-            m.close()
-        self._maps, self.sources, self.nbytes = [], {}, 0
+        """Unregister (with cuda) and unmap every file (idempotent): each one, whatever
+        another's unregistering raised (the first such error is raised after)."""
+        maps, self._maps, self.sources, self.nbytes = self._maps, [], {}, 0
+        first = None
+        for m, addr in maps:
+            try:
+                if self._cuda is not None:
+                    self._cuda.unregister(addr)
+            except Exception as e:  # noqa: BLE001 - raised once all are released
+                first = first or e
+            finally:
+                m.close()
+        if first is not None:
+            raise first
 
     def __enter__(self) -> FileMaps:
         return self

@@ -13,6 +13,7 @@ Python reader (``io.reader``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
@@ -74,9 +75,14 @@ class NativeReader:
         self.lib, self.meta, self._wave = lib, meta, wave
         self.pos = {li: i for i, li in enumerate(sorted(pools))}
         stride = max(meta.layers[li].stride for li in pools)
+        self.handle, self._fds, self._streams = None, [], []  # what close() releases
+        self._lock = threading.Lock()  # one start..finish at a time
+        self._pending: Started | None = None  # started, not yet finished
+        self._cuda = cuda
         if cuda is not None:
             self._staging = cuda.page_locked(wave * stride)
-            self._streams = [cuda.new_stream() for _ in range(threads + 1)]
+            for _ in range(threads + 1):
+                self._streams.append(cuda.new_stream())
             copy, sync = cuda.function("cudaMemcpyAsync"), cuda.function("cudaStreamSynchronize")
         else:
             from .reader import aligned_buffer
@@ -93,10 +99,9 @@ class NativeReader:
             streams, h, self._err, ERR_BYTES,
         )  # fmt: skip
         if not self.handle:
+            self.close()
             raise OSError(f"the native reader could not be created: {self._why()}")
-        self._fds, self._keep = [], []
-        self._lock = threading.Lock()  # one start..finish at a time
-        self._pending: Started | None = None  # started, not yet finished
+        self._keep = []
         self.checked: dict[int, np.ndarray] = {}
         self.counters = np.zeros((len(pools), N_COUNTERS), np.int64)
         self._counter_ptrs = [_ptr(c) for c in self.counters]
@@ -322,6 +327,13 @@ class NativeReader:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+        streams, self._streams = self._streams, []
+        for st in streams:  # the engine's threads, which used them, have stopped
+            self._cuda.destroy_stream(st)
+
+    def __del__(self):  # a store dropped without close(): threads, files, streams
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 class Started:
