@@ -100,3 +100,17 @@ def test_read_only_destination(models, tmp_path):
         dest = ro / "x"
     with pytest.raises(ExpertDirError, match=r"cannot write the expert directory"):
         split_model(ck, dest)
+
+
+def test_split_into_another_models_directory_is_refused(models, tmp_path):
+    """``split`` of model B into A's complete expert directory names the mix-up (before:
+    it returned A's meta and exited 0)."""
+    from mlx_streaming.core.format import ExpertDirError
+
+    a = models.checkpoint("tiny-qwen3_moe")
+    b = models.checkpoint("tiny-qwen3_moe", seed=1)
+    ed = tmp_path / "experts"
+    split_model(a, ed)
+    assert split_model(a, ed)["fingerprint"]  # the same model again: its meta
+    with pytest.raises(ExpertDirError, match="another model"):
+        split_model(b, ed)

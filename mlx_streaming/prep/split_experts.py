@@ -22,6 +22,7 @@ from ..core.discovery import (
     expert_dims,
     find_expert_sites,
     fingerprint,
+    fingerprint_mismatch,
     projections,
 )
 from ..core.format import (
@@ -124,7 +125,8 @@ def split_model(
 ) -> dict:
     """Split every MoE layer's experts of a checkpoint into ``out_dir``.
 
-    A complete directory returns at once (its meta, read without loading the model); an
+    A complete directory returns at once (its meta), once checked against the model's
+    fingerprint (the model loaded lazily: only its first router's weights are read); an
     interrupted split resumes from the layers that are complete.
 
     Args:
@@ -140,7 +142,19 @@ def split_model(
             or the disk filled up.
         UnsupportedModelError: the architecture keeps no experts in SwitchGLU/SwitchMLP.
     """
-    return ensure_split(model_path, out_dir, progress=progress).to_json()
+    done = (Path(out_dir) / META_NAME).exists()
+    meta = ensure_split(model_path, out_dir, progress=progress)
+    if done:  # split before: by this model?
+        model, config = load_lazy(resolve_model_path(model_path))
+        bad = fingerprint_mismatch(
+            meta.fingerprint, fingerprint(model, find_expert_sites(model, config), config)
+        )
+        if bad:
+            raise ExpertDirError(
+                f"{out_dir} holds the experts of another model ({meta.source}; fingerprint "
+                f"differs in {bad}): choose another directory for {model_path}"
+            )
+    return meta.to_json()
 
 
 def ensure_split(
