@@ -522,3 +522,22 @@ def test_profile_command_refuses_a_profile_worse_than_uniform(models, tmp_path):
     with pytest.raises(ValueError, match="not written"):
         cmd.main([*args, "--policy", "lru"])
     assert not out.exists()
+
+
+def test_a_pool_profile_scales_to_a_budget(models):
+    """A pool profile with ``budget_gb``: its proportions, scaled to fill the budget
+    (before: the profile was silently ignored and the budget split uniformly)."""
+    from mlx_streaming.core.meta import load_meta
+    from mlx_streaming.planning.budget import PoolShape, store_slots
+
+    _, ed = models.experts("tiny-qwen3_moe")  # 3 MoE layers, 16 experts, top-4
+    meta = load_meta(ed)
+    a, b, c = sorted(meta.layers)
+    shape = PoolShape.from_meta(meta)
+    budget = shape.pool_bytes({li: 8 for li in shape.layers}, False)  # uniform 8 slots
+    _, caps = store_slots(
+        meta, budget_gb=budget / 1e9, layer_caps={a: 4, b: 12, c: 6}, zero_slot=False
+    )
+    assert caps[b] > caps[c] > caps[a] >= meta.top_k
+    used = shape.pool_bytes(caps, False)
+    assert budget - max(shape.slot_bytes) * 2 < used <= budget

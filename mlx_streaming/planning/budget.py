@@ -139,16 +139,42 @@ def store_slots(
     zero_slot: bool | None = None,
 ) -> tuple[int, dict | None]:
     """``(capacity, layer_caps)`` for a ``FileExpertStore``: from ``budget_gb`` through
-    ``plan_budget`` (pools with or without their ``zero_slot``), else ``slots``
+    ``plan_budget`` (pools with or without their ``zero_slot``; a pool profile's
+    ``layer_caps`` scaled to fill the budget in their proportions), else ``slots``
     (default: half the experts, at least top-k) with a pool profile's ``layer_caps``."""
     if slots is not None and budget_gb is not None:
         raise ValueError("give either slots or budget_gb, not both")
     if budget_gb is not None:
         plan = plan_budget(meta, budget_gb, zero_slot=zero_slot)
+        if layer_caps:
+            caps = scale_profile(meta, layer_caps, plan)
+            return min(caps.values()), caps
         return plan.default_slots, plan.slots
     if slots is None:
         slots = default_slots(meta)
     return slots, layer_caps
+
+
+def scale_profile(meta: ExpertMeta, caps: dict[int, int], plan: BudgetPlan) -> dict[int, int]:
+    """A pool profile's slots scaled by one factor, the largest whose pools fit
+    ``plan``'s budget (each layer between top-k and its expert count; a layer the
+    profile does not name weighs as in ``plan``)."""
+    shape = PoolShape.from_meta(meta)
+    k, ne = shape.top_k, dict(zip(shape.layers, shape.num_experts))
+    weight = {li: caps.get(li, plan.slots[li]) for li in shape.layers}
+
+    def at(f: float) -> dict[int, int]:
+        return {li: min(ne[li], max(k, round(f * w))) for li, w in weight.items()}
+
+    lo, hi = 0.0, max(ne.values()) / min(weight.values())
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (
+            (mid, hi)
+            if shape.pool_bytes(at(mid), plan.zero_slot) <= plan.budget_bytes
+            else (lo, mid)
+        )
+    return at(lo)
 
 
 @dataclass
