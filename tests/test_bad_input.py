@@ -65,9 +65,9 @@ def test_meta_from_another_model(models, copy_of):
         patch_model_filebacked(
             model, store, d["hidden"], d["moe_inter"], d["group_size"], d["bits"]
         )
-    # a complete directory is not re-checked by split (it returns at once); loading
-    # another model over it is refused by the patch
-    assert split_model(other, ed) == load_meta(ed).to_json()
+    # split into it is refused, as is loading another model over it
+    with pytest.raises(ExpertDirError, match=r"holds the experts of another model"):
+        split_model(other, ed)
     with pytest.raises(ExpertDirError, match=r"split from another model"):
         mlx_streaming.load(other, ed, slots=4)
 

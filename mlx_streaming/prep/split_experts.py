@@ -125,9 +125,9 @@ def split_model(
 ) -> dict:
     """Split every MoE layer's experts of a checkpoint into ``out_dir``.
 
-    A complete directory returns at once (its meta), once checked against the model's
-    fingerprint (the model loaded lazily: only its first router's weights are read); an
-    interrupted split resumes from the layers that are complete.
+    A complete directory returns at once (its meta), checked against a local model's
+    fingerprint (loaded lazily: only its first router's weights are read; ``load``
+    checks any model); an interrupted split resumes from the layers that are complete.
 
     Args:
         model_path: MLX model directory or Hugging Face repo id.
@@ -144,8 +144,8 @@ def split_model(
     """
     done = (Path(out_dir) / META_NAME).exists()
     meta = ensure_split(model_path, out_dir, progress=progress)
-    if done:  # split before: by this model?
-        model, config = load_lazy(resolve_model_path(model_path))
+    if done and Path(model_path).is_dir():  # split before: by this model? (a hub id is
+        model, config = load_lazy(Path(model_path))  # not fetched for it: load checks)
         bad = fingerprint_mismatch(
             meta.fingerprint, fingerprint(model, find_expert_sites(model, config), config)
         )
