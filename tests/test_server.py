@@ -65,6 +65,10 @@ def test_models_health_and_queue(server):
     ck, base, port = server
     client = openai.OpenAI(base_url=base + "/v1", api_key="none")
     assert any(m.id == str(ck.resolve()) for m in client.models.list().data)
+    r = client.completions.create(  # the id it lists is one it serves
+        model=str(ck.resolve()), prompt=PROMPT, max_tokens=2, temperature=0.0
+    )
+    assert r.choices[0].text is not None
     status, headers, body = get(base + "/health")
     assert status == 200 and body["status"] == "ok"
     assert body["queue_depth"] == 0 and body["concurrency"] == 1

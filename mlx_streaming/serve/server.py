@@ -19,6 +19,16 @@ import mlx.core as mx
 from mlx_lm import server as mlx_server
 
 
+def _same_model(a, b) -> bool:
+    """Whether two model names are one local directory (or the same name)."""
+    from pathlib import Path
+
+    if a == b:
+        return True
+    pa, pb = Path(str(a)), Path(str(b))
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+
+
 class StreamingModelProvider(mlx_server.ModelProvider):
     """Loads the served model with its experts streamed from disk. Only that model is
     served: its expert directory belongs to it."""
@@ -38,8 +48,8 @@ class StreamingModelProvider(mlx_server.ModelProvider):
 
     def load(self, model_path, adapter_path=None, draft_model_path=None):
         """The served model and tokenizer (mlx-lm's server asks for them per request)."""
-        if model_path in ("default_model", None):
-            model_path = self.cli_args.model
+        if model_path in ("default_model", None) or _same_model(model_path, self.cli_args.model):
+            model_path = self.cli_args.model  # e.g. the resolved path /v1/models lists
         if model_path != self.cli_args.model:
             raise ValueError(
                 f"this server streams {self.cli_args.model}; it cannot load {model_path}"
@@ -63,7 +73,9 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         model, tokenizer, store = load(
             model_path, **self.load_kwargs, pipeline_group=self.pipeline_group
         )
-        if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
+        if getattr(self.cli_args, "chat_template", None):  # --chat-template, as mlx-lm's
+            tokenizer.chat_template = self.cli_args.chat_template
+        elif self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         if self.watch is not None:
             store.watch(self.watch.beat)
