@@ -137,3 +137,14 @@ def test_serve_exits_when_the_model_cannot_load_or_the_port_is_taken(models, tmp
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
     assert r.returncode != 0 and "Address already in use" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_relative_model_name_and_its_listed_path_are_one_model(tmp_path, monkeypatch):
+    """``serve --model qm`` lists ``/abs/path/qm`` in /v1/models; a request naming that
+    id is the served model (before: refused as another model)."""
+    from mlx_streaming.serve.server import _same_model
+
+    (tmp_path / "qm").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert _same_model(str((tmp_path / "qm").resolve()), "qm")
+    assert not _same_model(str(tmp_path), "qm") and not _same_model("other", "qm")
