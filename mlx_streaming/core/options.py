@@ -69,8 +69,8 @@ class StreamConfig:
         choices=sorted(POLICIES),
     )  # fmt: skip
     threads: int | None = option(
-        None, "read threads (default: 4; one per core up to 15 for the native reader on "
-        "CUDA)"
+        None, "read threads (default: 4; 0, reading inline, for records under 256 KiB on "
+        "the CPU; one per core up to 15 on CUDA)"
     )  # fmt: skip
     reader: Reader | None = option(
         None, "who reads records into the slots: native (the compiled reader; the default "

@@ -100,14 +100,17 @@ class FileExpertStore:
         try:
             self.reader = make_reader(rt, meta, self.pools)
         except OSError as e:  # the files could not be mapped and page-locked
-            if not rt.mapped or cfg.map_files:  # asked for: the error is the answer
+            if not rt.mapped or cfg.map_files or cfg.device_reads:  # asked for (the device
+                # path needs the mappings): the error is the answer
                 raise
             warnings.warn(f"{e}; the store reads with pread instead", RuntimeWarning, stacklevel=2)
             rt = resolve(cfg.replace(map_files=False), meta)
             why = f"the files could not be page-locked ({e})"
             rt = self.runtime = rt.replace(why=(*rt.why, ("mapped", why), ("decode_path", why)))
             self.reader = make_reader(rt, meta, self.pools)
-        self.lock = threading.RLock()  # the tables and policies, against other threads
+        # the tables and policies: one thread drives a store (the server's generation
+        # thread among them); the lock orders the loader's policy updates all the same
+        self.lock = threading.RLock()
         self.loads = Loader(
             meta, self.caches, self.pools, self.reader, self.stats, cfg.clear_on_evict, self.lock
         )

@@ -108,7 +108,7 @@ class Loader:
             load = cache.split(np.arange(cache.num_experts))[1]
         placed = []
         if len(load):
-            with self._lock:  # the policy picks victims (prefetch may run beside)
+            with self._lock:  # the policy picks victims
                 placed = cache.reserve(sorted(load.tolist()), protect=experts)
         return self._issue(layer, experts, misses, placed, prefetch=False)
 

@@ -10,8 +10,9 @@ from pathlib import Path
 from ..extensions import extension_path
 
 HERE = Path(__file__).parent
-# mlxs_finish's statuses that the reader words itself (engine.h: ST_CHECKSUM, ST_ARGS)
-CHECKSUM, REFUSED = 2, 4
+# mlxs_finish's statuses that the reader words itself (engine.h: ST_CHECKSUM, ST_ARGS,
+# ST_COPY)
+CHECKSUM, REFUSED, COPY = 2, 4, 5
 # calls, records, bytes, read ns (pread + copy calls), busy ns (wall), pread ns, copy-call ns,
 # sync ns, copy calls: the threads' times are summed over threads
 COUNTERS = ("calls", "records", "bytes", "read_ns", "busy_ns", "pread_ns", "copy_ns", "sync_ns",

@@ -24,6 +24,7 @@ import numpy as np
 from ..format import ExpertChecksumError
 from .engine_lib import (
     CHECKSUM,
+    COPY,
     COUNTERS,
     ERR_BYTES,
     N_COUNTERS,
@@ -292,6 +293,11 @@ class NativeReader:
                 raise ExpertChecksumError(
                     f"expert {bad} of layer {layer} in {self.meta.file(layer)} fails its "
                     "checksum: the file is corrupt; split the model again"
+                )
+            if rc == COPY:  # the file read well: the device refused the copy
+                raise RecordReadError(
+                    f"{self.meta.file(layer)}: {why} (layer {layer}): the GPU did not take "
+                    "the copy (out of memory, or a failed device); the file is not at fault"
                 )
             raise RecordReadError(
                 f"{self.meta.file(layer)}: {why} (layer {layer}); split the model again"

@@ -192,7 +192,10 @@ class RecordReader:
 
     def _read_piece(self, fd, path, piece: _Piece, lock: threading.Lock) -> int:
         want = sum(v.nbytes for v in piece.vecs)
-        got = os.preadv(fd, piece.vecs, piece.offset)
+        try:
+            got = os.preadv(fd, piece.vecs, piece.offset)
+        except OSError as e:  # name the file, as the native reader does
+            raise RecordReadError(e.errno, f"{path}: {e.strerror} at byte {piece.offset}") from e
         if got != want:
             self._finish_short(fd, path, piece.vecs, piece.offset, got)
         nbytes = 0
@@ -214,7 +217,12 @@ class RecordReader:
             end = pos + v.nbytes
             start = max(got - pos, 0)
             while start < v.nbytes:
-                k = os.preadv(fd, [v[start:]], offset + pos + start)
+                try:
+                    k = os.preadv(fd, [v[start:]], offset + pos + start)
+                except OSError as e:
+                    raise RecordReadError(
+                        e.errno, f"{path}: {e.strerror} at byte {offset + pos + start}"
+                    ) from e
                 if k <= 0:
                     raise RecordReadError(
                         5,
