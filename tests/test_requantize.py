@@ -162,3 +162,18 @@ def test_bad_bit_specs_are_refused_before_anything_is_written(models, tmp_path):
     requantize(ed, out, bits=3, layer_bits={"1": {"gate": 2}})  # the short names work
     assert load_meta(out).layers[1].quant["gate_proj"].bits == 2
     assert not (tmp_path / "rq.partial").exists()
+
+
+def test_projection_sizes_from_any_source_precision(models, tmp_path):
+    """``proj_bytes`` (what ``--target-gb`` sizes with) gives a projection's real bytes
+    at 4 bits from a 6-bit source too (before: 32 // 6 words per value made it short)."""
+    from mlx_streaming.analysis.quality import proj_bytes
+
+    _, ed = models.experts("tiny-qwen3_moe")
+    requantize(ed, tmp_path / "six", 6)
+    requantize(ed, tmp_path / "four", 4)
+    six, four = load_meta(tmp_path / "six"), load_meta(tmp_path / "four")
+    for li, lay in six.layers.items():
+        for p, q in lay.quant.items():
+            real = sum(x.nbytes for x in four.layers[li].parts if x.name.startswith(p + "."))
+            assert proj_bytes(lay, p, 4, q.group_size) == real, (li, p)

@@ -184,7 +184,8 @@ def proj_bytes(layout, proj: str, bits: int, group_size: int) -> int:
     w = next(p for p in layout.parts if p.name == f"{proj}.weight")
     q = layout.quant[proj]
     out_dims = w.shape[0]
-    in_dims = w.shape[1] * (32 // q.bits) if q else w.shape[1]
+    in_dims = w.shape[1] * 32 // q.bits if q else w.shape[1]  # packed uint32 words (3, 5, 6
+    # bits do not divide 32: a word holds 32 / bits values on average)
     scale_bytes = 2 if layout.parts[0].dtype in ("bfloat16", "float16") else 4
     for p in layout.parts:
         if p.name == f"{proj}.scales":
