@@ -35,8 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     module = importlib.import_module(f"mlx_streaming.commands.{argv[0].replace('-', '_')}")
     try:
         module.main(argv[1:])
-    except (ValueError, FileNotFoundError, PermissionError) as e:
-        # bad input: the message names the file or value and the fix; no traceback
+    except (ValueError, OSError) as e:
+        # bad input, a file that cannot be read or written, a port in use: the message
+        # names the file or value and the fix; no traceback
         print(f"mlx_streaming {argv[0]}: error: {e}", file=sys.stderr)
         sys.exit(2)
     except RuntimeError as e:

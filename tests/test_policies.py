@@ -541,3 +541,25 @@ def test_a_pool_profile_scales_to_a_budget(models):
     assert caps[b] > caps[c] > caps[a] >= meta.top_k
     used = shape.pool_bytes(caps, False)
     assert budget - max(shape.slot_bytes) * 2 < used <= budget
+
+
+def test_plan_refuses_a_trace_of_another_shape_and_impossible_sizes(models, tmp_path):
+    """A trace recorded on another model (expert count or top-k), more slots than
+    experts, a one-layer sample, negative expert ids: each named (before: accepted, or a
+    ZeroDivisionError)."""
+    from mlx_streaming.core.meta import load_meta
+    from mlx_streaming.planning.budget import PoolShape
+    from mlx_streaming.planning.planner import plan
+    from mlx_streaming.planning.trace import RoutingTrace, TraceError
+
+    _, ed = models.experts("tiny-qwen3_moe")  # 16 experts, top-4
+    shape = PoolShape.from_meta(load_meta(ed))
+    with pytest.raises(ValueError, match="6 of 64 experts.*4 of 16"):
+        plan(local_trace(E=64, k=6), shape, slots=[8])
+    with pytest.raises(ValueError, match="80 slots exceed"):
+        plan(local_trace(E=16, k=4), shape, slots=[80])
+    with pytest.raises(ValueError, match="at least 2 layers"):
+        plan(local_trace(E=16, k=4), shape, slots=[8], layer_sample=1)
+    bad = local_trace(E=16, k=4)
+    with pytest.raises(TraceError, match=r"0\.\.15"):
+        RoutingTrace(bad.experts.astype(np.int16) - 1, bad.offsets, 16).validate()

@@ -131,8 +131,10 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
     if t is None or b is None:
         raise ValueError("--memory-gb needs a compute time and the disk's bandwidth: --bench, "
                          "or --t-compute-ms and --read-gbps")  # fmt: skip
-    pol = next((p for p in resolve_policies(a.policy) if p != "belady"), "predictive")
-    pol = "predictive" if a.policy == "auto" else pol
+    if a.policy == "all" or a.policy == "belady":
+        raise ValueError(f"--memory-gb plans one policy the store runs, not --policy "
+                         f"{a.policy}: name one (e.g. predictive)")  # fmt: skip
+    pol = "predictive" if a.policy == "auto" else a.policy
     L = min(len(shape.slot_bytes), trace.layers)
     sample = a.layer_sample or L
     layers = sorted({round(i * (L - 1) / max(1, sample - 1)) for i in range(min(sample, L))})
@@ -156,8 +158,11 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
 def _bounds(a) -> tuple[float | None, float | None]:
     t, b = (a.t_compute_ms / 1e3 if a.t_compute_ms else None), a.read_gbps
     if a.bench:
-        with open(a.bench) as f:
-            r = json.load(f)
+        try:
+            with open(a.bench) as f:
+                r = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--bench {a.bench} is not a `bench --json` result ({e})") from e
         if t is None and r.get("t_compute_ms"):
             t = r["t_compute_ms"] / 1e3
         b = b or r.get("storage_gbps")

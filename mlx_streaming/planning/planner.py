@@ -60,7 +60,18 @@ def plan(
     L = min(len(shape.slot_bytes), trace.layers)
     if L == 0:
         raise ValueError("the trace and the model share no MoE layer")
+    ne = max(shape.num_experts)
+    if trace.num_experts != ne or trace.top_k != shape.top_k:
+        raise ValueError(
+            f"the trace routes {trace.top_k} of {trace.num_experts} experts per layer, the "
+            f"model {shape.top_k} of {ne}: record the trace on this model"
+        )
+    too_many = [s for s in slots if s > ne]
+    if too_many:
+        raise ValueError(f"{too_many[0]} slots exceed the layer's {ne} experts: at most {ne}")
     layers = list(range(L))
+    if layer_sample is not None and layer_sample < 2:
+        raise ValueError(f"layer_sample {layer_sample}: sample at least 2 layers, or all (None)")
     if layer_sample and layer_sample < L:
         layers = sorted({round(i * (L - 1) / (layer_sample - 1)) for i in range(layer_sample)})
     fit_part, test = trace.split(0.5) if held_out else (trace, trace)

@@ -75,8 +75,10 @@ class RoutingTrace:
             )
         if o.ndim != 1 or len(o) < 2 or o[0] != 0 or o[-1] != e.shape[0] or (np.diff(o) < 0).any():
             raise TraceError(f"{where}: offsets must rise from 0 to T={e.shape[0]}")
-        if self.num_experts <= 0 or (e.size and int(e.max()) >= self.num_experts):
-            raise TraceError(f"{where}: expert ids must be below num_experts={self.num_experts}")
+        if self.num_experts <= 0 or (e.size and (int(e.max()) >= self.num_experts or e.min() < 0)):
+            raise TraceError(
+                f"{where}: expert ids must be in 0..{self.num_experts - 1} (num_experts)"
+            )
 
     def save(self, path: str | Path) -> None:
         """Write the trace (atomically)."""

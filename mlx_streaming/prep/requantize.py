@@ -226,7 +226,10 @@ def requantize(
         split_model(resolve_model_path(model), src, progress=progress)
     meta = load_meta(src)
     if isinstance(layer_bits, (str, Path)):
-        layer_bits = json.loads(Path(layer_bits).read_text())
+        try:
+            layer_bits = json.loads(Path(layer_bits).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"layer bits file {layer_bits} is not valid JSON ({e})") from e
     proj_bits = parse_proj_bits(proj_bits)
     out = Path(out)
     if out.resolve() == Path(src).resolve():
