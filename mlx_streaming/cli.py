@@ -58,7 +58,21 @@ def _command(name: str):
     return run
 
 
-split, generate, chat, serve, bench, plan, profile, requantize, verify, quality, demo, synth = (
+(
+    split,
+    generate,
+    chat,
+    serve,
+    bench,
+    plan,
+    profile,
+    requantize,
+    verify,
+    quality,
+    demo,
+    synth,
+    train_tiny,
+) = (  # fmt: skip
     _command(n)
     for n in (
         "split",
@@ -73,6 +87,7 @@ split, generate, chat, serve, bench, plan, profile, requantize, verify, quality,
         "quality",
         "demo",
         "synth",
+        "train-tiny",
     )
 )
 

@@ -10,6 +10,7 @@ on.
                         or "none" to use none
   MLX_STREAMING_HOME    where expert directories of downloaded models and the kernel
                         self-test's results go (default ~/.cache/mlx_streaming)
+  MLX_RANK, MLX_HOSTFILE  set by ``mlx.launch``: named in a pipeline's error messages
 """
 
 from __future__ import annotations
