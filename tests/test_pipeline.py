@@ -365,9 +365,11 @@ def test_a_stopped_rank_ends_generate_in_bounded_time(models, tmp_path):
     assert waited < 5 + 5  # the bound, plus the watch's polling and the exit
 
 
-def test_a_stopped_rank_fails_the_request_in_flight(models, tmp_path):
-    """serve under a pipeline: SIGSTOP the other rank while a streamed completion is
-    running; the client gets an error event naming it, and rank 0 exits."""
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_stopped_rank_fails_the_request_in_flight(models, tmp_path, stream):
+    """serve under a pipeline: SIGSTOP the other rank while a completion is running; the
+    client gets an error naming it (an error event on a stream; else a 503, where a 200
+    once came with the 503 after it), and rank 0 exits."""
     import http.client
 
     ck = models.checkpoint("tiny-qwen3_moe")
@@ -377,15 +379,21 @@ def test_a_stopped_rank_fails_the_request_in_flight(models, tmp_path):
     procs = _start_ranks(2, tmp_path, argv)
     try:
         wait_healthy(port, procs[0], (tmp_path / "rank0.err").read_text)
-        body = {"prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "stream": True}
+        body = {"prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "stream": stream}
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        resp = c.getresponse()
-        assert resp.status == 200
-        while not resp.readline().startswith(b"data: "):  # keepalives while prefilling
-            pass  # the first token's event: generation is under way
+        if stream:
+            resp = c.getresponse()
+            assert resp.status == 200
+            while not resp.readline().startswith(b"data: "):  # keepalives while prefilling
+                pass  # the first token's event: generation is under way
+        else:
+            time.sleep(1)  # under way (no event to wait for; 600 tokens take longer)
         procs[1].send_signal(signal.SIGSTOP)
         t0 = time.time()
+        if not stream:
+            resp = c.getresponse()
+            assert resp.status == 503
         rest = resp.read().decode()  # ends when rank 0 answers with the error and exits
         code = procs[0].wait(timeout=60)
         waited = time.time() - t0

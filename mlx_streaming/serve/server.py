@@ -95,8 +95,11 @@ class StreamingResponseGenerator(mlx_server.ResponseGenerator):
     runs the model), the store publishes its counters for ``/health`` to read."""
 
     def _serve_single(self, request, stream):
+        # a pipeline's watch is armed while the model runs a request, not while a client
+        # sends or reads it (a slow client is no silent peer)
         try:
-            return super()._serve_single(request, stream)
+            with self.model_provider.watch or contextlib.nullcontext():
+                return super()._serve_single(request, stream)
         finally:
             store = self.model_provider.store
             if store is not None:
@@ -110,18 +113,19 @@ class StreamingAPIHandler(mlx_server.APIHandler):
 
     inflight: set = set()  # handlers of POST requests being served
     lock = threading.Lock()
-    watch = None  # the pipeline's PeerWatch, armed while a request is in flight
-
     def do_POST(self):
-        self._headers_sent = False
+        self._headers_sent = self._status_sent = False
         with self.lock:
             self.inflight.add(self)
         try:
-            with self.watch or contextlib.nullcontext():
-                super().do_POST()
+            super().do_POST()
         finally:
             with self.lock:
                 self.inflight.discard(self)
+
+    def send_response(self, *a, **kw):
+        self._status_sent = True  # buffered until end_headers
+        super().send_response(*a, **kw)
 
     @classmethod
     def fail_inflight(cls, message: str) -> None:
@@ -135,7 +139,9 @@ class StreamingAPIHandler(mlx_server.APIHandler):
                 body = json.dumps({"error": {"message": message, "type": "peer_silent"}})
                 if getattr(h, "_headers_sent", False):  # a stream: an error event, then end
                     h.wfile.write(f"data: {body}\n\ndata: [DONE]\n\n".encode())
-                else:
+                else:  # a status line still buffered (not sent) gives way to the 503
+                    if getattr(h, "_status_sent", False):
+                        h._headers_buffer = []
                     h.reply(503, json.loads(body))
                 h.wfile.flush()
             except OSError:
@@ -257,7 +263,6 @@ def serve(
     watch = None
     if group is not None and group.size() > 1 and group.rank() == 0:
         watch = PeerWatch(group, peer_timeout_s, StreamingAPIHandler.fail_inflight)
-        StreamingAPIHandler.watch = watch
     provider = StreamingModelProvider(cli_args, load_kwargs, watch)
     generator = StreamingResponseGenerator(
         provider, mlx_server.LRUPromptCache(cli_args.prompt_cache_size)
