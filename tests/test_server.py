@@ -148,3 +148,34 @@ def test_a_relative_model_name_and_its_listed_path_are_one_model(tmp_path, monke
     monkeypatch.chdir(tmp_path)
     assert _same_model(str((tmp_path / "qm").resolve()), "qm")
     assert not _same_model(str(tmp_path), "qm") and not _same_model("other", "qm")
+
+
+def test_a_non_stream_request_whose_client_left_stops_generating(server):
+    """A client asks for many tokens without streaming and leaves: the next request is
+    not held behind the abandoned one's max_tokens (before: it waited for all of them)."""
+    import json
+    import socket
+    import time
+    import urllib.request
+
+    _, base, port = server
+
+    def post(body):
+        req = urllib.request.Request(
+            base + "/v1/completions", json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        return urllib.request.urlopen(req, timeout=300).read()
+
+    t0 = time.time()
+    post({"prompt": PROMPT, "max_tokens": 100, "temperature": 0.0})
+    per_100 = time.time() - t0
+    s = socket.create_connection(("127.0.0.1", port))
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 1500, "temperature": 0.0}).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    time.sleep(min(1.0, per_100))  # under way
+    s.close()
+    t1 = time.time()
+    post({"prompt": PROMPT, "max_tokens": 3, "temperature": 0.0})
+    assert time.time() - t1 < 5 * per_100  # the abandoned 1,500 tokens take ~15x that

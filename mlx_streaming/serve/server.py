@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import select
 import socket
 import threading
 
@@ -113,6 +114,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
 
     inflight: set = set()  # handlers of POST requests being served
     lock = threading.Lock()
+
     def do_POST(self):
         self._headers_sent = self._status_sent = False
         with self.lock:
@@ -122,6 +124,44 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         finally:
             with self.lock:
                 self.inflight.discard(self)
+
+    def handle_completion(self, request, stop_words):
+        """mlx-lm's; a non-stream request whose client has gone stops generating at the
+        next token (it ran to max_tokens, holding the one generation slot). A stream
+        finds out by itself: its next write fails."""
+        if self.stream:
+            return super().handle_completion(request, stop_words)
+        gen, handler = self.response_generator, self
+
+        class Watched:  # the generator, whose token stream ends when the client has gone
+            def __getattr__(self, name):
+                return getattr(gen, name)
+
+            def generate(self, *a, **kw):
+                ctx, tokens = gen.generate(*a, **kw)
+
+                def checked():
+                    for t in tokens:
+                        if handler._client_gone():
+                            ctx.stop()
+                            return
+                        yield t
+
+                return ctx, checked()
+
+        self.response_generator = Watched()
+        try:
+            return super().handle_completion(request, stop_words)
+        finally:
+            self.response_generator = gen
+
+    def _client_gone(self) -> bool:
+        """Whether the client closed its end (readable, and nothing to read)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
 
     def send_response(self, *a, **kw):
         self._status_sent = True  # buffered until end_headers
