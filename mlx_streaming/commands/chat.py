@@ -33,6 +33,12 @@ def main(argv=None) -> None:
         p.error("--model is required: the MLX model directory or repo id to chat with")
     if a.adapter_path:
         raise ValueError("--adapter-path is not supported with streamed experts")
+    if getattr(a, "pipeline", False):  # mlx-lm's chat flag: its pipeline is not ours
+        raise ValueError("chat does not pipeline streamed experts: use generate or serve "
+                         "with --pipeline")  # fmt: skip
+    if getattr(a, "trust_remote_code", False):
+        raise ValueError("--trust-remote-code: streamed models load mlx-lm's own model code "
+                         "only; drop the flag")  # fmt: skip
     mx.random.seed(a.seed)
     model, tokenizer, store = load(a.model, **load_kwargs(a))
     try:
