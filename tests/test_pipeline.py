@@ -303,6 +303,14 @@ def test_plan_suggests_a_split(models):
     assert 0 < half.share < 1
     with pytest.raises(ValueError, match="cannot hold this model"):
         suggest_split(mb, [mb.shared / 1e9, mb.shared / 1e9])
+    # a host with room for the dense layer 0 only, or for nothing: no split that load
+    # would take (before: a rank of the dense layer alone, or of no layer at all)
+    dense_only = (mb.shared + mb.trunk[0] + 1) / 1e9
+    for small in (dense_only, mb.shared / 2e9):
+        with pytest.raises(ValueError, match="every rank a MoE layer|cannot hold"):
+            suggest_split(mb, [total / 1e9, small])
+    with pytest.raises(ValueError, match="positive size"):
+        suggest_split(mb, [-1, 1])
 
 
 def _start_ranks(n: int, out: Path, argv: list[str]) -> list[subprocess.Popen]:

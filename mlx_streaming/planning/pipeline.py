@@ -103,6 +103,9 @@ def suggest_split(mb: ModelBytes, machines_gb: list[float]) -> SplitPlan:
     Raises:
         ValueError: the hosts cannot hold the model's trunk with top-k slots per layer.
     """
+    bad = [g for g in machines_gb if not g > 0]
+    if bad:
+        raise ValueError(f"machine memory {bad[0]} GB: each host needs a positive size")
     hosts = [int(g * 1e9) for g in machines_gb]
     if len(hosts) > len(mb.trunk):
         raise ValueError(f"{len(hosts)} hosts for {len(mb.trunk)} layers: use fewer hosts")
@@ -131,6 +134,16 @@ def suggest_split(mb: ModelBytes, machines_gb: list[float]) -> SplitPlan:
             fill_lo = mid
     split = _pack(mb, [int(h * fill_hi) for h in hosts], lo)
     ranks = []
+    for r, count in enumerate(split):  # what load will ask of each rank
+        start = sum(split[r + 1 :])
+        layers = range(start, start + count)
+        need = mb.shared + sum(mb.layer_bytes(i, lo) for i in layers)
+        if not any(mb.experts[i] for i in layers) or need > hosts[r]:
+            raise ValueError(
+                f"no split of this model over hosts of {machines_gb} GB gives every rank a "
+                f"MoE layer that fits (rank {r}: layers {list(layers)}, "
+                f"{need / 1e9:.3g} GB needed): give the small hosts more memory, or use fewer"
+            )
     for r, count in enumerate(split):
         start = sum(split[r + 1 :])
         layers = range(start, start + count)
