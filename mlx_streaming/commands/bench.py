@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from ..bench.run import DEFAULT_PROMPT, BenchConfig, run_bench
 from ..config import PREFILL_CHUNK
+from ..core.format import write_json_atomic
 from ._args import (
     add_pipeline_args,
     add_store_args,
@@ -159,8 +161,7 @@ def main(argv=None) -> None:
     text = json.dumps(out, ensure_ascii=False, indent=2)
     print(text)
     if a.json_out:
-        with open(a.json_out, "w") as f:
-            f.write(text + "\n")
+        write_json_atomic(Path(a.json_out), out)  # a run cut short leaves no half file
     if a.report:
         from ..bench.report import write_report
 

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from ..bench.run import BenchConfig, run_bench
+from ..core.format import write_json_atomic
 from ..core.options import StreamConfig
 from ..synthetic import PRESETS, make_checkpoint
 from ..synthetic.train import trained_checkpoint
@@ -154,7 +155,7 @@ def main(argv=None) -> None:
     result = demo(**args)
     print(summary(result))
     if json_out:
-        Path(json_out).write_text(json.dumps(result, ensure_ascii=False, indent=1) + "\n")
+        write_json_atomic(Path(json_out), result)
         print(f"  full JSON  {json_out}")
 
 

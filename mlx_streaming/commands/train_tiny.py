@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import fields, replace
+from pathlib import Path
 
+from ..core.format import write_json_atomic
 from ..synthetic.train import TrainConfig, report_lines, train_tiny
 
 
@@ -40,5 +41,4 @@ def main(argv=None) -> None:
     report = train_tiny(a.out, cfg, float_dir=a.float_out, command=command)
     print(report_lines(report))
     if a.json_out:
-        with open(a.json_out, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json_atomic(Path(a.json_out), report)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from pathlib import Path
 
+from ..core.format import write_json_atomic
 from ._args import add_store_args, load_kwargs, positive_int
 
 
@@ -65,8 +66,7 @@ def main(argv=None) -> None:
     first = report.first_difference
     print("exact" if report.exact else f"not exact: first differing layer {first.layer}")
     if a.json_out:
-        with open(a.json_out, "w") as f:
-            json.dump(report.to_json(), f, indent=1)
+        write_json_atomic(Path(a.json_out), report.to_json())
     if not report.exact:
         sys.exit(1)
 
