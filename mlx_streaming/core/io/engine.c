@@ -121,6 +121,9 @@ int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_
     e->held_n = n, e->held_layer = layer, e->held_t0 = mlxs_now_ns();
     for (int i = 0; i < n; i++) e->held_experts[i] = experts[i];
     mlxs_plan_wave(e, layer, n, experts, slots);
+    pthread_mutex_lock(&e->m); /* before pending: idle() never sees the last wave's count */
+    e->workers_done = 0;
+    pthread_mutex_unlock(&e->m);
     __atomic_store_n(&e->pending, 1, __ATOMIC_RELEASE);
     if (e->n_started && e->n_jobs && !now)
       mlxs_wake(e);
