@@ -177,3 +177,17 @@ def test_projection_sizes_from_any_source_precision(models, tmp_path):
         for p, q in lay.quant.items():
             real = sum(x.nbytes for x in four.layers[li].parts if x.name.startswith(p + "."))
             assert proj_bytes(lay, p, 4, q.group_size) == real, (li, p)
+
+
+def test_requantize_a_model_to_a_byte_target(models, tmp_path):
+    """``requantize --src MODEL --target-gb G``: the model is split first, then measured
+    (before: refused as "not a complete expert directory")."""
+    from mlx_streaming.commands import requantize as cmd
+
+    ck = models.checkpoint("tiny-mixtral")
+    env = {"MLX_STREAMING_HOME": str(tmp_path / "home")}
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        cmd.main(["--src", str(ck), "--out", str(tmp_path / "t"), "--target-gb", "0.0005"])
+    assert load_meta(tmp_path / "t").expert_bytes() <= 0.0005e9

@@ -41,16 +41,23 @@ def setup_arg_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     a = setup_arg_parser().parse_args(argv)
-    report = None
-    if a.target_gb:
-        from ..analysis.quality import choose_bits
-
-        layer_bits, report = choose_bits(a.src, a.target_gb, a.model, a.group_size or 64)
-        a.layer_bits = layer_bits
     from ..core.format import META_NAME
     from ..model_builder import default_expert_dir
 
     split_dir = None if (Path(a.src) / META_NAME).exists() else default_expert_dir(a.src)
+    report = None
+    if a.target_gb:
+        from ..analysis.quality import choose_bits
+
+        experts = a.src
+        if split_dir is not None:  # a model: split it first, so its experts can be measured
+            from ..prep.hub import resolve_model_path
+            from ..prep.split_experts import split_model
+
+            split_model(resolve_model_path(a.src), split_dir)
+            experts, a.model = split_dir, a.model or a.src
+        layer_bits, report = choose_bits(str(experts), a.target_gb, a.model, a.group_size or 64)
+        a.layer_bits = layer_bits
     meta = requantize(
         a.src,
         a.out,
