@@ -292,8 +292,9 @@ def _run(cfg: BenchConfig, group=None, loaded=None) -> dict:
     if cfg.compare_stock:
         out.update(_compare_stock(cfg, model, tokenizer, ids, routing, files))
     rt = store.runtime  # the store's own reader, threads and direct reads
+    cold = cfg.cold or bool(cfg.memory_limit_gb)  # larger than RAM: the disk's own rate
     gbps = cfg.read_gbps or measure_read_gbps(
-        meta, rt.threads, rt.direct_io, cold=cfg.cold, engine=rt.reader != "python"
+        meta, rt.threads, rt.direct_io, cold=cold, engine=rt.reader != "python"
     )
     out["storage_gbps"] = round(gbps, 3)
     t_compute = (
