@@ -30,11 +30,12 @@ def get(url):
 
 
 @contextlib.contextmanager
-def running_server(ck, ed, slots: int):
-    """``serve`` in a subprocess, healthy: yields ``(base url, port)``."""
+def running_server(ck, ed, slots: int, extra=()):
+    """``serve`` in a subprocess (``extra``: more flags), healthy: yields ``(base url,
+    port)``."""
     port = free_port()
     cmd = [sys.executable, "-m", "mlx_streaming", "serve", "--model", str(ck)]
-    cmd += ["--expert-dir", str(ed), "--slots", str(slots), "--port", str(port)]
+    cmd += ["--expert-dir", str(ed), "--slots", str(slots), "--port", str(port), *extra]
     log = tempfile.TemporaryFile("w+")  # a file, not a pipe: a full pipe would block it
     proc = subprocess.Popen(
         [*cmd, "--log-level", "WARNING"],

@@ -179,3 +179,44 @@ def test_a_non_stream_request_whose_client_left_stops_generating(server):
     t1 = time.time()
     post({"prompt": PROMPT, "max_tokens": 3, "temperature": 0.0})
     assert time.time() - t1 < 5 * per_100  # the abandoned 1,500 tokens take ~15x that
+
+
+def test_requests_past_max_queue_get_503(models):
+    """``--max-queue N``: with the model busy and N requests waiting, the next gets an
+    HTTP 503 at once (before: the queue grew without bound, a thread per request)."""
+    import json
+    import threading
+    import time
+    import urllib.error
+    import urllib.request
+
+    from serving import running_server
+
+    ck, ed = models.experts("tiny-qwen3_moe")
+
+    with running_server(ck, ed, 8, extra=["--max-queue", "1"]) as (base, _):
+
+        def post(max_tokens):
+            req = urllib.request.Request(
+                base + "/v1/completions",
+                json.dumps({"prompt": PROMPT, "max_tokens": max_tokens}).encode(),
+                {"Content-Type": "application/json"},
+            )
+            return urllib.request.urlopen(req, timeout=300)
+
+        def long_request():
+            try:
+                post(400).read()
+            except OSError:  # the server stops at the end of the test
+                pass
+
+        busy = [threading.Thread(target=long_request, daemon=True) for _ in range(2)]
+        busy[0].start()
+        time.sleep(1)  # the first is taken by the model
+        busy[1].start()
+        t0 = time.time()  # the second waits
+        while get(base + "/health")[2]["queue_depth"] < 1 and time.time() - t0 < 30:
+            time.sleep(0.1)
+        with pytest.raises(urllib.error.HTTPError) as e:
+            post(3)
+        assert e.value.code == 503 and "--max-queue 1" in e.value.read().decode()

@@ -41,6 +41,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--max-tokens", type=positive_int, default=512)
+    p.add_argument(
+        "--max-queue", type=positive_int, default=32,
+        help="requests that may wait for the model; more get HTTP 503 (default 32)",
+    )  # fmt: skip
     p.add_argument("--prefill-step-size", type=positive_int, default=PREFILL_CHUNK)
     p.add_argument("--prompt-cache-size", type=nonneg_int, default=10)
     p.add_argument("--prompt-cache-bytes", type=positive_int, default=None)
@@ -80,6 +84,7 @@ def cli_args_for_mlx_lm(a: argparse.Namespace) -> argparse.Namespace:
         kv_group_size=a.kv_group_size,
         quantized_kv_start=a.quantized_kv_start,
         pipeline=a.pipeline,
+        max_queue=a.max_queue,
     )
 
 

@@ -117,6 +117,12 @@ class StreamingAPIHandler(mlx_server.APIHandler):
 
     def do_POST(self):
         self._headers_sent = self._status_sent = False
+        limit = getattr(self.response_generator.model_provider.cli_args, "max_queue", None)
+        if limit is not None and self._queue_depth() >= limit:  # back-pressure, not a pile
+            self.reply(503, {"error": {
+                "message": f"{self._queue_depth()} requests wait already (--max-queue "
+                           f"{limit}); retry later", "type": "overloaded"}})  # fmt: skip
+            return
         with self.lock:
             self.inflight.add(self)
         try:
