@@ -94,7 +94,8 @@ def plan_hosts(a) -> None:
         return
     budgets = ",".join(str(r["pool_budget_gb"]) for r in sp.ranks)
     print(f"--pipeline-split {','.join(map(str, sp.split))} --rank-budget-gb {budgets}")
-    print(f"each MoE layer keeps {sp.share:.1%} of its experts in pools")
+    print(f"each MoE layer keeps {sp.share:.1%} of its experts in pools; the rank budgets "
+          "leave out the margin and MLX's buffer-cache cap, not the KV cache of the context")  # fmt: skip
     for r in sp.ranks:
         print(
             f"rank {r['rank']}: layers {r['layers'][0]}-{r['layers'][1]} "

@@ -96,6 +96,19 @@ def _pack(mb: ModelBytes, hosts: list[int], share: float) -> list[int] | None:
     return counts
 
 
+def _pool_budget(room: int) -> int:
+    """The pools' share of a rank's memory after its trunk: less the margin and MLX's
+    buffer-cache cap that ``load`` adds on top of the pools (``MemoryPlan``); the KV
+    cache for the context comes on top too."""
+    from .budget import MARGIN_BYTES, default_cache_limit
+
+    room -= MARGIN_BYTES
+    b = max(0, int(room / 1.05))  # the cap is 5% of the pools, at least 32 MB
+    while b > 0 and b + default_cache_limit(b) > room:
+        b -= 1 << 20
+    return max(0, b)
+
+
 def suggest_split(mb: ModelBytes, machines_gb: list[float]) -> SplitPlan:
     """The split that holds the largest share of every MoE layer's experts in pools,
     with each rank's memory ``machines_gb[rank]`` (trunk share plus pools).
@@ -154,7 +167,7 @@ def suggest_split(mb: ModelBytes, machines_gb: list[float]) -> SplitPlan:
                 "layers": [layers.start, layers.stop - 1],
                 "moe_layers": sum(1 for i in layers if mb.experts[i]),
                 "trunk_gb": round(trunk / 1e9, 3),
-                "pool_budget_gb": round((hosts[r] - trunk) / 1e9, 3),
+                "pool_budget_gb": round(_pool_budget(hosts[r] - trunk) / 1e9, 3),
             }
         )
     return SplitPlan(split, lo, ranks)
