@@ -179,6 +179,13 @@ def error_table(
     return table
 
 
+def _group(layout, proj: str, group_size: int | None) -> int:
+    """The group size a projection is written at: the one asked for, else the source's
+    (as ``requantize`` does), else 64."""
+    q = layout.quant[proj]
+    return group_size or (q.group_size if q else 64)
+
+
 def proj_bytes(layout, proj: str, bits: int, group_size: int) -> int:
     """Bytes one expert's projection takes at ``bits`` (packed weight, scales, biases)."""
     w = next(p for p in layout.parts if p.name == f"{proj}.weight")
@@ -202,7 +209,7 @@ def quantized_bytes(
 
 
 def allocate_bits(
-    source: ExpertMeta, table: dict, target_bytes: int, group_size: int = 64
+    source: ExpertMeta, table: dict, target_bytes: int, group_size: int | None = None
 ) -> tuple[dict, dict]:
     """Bits per layer and projection minimising the summed error within ``target_bytes``
     of expert data (greedy upgrades by error saved per byte), and the uniform choice
@@ -212,7 +219,8 @@ def allocate_bits(
     E = source.num_experts
     keys = [(li, p) for li in sorted(table) for p in sorted(table[li])]
     size = {
-        (li, p, b): proj_bytes(source.layers[li], p, b, group_size) * E
+        (li, p, b): proj_bytes(source.layers[li], p, b, _group(source.layers[li], p, group_size))
+        * E
         for li, p in keys
         for b in cands
     }
@@ -284,7 +292,7 @@ def quality_report(
 
 
 def choose_bits(
-    src: str, target_gb: float, model: str | None = None, group_size: int = 64
+    src: str, target_gb: float, model: str | None = None, group_size: int | None = None
 ) -> tuple[dict, dict]:
     """Bits per layer and projection for ``requantize --target-gb``: the measured error of
     each width on real inputs, allocated under the byte target (``allocate_bits``)."""

@@ -56,7 +56,7 @@ def main(argv=None) -> None:
 
             split_model(resolve_model_path(a.src), split_dir)
             experts, a.model = split_dir, a.model or a.src
-        layer_bits, report = choose_bits(str(experts), a.target_gb, a.model, a.group_size or 64)
+        layer_bits, report = choose_bits(str(experts), a.target_gb, a.model, a.group_size)
         a.layer_bits = layer_bits
     meta = requantize(
         a.src,
