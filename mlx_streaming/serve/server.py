@@ -169,6 +169,11 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         except OSError:
             return True
 
+    def discard_unsent_headers(self) -> None:
+        """Drop a status line and headers buffered but not yet sent."""
+        if self._status_sent and not self._headers_sent:
+            self._headers_buffer = []
+
     def send_response(self, *a, **kw):
         self._status_sent = True  # buffered until end_headers
         super().send_response(*a, **kw)
@@ -186,8 +191,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
                 if getattr(h, "_headers_sent", False):  # a stream: an error event, then end
                     h.wfile.write(f"data: {body}\n\ndata: [DONE]\n\n".encode())
                 else:  # a status line still buffered (not sent) gives way to the 503
-                    if getattr(h, "_status_sent", False):
-                        h._headers_buffer = []
+                    h.discard_unsent_headers()
                     h.reply(503, json.loads(body))
                 h.wfile.flush()
             except OSError:
