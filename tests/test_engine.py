@@ -650,3 +650,38 @@ def test_a_store_dropped_without_close_releases_threads_and_files(models):
         del store
     gc.collect()
     assert counts() == before
+
+
+@needs_library
+def test_a_failed_device_copy_names_the_cuda_error_not_the_file(models):
+    """The engine's copies to the device (CUDA's cudaMemcpyAsync) run here through a
+    stand-in that fails with error 700: the read fails naming that code, and does not
+    tell the user to split the model again (the file read well)."""
+    import ctypes
+
+    from mlx_streaming.core.io.reader import RecordReadError, aligned_buffer
+
+    copy_t = ctypes.CFUNCTYPE(
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+        ctypes.c_void_p,
+    )  # fmt: skip
+    sync_t = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+    failing_copy, sync = copy_t(lambda *a: 700), sync_t(lambda s: 0)
+
+    class Device:  # what NativeReader asks of the cuda module
+        page_locked = staticmethod(aligned_buffer)
+        new_stream = staticmethod(lambda: 0)
+        destroy_stream = staticmethod(lambda s: None)
+        functions = {"cudaMemcpyAsync": failing_copy, "cudaStreamSynchronize": sync}
+
+        @classmethod
+        def function(cls, name):
+            return ctypes.cast(cls.functions[name], ctypes.c_void_p).value
+
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta, pools, reader = reader_over(ed, 4, threads=2, checksums=False, cuda=Device)
+    li = sorted(meta.layers)[0]
+    with pytest.raises(RecordReadError, match="CUDA error 700") as e:
+        reader.start(li, [0, 1], [0, 1]).result()
+    assert "split the model again" not in str(e.value)
+    reader.close()

@@ -35,8 +35,10 @@ static void describe(char *err, int err_len, int st, int errnum, int expert, int
                      : st == ST_SHORT
                          ? "the file ends inside the record (it shrank or is truncated)"
                          : "read failed";
-  mlxs_say(err, err_len, "%s%s%s: expert %d of layer position %d", what, st == ST_READ ? ": " : "",
-           st == ST_READ ? strerror(errnum) : "", expert, layer);
+  char code[32] = "";
+  if (st == ST_COPY) snprintf(code, sizeof code, " (CUDA error %d)", errnum);
+  mlxs_say(err, err_len, "%s%s%s%s: expert %d of layer position %d", what,
+           st == ST_READ ? ": " : "", st == ST_READ ? strerror(errnum) : "", code, expert, layer);
 }
 
 static int check_read(Engine *e, int layer, int n, const int32_t *experts, const int32_t *slots,

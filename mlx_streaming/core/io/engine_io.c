@@ -29,7 +29,7 @@ static int read_full(int fd, char *buf, int64_t n, int64_t off) {
   return 0;
 }
 
-/* Copy bytes [lo, hi) of a staged record to its slot's part rows; 0 or ST_COPY. */
+/* Copy bytes [lo, hi) of a staged record to its slot's part rows; 0 or the copy's error. */
 static int copy_range(Engine *e, int w, const Layer *L, int slot, const char *rec, int64_t lo,
                       int64_t hi) {
   int rc = ST_OK;
@@ -44,7 +44,8 @@ static int copy_range(Engine *e, int w, const Layer *L, int slot, const char *re
       continue;
     }
     int64_t t0 = mlxs_now_ns();
-    if (e->copy(dst, rec + a, (size_t)(b - a), 1, e->streams[w])) rc = ST_COPY;
+    int bad = e->copy(dst, rec + a, (size_t)(b - a), 1, e->streams[w]);
+    if (bad && !rc) rc = bad; /* the CUDA error code, kept for the message */
     __atomic_fetch_add(&e->copy_ns, mlxs_now_ns() - t0, __ATOMIC_RELAXED);
     __atomic_fetch_add(&e->copies, 1, __ATOMIC_RELAXED);
   }
@@ -61,8 +62,9 @@ static void run_job(Engine *e, int w, const Job *j) {
   if (rc) {
     __atomic_store_n(&e->rec_status[j->rec], rc < 0 ? ST_SHORT : ST_READ, __ATOMIC_RELAXED);
     __atomic_store_n(&e->rec_errno[j->rec], rc, __ATOMIC_RELAXED);
-  } else if (copy_range(e, w, L, j->slot, rec, j->start, j->end)) {
+  } else if ((rc = copy_range(e, w, L, j->slot, rec, j->start, j->end))) {
     __atomic_store_n(&e->rec_status[j->rec], ST_COPY, __ATOMIC_RELAXED);
+    __atomic_store_n(&e->rec_errno[j->rec], rc, __ATOMIC_RELAXED);
   }
   __atomic_fetch_add(&e->read_ns, mlxs_now_ns() - t0, __ATOMIC_RELAXED);
   if (__atomic_sub_fetch(&e->pieces_left[j->rec], 1, __ATOMIC_ACQ_REL) != 0 ||
@@ -90,8 +92,10 @@ static void work(Engine *e, int w) {
   int bad = e->sync(e->streams[w]);
   __atomic_fetch_add(&e->sync_ns, mlxs_now_ns() - t0, __ATOMIC_RELAXED);
   if (bad) /* a failed copy fails every record */
-    for (int r = 0; r < e->wave; r++)
+    for (int r = 0; r < e->wave; r++) {
       __atomic_store_n(&e->rec_status[r], ST_COPY, __ATOMIC_RELAXED);
+      __atomic_store_n(&e->rec_errno[r], bad, __ATOMIC_RELAXED);
+    }
 }
 
 void *mlxs_worker_main(void *arg) {
