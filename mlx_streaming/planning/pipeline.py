@@ -102,11 +102,8 @@ def _pool_budget(room: int) -> int:
     cache for the context comes on top too."""
     from .budget import MARGIN_BYTES, default_cache_limit
 
-    room -= MARGIN_BYTES
-    b = max(0, int(room / 1.05))  # the cap is 5% of the pools, at least 32 MB
-    while b > 0 and b + default_cache_limit(b) > room:
-        b -= 1 << 20
-    return max(0, b)
+    room -= MARGIN_BYTES  # the cap: 5% of the pools (b / 20), at least its floor
+    return max(0, min(int(room / 1.05), room - default_cache_limit(0)))
 
 
 def suggest_split(mb: ModelBytes, machines_gb: list[float]) -> SplitPlan:
@@ -147,25 +144,23 @@ def suggest_split(mb: ModelBytes, machines_gb: list[float]) -> SplitPlan:
             fill_lo = mid
     split = _pack(mb, [int(h * fill_hi) for h in hosts], lo)
     ranks = []
-    for r, count in enumerate(split):  # what load will ask of each rank
+    for r, count in enumerate(split):
         start = sum(split[r + 1 :])
         layers = range(start, start + count)
+        moe = sum(1 for i in layers if mb.experts[i])
         need = mb.shared + sum(mb.layer_bytes(i, lo) for i in layers)
-        if not any(mb.experts[i] for i in layers) or need > hosts[r]:
+        if not moe or need > hosts[r]:  # load would refuse this rank
             raise ValueError(
                 f"no split of this model over hosts of {machines_gb} GB gives every rank a "
                 f"MoE layer that fits (rank {r}: layers {list(layers)}, "
                 f"{need / 1e9:.3g} GB needed): give the small hosts more memory, or use fewer"
             )
-    for r, count in enumerate(split):
-        start = sum(split[r + 1 :])
-        layers = range(start, start + count)
         trunk = mb.shared + sum(mb.trunk[i] for i in layers)
         ranks.append(
             {
                 "rank": r,
                 "layers": [layers.start, layers.stop - 1],
-                "moe_layers": sum(1 for i in layers if mb.experts[i]),
+                "moe_layers": moe,
                 "trunk_gb": round(trunk / 1e9, 3),
                 "pool_budget_gb": round(_pool_budget(hosts[r] - trunk) / 1e9, 3),
             }
