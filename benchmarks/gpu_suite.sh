@@ -106,8 +106,10 @@ done
 bundle() {  # the device returns only a few files per call: the results go back as one
   tar czf "$out/ptx.tgz" -C /tmp mlxs-ptx 2>/dev/null
   local files
-  files=$(cd "$out" && ls | grep -v -e '^ptx.tgz$' -e '^results.tgz$' -e '^trained.tgz.part-')
-  [ -n "$files" ] && (cd "$out" && tar czf results.tgz $files && rm -f $files)
+  files=$(cd "$out" && ls -p | grep -v -e '^ptx.tgz$' -e '^results.*\.tgz$' -e '^trained.tgz.part-' -e '/$')
+  local name=results.tgz n=1  # a later invocation in the same call keeps the earlier bundle
+  while [ -e "$out/$name" ]; do n=$((n + 1)); name=results-$n.tgz; done
+  [ -n "$files" ] && (cd "$out" && tar czf $name $files && rm -f $files)
 }
 trap bundle EXIT
 speed() {  # name, args...
