@@ -543,6 +543,52 @@ def test_a_pool_profile_scales_to_a_budget(models):
     assert budget - max(shape.slot_bytes) * 2 < used <= budget
 
 
+def test_a_profile_with_whole_layers(models, tmp_path, capsys):
+    """``whole_layers``: the layer that misses most holds every expert (its calls take the
+    resident path), the others share what is left within the same bytes; a budget too
+    small for it is refused by name; scaled to a budget, a whole layer stays whole; the
+    command writes it though it hits less than uniform (the trade is asked for)."""
+    from mlx_streaming.commands import profile as cmd
+    from mlx_streaming.core.meta import load_meta
+    from mlx_streaming.planning.budget import PoolShape, store_slots
+    from mlx_streaming.planning.profiles import read_pool_profile
+
+    _, ed = models.experts("tiny-qwen3_moe")  # 3 MoE layers, 16 experts, top-4
+    meta = load_meta(ed)
+    a, b, c = sorted(meta.layers)
+    trace = local_trace(T=800, L=3, E=16, k=4, concentrated=(0, 2))  # b misses most
+    prof = build_profile(trace, meta, slots=8, policy="lru", tokens=400, whole_layers=1)
+    assert prof.whole_layers == [b] and prof.slots[b] == 16
+    assert meta.top_k <= prof.slots[a] < 16 and meta.top_k <= prof.slots[c] < 16
+    assert prof.profile_bytes <= prof.uniform_bytes
+    with pytest.raises(ValueError, match="2 whole layers and top_k=4 slots.*fewer whole"):
+        build_profile(trace, meta, slots=8, policy="lru", tokens=400, whole_layers=2)
+    with pytest.raises(ValueError, match="from 0 to 2"):
+        build_profile(trace, meta, slots=8, tokens=400, whole_layers=3)
+    with pytest.raises(ValueError, match="needs a budget profile"):
+        build_profile(trace, meta, mode="lossless", tokens=400, whole_layers=1)
+
+    shape = PoolShape.from_meta(meta)
+    budget = shape.pool_bytes({li: 8 for li in shape.layers}, False)  # 16 + 4 + 4 fit
+    _, caps = store_slots(
+        meta, budget_gb=budget / 1e9, layer_caps={a: 4, b: 16, c: 6}, zero_slot=False
+    )
+    assert caps == {a: 4, b: 16, c: 4}  # before: b scaled down with the rest, to 14
+    assert shape.pool_bytes(caps, False) <= budget
+    small = shape.pool_bytes({li: 6 for li in shape.layers}, False)  # 16 + 4 + 4 > 18
+    _, caps = store_slots(
+        meta, budget_gb=small / 1e9, layer_caps={a: 4, b: 16, c: 6}, zero_slot=False
+    )
+    assert caps[b] < 16 and shape.pool_bytes(caps, False) <= small
+
+    path, out = tmp_path / "t.npz", tmp_path / "p.json"
+    trace.save(path)
+    args = ["--expert-dir", str(ed), "--trace", str(path), "--slots", "8", "--out", str(out)]
+    cmd.main([*args, "--policy", "lru", "--tokens", "400", "--whole-layers", "1"])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["whole_layers"] == [b] and read_pool_profile(out)[b] == 16
+
+
 def test_plan_refuses_a_trace_of_another_shape_and_impossible_sizes(models, tmp_path):
     """A trace recorded on another model (expert count or top-k), more slots than
     experts, a one-layer sample, negative expert ids: each named (before: accepted, or a

@@ -5,7 +5,9 @@ On the H200 a decode step at 50% is bound by the host: each streamed MoE layer c
 about 63 us of host time more than a resident one (``decode_split.py``, 2026-12-04a:
 10.81 ms per token streamed, 9.17 with every expert resident, 26 MoE layers). A layer
 whose pool holds every expert takes the resident path and no kernel. This probe makes
-the F layers with the most misses whole, shares the other slots evenly among the rest,
+the F layers with the most misses whole and shares the other slots among the rest by
+their hit curves (``build_profile(whole_layers=F)``, as ``profile --whole-layers F``;
+until 2026-12-04f it shared them evenly),
 simulates the DeepSeek-V2-Lite trace's held-out half under the policy, and writes one
 pool profile per F for ``speed.py --pool-profile`` (``gpu_suite.sh layers``). Its
 prediction, a rough model to choose the runs from, not a result:
@@ -41,7 +43,8 @@ def main():
     p.add_argument("--gpu-ms", type=float, default=6.5, help="a step's GPU compute")
     p.add_argument("--copy-gbps", type=float, default=55.0, help="host-to-device copy rate")
     a = p.parse_args()
-    from mlx_streaming.planning.profiles import write_pool_profile
+    from mlx_streaming.planning.budget import PoolShape
+    from mlx_streaming.planning.profiles import build_profile, write_pool_profile
     from mlx_streaming.planning.simulate import simulate
     from mlx_streaming.planning.trace import RoutingTrace
 
@@ -49,30 +52,31 @@ def main():
     calib, held = trace.split(0.5)
     L, E, k = trace.layers, trace.num_experts, trace.top_k
     u = max(k, round(a.residency * E))  # speed.py's uniform slots
-    total = u * L
-    base = simulate(calib, a.policy, u, tokens=a.tokens)
-    worst = sorted(range(L), key=lambda li: -base.misses[li])  # most misses first
+    shape = PoolShape([1] * L, [E] * L, k, list(range(a.first_layer, a.first_layer + L)))
     stock = max(a.host_ms, a.gpu_ms)
     rows = []
     for f in (int(x) for x in a.full.split(",")):
-        whole = set(worst[:f])
-        rest = [li for li in worst if li not in whole]
-        left = total - f * E
-        if rest and left < k * len(rest):
-            log(f"F={f}: {left} slots cannot give {len(rest)} layers top_k={k} each")
-            continue
-        caps = {li: E for li in whole}
-        for i, li in enumerate(rest):  # the remainder to the layers that miss most
-            caps[li] = left // len(rest) + (i < left % len(rest))
-        assert sum(caps.values()) == total, caps  # equal memory
-        sim = simulate(held, a.policy, caps, tokens=a.tokens)
+        if f == 0:  # the uniform default
+            caps = dict.fromkeys(shape.layers, u)
+        else:  # the package's profile (``profile --whole-layers F``) at the same bytes
+            try:
+                prof = build_profile(
+                    trace, shape, slots=u, policy=a.policy, tokens=a.tokens,
+                    zero_slot=False, whole_layers=f,
+                )  # fmt: skip
+            except ValueError as e:
+                log(f"F={f}: {e}")
+                continue
+            caps = prof.slots
+        sim = simulate(held, a.policy, dict(zip(range(L), caps.values())), tokens=a.tokens)
         mb = sim.misses_per_token() * a.expert_mb
-        host = a.host_ms + len(rest) * a.call_us / 1e3
+        streamed = sum(c < E for c in caps.values())
+        host = a.host_ms + streamed * a.call_us / 1e3
         gpu = a.gpu_ms + mb / a.copy_gbps
         row = {
             "full": f,
-            "layers_whole": sorted(li + a.first_layer for li in whole),
-            "slots_streamed": sorted({caps[li] for li in rest}),
+            "layers_whole": sorted(li for li, c in caps.items() if c >= E),
+            "slots_streamed": sorted({c for c in caps.values() if c < E}),
             "hit_rate": round(sim.hit_rate, 4),
             "mb_per_token": round(mb, 1),
             "predicted_host_ms": round(host, 2),
@@ -85,7 +89,7 @@ def main():
             Path(a.out).mkdir(parents=True, exist_ok=True)
             write_pool_profile(
                 Path(a.out) / f"layers-{f}.json",
-                {li + a.first_layer: c for li, c in caps.items()},
+                caps,
                 note=f"resident_layers.py: {f} whole layers at residency {a.residency}",
             )
     finish(a, "resident_layers", {"trace": a.trace, "residency": a.residency, "rows": rows,

@@ -30,6 +30,16 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     size.add_argument(
         "--lossless", action="store_true", help="cap each layer at the distinct experts it used"
     )
+    p.add_argument(
+        "--whole-layers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the N layers that miss most hold every expert (no streamed call there), the "
+        "others share the rest: fewer hits for less host work per token, which pays where "
+        "host work bounds decode (the CUDA device path, experts in RAM); with --budget-gb "
+        "or --slots",
+    )
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
     p.add_argument("--tokens", type=positive_int, default=10000)
     p.add_argument("--out", help=f"default: EXPERT_DIR/{PROFILE_NAME}")
@@ -47,9 +57,11 @@ def main(argv=None) -> None:
         mode="lossless" if a.lossless else "budget",
         policy=a.policy,
         tokens=a.tokens,
+        whole_layers=a.whole_layers,
     )
     out = Path(a.out or Path(a.expert_dir) / PROFILE_NAME)
-    if prof.heldout_hit_rate < prof.uniform_heldout_hit_rate:  # load would use it unasked
+    worse = prof.heldout_hit_rate < prof.uniform_heldout_hit_rate
+    if worse and not a.whole_layers:  # load would use it unasked; whole layers trade hits
         raise ValueError(
             f"{a.trace}: the profile fitted on the trace's first half hits "
             f"{prof.heldout_hit_rate:.3f} of its second half, uniform slots "

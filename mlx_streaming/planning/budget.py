@@ -158,13 +158,22 @@ def store_slots(
 def scale_profile(meta: ExpertMeta, caps: dict[int, int], plan: BudgetPlan) -> dict[int, int]:
     """A pool profile's slots scaled by one factor, the largest whose pools fit
     ``plan``'s budget (each layer between top-k and its expert count; a layer the
-    profile does not name weighs as in ``plan``)."""
+    profile does not name weighs as in ``plan``). Layers the profile holds whole stay
+    whole while the others can still have top-k slots each in the budget."""
     shape = PoolShape.from_meta(meta)
     k, ne = shape.top_k, dict(zip(shape.layers, shape.num_experts))
     weight = {li: caps.get(li, plan.slots[li]) for li in shape.layers}
+    whole = {li for li, w in weight.items() if w >= ne[li]}
+    if shape.pool_bytes({li: ne[li] if li in whole else k for li in weight}, plan.zero_slot) > (
+        plan.budget_bytes
+    ):
+        whole = set()  # the budget cannot keep them whole: every layer scales
 
     def at(f: float) -> dict[int, int]:
-        return {li: min(ne[li], max(k, round(f * w))) for li, w in weight.items()}
+        return {
+            li: ne[li] if li in whole else min(ne[li], max(k, round(f * w)))
+            for li, w in weight.items()
+        }
 
     lo, hi = 0.0, max(ne.values()) / min(weight.values())
     for _ in range(50):

@@ -9,7 +9,7 @@ second half against uniform slots at equal bytes.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -77,6 +77,12 @@ def hit_curves(trace: RoutingTrace, layers, grid, policy: str, tokens: int) -> n
     return out
 
 
+def most_missed(trace: RoutingTrace, policy: str, slots: int, layers, tokens: int) -> list[int]:
+    """``layers`` by their misses at ``slots`` uniform slots, most first (ties: lower)."""
+    r = simulate(trace, policy, slots, layers=layers, tokens=tokens)
+    return sorted(layers, key=lambda li: -r.misses[li])
+
+
 @dataclass
 class Profile:
     mode: str
@@ -88,6 +94,7 @@ class Profile:
     uniform_heldout_hit_rate: float
     uniform_bytes: int = 0
     profile_bytes: int = 0
+    whole_layers: list[int] = field(default_factory=list)  # model layers holding every expert
 
     def info(self) -> dict:
         d = asdict(self)
@@ -106,6 +113,7 @@ def build_profile(
     tokens: int = 10000,
     step: int | None = None,
     zero_slot: bool | None = None,
+    whole_layers: int = 0,
 ) -> Profile:
     """Per-layer slots for ``meta``'s MoE layers (an expert directory's meta, or a
     ``PoolShape``) from the first half of ``trace``, judged on its second half against
@@ -115,6 +123,16 @@ def build_profile(
     uses) or the bytes of ``slots`` uniform slots, by hit-rate curves; ``lossless`` caps
     each layer at the distinct experts it used (the seed's profile: same hits as
     unbounded pools on the calibration routing).
+
+    ``whole_layers`` (budget mode): the layers that miss most at uniform slots on the
+    calibration half hold every expert, and the others share what is left. A whole
+    layer takes the resident path (no read, no planning, no kernel), so this trades
+    hits for fewer streamed calls: it pays where a call's host cost, not the bytes,
+    bounds a step (the CUDA device path with the experts in RAM).
+
+    Raises:
+        ValueError: no size given, or the budget cannot hold the whole layers and top-k
+            slots for each other layer (the message gives both).
     """
     full = PoolShape.from_meta(meta) if isinstance(meta, ExpertMeta) else meta
     zero = default_zero_slot() if zero_slot is None else zero_slot
@@ -123,6 +141,14 @@ def build_profile(
     layers = list(range(L))
     calib, held = trace.split(0.5)
     k, ne = shape.top_k, shape.num_experts
+    if whole_layers and mode != "budget":
+        raise ValueError("whole_layers needs a budget profile (budget_gb or slots)")
+    if not 0 <= whole_layers < L:
+        raise ValueError(
+            f"whole_layers must be from 0 to {L - 1} (the model has {L} MoE layers), "
+            f"got {whole_layers}"
+        )
+    whole: list[int] = []
     if mode == "lossless":
         caps = [int(max(k, min(ne[i], len(np.unique(calib.experts[:tokens, i]))))) for i in layers]
         mean = sum(c * b for c, b in zip(caps, shape.slot_bytes)) / sum(shape.slot_bytes)
@@ -139,13 +165,26 @@ def build_profile(
         grid = sorted(set(range(k, top + 1, step)) | {uniform, top})
         curves = hit_curves(calib, layers, grid, policy, tokens)
         budget = shape.pool_bytes({li: uniform for li in shape.layers}, zero)
+        if whole_layers:
+            whole = most_missed(calib, policy, uniform, layers, tokens)[:whole_layers]
+        rest = [i for i in layers if i not in whole]
+        held_whole = shape.pool_bytes({shape.layers[i]: ne[i] for i in whole}, zero)
+        least = held_whole + shape.pool_bytes({shape.layers[i]: k for i in rest}, zero)
+        if least > budget:
+            raise ValueError(
+                f"{whole_layers} whole layers and top_k={k} slots for each other layer need "
+                f"{least / 1e9:.4f} GB, the budget is {budget / 1e9:.4f} GB: fewer whole "
+                "layers or a larger budget"
+            )
         at = climb(
-            [len(grid)] * L,
-            lambda i, a: shape.pool_bytes({shape.layers[i]: grid[a]}, zero),
-            lambda i, a: curves[i, a],
-            budget,
+            [len(grid)] * len(rest),
+            lambda j, a: shape.pool_bytes({shape.layers[rest[j]]: grid[a]}, zero),
+            lambda j, a: curves[rest[j], a],
+            budget - held_whole,
         )
-        caps = [int(grid[a]) for a in at]
+        caps = [ne[i] for i in layers]
+        for i, a in zip(rest, at):
+            caps[i] = int(grid[a])
     else:
         raise ValueError(f"profile mode must be 'budget' or 'lossless', got {mode!r}")
     prof = simulate(held, policy, dict(zip(layers, caps)), layers=layers, tokens=tokens)
@@ -161,4 +200,5 @@ def build_profile(
         uni.hit_rate,
         uniform_bytes=uniform_bytes,
         profile_bytes=shape.pool_bytes(dict(zip(shape.layers, caps)), zero),
+        whole_layers=sorted(shape.layers[i] for i in whole),
     )
