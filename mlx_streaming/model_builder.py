@@ -126,48 +126,21 @@ def load(
     return model, tokenizer, store
 
 
-def kv_bytes_measured(model, step: int = 256) -> int | None:
-    """The KV cache one more token adds to ``model``'s prompt cache, measured on lazy
-    graphs (nothing is evaluated, so no weight is loaded and no cache allocated): the
-    caches' bytes after ``step + 1`` tokens less after 1, over ``step`` (mlx-lm allocates
-    a cache ``step`` positions at a time). Right for every cache layout mlx-lm has (the
-    latent caches of DeepSeek-V3's attention, hybrid models' fixed states, sliding
-    windows); None where the model cannot be traced so."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    sizes = []
-    try:
-        for n in (1, step + 1):
-            cache = make_prompt_cache(model)
-            model(mx.zeros((1, n), mx.int32), cache=cache)
-            sizes.append(sum(c.nbytes for c in cache))
-    except Exception:  # noqa: BLE001 - any model the trace does not suit: the formula
-        return None
-    per_token = (sizes[1] - sizes[0]) // step
-    return per_token if per_token > 0 else None
-
-
 def auto_budget_for(model, context: int, machine: tuple[int, int] | None = None):
     """``budget_gb="auto"`` for a lazily loaded ``model`` (its trunk: every parameter
     outside the experts) on this machine (``machine``: ``(total, available)`` bytes, to
     simulate another); prints what it chose and why."""
-    import dataclasses
-
     from mlx.utils import tree_flatten
 
     from .core.mem import machine_memory
-    from .planning.budget import auto_budget, kv_bytes_per_token
+    from .planning.budget import auto_budget, kv_bytes
 
     params = tree_flatten(model.parameters())
     experts = sum(
         v.nbytes for s in find_expert_sites(model) for _, v in tree_flatten(s.module.parameters())
     )
     trunk = sum(v.nbytes for _, v in params) - experts
-    floats = [v for _, v in params if mx.issubdtype(v.dtype, mx.floating)]
-    kv = kv_bytes_measured(model)
-    if kv is None:  # the config's formula, where the model could not be traced lazily
-        args = model.args if isinstance(model.args, dict) else dataclasses.asdict(model.args)
-        kv = kv_bytes_per_token(args, floats[0].dtype.size if floats else 2)
+    kv = sum(kv_bytes(model))
     total, available = machine or machine_memory()
     plan = auto_budget(trunk, kv, context, total, available)
     print(plan.why(), file=sys.stderr, flush=True)

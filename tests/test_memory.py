@@ -115,11 +115,13 @@ def test_kv_bytes_per_token_as_a_real_prompt_grows_the_cache(models, preset):
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_streaming.model_builder import kv_bytes_measured
+    from mlx_streaming.planning.budget import kv_bytes_measured
 
     lazy, _ = load(str(models.checkpoint(preset)), lazy=True)
     before = mx.get_active_memory()
-    kv = kv_bytes_measured(lazy)
+    per_layer = kv_bytes_measured(lazy)
+    assert len(per_layer) == len(lazy.layers)
+    kv = sum(per_layer)
     assert mx.get_active_memory() - before < 1 << 10  # nothing loaded or allocated
     grown = []
     for n in (300, 556):  # past one 256-position allocation, and past the next

@@ -288,8 +288,8 @@ def test_plan_suggests_a_split(models):
 
     ck = models.checkpoint("dsv2-lite-cpu", num_layers=8)
     mb = ModelBytes.from_model(mlx_load(str(ck), lazy=True)[0])
-    per_layer = [mb.layer_bytes(i, 1.0) for i in range(8)]
-    total = mb.shared * 2 + sum(per_layer)
+    assert len(mb.kv) == 8 and all(b > 0 for b in mb.kv)
+    total = mb.rank_bytes(range(8), 1.0, 0) + mb.rank_bytes([], 1.0, 0)  # two ranks
     even = suggest_split(mb, [total * 0.6 / 1e9] * 2)
     assert even.share == 1.0 and sum(even.split) == 8 and abs(even.split[0] - 4) <= 1
     # a host with twice the memory takes about twice the layers
@@ -311,6 +311,37 @@ def test_plan_suggests_a_split(models):
             suggest_split(mb, [total / 1e9, small])
     with pytest.raises(ValueError, match="positive size"):
         suggest_split(mb, [-1, 1])
+
+
+def test_a_split_keeps_room_for_what_load_adds_and_the_kv_cache(models):
+    """The share a split promises fits each rank's pool budget once the margin, MLX's
+    buffer-cache cap and the context's KV cache are taken (before: the packing counted
+    trunk and pools only, so the printed share did not fit the printed budgets, and the
+    KV cache was left out)."""
+    from mlx_lm import load as mlx_load
+
+    from mlx_streaming.planning.budget import MARGIN_BYTES, default_cache_limit
+    from mlx_streaming.planning.pipeline import ModelBytes, suggest_split
+
+    ck = models.checkpoint("dsv2-lite-cpu", num_layers=8)
+    mb = ModelBytes.from_model(mlx_load(str(ck), lazy=True)[0])
+    experts = sum(mb.experts)
+    shares = []
+    for context in (0, 2048):
+        hosts = [(mb.shared + sum(mb.trunk) / 2 + experts / 4 + 2 * MARGIN_BYTES) / 1e9] * 2
+        sp = suggest_split(mb, hosts, context)
+        assert 0 < sp.share < 1
+        for r, n in zip(sp.ranks, sp.split):
+            layers = range(r["layers"][0], r["layers"][1] + 1)
+            assert len(layers) == n
+            promised = sum(mb.pool_bytes(i, sp.share) for i in layers)
+            assert promised <= r["pool_budget_gb"] * 1e9 + 1e6  # rounded to MB
+            budget = r["pool_budget_gb"] * 1e9
+            used = r["trunk_gb"] + r["kv_gb"] + (budget + MARGIN_BYTES) / 1e9
+            assert used + default_cache_limit(int(budget)) / 1e9 <= hosts[r["rank"]] + 1e-3
+            assert r["kv_gb"] == round(context * sum(mb.kv[i] for i in layers) / 1e9, 3)
+        shares.append(sp.share)
+    assert shares[1] < shares[0]  # the KV cache takes room from the pools
 
 
 def _start_ranks(n: int, out: Path, argv: list[str]) -> list[subprocess.Popen]:

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 
+from ..core.options import StreamConfig
 from ..planning.budget import PoolShape
 from ..planning.planner import PlanRow, plan, resolve_policies
 from ..planning.trace import RoutingTrace
@@ -73,6 +74,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="pipeline planning: memory per host for the model, rank order (e.g. 48,24); "
         "prints the --pipeline-split and each rank's pool budget (needs --model)",
     )
+    p.add_argument(
+        "--context",
+        type=nonneg_int,
+        default=StreamConfig.context,
+        help="with --machines-gb: tokens of context each rank keeps KV cache room for",
+    )
     return p
 
 
@@ -88,18 +95,20 @@ def plan_hosts(a) -> None:
     except ValueError:
         raise ValueError(f"--machines-gb {a.machines_gb!r}: give GB per host, e.g. 48,24") from None
     model, _ = load_lazy(resolve_model_path(a.model))
-    sp = suggest_split(ModelBytes.from_model(model), hosts)
+    sp = suggest_split(ModelBytes.from_model(model), hosts, a.context)
     if a.json:
         print(json.dumps(sp.to_json(), indent=1))
         return
     budgets = ",".join(str(r["pool_budget_gb"]) for r in sp.ranks)
     print(f"--pipeline-split {','.join(map(str, sp.split))} --rank-budget-gb {budgets}")
-    print(f"each MoE layer keeps {sp.share:.1%} of its experts in pools; the rank budgets "
-          "leave out the margin and MLX's buffer-cache cap, not the KV cache of the context")  # fmt: skip
+    print(f"each MoE layer keeps {sp.share:.1%} of its experts in pools; each rank's memory "
+          f"holds its trunk, the KV cache of {a.context} tokens, its pools, and the margin and "
+          "MLX's buffer-cache cap that load adds to them")  # fmt: skip
     for r in sp.ranks:
         print(
             f"rank {r['rank']}: layers {r['layers'][0]}-{r['layers'][1]} "
-            f"({r['moe_layers']} MoE), trunk {r['trunk_gb']} GB, pools {r['pool_budget_gb']} GB"
+            f"({r['moe_layers']} MoE), trunk {r['trunk_gb']} GB, KV cache {r['kv_gb']} GB, "
+            f"pools {r['pool_budget_gb']} GB"
         )
 
 

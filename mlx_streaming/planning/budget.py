@@ -219,9 +219,50 @@ AUTO_MIN_HEADROOM = 256 << 20
 MARGIN_BYTES = 32 << 20  # what the budget leaves out: staging, reader buffers, slack
 
 
+def kv_bytes_measured(model, step: int = 256) -> list[int] | None:
+    """The KV cache one more token adds to each of ``model``'s prompt caches (one per
+    layer in mlx-lm), measured on lazy graphs (nothing is evaluated, so no weight is
+    loaded and no cache allocated): the caches' bytes after ``step + 1`` tokens less
+    after 1, over ``step`` (mlx-lm allocates a cache ``step`` positions at a time).
+    Right for every cache layout mlx-lm has (the latent caches of DeepSeek-V3's
+    attention, hybrid models' fixed states, sliding windows); None where the model
+    cannot be traced so."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    sizes = []
+    try:
+        for n in (1, step + 1):
+            cache = make_prompt_cache(model)
+            model(mx.zeros((1, n), mx.int32), cache=cache)
+            sizes.append([c.nbytes for c in cache])
+    except Exception:  # noqa: BLE001 - any model the trace does not suit: the formula
+        return None
+    per_layer = [max(0, (b - a) // step) for a, b in zip(*sizes)]
+    return per_layer if sum(per_layer) > 0 else None
+
+
+def kv_bytes(model) -> list[int]:
+    """The KV cache one token adds, per layer of ``model`` (lazily loaded): measured
+    (``kv_bytes_measured``), or where the model cannot be traced, the config's formula
+    (``kv_bytes_per_token``) spread evenly over the layers."""
+    import dataclasses
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    n = len(model.layers)
+    kv = kv_bytes_measured(model)
+    if kv is not None:
+        return kv if len(kv) == n else [sum(kv) // n] * n  # caches not one per layer
+    args = model.args if isinstance(model.args, dict) else dataclasses.asdict(model.args)
+    floats = [v for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
+    return [kv_bytes_per_token(args, floats[0].dtype.size if floats else 2) // n] * n
+
+
 def kv_bytes_per_token(args: dict, dtype_bytes: int) -> int:
     """The KV cache one token adds, from an mlx-lm model's config (where
-    ``model_builder.kv_bytes_measured`` cannot trace the model): multi-head latent
+    ``kv_bytes_measured`` cannot trace the model): multi-head latent
     attention caches every head's keys and values (DeepSeek-V2; DeepSeek-V3's caches its
     latent only, so this is an upper bound there); others ``2 x kv heads x head dim`` per
     attention layer (every ``full_attention_interval``-th layer on hybrid models such as

@@ -2,9 +2,11 @@
 what is left on each for expert pools.
 
 Each rank of an mlx-lm pipeline holds the embeddings, final norm and head (``shared``),
-the trunk of its own layers, and pools for its own MoE layers. ``suggest_split`` finds
-the contiguous split (rank 0 runs the last layers, as in mlx-lm) that gives every MoE
-layer the largest common share of its experts in a pool, within each host's memory.
+the trunk of its own layers, pools for its own MoE layers with what ``load`` adds to
+them (a margin and MLX's buffer-cache cap), and its layers' KV cache for the context.
+``suggest_split`` finds the contiguous split (rank 0 runs the last layers, as in mlx-lm)
+that gives every MoE layer the largest common share of its experts in a pool, within
+each host's memory.
 """
 
 from __future__ import annotations
@@ -14,18 +16,21 @@ import re
 from dataclasses import dataclass
 
 from ..core.discovery import find_expert_sites
+from .budget import MARGIN_BYTES, default_cache_limit, kv_bytes
 
 
 @dataclass(frozen=True)
 class ModelBytes:
     """Where a model's bytes sit: ``shared`` by every rank, ``trunk[i]`` of layer ``i``
-    (experts excluded), ``experts[i]`` all of layer ``i``'s experts (0: dense)."""
+    (experts excluded), ``experts[i]`` all of layer ``i``'s experts (0: dense),
+    ``kv[i]`` the KV cache one token adds to layer ``i``."""
 
     shared: int
     trunk: list[int]
     experts: list[int]
     num_experts: list[int]
     top_k: int
+    kv: list[int]
 
     @classmethod
     def from_model(cls, model) -> ModelBytes:
@@ -47,16 +52,23 @@ class ModelBytes:
             else:
                 trunk[int(m.group(1))] += v.nbytes
         top_k = next(s.top_k for s in sites if s.top_k)
-        return cls(shared, trunk, experts, counts, top_k)
+        return cls(shared, trunk, experts, counts, top_k, kv_bytes(model))
 
-    def layer_bytes(self, i: int, share: float) -> int:
-        """Layer ``i``'s trunk plus pools holding ``share`` of its experts (at least
-        top-k slots)."""
+    def pool_bytes(self, i: int, share: float) -> int:
+        """Layer ``i``'s pools holding ``share`` of its experts (at least top-k slots)."""
         if not self.experts[i]:
-            return self.trunk[i]
+            return 0
         e = self.num_experts[i]
         slots = min(e, max(self.top_k, math.ceil(share * e)))
-        return self.trunk[i] + self.experts[i] * slots // e
+        return self.experts[i] * slots // e
+
+    def rank_bytes(self, layers, share: float, context: int) -> int:
+        """What a rank running ``layers`` needs: the shared part, their trunk, pools
+        holding ``share`` of their experts with the margin and MLX's buffer-cache cap
+        that ``load`` adds to them, and the KV cache of ``context`` tokens."""
+        pools = sum(self.pool_bytes(i, share) for i in layers)
+        fixed = sum(self.trunk[i] + context * self.kv[i] for i in layers)
+        return self.shared + fixed + pools + MARGIN_BYTES + default_cache_limit(pools)
 
 
 @dataclass(frozen=True)
@@ -69,22 +81,21 @@ class SplitPlan:
         return {"split": self.split, "expert_share": round(self.share, 4), "ranks": self.ranks}
 
 
-def _pack(mb: ModelBytes, hosts: list[int], share: float) -> list[int] | None:
+def _pack(mb: ModelBytes, hosts: list[int], share: float, context: int) -> list[int] | None:
     """Layers per rank (rank order) when each rank takes as many of the next layers as
     fit (the last rank starts at layer 0), or None when they do not all fit."""
     n, size = len(mb.trunk), len(hosts)
     counts = [0] * size
     i = 0
     for r in reversed(range(size)):
-        room = hosts[r] - mb.shared
-        while i < n and room >= mb.layer_bytes(i, share):
-            room -= mb.layer_bytes(i, share)
+        start = i
+        while i < n and mb.rank_bytes(range(start, i + 1), share, context) <= hosts[r]:
             counts[r] += 1
             i += 1
     if i < n:
         return None
     # a rank left without layers takes one from the rank before it (that one then holds
-    # less, so it still fits)
+    # less, so it still fits; the final check in ``suggest_split`` judges the taker)
     for r in reversed(range(size - 1)):
         while counts[r] == 0:
             donor = next((q for q in range(r + 1, size) if counts[q] > 1), None)
@@ -97,18 +108,16 @@ def _pack(mb: ModelBytes, hosts: list[int], share: float) -> list[int] | None:
 
 
 def _pool_budget(room: int) -> int:
-    """The pools' share of a rank's memory after its trunk: less the margin and MLX's
-    buffer-cache cap that ``load`` adds on top of the pools (``MemoryPlan``); the KV
-    cache for the context comes on top too."""
-    from .budget import MARGIN_BYTES, default_cache_limit
-
+    """The pools' share of a rank's memory after its trunk and KV cache: less the margin
+    and MLX's buffer-cache cap that ``load`` adds on top of the pools (``MemoryPlan``)."""
     room -= MARGIN_BYTES  # the cap: 5% of the pools (b / 20), at least its floor
     return max(0, min(int(room / 1.05), room - default_cache_limit(0)))
 
 
-def suggest_split(mb: ModelBytes, machines_gb: list[float]) -> SplitPlan:
+def suggest_split(mb: ModelBytes, machines_gb: list[float], context: int = 0) -> SplitPlan:
     """The split that holds the largest share of every MoE layer's experts in pools,
-    with each rank's memory ``machines_gb[rank]`` (trunk share plus pools).
+    with each rank's memory ``machines_gb[rank]`` (``ModelBytes.rank_bytes``: trunk,
+    pools and what ``load`` adds to them, and the KV cache of ``context`` tokens).
 
     Raises:
         ValueError: the hosts cannot hold the model's trunk with top-k slots per layer.
@@ -119,36 +128,41 @@ def suggest_split(mb: ModelBytes, machines_gb: list[float]) -> SplitPlan:
     hosts = [int(g * 1e9) for g in machines_gb]
     if len(hosts) > len(mb.trunk):
         raise ValueError(f"{len(hosts)} hosts for {len(mb.trunk)} layers: use fewer hosts")
-    if _pack(mb, hosts, 0.0) is None:
-        need = mb.shared * len(hosts) + sum(mb.layer_bytes(i, 0.0) for i in range(len(mb.trunk)))
+    if context < 0:
+        raise ValueError(f"context {context}: give the tokens of context to keep room for, >= 0")
+    n = len(mb.trunk)
+    if _pack(mb, hosts, 0.0, context) is None:
+        one = mb.rank_bytes(range(n), 0.0, context)
+        need = one + (mb.shared + MARGIN_BYTES + default_cache_limit(0)) * (len(hosts) - 1)
         raise ValueError(
             f"hosts of {machines_gb} GB cannot hold this model even with top-k slots per layer "
-            f"(about {need / 1e9:.2f} GB in all): add memory or hosts"
+            f"and a KV cache of {context} tokens (about {need / 1e9:.2f} GB in all): add "
+            "memory or hosts, or plan a shorter context"
         )
     lo, hi = 0.0, 1.0
-    if _pack(mb, hosts, 1.0) is not None:
+    if _pack(mb, hosts, 1.0, context) is not None:
         lo = 1.0
     for _ in range(40):
         if lo == 1.0 or hi - lo < 1e-4:
             break
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _pack(mb, hosts, mid) is not None else (lo, mid)
+        lo, hi = (mid, hi) if _pack(mb, hosts, mid, context) is not None else (lo, mid)
     # the same share with each host as little filled as can be: memory left over is
     # spread in proportion to the hosts, not all left on the first ranks
     fill_lo, fill_hi = 0.0, 1.0
     for _ in range(30):
         mid = (fill_lo + fill_hi) / 2
-        if _pack(mb, [int(h * mid) for h in hosts], lo) is not None:
+        if _pack(mb, [int(h * mid) for h in hosts], lo, context) is not None:
             fill_hi = mid
         else:
             fill_lo = mid
-    split = _pack(mb, [int(h * fill_hi) for h in hosts], lo)
+    split = _pack(mb, [int(h * fill_hi) for h in hosts], lo, context)
     ranks = []
     for r, count in enumerate(split):
         start = sum(split[r + 1 :])
         layers = range(start, start + count)
         moe = sum(1 for i in layers if mb.experts[i])
-        need = mb.shared + sum(mb.layer_bytes(i, lo) for i in layers)
+        need = mb.rank_bytes(layers, lo, context)
         if not moe or need > hosts[r]:  # load would refuse this rank
             raise ValueError(
                 f"no split of this model over hosts of {machines_gb} GB gives every rank a "
@@ -156,13 +170,15 @@ def suggest_split(mb: ModelBytes, machines_gb: list[float]) -> SplitPlan:
                 f"{need / 1e9:.3g} GB needed): give the small hosts more memory, or use fewer"
             )
         trunk = mb.shared + sum(mb.trunk[i] for i in layers)
+        kv = context * sum(mb.kv[i] for i in layers)
         ranks.append(
             {
                 "rank": r,
                 "layers": [layers.start, layers.stop - 1],
                 "moe_layers": moe,
                 "trunk_gb": round(trunk / 1e9, 3),
-                "pool_budget_gb": round(_pool_budget(hosts[r] - trunk) / 1e9, 3),
+                "kv_gb": round(kv / 1e9, 3),
+                "pool_budget_gb": round(_pool_budget(hosts[r] - trunk - kv) / 1e9, 3),
             }
         )
     return SplitPlan(split, lo, ranks)
