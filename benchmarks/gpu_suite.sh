@@ -45,6 +45,11 @@
 #   (mapab, lruab and compare measure the host path: they pass --no-device-reads)
 #   bash benchmarks/gpu_suite.sh direct     copies to the device straight from the page cache (a
 #                                           registered file mapping) against the staged path
+#   bash benchmarks/gpu_suite.sh nsys       the device's own timeline of 16 decode steps, stock
+#                                           and streamed at RESIDENCY (default 0.5), from Nsight
+#                                           Systems (nsys ships with the machine's Nsight
+#                                           Compute): busy/idle per step, kernels by name, the
+#                                           plan kernel's µs per call (probes/gpu_timeline.py)
 #   bash benchmarks/gpu_suite.sh launch     MLX's host cost per evaluation call and per op, with and
 #                                           without CUDA graphs
 #   bash benchmarks/gpu_suite.sh split      one decode step's build / launch / wait, stock against
@@ -221,6 +226,20 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
          tar czf - -C /tmp tiny-stdlib-moe | split -b 15m - "$out/trained.tgz.part-"
          [ "${QUALITY:-1}" = 1 ] && quality ;;
   quality) quality ;;
+  nsys) nsys=${NSYS:-$(ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys \
+          2>/dev/null | head -1)}
+        for mode in stock streamed; do  # one process each, the capture range its decode steps
+          timeout "$limit" "$nsys" profile -t cuda --cuda-graph-trace=node -f true \
+            --capture-range=cudaProfilerApi --capture-range-end=stop -o /tmp/nsys-$mode \
+            python3 benchmarks/probes/gpu_timeline.py --workdir $work --trace "$trace" \
+            --mode $mode --residency "${RESIDENCY:-0.5}" --tokens 16 2>&1 | tail -2
+          "$nsys" stats -r cuda_gpu_trace,cuda_api_sum -f csv -o /tmp/nsys-$mode \
+            /tmp/nsys-$mode.nsys-rep > /dev/null 2>&1
+          gzip -c /tmp/nsys-${mode}_cuda_gpu_trace.csv > "$out/nsys-$mode-gpu-trace.csv.gz"
+        done
+        python3 benchmarks/probes/gpu_timeline.py --report /tmp/nsys-stock /tmp/nsys-streamed \
+          --tokens 16 --residency "${RESIDENCY:-0.5}" --json "$out/gpu-timeline.json" 2>&1 \
+          | grep -E "^(stock|streamed) " ;;
   launch) for g in 1 0; do
             MLX_USE_CUDA_GRAPHS=$g timeout 200 python3 benchmarks/probes/mlx_launch.py \
               --json "$out/mlx-launch-graphs$g.json" 2>&1 | tail -8
