@@ -196,3 +196,30 @@ def test_resident_layers_count_hits_as_they_go(models):
         assert store.counts.uncollected < PENDING
     assert store.hits == want and store.misses == 0
     store.close()
+
+
+def test_the_timeline_marks_every_path(models):
+    """One decode step's timeline has each layer call's phases on the resident path as on
+    the host path (the resident and device paths marked nothing: a device-path
+    timeline was empty)."""
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    for capacity, path, phases in (
+        (meta.num_experts, "resident", ["request", "planned", "built"]),
+        (meta.top_k, "host", ["request", "routed", "planned", "built"]),
+    ):
+        store = FileExpertStore(ed, capacity=capacity)
+        li = store.layers[0]
+        ids = mx.array(np.arange(meta.num_experts, dtype=np.uint32).reshape(-1, meta.top_k))
+        if path == "resident":  # the first call loads the whole layer
+            store.finish(store.request(li, ids), ids)
+        store.timeline.record()
+        call = store.request(li, ids[:1])
+        assert call.path == path
+        if path == "host":
+            for i in range(len(call.steps)):
+                store.step(call, i)
+        store.finish(call, ids[:1])
+        marks = [e["phase"] for e in store.timeline.stop() if e["layer"] == li]
+        assert [p for p in marks if p in phases] == phases, marks
+        store.close()
