@@ -21,24 +21,26 @@ from .core.options import StreamConfig
 from .core.prefetch.patch import patch_model_filebacked
 from .core.runtime import resolve
 from .planning.budget import MemoryPlan, default_cache_limit, store_slots
-from .planning.profiles import PROFILE_NAME, read_pool_profile
+from .planning.profiles import PROFILE_NAME, read_pool_profile, read_whole_layers
 from .prep.hub import resolve_model_path
 from .prep.split_experts import ensure_split
 
 
-def load_pool_profile(expert_dir: str | Path) -> dict[int, int] | None:
-    """Per-layer slot caps for ``expert_dir``, or None.
-
-    Uses ``expert_dir/pool_profile.json`` when present; the environment variable
-    ``EXPERT_POOL_PROFILE`` names another file instead, or ``none`` to use no profile.
-    """
+def pool_profile_path(expert_dir: str | Path) -> Path | None:
+    """The pool profile ``load`` uses for ``expert_dir`` by default, or None:
+    ``expert_dir/pool_profile.json`` when present; the environment variable
+    ``EXPERT_POOL_PROFILE`` names another file instead, or ``none`` for no profile."""
     override = env.settings().pool_profile
     if override is not None:
-        if override.lower() == "none":
-            return None
-        return read_pool_profile(override)
+        return None if override.lower() == "none" else Path(override)
     path = Path(expert_dir) / PROFILE_NAME
-    return read_pool_profile(path) if path.exists() else None
+    return path if path.exists() else None
+
+
+def load_pool_profile(expert_dir: str | Path) -> dict[int, int] | None:
+    """Per-layer slot caps for ``expert_dir`` (``pool_profile_path``), or None."""
+    path = pool_profile_path(expert_dir)
+    return None if path is None else read_pool_profile(path)
 
 
 def default_expert_dir(model: str | Path) -> Path:
@@ -100,16 +102,17 @@ def load(
         meta, model_fp = pipeline_share(
             model, model_dir, expert_dir, pipeline_group, pipeline_split, progress
         )
-    if cfg.pool_profile == "auto":
-        caps = load_pool_profile(expert_dir)
-    elif cfg.pool_profile != "none":
-        caps = read_pool_profile(cfg.pool_profile)
-    else:
-        caps = None
+    path = {"auto": pool_profile_path(expert_dir), "none": None}.get(
+        cfg.pool_profile, cfg.pool_profile
+    )
+    caps = None if path is None else read_pool_profile(path)
+    whole = set() if path is None else read_whole_layers(path)
     if cfg.budget_gb == "auto":
         cfg = cfg.replace(budget_gb=auto_budget_for(model, cfg.context).budget_bytes / 1e9)
     runtime = resolve(cfg, meta)
-    capacity, layer_caps = store_slots(meta, cfg.slots, cfg.budget_gb, caps, runtime.zero_slot)
+    capacity, layer_caps = store_slots(
+        meta, cfg.slots, cfg.budget_gb, caps, runtime.zero_slot, whole
+    )
     store = FileExpertStore(meta, capacity, layer_caps, config=cfg, runtime=runtime)
     try:  # a failure from here on releases the store (threads, files, page-locked maps)
         if cfg.kernel_check_file is None:

@@ -551,7 +551,7 @@ def test_a_profile_with_whole_layers(models, tmp_path, capsys):
     from mlx_streaming.commands import profile as cmd
     from mlx_streaming.core.meta import load_meta
     from mlx_streaming.planning.budget import PoolShape, store_slots
-    from mlx_streaming.planning.profiles import read_pool_profile
+    from mlx_streaming.planning.profiles import read_pool_profile, read_whole_layers
 
     _, ed = models.experts("tiny-qwen3_moe")  # 3 MoE layers, 16 experts, top-4
     meta = load_meta(ed)
@@ -563,30 +563,46 @@ def test_a_profile_with_whole_layers(models, tmp_path, capsys):
     assert prof.profile_bytes <= prof.uniform_bytes
     with pytest.raises(ValueError, match="2 whole layers and top_k=4 slots.*fewer whole"):
         build_profile(trace, meta, slots=8, policy="lru", tokens=400, whole_layers=2)
-    with pytest.raises(ValueError, match="from 0 to 2"):
+    with pytest.raises(ValueError, match="give 0 to 2"):
         build_profile(trace, meta, slots=8, tokens=400, whole_layers=3)
-    with pytest.raises(ValueError, match="needs a budget profile"):
+    with pytest.raises(ValueError, match="not --lossless"):
         build_profile(trace, meta, mode="lossless", tokens=400, whole_layers=1)
 
     shape = PoolShape.from_meta(meta)
     budget = shape.pool_bytes({li: 8 for li in shape.layers}, False)  # 16 + 4 + 4 fit
-    _, caps = store_slots(
-        meta, budget_gb=budget / 1e9, layer_caps={a: 4, b: 16, c: 6}, zero_slot=False
-    )
+    prof = {a: 4, b: 16, c: 6}
+    _, caps = store_slots(meta, None, budget / 1e9, prof, False, whole={b})
     assert caps == {a: 4, b: 16, c: 4}  # before: b scaled down with the rest, to 14
     assert shape.pool_bytes(caps, False) <= budget
+    _, caps = store_slots(meta, None, budget / 1e9, prof, False)  # not asked: scaled
+    assert caps[b] < 16 and caps[c] > caps[a]
+    ordinary = {a: 16, b: 16, c: 15}  # a profile that reaches every expert by its curves
+    twelve = shape.pool_bytes({li: 12 for li in shape.layers}, False)
+    assert store_slots(meta, None, twelve / 1e9, ordinary, False)[1] == {a: 12, b: 12, c: 12}
     small = shape.pool_bytes({li: 6 for li in shape.layers}, False)  # 16 + 4 + 4 > 18
-    _, caps = store_slots(
-        meta, budget_gb=small / 1e9, layer_caps={a: 4, b: 16, c: 6}, zero_slot=False
-    )
+    _, caps = store_slots(meta, None, small / 1e9, prof, False, whole={b})
     assert caps[b] < 16 and shape.pool_bytes(caps, False) <= small
 
     path, out = tmp_path / "t.npz", tmp_path / "p.json"
     trace.save(path)
     args = ["--expert-dir", str(ed), "--trace", str(path), "--slots", "8", "--out", str(out)]
     cmd.main([*args, "--policy", "lru", "--tokens", "400", "--whole-layers", "1"])
-    printed = json.loads(capsys.readouterr().out)
+    cap = capsys.readouterr()
+    printed = json.loads(cap.out)
     assert printed["whole_layers"] == [b] and read_pool_profile(out)[b] == 16
+    assert read_whole_layers(out) == {b}
+    assert printed["heldout_hit_rate"] < printed["uniform_heldout_hit_rate"]  # the trade
+    assert "uses a profile in the expert directory on every backend" in cap.err
+    import mlx_streaming  # load reads the profile's whole layers and keeps them whole
+    from mlx_streaming.planning.profiles import write_pool_profile
+
+    ck, _ = models.experts("tiny-qwen3_moe")
+    write_pool_profile(out, {a: 7, b: 16, c: 7}, whole_layers=[b])  # as at 10 slots
+    _, _, store = mlx_streaming.load(
+        ck, ed, budget_gb=budget / 1e9, pool_profile=str(out), zero_slot=False, progress=False
+    )
+    assert [store.capacity(li) for li in (a, b, c)] == [4, 16, 4]  # before: b cut to 13
+    store.close()
 
 
 def test_plan_refuses_a_trace_of_another_shape_and_impossible_sizes(models, tmp_path):

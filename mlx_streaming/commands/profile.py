@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from ..core.cache.policy import DEFAULT_POLICY, POLICIES
@@ -69,6 +70,16 @@ def main(argv=None) -> None:
             "(more prompts or tokens), or keep uniform slots (no profile)"
         )
     write_pool_profile(out, prof.slots, **prof.info())
+    if worse:  # asked for: say what it costs, and who will use it
+        print(
+            f"{out}: {len(prof.whole_layers)} whole layers hit "
+            f"{prof.heldout_hit_rate:.3f} of the trace's second half against "
+            f"{prof.uniform_heldout_hit_rate:.3f} for uniform slots: fewer hits for fewer "
+            "streamed calls, which pays only where host work bounds decode (the CUDA device "
+            "path with the experts in RAM). `load` uses a profile in the expert directory "
+            "on every backend; EXPERT_POOL_PROFILE=none or pool_profile='none' leaves it out",
+            file=sys.stderr,
+        )
     print(
         json.dumps(
             {

@@ -137,17 +137,19 @@ def store_slots(
     budget_gb: float | None = None,
     layer_caps: dict[int, int] | None = None,
     zero_slot: bool | None = None,
+    whole: set[int] = frozenset(),
 ) -> tuple[int, dict | None]:
     """``(capacity, layer_caps)`` for a ``FileExpertStore``: from ``budget_gb`` through
     ``plan_budget`` (pools with or without their ``zero_slot``; a pool profile's
-    ``layer_caps`` scaled to fill the budget in their proportions), else ``slots``
-    (default: half the experts, at least top-k) with a pool profile's ``layer_caps``."""
+    ``layer_caps`` scaled to fill the budget in their proportions, its ``whole`` layers
+    kept whole), else ``slots`` (default: half the experts, at least top-k) with a pool
+    profile's ``layer_caps``."""
     if slots is not None and budget_gb is not None:
         raise ValueError("give either slots or budget_gb, not both")
     if budget_gb is not None:
         plan = plan_budget(meta, budget_gb, zero_slot=zero_slot)
         if layer_caps:
-            caps = scale_profile(meta, layer_caps, plan)
+            caps = scale_profile(meta, layer_caps, plan, whole)
             return min(caps.values()), caps
         return plan.default_slots, plan.slots
     if slots is None:
@@ -155,15 +157,17 @@ def store_slots(
     return slots, layer_caps
 
 
-def scale_profile(meta: ExpertMeta, caps: dict[int, int], plan: BudgetPlan) -> dict[int, int]:
+def scale_profile(
+    meta: ExpertMeta, caps: dict[int, int], plan: BudgetPlan, whole: set[int] = frozenset()
+) -> dict[int, int]:
     """A pool profile's slots scaled by one factor, the largest whose pools fit
     ``plan``'s budget (each layer between top-k and its expert count; a layer the
-    profile does not name weighs as in ``plan``). Layers the profile holds whole stay
-    whole while the others can still have top-k slots each in the budget."""
+    profile does not name weighs as in ``plan``). The ``whole`` layers (a profile's
+    ``whole_layers``) stay whole while the others can still have top-k slots each."""
     shape = PoolShape.from_meta(meta)
     k, ne = shape.top_k, dict(zip(shape.layers, shape.num_experts))
     weight = {li: caps.get(li, plan.slots[li]) for li in shape.layers}
-    whole = {li for li, w in weight.items() if w >= ne[li]}
+    whole = {li for li in whole if li in weight}
     if shape.pool_bytes({li: ne[li] if li in whole else k for li in weight}, plan.zero_slot) > (
         plan.budget_bytes
     ):

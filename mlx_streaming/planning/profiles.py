@@ -54,6 +54,16 @@ def read_pool_profile(path: str | Path) -> dict[int, int]:
     return out
 
 
+def read_whole_layers(path: str | Path) -> set[int]:
+    """The layers a pool profile keeps whole on purpose (``profile --whole-layers``), so
+    that a budget scales the others and keeps these whole; empty for other profiles."""
+    d = json.loads(Path(path).read_text())
+    whole = d.get("whole_layers") or []
+    if not isinstance(whole, list) or not all(isinstance(x, int) for x in whole):
+        raise ValueError(f"pool profile {path}: whole_layers must be a list of layer indices")
+    return set(whole)
+
+
 def write_pool_profile(path: str | Path, caps: dict[int, int], **info) -> None:
     """Write ``{layer: slots}`` (plus descriptive ``info``) as a pool profile."""
     write_json_atomic(
@@ -142,11 +152,11 @@ def build_profile(
     calib, held = trace.split(0.5)
     k, ne = shape.top_k, shape.num_experts
     if whole_layers and mode != "budget":
-        raise ValueError("whole_layers needs a budget profile (budget_gb or slots)")
+        raise ValueError("whole layers share a budget: give --budget-gb or --slots, not --lossless")
     if not 0 <= whole_layers < L:
         raise ValueError(
-            f"whole_layers must be from 0 to {L - 1} (the model has {L} MoE layers), "
-            f"got {whole_layers}"
+            f"whole layers: {whole_layers}; give 0 to {L - 1} (the {L} MoE layers the "
+            "trace and the model have in common, less one that streams)"
         )
     whole: list[int] = []
     if mode == "lossless":
