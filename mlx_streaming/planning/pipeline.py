@@ -16,7 +16,8 @@ import re
 from dataclasses import dataclass
 
 from ..core.discovery import find_expert_sites
-from .budget import MARGIN_BYTES, default_cache_limit, kv_bytes
+from ..core.options import StreamConfig
+from .budget import MARGIN_BYTES, default_cache_limit, default_zero_slot, kv_bytes, pool_slots
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class ModelBytes:
     num_experts: list[int]
     top_k: int
     kv: list[int]
+    zero_slot: bool = False  # pools short of every expert get a zero slot (GPU backends)
 
     @classmethod
     def from_model(cls, model) -> ModelBytes:
@@ -52,15 +54,16 @@ class ModelBytes:
             else:
                 trunk[int(m.group(1))] += v.nbytes
         top_k = next(s.top_k for s in sites if s.top_k)
-        return cls(shared, trunk, experts, counts, top_k, kv_bytes(model))
+        return cls(shared, trunk, experts, counts, top_k, kv_bytes(model), default_zero_slot())
 
     def pool_bytes(self, i: int, share: float) -> int:
-        """Layer ``i``'s pools holding ``share`` of its experts (at least top-k slots)."""
+        """Layer ``i``'s pools holding ``share`` of its experts (at least top-k slots),
+        with the zero slot ``load`` adds to a pool short of every expert."""
         if not self.experts[i]:
             return 0
         e = self.num_experts[i]
         slots = min(e, max(self.top_k, math.ceil(share * e)))
-        return self.experts[i] * slots // e
+        return self.experts[i] * pool_slots(slots, e, self.zero_slot) // e
 
     def rank_bytes(self, layers, share: float, context: int) -> int:
         """What a rank running ``layers`` needs: the shared part, their trunk, pools
@@ -75,10 +78,16 @@ class ModelBytes:
 class SplitPlan:
     split: list[int]  # layers per rank, in rank order (rank 0: the last layers)
     share: float  # experts of each MoE layer held in pools
-    ranks: list[dict]  # per rank: layers, trunk_gb, pool_budget_gb
+    ranks: list[dict]  # per rank: layers, trunk_gb, kv_gb, pool_budget_gb
+    context: int = 0  # tokens of KV cache each rank keeps room for
 
     def to_json(self) -> dict:
-        return {"split": self.split, "expert_share": round(self.share, 4), "ranks": self.ranks}
+        return {
+            "split": self.split,
+            "expert_share": round(self.share, 4),
+            "context": self.context,
+            "ranks": self.ranks,
+        }
 
 
 def _pack(mb: ModelBytes, hosts: list[int], share: float, context: int) -> list[int] | None:
@@ -95,7 +104,7 @@ def _pack(mb: ModelBytes, hosts: list[int], share: float, context: int) -> list[
     if i < n:
         return None
     # a rank left without layers takes one from the rank before it (that one then holds
-    # less, so it still fits; the final check in ``suggest_split`` judges the taker)
+    # less, so it still fits; the taker is checked below)
     for r in reversed(range(size - 1)):
         while counts[r] == 0:
             donor = next((q for q in range(r + 1, size) if counts[q] > 1), None)
@@ -104,6 +113,11 @@ def _pack(mb: ModelBytes, hosts: list[int], share: float, context: int) -> list[
             for q in range(donor, r, -1):
                 counts[q] -= 1
                 counts[q - 1] += 1
+    end = 0
+    for r in reversed(range(size)):  # a rank that took a layer must still fit
+        if mb.rank_bytes(range(end, end + counts[r]), share, context) > hosts[r]:
+            return None
+        end += counts[r]
     return counts
 
 
@@ -114,7 +128,9 @@ def _pool_budget(room: int) -> int:
     return max(0, min(int(room / 1.05), room - default_cache_limit(0)))
 
 
-def suggest_split(mb: ModelBytes, machines_gb: list[float], context: int = 0) -> SplitPlan:
+def suggest_split(
+    mb: ModelBytes, machines_gb: list[float], context: int = StreamConfig.context
+) -> SplitPlan:
     """The split that holds the largest share of every MoE layer's experts in pools,
     with each rank's memory ``machines_gb[rank]`` (``ModelBytes.rank_bytes``: trunk,
     pools and what ``load`` adds to them, and the KV cache of ``context`` tokens).
@@ -178,7 +194,8 @@ def suggest_split(mb: ModelBytes, machines_gb: list[float], context: int = 0) ->
                 "moe_layers": moe,
                 "trunk_gb": round(trunk / 1e9, 3),
                 "kv_gb": round(kv / 1e9, 3),
-                "pool_budget_gb": round(_pool_budget(hosts[r] - trunk - kv) / 1e9, 3),
+                # to the kB below: the flag it is passed as plans at least the share
+                "pool_budget_gb": _pool_budget(hosts[r] - trunk - kv) // 1000 / 1e6,
             }
         )
-    return SplitPlan(split, lo, ranks)
+    return SplitPlan(split, lo, ranks, context)
