@@ -226,20 +226,23 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
          tar czf - -C /tmp tiny-stdlib-moe | split -b 15m - "$out/trained.tgz.part-"
          [ "${QUALITY:-1}" = 1 ] && quality ;;
   quality) quality ;;
-  nsys) nsys=${NSYS:-$(ls /usr/local/cuda/bin/nsys /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys \
-          2>/dev/null | head -1)}
+  nsys) nsys=${NSYS:-$(command -v nsys || ls -r /opt/nvidia/nsight-systems/*/bin/nsys \
+          /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys 2>/dev/null | head -1)}
+        if [ ! -x "$nsys" ]; then echo "nsys not found: set NSYS=/path/to/nsys"; continue; fi
         for mode in stock streamed; do  # one process each, the capture range its decode steps
+          rm -f /tmp/nsys-$mode.nsys-rep /tmp/nsys-$mode.sqlite /tmp/nsys-${mode}_*.csv
           timeout "$limit" "$nsys" profile -t cuda --cuda-graph-trace=node -f true \
             --capture-range=cudaProfilerApi --capture-range-end=stop -o /tmp/nsys-$mode \
             python3 benchmarks/probes/gpu_timeline.py --workdir $work --trace "$trace" \
-            --mode $mode --residency "${RESIDENCY:-0.5}" --tokens 16 2>&1 | tail -2
-          "$nsys" stats -r cuda_gpu_trace,cuda_api_sum -f csv -o /tmp/nsys-$mode \
-            /tmp/nsys-$mode.nsys-rep > /dev/null 2>&1
-          gzip -c /tmp/nsys-${mode}_cuda_gpu_trace.csv > "$out/nsys-$mode-gpu-trace.csv.gz"
+            --mode $mode --residency "${RESIDENCY:-0.5}" --tokens 16 2>&1 | tail -3
+          "$nsys" stats -r cuda_gpu_trace,cuda_api_sum -f csv --force-export=true \
+            -o /tmp/nsys-$mode /tmp/nsys-$mode.nsys-rep 2>&1 | grep -iE "error|fail" | head -3
+          [ -s /tmp/nsys-${mode}_cuda_gpu_trace.csv ] && gzip -c /tmp/nsys-${mode}_cuda_gpu_trace.csv \
+            > "$out/nsys-$mode-gpu-trace.csv.gz"
         done
         python3 benchmarks/probes/gpu_timeline.py --report /tmp/nsys-stock /tmp/nsys-streamed \
           --tokens 16 --residency "${RESIDENCY:-0.5}" --json "$out/gpu-timeline.json" 2>&1 \
-          | grep -E "^(stock|streamed) " ;;
+          | grep -E "^(stock|streamed) |Error|Traceback" ;;
   launch) for g in 1 0; do
             MLX_USE_CUDA_GRAPHS=$g timeout 200 python3 benchmarks/probes/mlx_launch.py \
               --json "$out/mlx-launch-graphs$g.json" 2>&1 | tail -8

@@ -220,6 +220,8 @@ def test_the_timeline_marks_every_path(models):
             for i in range(len(call.steps)):
                 store.step(call, i)
         store.finish(call, ids[:1])
-        marks = [e["phase"] for e in store.timeline.stop() if e["layer"] == li]
+        events = [e for e in store.timeline.stop() if e["layer"] == li]
+        marks = [e["phase"] for e in events]
         assert [p for p in marks if p in phases] == phases, marks
+        assert {e["path"] for e in events} == {path}
         store.close()

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import csv
 import ctypes
-import glob
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import PROMPT, build, finish, log, parser, routing_trace, stock, streamed  # noqa: E402
+
+from mlx_streaming.commands._args import positive_int  # noqa: E402
 
 GAP_US = 5.0  # device idle gaps longer than this are counted
 
@@ -51,32 +52,35 @@ def profiler(on: bool) -> None:
 def decode(model, tok, tokens: int, warm: int = 8) -> None:
     """``warm`` decode steps, then ``tokens`` inside the capture range."""
     import mlx.core as mx
-    from mlx_lm.generate import generate_step
+    from mlx_lm.generate import generate_step, generation_stream
 
     ids = mx.array(tok.encode(PROMPT))
     gen = generate_step(ids, model, max_tokens=warm + tokens + 1)
     for _ in range(warm):
         next(gen)
-    mx.synchronize()
+    mx.synchronize(generation_stream)  # the stream generate_step runs on
     profiler(True)
     for _ in range(tokens):
         next(gen)
-    mx.synchronize()
+    mx.synchronize(generation_stream)
     profiler(False)
     gen.close()
 
 
 def _rows(prefix: str, report: str) -> list[dict]:
-    found = sorted(glob.glob(f"{prefix}*{report}*.csv"))
-    if not found:
-        raise FileNotFoundError(f"no {report} table for {prefix} (run nsys stats first)")
-    with open(found[0], newline="") as f:
+    path = Path(f"{prefix}_{report}.csv")  # as `nsys stats -o PREFIX -f csv` names it
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no {report} table (run nsys stats first)")
+    with open(path, newline="") as f:
         return list(csv.DictReader(f))
 
 
 def _col(row: dict, *words: str) -> str:
     """The first column whose name holds every one of ``words``."""
-    return next(k for k in row if all(w in k for w in words))
+    found = next((k for k in row if all(w in k for w in words)), None)
+    if found is None:
+        raise KeyError(f"no column with {words} among {list(row)}: another nsys version?")
+    return found
 
 
 def summarize(prefix: str, tokens: int) -> dict:
@@ -138,7 +142,9 @@ def main():
     p = parser(__doc__, preset="dsv2-lite")
     p.add_argument("--mode", choices=["stock", "streamed"], default="streamed")
     p.add_argument("--residency", type=float, default=0.5)
-    p.add_argument("--tokens", type=int, default=16, help="decode steps in the capture range")
+    p.add_argument(
+        "--tokens", type=positive_int, default=16, help="decode steps in the capture range"
+    )
     p.add_argument("--report", nargs=2, metavar=("STOCK", "STREAMED"),
                    help="nsys stats prefixes of the two runs: print the comparison")  # fmt: skip
     a = p.parse_args()

@@ -195,22 +195,22 @@ class FileExpertStore:
         t0 = time.perf_counter()
         watched = self.routing.on or self.observers
         if self.caches[layer].complete and not watched:
-            self.timeline.mark(layer, "request")
+            self.timeline.mark(layer, "request", "resident")
             self.counts.resident_call(layer, indices)
             pool = self.pools[layer]  # slot e holds expert e: the ids are the slots
             slots = indices if pool.identity else pool.device_lut()[indices]
             self.stats[layer].host_s += time.perf_counter() - t0
-            self.timeline.mark(layer, "planned")
+            self.timeline.mark(layer, "planned", "resident")
             return LayerCall(layer, "resident", slots=slots)
         device = self.device
         if device is not None:
             if not watched and device.takes(layer, indices):
-                self.timeline.mark(layer, "request")
+                self.timeline.mark(layer, "request", "device")
                 if layer not in device.on_device:
                     self.loads.finish_open()  # no read left pending in its table
                 call = LayerCall(layer, "device", slots=device.slots(layer, indices))
                 self.stats[layer].host_s += time.perf_counter() - t0
-                self.timeline.mark(layer, "planned")
+                self.timeline.mark(layer, "planned", "device")
                 return call
             device.to_host(layer)  # every host-path call works on the host's table
         return self.host.call(layer, indices, overlap, also, beside)
@@ -224,7 +224,7 @@ class FileExpertStore:
         """Complete ``call`` with its output; returns it."""
         if call.path == "host":
             return self.host.finish(call, y)
-        self.timeline.mark(call.layer, "built")
+        self.timeline.mark(call.layer, "built", call.path)
         if call.path == "device":
             return self.device.hold(call, y)
         return y

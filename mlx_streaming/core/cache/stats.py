@@ -76,26 +76,27 @@ def summarize(report: dict[int, dict]) -> dict:
 class Timeline:
     """Host timestamps of layer-call phases (``request``; ``ahead``: the routing
     launched and the work done while the device computes it; ``routed``, ``read``,
-    ``planned``, ``built``), kept while ``on``: one decode step's timeline, for
-    ``bench`` and ``benchmarks/speed.py``."""
+    ``planned``, ``built``) and the call's path (``host``, ``device``, ``resident``),
+    kept while ``on``: one decode step's timeline, for ``bench`` and
+    ``benchmarks/speed.py``."""
 
     def __init__(self):
         self.on = False
-        self.events: list[tuple[float, int, str]] = []
+        self.events: list[tuple[float, int, str, str]] = []
 
-    def mark(self, layer: int, phase: str) -> None:
+    def mark(self, layer: int, phase: str, path: str = "host") -> None:
         if self.on:
-            self.events.append((time.perf_counter(), layer, phase))
+            self.events.append((time.perf_counter(), layer, phase, path))
 
     def record(self) -> None:
         """Start a fresh recording."""
         self.events, self.on = [], True
 
     def stop(self) -> list[dict]:
-        """Stop; the events as ``{t_us, layer, phase}`` from the first."""
+        """Stop; the events as ``{t_us, layer, phase, path}`` from the first."""
         self.on = False
         t0 = self.events[0][0] if self.events else 0.0
         return [
-            {"t_us": round(1e6 * (t - t0), 1), "layer": li, "phase": ph}
-            for t, li, ph in self.events
+            {"t_us": round(1e6 * (t - t0), 1), "layer": li, "phase": ph, "path": pa}
+            for t, li, ph, pa in self.events
         ]
