@@ -209,6 +209,7 @@ def main():
                 "prefetch_used",
                 "prefetch_on_time",
                 "host_s",
+                "device_s",
                 "ahead_s",
                 "sync_s",
                 "read_s",
@@ -260,6 +261,18 @@ def main():
             "plan_us": round(1e6 * tot["host_s"] / calls, 1),
             "read_us": round(1e6 * tot["read_s"] / calls, 1),
             "graph_us": round(1e6 * tot["graph_s"] / calls, 1),
+            # the same split by path: the prompt's calls take the host path, decode's
+            # the device path (CUDA) or the host path; the averages above mix them
+            "device_call_us": round(1e6 * tot["device_s"] / tot["device_calls"], 1)
+            if tot["device_calls"]
+            else None,
+            "host_path_call_us": round(
+                1e6 * (sum(tot[k] for k in PHASES) - tot["device_s"]) / tot["host_calls"], 1
+            )
+            if tot["host_calls"]
+            else None,
+            "device_calls": tot["device_calls"],
+            "host_calls": tot["host_calls"],
             # share of the runs' time from a routing read to the call's expert launch,
             # when the device had no routed-expert work queued (host path only)
             "device_gap_share": round(tot["gap_s"] / tot["wall_s"], 4),

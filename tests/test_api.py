@@ -201,7 +201,9 @@ def test_resident_layers_count_hits_as_they_go(models):
 def test_the_timeline_marks_every_path(models):
     """One decode step's timeline has each layer call's phases on the resident path as on
     the host path (the resident and device paths marked nothing: a device-path
-    timeline was empty)."""
+    timeline was empty); the host time of calls served on the device is counted apart
+    (``device_s``: averaged with the prompt's host-path calls, it was read as the device
+    path's cost)."""
     _, ed = models.experts("tiny-qwen3_moe")
     meta = load_meta(ed)
     for capacity, path, phases in (
@@ -213,6 +215,7 @@ def test_the_timeline_marks_every_path(models):
         ids = mx.array(np.arange(meta.num_experts, dtype=np.uint32).reshape(-1, meta.top_k))
         if path == "resident":  # the first call loads the whole layer
             store.finish(store.request(li, ids), ids)
+        store.reset_stats()
         store.timeline.record()
         call = store.request(li, ids[:1])
         assert call.path == path
@@ -224,4 +227,6 @@ def test_the_timeline_marks_every_path(models):
         marks = [e["phase"] for e in events]
         assert [p for p in marks if p in phases] == phases, marks
         assert {e["path"] for e in events} == {path}
+        t = store.totals()  # host time of device-side calls, apart
+        assert t["device_s"] == (t["host_s"] if path == "resident" else 0) and t["host_s"] > 0
         store.close()

@@ -199,7 +199,7 @@ class FileExpertStore:
             self.counts.resident_call(layer, indices)
             pool = self.pools[layer]  # slot e holds expert e: the ids are the slots
             slots = indices if pool.identity else pool.device_lut()[indices]
-            self.stats[layer].host_s += time.perf_counter() - t0
+            self._device_time(layer, time.perf_counter() - t0)
             self.timeline.mark(layer, "planned", "resident")
             return LayerCall(layer, "resident", slots=slots)
         device = self.device
@@ -209,11 +209,16 @@ class FileExpertStore:
                 if layer not in device.on_device:
                     self.loads.finish_open()  # no read left pending in its table
                 call = LayerCall(layer, "device", slots=device.slots(layer, indices))
-                self.stats[layer].host_s += time.perf_counter() - t0
+                self._device_time(layer, time.perf_counter() - t0)
                 self.timeline.mark(layer, "planned", "device")
                 return call
             device.to_host(layer)  # every host-path call works on the host's table
         return self.host.call(layer, indices, overlap, also, beside)
+
+    def _device_time(self, layer: int, dt: float) -> None:
+        st = self.stats[layer]
+        st.host_s += dt
+        st.device_s += dt
 
     def step(self, call: LayerCall, i: int):
         """Step ``i`` of a host-path call, its experts resident (reads waited for, or an
