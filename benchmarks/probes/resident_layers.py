@@ -91,6 +91,7 @@ def main():
                 Path(a.out) / f"layers-{f}.json",
                 caps,
                 note=f"resident_layers.py: {f} whole layers at residency {a.residency}",
+                whole_layers=row["layers_whole"],
             )
     finish(a, "resident_layers", {"trace": a.trace, "residency": a.residency, "rows": rows,
                                   "constants": {k_: getattr(a, k_) for k_ in
