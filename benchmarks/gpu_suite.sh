@@ -17,6 +17,10 @@
 #                                           stock and streamed alternating at 50/25/12.5%,
 #                                           warm page cache, 32-token prompt, 96 decode tokens;
 #                                           prefill of 2048 tokens at 25%
+#   bash benchmarks/gpu_suite.sh pairs      the same decode in nine pairs of 32 tokens per residency
+#                                           (three of 96 in speed): stock moved 58-126 tok/s
+#                                           between runs of one call (2026-12-04f), so shorter
+#                                           pairs drift less within each and give more of them
 #   bash benchmarks/gpu_suite.sh cold       the same at 50/25/12.5% with a cold page cache
 #   bash benchmarks/gpu_suite.sh compare    50% and 25% warm: the Python reader, overlap on, and
 #                                           the LRU policy, beside the default
@@ -177,6 +181,8 @@ case "$suite" in
   speed) speed gpu-dsv2 --residency 0.5,0.25,0.125 --cold warm --repeat 3 \
            --prefill-tokens 2048 --prefill-residency 0.25 --prefill-chunk 2048 \
            --timeline "$out/timeline-gpu-dsv2.json" ;;
+  pairs) speed gpu-dsv2-pairs --residency 0.5,0.25,0.125 --cold warm --repeat 9 --tokens 32 \
+          --prefill-tokens 0 ;;
   prefill) speed gpu-dsv2-prefill --residency 0.25 --cold warm --repeat 2 --tokens 16 \
              --prefill-tokens 2048 --prefill-residency 0.25 --prefill-chunk 2048 ;;
   parity) speed gpu-dsv2-parity --residency 1 --repeat 15 --prefill-tokens 0 ;;
