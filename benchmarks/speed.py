@@ -210,6 +210,7 @@ def main():
                 "prefetch_on_time",
                 "host_s",
                 "device_s",
+                "device_path_calls",
                 "ahead_s",
                 "sync_s",
                 "read_s",
@@ -261,10 +262,11 @@ def main():
             "plan_us": round(1e6 * tot["host_s"] / calls, 1),
             "read_us": round(1e6 * tot["read_s"] / calls, 1),
             "graph_us": round(1e6 * tot["graph_s"] / calls, 1),
-            # the same split by path: the prompt's calls take the host path, decode's
-            # the device path (CUDA) or the host path; the averages above mix them
-            "device_call_us": round(1e6 * tot["device_s"] / tot["device_calls"], 1)
-            if tot["device_calls"]
+            # the same split by path (the averages above mix the prompt's host-path calls
+            # with decode's): host µs per device-path call (its expert graph's build not
+            # included), and per host-path call (all phases)
+            "device_call_us": round(1e6 * tot["device_s"] / tot["device_path_calls"], 1)
+            if tot["device_path_calls"]
             else None,
             "host_path_call_us": round(
                 1e6 * (sum(tot[k] for k in PHASES) - tot["device_s"]) / tot["host_calls"], 1
@@ -272,6 +274,7 @@ def main():
             if tot["host_calls"]
             else None,
             "device_calls": tot["device_calls"],
+            "device_path_calls": tot["device_path_calls"],
             "host_calls": tot["host_calls"],
             # share of the runs' time from a routing read to the call's expert launch,
             # when the device had no routed-expert work queued (host path only)

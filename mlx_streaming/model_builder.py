@@ -102,9 +102,8 @@ def load(
         meta, model_fp = pipeline_share(
             model, model_dir, expert_dir, pipeline_group, pipeline_split, progress
         )
-    path = {"auto": pool_profile_path(expert_dir), "none": None}.get(
-        cfg.pool_profile, cfg.pool_profile
-    )
+    p = cfg.pool_profile
+    path = pool_profile_path(expert_dir) if p == "auto" else None if p == "none" else p
     caps = None if path is None else read_pool_profile(path)
     whole = set() if path is None else read_whole_layers(path)
     if cfg.budget_gb == "auto":

@@ -227,6 +227,6 @@ def test_the_timeline_marks_every_path(models):
         marks = [e["phase"] for e in events]
         assert [p for p in marks if p in phases] == phases, marks
         assert {e["path"] for e in events} == {path}
-        t = store.totals()  # host time of device-side calls, apart
-        assert t["device_s"] == (t["host_s"] if path == "resident" else 0) and t["host_s"] > 0
+        t = store.totals()  # the device path's host time is apart (CUDA: test_cuda.py)
+        assert t["device_s"] == 0 == t["device_path_calls"] and t["host_s"] > 0
         store.close()

@@ -57,7 +57,7 @@ def main():
     rows = []
     for f in (int(x) for x in a.full.split(",")):
         if f == 0:  # the uniform default
-            caps = dict.fromkeys(shape.layers, u)
+            caps, whole = dict.fromkeys(shape.layers, u), []
         else:  # the package's profile (``profile --whole-layers F``) at the same bytes
             try:
                 prof = build_profile(
@@ -67,7 +67,7 @@ def main():
             except ValueError as e:
                 log(f"F={f}: {e}")
                 continue
-            caps = prof.slots
+            caps, whole = prof.slots, prof.whole_layers
         sim = simulate(held, a.policy, dict(zip(range(L), caps.values())), tokens=a.tokens)
         mb = sim.misses_per_token() * a.expert_mb
         streamed = sum(c < E for c in caps.values())
@@ -91,7 +91,7 @@ def main():
                 Path(a.out) / f"layers-{f}.json",
                 caps,
                 note=f"resident_layers.py: {f} whole layers at residency {a.residency}",
-                whole_layers=row["layers_whole"],
+                whole_layers=whole,
             )
     finish(a, "resident_layers", {"trace": a.trace, "residency": a.residency, "rows": rows,
                                   "constants": {k_: getattr(a, k_) for k_ in

@@ -29,7 +29,7 @@ def summarize(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, sam
     fast, fall = store.fastpath_calls, store.fallback_calls
     decode = {
         k: totals[k] - first.get(k, 0)
-        for k in ("gap_s", "device_s", "device_calls", "host_calls", *PHASES)
+        for k in ("gap_s", "device_s", "device_path_calls", "device_calls", "host_calls", *PHASES)
     }
     decode_calls = decode["device_calls"] + decode["host_calls"]
     caps = [store.capacity(li) for li in store.layers]
@@ -124,12 +124,14 @@ def summarize(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, sam
             name: round(1e6 * decode[k] / max(1, decode_calls), 1) for k, name in PHASES.items()
         },
         "decode_device_gap_share": round(decode["gap_s"] / timed["decode_s"], 4),
-        # decode's calls by path: those served on the device (every expert resident, or
-        # the device path) and their host µs each; those that read the routing
+        # decode's calls by path: served on the device (every expert resident, or the
+        # device path), of them the device path's and their host µs each (the expert
+        # graph's build not included); those that read the routing
         "decode_device_calls": decode["device_calls"],
+        "decode_device_path_calls": decode["device_path_calls"],
         "decode_host_calls": decode["host_calls"],
-        "decode_device_call_us": round(1e6 * decode["device_s"] / decode["device_calls"], 1)
-        if decode["device_calls"]
+        "decode_device_call_us": round(1e6 * decode["device_s"] / decode["device_path_calls"], 1)
+        if decode["device_path_calls"]
         else None,
         "prefetched": totals["prefetched"],
         "prefetch_used": totals["prefetch_used"],

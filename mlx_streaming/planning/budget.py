@@ -4,6 +4,7 @@ where a streamed model's memory goes."""
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -168,10 +169,17 @@ def scale_profile(
     k, ne = shape.top_k, dict(zip(shape.layers, shape.num_experts))
     weight = {li: caps.get(li, plan.slots[li]) for li in shape.layers}
     whole = {li for li in whole if li in weight}
-    if shape.pool_bytes({li: ne[li] if li in whole else k for li in weight}, plan.zero_slot) > (
-        plan.budget_bytes
+    if (
+        whole
+        and shape.pool_bytes({li: ne[li] if li in whole else k for li in weight}, plan.zero_slot)
+        > plan.budget_bytes
     ):
-        whole = set()  # the budget cannot keep them whole: every layer scales
+        print(
+            f"pool profile: {plan.budget_bytes / 1e9:.3f} GB cannot keep layers {sorted(whole)} "
+            "whole with top-k slots for the others; they scale with the rest",
+            file=sys.stderr,
+        )
+        whole = set()
 
     def at(f: float) -> dict[int, int]:
         return {

@@ -58,9 +58,15 @@ def read_whole_layers(path: str | Path) -> set[int]:
     """The layers a pool profile keeps whole on purpose (``profile --whole-layers``), so
     that a budget scales the others and keeps these whole; empty for other profiles."""
     d = json.loads(Path(path).read_text())
-    whole = d.get("whole_layers") or []
-    if not isinstance(whole, list) or not all(isinstance(x, int) for x in whole):
-        raise ValueError(f"pool profile {path}: whole_layers must be a list of layer indices")
+    whole = (d.get("whole_layers") if isinstance(d, dict) else None) or []
+    ok = isinstance(whole, list) and all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in whole
+    )
+    if not ok:
+        raise ValueError(
+            f"pool profile {path}: whole_layers {whole!r} must be a list of layer indices; "
+            "write the profile again with `python -m mlx_streaming profile`"
+        )
     return set(whole)
 
 

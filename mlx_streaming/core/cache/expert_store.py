@@ -199,7 +199,7 @@ class FileExpertStore:
             self.counts.resident_call(layer, indices)
             pool = self.pools[layer]  # slot e holds expert e: the ids are the slots
             slots = indices if pool.identity else pool.device_lut()[indices]
-            self._device_time(layer, time.perf_counter() - t0)
+            self.stats[layer].host_s += time.perf_counter() - t0
             self.timeline.mark(layer, "planned", "resident")
             return LayerCall(layer, "resident", slots=slots)
         device = self.device
@@ -219,6 +219,7 @@ class FileExpertStore:
         st = self.stats[layer]
         st.host_s += dt
         st.device_s += dt
+        st.device_path_calls += 1
 
     def step(self, call: LayerCall, i: int):
         """Step ``i`` of a host-path call, its experts resident (reads waited for, or an

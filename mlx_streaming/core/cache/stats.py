@@ -24,8 +24,9 @@ class LayerStats:
     fastpath: int = 0  # calls with every expert resident
     fallback: int = 0  # calls that loaded misses
     host_s: float = 0.0  # host time of the store's own work per call (planning the misses)
-    device_s: float = 0.0  # ... of it, in device_calls (none reads the routing, reads or
-    # builds on the host: this is their whole host cost in the store)
+    device_path_calls: int = 0  # calls the device path served (plans and fills on the GPU)
+    device_s: float = 0.0  # ... of host_s, in those calls: their whole host cost in the
+    # store (no routing read, no read, and their expert graph is built outside it)
     sync_s: float = 0.0  # host time waiting for the routing to reach the host
     ahead_s: float = 0.0  # host work beside the device's: launching the routing, the
     # deferred policy update, issuing the next layer's read-ahead
