@@ -21,6 +21,8 @@
 #                                           (three of 96 in speed): stock moved 58-126 tok/s
 #                                           between runs of one call (2026-12-04f), so shorter
 #                                           pairs drift less within each and give more of them
+#                                           (each prompt's fixed cost, the tables sent back to
+#                                           the device, weighs 3x more: compare pairs with pairs)
 #   bash benchmarks/gpu_suite.sh cold       the same at 50/25/12.5% with a cold page cache
 #   bash benchmarks/gpu_suite.sh compare    50% and 25% warm: the Python reader, overlap on, and
 #                                           the LRU policy, beside the default

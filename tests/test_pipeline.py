@@ -356,6 +356,8 @@ def test_a_split_keeps_room_for_what_load_adds_and_the_kv_cache(models):
     small = mb.rank_bytes(range(7, 8), 0.0, 0) / 1e9 + 0.001
     sp = suggest_split(mb, [small, 1.0], 0)
     assert sp.split[0] >= 1 and sp.ranks[0]["moe_layers"] >= 1
+    with pytest.raises(ValueError, match="cannot hold even one MoE layer.*give the small"):
+        suggest_split(mb, [small - 0.002, 1.0], 0)  # before: "add memory or hosts"
 
 
 def _start_ranks(n: int, out: Path, argv: list[str]) -> list[subprocess.Popen]:

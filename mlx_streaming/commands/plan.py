@@ -80,6 +80,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=StreamConfig.context,
         help="with --machines-gb: tokens of context each rank keeps KV cache room for",
     )
+    p.add_argument(
+        "--cpu-ranks",
+        action="store_true",
+        help="with --machines-gb: the ranks run on the CPU, whose pools need no zero slot "
+        "(by default each pool is counted with one, as on Metal and CUDA)",
+    )
     return p
 
 
@@ -95,7 +101,7 @@ def plan_hosts(a) -> None:
     except ValueError:
         raise ValueError(f"--machines-gb {a.machines_gb!r}: give GB per host, e.g. 48,24") from None
     model, _ = load_lazy(resolve_model_path(a.model))
-    sp = suggest_split(ModelBytes.from_model(model), hosts, a.context)
+    sp = suggest_split(ModelBytes.from_model(model, not a.cpu_ranks), hosts, a.context)
     if a.json:
         print(json.dumps(sp.to_json(), indent=1))
         return

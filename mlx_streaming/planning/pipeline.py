@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..core.discovery import find_expert_sites
 from ..core.options import StreamConfig
-from .budget import MARGIN_BYTES, default_cache_limit, default_zero_slot, kv_bytes, pool_slots
+from .budget import MARGIN_BYTES, default_cache_limit, kv_bytes, pool_slots
 
 
 @dataclass(frozen=True)
@@ -35,8 +35,9 @@ class ModelBytes:
     zero_slot: bool = False  # pools short of every expert get a zero slot (GPU backends)
 
     @classmethod
-    def from_model(cls, model) -> ModelBytes:
-        """From an mlx-lm model (loaded lazily: nothing is read)."""
+    def from_model(cls, model, zero_slot: bool = True) -> ModelBytes:
+        """From an mlx-lm model (loaded lazily: nothing is read); ``zero_slot``: the
+        ranks' pools have one (GPU backends; the safe guess for ranks elsewhere)."""
         from mlx.utils import tree_flatten
 
         sites = find_expert_sites(model)
@@ -54,7 +55,7 @@ class ModelBytes:
             else:
                 trunk[int(m.group(1))] += v.nbytes
         top_k = next(s.top_k for s in sites if s.top_k)
-        return cls(shared, trunk, experts, counts, top_k, kv_bytes(model), default_zero_slot())
+        return cls(shared, trunk, experts, counts, top_k, kv_bytes(model), zero_slot)
 
     def pool_bytes(self, i: int, share: float) -> int:
         """Layer ``i``'s pools holding ``share`` of its experts (at least top-k slots),
@@ -80,12 +81,14 @@ class SplitPlan:
     share: float  # experts of each MoE layer held in pools
     ranks: list[dict]  # per rank: layers, trunk_gb, kv_gb, pool_budget_gb
     context: int = 0  # tokens of KV cache each rank keeps room for
+    zero_slot: bool = True  # pools counted with a zero slot
 
     def to_json(self) -> dict:
         return {
             "split": self.split,
             "expert_share": round(self.share, 4),
             "context": self.context,
+            "zero_slot": self.zero_slot,
             "ranks": self.ranks,
         }
 
@@ -150,6 +153,14 @@ def suggest_split(
     if _pack(mb, hosts, 0.0, context) is None:
         one = mb.rank_bytes(range(n), 0.0, context)
         need = one + (mb.shared + MARGIN_BYTES + default_cache_limit(0)) * (len(hosts) - 1)
+        least = min(mb.rank_bytes([i], 0.0, context) for i in range(n) if mb.experts[i])
+        if sum(hosts) >= need and min(hosts) < least:  # enough in all, one host too small
+            raise ValueError(
+                f"a host of {min(machines_gb)} GB cannot hold even one MoE layer with top-k "
+                f"slots and a KV cache of {context} tokens ({least / 1e9:.3g} GB): no split "
+                "gives every rank a MoE layer that fits; give the small hosts more memory, "
+                "or use fewer"
+            )
         raise ValueError(
             f"hosts of {machines_gb} GB cannot hold this model even with top-k slots per layer "
             f"and a KV cache of {context} tokens (about {need / 1e9:.2f} GB in all): add "
@@ -198,4 +209,4 @@ def suggest_split(
                 "pool_budget_gb": _pool_budget(hosts[r] - trunk - kv) // 1000 / 1e6,
             }
         )
-    return SplitPlan(split, lo, ranks, context)
+    return SplitPlan(split, lo, ranks, context, mb.zero_slot)
