@@ -571,7 +571,7 @@ def test_a_profile_with_whole_layers(models, tmp_path, capsys):
     shape = PoolShape.from_meta(meta)
     budget = shape.pool_bytes({li: 8 for li in shape.layers}, False)  # 16 + 4 + 4 fit
     prof = {a: 4, b: 16, c: 6}
-    _, caps = store_slots(meta, None, budget / 1e9, prof, False, whole={b})
+    _, caps = store_slots(meta, None, budget / 1e9, prof, False, whole=[b])
     assert caps == {a: 4, b: 16, c: 4}  # before: b scaled down with the rest, to 14
     assert shape.pool_bytes(caps, False) <= budget
     _, caps = store_slots(meta, None, budget / 1e9, prof, False)  # not asked: scaled
@@ -580,8 +580,11 @@ def test_a_profile_with_whole_layers(models, tmp_path, capsys):
     twelve = shape.pool_bytes({li: 12 for li in shape.layers}, False)
     assert store_slots(meta, None, twelve / 1e9, ordinary, False)[1] == {a: 12, b: 12, c: 12}
     small = shape.pool_bytes({li: 6 for li in shape.layers}, False)  # 16 + 4 + 4 > 18
-    _, caps = store_slots(meta, None, small / 1e9, prof, False, whole={b})
+    _, caps = store_slots(meta, None, small / 1e9, prof, False, whole=[b])
     assert caps[b] < 16 and shape.pool_bytes(caps, False) <= small
+    # two asked, room for one: the first (it misses most) stays whole (before: neither)
+    _, caps = store_slots(meta, None, budget / 1e9, {a: 4, b: 16, c: 16}, False, whole=[b, c])
+    assert caps[b] == 16 and caps[c] < 16 and shape.pool_bytes(caps, False) <= budget
 
     path, out = tmp_path / "t.npz", tmp_path / "p.json"
     trace.save(path)
@@ -590,7 +593,7 @@ def test_a_profile_with_whole_layers(models, tmp_path, capsys):
     cap = capsys.readouterr()
     printed = json.loads(cap.out)
     assert printed["whole_layers"] == [b] and read_pool_profile(out)[b] == 16
-    assert read_whole_layers(out) == {b}
+    assert read_whole_layers(out) == [b]
     assert printed["heldout_hit_rate"] < printed["uniform_heldout_hit_rate"]  # the trade
     assert "uses a profile in the expert directory on every backend" in cap.err
     import mlx_streaming  # load reads the profile's whole layers and keeps them whole

@@ -138,7 +138,7 @@ def store_slots(
     budget_gb: float | None = None,
     layer_caps: dict[int, int] | None = None,
     zero_slot: bool | None = None,
-    whole: set[int] = frozenset(),
+    whole: list[int] = (),
 ) -> tuple[int, dict | None]:
     """``(capacity, layer_caps)`` for a ``FileExpertStore``: from ``budget_gb`` through
     ``plan_budget`` (pools with or without their ``zero_slot``; a pool profile's
@@ -159,27 +159,30 @@ def store_slots(
 
 
 def scale_profile(
-    meta: ExpertMeta, caps: dict[int, int], plan: BudgetPlan, whole: set[int] = frozenset()
+    meta: ExpertMeta, caps: dict[int, int], plan: BudgetPlan, whole: list[int] = ()
 ) -> dict[int, int]:
     """A pool profile's slots scaled by one factor, the largest whose pools fit
     ``plan``'s budget (each layer between top-k and its expert count; a layer the
-    profile does not name weighs as in ``plan``). The ``whole`` layers (a profile's
-    ``whole_layers``) stay whole while the others can still have top-k slots each."""
+    profile does not name weighs as in ``plan``). Of the ``whole`` layers (a profile's
+    ``whole_layers``, in order) the most that leave the others top-k slots each stay
+    whole."""
     shape = PoolShape.from_meta(meta)
     k, ne = shape.top_k, dict(zip(shape.layers, shape.num_experts))
     weight = {li: caps.get(li, plan.slots[li]) for li in shape.layers}
-    whole = {li for li in whole if li in weight}
-    if (
-        whole
-        and shape.pool_bytes({li: ne[li] if li in whole else k for li in weight}, plan.zero_slot)
-        > plan.budget_bytes
-    ):
+    asked = [li for li in whole if li in weight]
+    whole = set()
+    for li in asked:  # the longest prefix the budget holds with top-k for the others
+        keep = whole | {li}
+        least = {x: ne[x] if x in keep else k for x in weight}
+        if shape.pool_bytes(least, plan.zero_slot) > plan.budget_bytes:
+            break
+        whole = keep
+    if len(whole) < len(asked):
         print(
-            f"pool profile: {plan.budget_bytes / 1e9:.3f} GB cannot keep layers {sorted(whole)} "
-            "whole with top-k slots for the others; they scale with the rest",
+            f"pool profile: {plan.budget_bytes / 1e9:.3f} GB keeps {len(whole)} of layers "
+            f"{asked} whole (top-k slots for the others); the rest scale",
             file=sys.stderr,
         )
-        whole = set()
 
     def at(f: float) -> dict[int, int]:
         return {

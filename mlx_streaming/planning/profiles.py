@@ -54,9 +54,10 @@ def read_pool_profile(path: str | Path) -> dict[int, int]:
     return out
 
 
-def read_whole_layers(path: str | Path) -> set[int]:
-    """The layers a pool profile keeps whole on purpose (``profile --whole-layers``), so
-    that a budget scales the others and keeps these whole; empty for other profiles."""
+def read_whole_layers(path: str | Path) -> list[int]:
+    """The layers a pool profile keeps whole on purpose (``profile --whole-layers``), the
+    one that misses most first, so that a budget scales the others and keeps as many of
+    these whole as it can; empty for other profiles."""
     d = json.loads(Path(path).read_text())
     whole = (d.get("whole_layers") if isinstance(d, dict) else None) or []
     ok = isinstance(whole, list) and all(
@@ -67,7 +68,7 @@ def read_whole_layers(path: str | Path) -> set[int]:
             f"pool profile {path}: whole_layers {whole!r} must be a list of layer indices; "
             "write the profile again with `python -m mlx_streaming profile`"
         )
-    return set(whole)
+    return list(whole)
 
 
 def write_pool_profile(path: str | Path, caps: dict[int, int], **info) -> None:
@@ -110,7 +111,8 @@ class Profile:
     uniform_heldout_hit_rate: float
     uniform_bytes: int = 0
     profile_bytes: int = 0
-    whole_layers: list[int] = field(default_factory=list)  # model layers holding every expert
+    whole_layers: list[int] = field(default_factory=list)  # layers holding every expert,
+    # the one that misses most first
 
     def info(self) -> dict:
         d = asdict(self)
@@ -216,5 +218,5 @@ def build_profile(
         uni.hit_rate,
         uniform_bytes=uniform_bytes,
         profile_bytes=shape.pool_bytes(dict(zip(shape.layers, caps)), zero),
-        whole_layers=sorted(shape.layers[i] for i in whole),
+        whole_layers=[shape.layers[i] for i in whole],  # most misses first
     )
