@@ -4,6 +4,7 @@ over a 2,000-token generation and under ``serve`` with 8 concurrent clients."""
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import os
@@ -115,7 +116,7 @@ def test_kv_bytes_per_token_as_a_real_prompt_grows_the_cache(models, preset):
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_streaming.planning.budget import kv_bytes_measured
+    from mlx_streaming.planning.budget import kv_bytes_measured, kv_bytes_per_token
 
     lazy, _ = load(str(models.checkpoint(preset)), lazy=True)
     before = mx.get_active_memory()
@@ -131,6 +132,11 @@ def test_kv_bytes_per_token_as_a_real_prompt_grows_the_cache(models, preset):
         grown.append(sum(c.nbytes for c in cache))
     truth = (grown[1] - grown[0]) // 256
     assert truth * 0.95 <= kv <= truth  # a sliding window fills before 257 tokens
+    if preset in ("tiny-qwen3_next", "tiny-mixtral", "tiny-deepseek_v2"):
+        # the config's formula, the fallback, gives the same per layer (hybrid layers too;
+        # it counted ceil(layers / interval) attention layers, not the layers that attend)
+        args = lazy.args if isinstance(lazy.args, dict) else dataclasses.asdict(lazy.args)
+        assert kv_bytes_per_token(args, lazy.model.embed_tokens.weight.dtype.size) == per_layer
 
 
 def test_auto_budget_from_this_machine(model, capsys):

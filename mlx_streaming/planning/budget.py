@@ -260,7 +260,7 @@ def kv_bytes_measured(model, step: int = 256) -> list[int] | None:
 def kv_bytes(model) -> list[int]:
     """The KV cache one token adds, per layer of ``model`` (lazily loaded): measured
     (``kv_bytes_measured``), or where the model cannot be traced, the config's formula
-    (``kv_bytes_per_token``) spread evenly over the layers."""
+    (``kv_bytes_per_token``)."""
     import dataclasses
 
     import mlx.core as mx
@@ -272,27 +272,27 @@ def kv_bytes(model) -> list[int]:
         return kv if len(kv) == n else [sum(kv) // n] * n  # caches not one per layer
     args = model.args if isinstance(model.args, dict) else dataclasses.asdict(model.args)
     floats = [v for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating)]
-    return [kv_bytes_per_token(args, floats[0].dtype.size if floats else 2) // n] * n
+    per_layer = kv_bytes_per_token(args, floats[0].dtype.size if floats else 2)
+    return per_layer if len(per_layer) == n else [sum(per_layer) // n] * n
 
 
-def kv_bytes_per_token(args: dict, dtype_bytes: int) -> int:
-    """The KV cache one token adds, from an mlx-lm model's config (where
-    ``kv_bytes_measured`` cannot trace the model): multi-head latent
-    attention caches every head's keys and values (DeepSeek-V2; DeepSeek-V3's caches its
-    latent only, so this is an upper bound there); others ``2 x kv heads x head dim`` per
-    attention layer (every ``full_attention_interval``-th layer on hybrid models such as
-    Qwen3-Next)."""
+def kv_bytes_per_token(args: dict, dtype_bytes: int) -> list[int]:
+    """The KV cache one token adds to each layer, from an mlx-lm model's config (where
+    ``kv_bytes_measured`` cannot trace the model): multi-head latent attention caches
+    every head's keys and values (DeepSeek-V2; DeepSeek-V3's caches its latent only, so
+    this is an upper bound there); others ``2 x kv heads x head dim`` per attention
+    layer (on hybrid models such as Qwen3-Next, layer ``i`` attends when ``i + 1`` is a
+    multiple of ``full_attention_interval``; the others keep fixed-size states)."""
     layers = args["num_hidden_layers"]
     if args.get("kv_lora_rank"):
         width = args["num_attention_heads"] * (
             args["qk_nope_head_dim"] + args["qk_rope_head_dim"] + args["v_head_dim"]
         )
-    else:
-        heads = args.get("num_key_value_heads") or args["num_attention_heads"]
-        head_dim = args.get("head_dim") or args["hidden_size"] // args["num_attention_heads"]
-        width = 2 * heads * head_dim
-        layers = -(-layers // (args.get("full_attention_interval") or 1))
-    return layers * width * dtype_bytes
+        return [width * dtype_bytes] * layers
+    heads = args.get("num_key_value_heads") or args["num_attention_heads"]
+    head_dim = args.get("head_dim") or args["hidden_size"] // args["num_attention_heads"]
+    every = args.get("full_attention_interval") or 1
+    return [2 * heads * head_dim * dtype_bytes * ((i + 1) % every == 0) for i in range(layers)]
 
 
 @dataclass
