@@ -209,17 +209,13 @@ class FileExpertStore:
                 if layer not in device.on_device:
                     self.loads.finish_open()  # no read left pending in its table
                 call = LayerCall(layer, "device", slots=device.slots(layer, indices))
-                self._device_time(layer, time.perf_counter() - t0)
+                st, dt = self.stats[layer], time.perf_counter() - t0
+                st.host_s, st.device_s = st.host_s + dt, st.device_s + dt
+                st.device_path_calls += 1
                 self.timeline.mark(layer, "planned", "device")
                 return call
             device.to_host(layer)  # every host-path call works on the host's table
         return self.host.call(layer, indices, overlap, also, beside)
-
-    def _device_time(self, layer: int, dt: float) -> None:
-        st = self.stats[layer]
-        st.host_s += dt
-        st.device_s += dt
-        st.device_path_calls += 1
 
     def step(self, call: LayerCall, i: int):
         """Step ``i`` of a host-path call, its experts resident (reads waited for, or an

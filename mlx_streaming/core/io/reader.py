@@ -99,6 +99,14 @@ def _slice(vecs: list[memoryview], a: int, b: int) -> list[memoryview]:
     return out
 
 
+def _preadv(fd: int, path, vecs, offset: int) -> int:
+    """``os.preadv``, its error naming the file and the byte, as the native reader's do."""
+    try:
+        return os.preadv(fd, vecs, offset)
+    except OSError as e:
+        raise RecordReadError(e.errno, f"{path}: {e.strerror} at byte {offset}") from e
+
+
 class RecordReader:
     """Reads records ``id`` at ``id * stride`` of registered files."""
 
@@ -192,10 +200,7 @@ class RecordReader:
 
     def _read_piece(self, fd, path, piece: _Piece, lock: threading.Lock) -> int:
         want = sum(v.nbytes for v in piece.vecs)
-        try:
-            got = os.preadv(fd, piece.vecs, piece.offset)
-        except OSError as e:  # name the file, as the native reader does
-            raise RecordReadError(e.errno, f"{path}: {e.strerror} at byte {piece.offset}") from e
+        got = _preadv(fd, path, piece.vecs, piece.offset)
         if got != want:
             self._finish_short(fd, path, piece.vecs, piece.offset, got)
         nbytes = 0
@@ -217,12 +222,7 @@ class RecordReader:
             end = pos + v.nbytes
             start = max(got - pos, 0)
             while start < v.nbytes:
-                try:
-                    k = os.preadv(fd, [v[start:]], offset + pos + start)
-                except OSError as e:
-                    raise RecordReadError(
-                        e.errno, f"{path}: {e.strerror} at byte {offset + pos + start}"
-                    ) from e
+                k = _preadv(fd, path, [v[start:]], offset + pos + start)
                 if k <= 0:
                     raise RecordReadError(
                         5,
