@@ -95,7 +95,8 @@ class SplitPlan:
 
 def _pack(mb: ModelBytes, hosts: list[int], share: float, context: int) -> list[int] | None:
     """Layers per rank (rank order) when each rank takes as many of the next layers as
-    fit (the last rank starts at layer 0), or None when they do not all fit."""
+    fit (the last rank starts at layer 0), or None when they do not all fit or a rank
+    gets no MoE layer (``load`` refuses such a rank)."""
     n, size = len(mb.trunk), len(hosts)
     counts = [0] * size
     i = 0
@@ -118,7 +119,10 @@ def _pack(mb: ModelBytes, hosts: list[int], share: float, context: int) -> list[
                 counts[q - 1] += 1
     end = 0
     for r in reversed(range(size)):  # a rank that took a layer must still fit
-        if mb.rank_bytes(range(end, end + counts[r]), share, context) > hosts[r]:
+        layers = range(end, end + counts[r])
+        if not any(mb.experts[i] for i in layers):
+            return None
+        if mb.rank_bytes(layers, share, context) > hosts[r]:
             return None
         end += counts[r]
     return counts
@@ -161,6 +165,11 @@ def suggest_split(
                 "gives every rank a MoE layer that fits; give the small hosts more memory, "
                 "or use fewer"
             )
+        if sum(hosts) >= need:  # enough in all: no contiguous split gives each a MoE layer
+            raise ValueError(
+                f"no split of this model over hosts of {machines_gb} GB gives every rank a "
+                "MoE layer that fits: give the small hosts more memory, or use fewer"
+            )
         raise ValueError(
             f"hosts of {machines_gb} GB cannot hold this model even with top-k slots per layer "
             f"and a KV cache of {context} tokens (about {need / 1e9:.2f} GB in all): add "
@@ -188,14 +197,7 @@ def suggest_split(
     for r, count in enumerate(split):
         start = sum(split[r + 1 :])
         layers = range(start, start + count)
-        moe = sum(1 for i in layers if mb.experts[i])
-        need = mb.rank_bytes(layers, lo, context)
-        if not moe or need > hosts[r]:  # load would refuse this rank
-            raise ValueError(
-                f"no split of this model over hosts of {machines_gb} GB gives every rank a "
-                f"MoE layer that fits (rank {r}: layers {list(layers)}, "
-                f"{need / 1e9:.3g} GB needed): give the small hosts more memory, or use fewer"
-            )
+        moe = sum(1 for i in layers if mb.experts[i])  # >= 1, as _pack checked
         trunk = mb.shared + sum(mb.trunk[i] for i in layers)
         kv = context * sum(mb.kv[i] for i in layers)
         ranks.append(
