@@ -94,12 +94,6 @@ def hit_curves(trace: RoutingTrace, layers, grid, policy: str, tokens: int) -> n
     return out
 
 
-def most_missed(trace: RoutingTrace, policy: str, slots: int, layers, tokens: int) -> list[int]:
-    """``layers`` by their misses at ``slots`` uniform slots, most first (ties: lower)."""
-    r = simulate(trace, policy, slots, layers=layers, tokens=tokens)
-    return sorted(layers, key=lambda li: -r.misses[li])
-
-
 @dataclass
 class Profile:
     mode: str
@@ -183,8 +177,9 @@ def build_profile(
         grid = sorted(set(range(k, top + 1, step)) | {uniform, top})
         curves = hit_curves(calib, layers, grid, policy, tokens)
         budget = shape.pool_bytes({li: uniform for li in shape.layers}, zero)
-        if whole_layers:
-            whole = most_missed(calib, policy, uniform, layers, tokens)[:whole_layers]
+        if whole_layers:  # the layers that miss most at uniform slots (fewest hits)
+            at_uniform = curves[:, grid.index(uniform)]
+            whole = sorted(layers, key=lambda i: at_uniform[i])[:whole_layers]
         rest = [i for i in layers if i not in whole]
         held_whole = shape.pool_bytes({shape.layers[i]: ne[i] for i in whole}, zero)
         least = held_whole + shape.pool_bytes({shape.layers[i]: k for i in rest}, zero)
