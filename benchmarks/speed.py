@@ -262,16 +262,10 @@ def main():
             "plan_us": round(1e6 * tot["host_s"] / calls, 1),
             "read_us": round(1e6 * tot["read_s"] / calls, 1),
             "graph_us": round(1e6 * tot["graph_s"] / calls, 1),
-            # the same split by path (the averages above mix the prompt's host-path calls
-            # with decode's): host µs per device-path call (its expert graph's build not
-            # included), and per host-path call (all phases)
+            # the device path's own calls apart (the averages above mix in the prompt's
+            # host-path calls): host µs each, its expert graph's build not included
             "device_call_us": round(1e6 * tot["device_s"] / tot["device_path_calls"], 1)
             if tot["device_path_calls"]
-            else None,
-            "host_path_call_us": round(
-                1e6 * (sum(tot[k] for k in PHASES) - tot["device_s"]) / tot["host_calls"], 1
-            )
-            if tot["host_calls"]
             else None,
             "device_calls": tot["device_calls"],
             "device_path_calls": tot["device_path_calls"],
