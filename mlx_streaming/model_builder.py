@@ -21,7 +21,7 @@ from .core.options import StreamConfig
 from .core.prefetch.patch import patch_model_filebacked
 from .core.runtime import resolve
 from .planning.budget import MemoryPlan, default_cache_limit, store_slots
-from .planning.profiles import PROFILE_NAME, read_pool_profile, read_whole_layers
+from .planning.profiles import PROFILE_NAME, read_pool_profile, read_profile
 from .prep.hub import resolve_model_path
 from .prep.split_experts import ensure_split
 
@@ -104,8 +104,7 @@ def load(
         )
     p = cfg.pool_profile
     path = pool_profile_path(expert_dir) if p == "auto" else None if p == "none" else p
-    caps = None if path is None else read_pool_profile(path)
-    whole = set() if path is None else read_whole_layers(path)
+    caps, whole = (None, []) if path is None else read_profile(path)
     if cfg.budget_gb == "auto":
         cfg = cfg.replace(budget_gb=auto_budget_for(model, cfg.context).budget_bytes / 1e9)
     runtime = resolve(cfg, meta)

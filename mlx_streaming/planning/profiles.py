@@ -30,6 +30,22 @@ def read_pool_profile(path: str | Path) -> dict[int, int]:
     Raises:
         ValueError: the file is not a valid pool profile (names the file).
     """
+    return read_profile(path)[0]
+
+
+def read_whole_layers(path: str | Path) -> list[int]:
+    """The layers a pool profile keeps whole on purpose (``profile --whole-layers``), the
+    one that misses most first, so that a budget scales the others and keeps as many of
+    these whole as it can; empty for other profiles."""
+    return read_profile(path)[1]
+
+
+def read_profile(path: str | Path) -> tuple[dict[int, int], list[int]]:
+    """A pool profile file's ``{layer: slots}`` and its whole layers, read once.
+
+    Raises:
+        ValueError: the file is not a valid pool profile (names the file).
+    """
     path = Path(path)
     try:
         d = json.loads(path.read_text())
@@ -51,15 +67,7 @@ def read_pool_profile(path: str | Path) -> dict[int, int]:
                 "index to a positive slot count"
             )
         out[int(k)] = v
-    return out
-
-
-def read_whole_layers(path: str | Path) -> list[int]:
-    """The layers a pool profile keeps whole on purpose (``profile --whole-layers``), the
-    one that misses most first, so that a budget scales the others and keeps as many of
-    these whole as it can; empty for other profiles."""
-    d = json.loads(Path(path).read_text())
-    whole = (d.get("whole_layers") if isinstance(d, dict) else None) or []
+    whole = d.get("whole_layers") or []
     ok = isinstance(whole, list) and all(
         isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in whole
     )
@@ -68,7 +76,7 @@ def read_whole_layers(path: str | Path) -> list[int]:
             f"pool profile {path}: whole_layers {whole!r} must be a list of layer indices; "
             "write the profile again with `python -m mlx_streaming profile`"
         )
-    return list(whole)
+    return out, list(whole)
 
 
 def write_pool_profile(path: str | Path, caps: dict[int, int], **info) -> None:
