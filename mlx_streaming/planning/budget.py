@@ -234,6 +234,14 @@ AUTO_MIN_HEADROOM = 256 << 20
 MARGIN_BYTES = 32 << 20  # what the budget leaves out: staging, reader buffers, slack
 
 
+def pools_within(room: int) -> int:
+    """The largest pools that fit ``room`` with what ``load`` adds to them: the margin
+    and MLX's buffer-cache cap (``default_cache_limit``: 5% of the pools, at least its
+    floor). At most 0 when nothing is left."""
+    room -= MARGIN_BYTES
+    return min(int(room / 1.05), room - default_cache_limit(0))
+
+
 def kv_bytes_measured(model, step: int = 256) -> list[int] | None:
     """The KV cache one more token adds to each of ``model``'s prompt caches (one per
     layer in mlx-lm), measured on lazy graphs (nothing is evaluated, so no weight is
@@ -332,9 +340,7 @@ def auto_budget(
     available = min(available, total)
     headroom = max(AUTO_MIN_HEADROOM, int(AUTO_HEADROOM_SHARE * available))
     kv = kv_per_token * context
-    left = available - trunk - kv - headroom - MARGIN_BYTES
-    # pools + their buffer-cache cap (5% of the pools, at least 32 MB) fill what is left
-    pools = int(left / 1.05) if left / 1.05 >= 20 * (32 << 20) else left - (32 << 20)
+    pools = pools_within(available - trunk - kv - headroom)
     if pools <= 0:
         raise ValueError(
             f"--budget-gb auto: this machine has {available / 1e9:.2f} GB available; the "

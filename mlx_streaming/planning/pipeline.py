@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..core.discovery import find_expert_sites
 from ..core.options import StreamConfig
-from .budget import MARGIN_BYTES, default_cache_limit, kv_bytes, pool_slots
+from .budget import MARGIN_BYTES, default_cache_limit, kv_bytes, pool_slots, pools_within
 
 
 @dataclass(frozen=True)
@@ -128,13 +128,6 @@ def _pack(mb: ModelBytes, hosts: list[int], share: float, context: int) -> list[
     return counts
 
 
-def _pool_budget(room: int) -> int:
-    """The pools' share of a rank's memory after its trunk and KV cache: less the margin
-    and MLX's buffer-cache cap that ``load`` adds on top of the pools (``MemoryPlan``)."""
-    room -= MARGIN_BYTES  # the cap: 5% of the pools (b / 20), at least its floor
-    return max(0, min(int(room / 1.05), room - default_cache_limit(0)))
-
-
 def suggest_split(
     mb: ModelBytes, machines_gb: list[float], context: int = StreamConfig.context
 ) -> SplitPlan:
@@ -208,7 +201,7 @@ def suggest_split(
                 "trunk_gb": round(trunk / 1e9, 3),
                 "kv_gb": round(kv / 1e9, 3),
                 # to the kB below: the flag it is passed as plans at least the share
-                "pool_budget_gb": _pool_budget(hosts[r] - trunk - kv) // 1000 / 1e6,
+                "pool_budget_gb": max(0, pools_within(hosts[r] - trunk - kv)) // 1000 / 1e6,
             }
         )
     return SplitPlan(split, lo, ranks, context, mb.zero_slot)
