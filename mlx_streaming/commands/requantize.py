@@ -44,22 +44,22 @@ def main(argv=None) -> None:
     from ..core.format import META_NAME
     from ..model_builder import default_expert_dir
 
-    split_dir = None if (Path(a.src) / META_NAME).exists() else default_expert_dir(a.src)
+    src = a.src
+    split_dir = None if (Path(src) / META_NAME).exists() else default_expert_dir(src)
     report = None
     if a.target_gb:
         from ..analysis.quality import choose_bits
 
-        experts = a.src
         if split_dir is not None:  # a model: split it first, so its experts can be measured
             from ..prep.hub import resolve_model_path
             from ..prep.split_experts import split_model
 
-            split_model(resolve_model_path(a.src), split_dir)
-            experts, a.model = split_dir, a.model or a.src
-        layer_bits, report = choose_bits(str(experts), a.target_gb, a.model, a.group_size)
+            split_model(resolve_model_path(src), split_dir)
+            src, split_dir, a.model = str(split_dir), None, a.model or src  # split once
+        layer_bits, report = choose_bits(src, a.target_gb, a.model, a.group_size)
         a.layer_bits = layer_bits
     meta = requantize(
-        a.src,
+        src,
         a.out,
         a.bits,
         group_size=a.group_size,

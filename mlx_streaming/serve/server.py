@@ -336,12 +336,14 @@ def serve(
     http = threading.Thread(target=httpd.serve_forever, name="http", daemon=True)
     http.start()
     try:  # the generator's thread loads the model, then serves: if it dies, so do we
-        while generator.generation_available():
+        while generator.generation_available() and http.is_alive():
             http.join(timeout=0.5)
-        raise RuntimeError(
-            f"the model could not be loaded, or its generation thread died ({cli_args.model}): "
-            "see the log above; the server stops"
-        )
+        if http.is_alive():
+            raise RuntimeError(
+                f"the model could not be loaded, or its generation thread died "
+                f"({cli_args.model}): see the log above; the server stops"
+            )
+        raise RuntimeError("the HTTP server's thread stopped: see the log above")
     except KeyboardInterrupt:
         pass
     finally:
