@@ -19,6 +19,7 @@ import numpy as np
 from ..core.format import ExpertMeta, parts_of
 from ..core.io.reader import RecordReader, aligned_buffer
 from ..planning.allocate import climb
+from ..prep.requantize import target_group
 from .capture import capture_inputs
 
 QUALITY_TEXT = (
@@ -156,10 +157,7 @@ def error_table(
             xe = mx.array(x[rows])
             a = _expert(source, reader, li, int(e))
             for b in candidates:
-                tgt = {
-                    p: Quant(b, group_size or (q.group_size if q else 64))
-                    for p, q in lay.quant.items()
-                }
+                tgt = {p: Quant(b, target_group(q, group_size)) for p, q in lay.quant.items()}
                 new = requantize_expert(lay, a, tgt)
                 for p in lay.quant:
                     wa = _dense(a, lay, p)
@@ -177,13 +175,6 @@ def error_table(
         table[li] = {p: {b: float(np.mean(v)) for b, v in d.items()} for p, d in acc.items()}
     reader.close()
     return table
-
-
-def _group(layout, proj: str, group_size: int | None) -> int:
-    """The group size a projection is written at: the one asked for, else the source's
-    (as ``requantize`` does), else 64."""
-    q = layout.quant[proj]
-    return group_size or (q.group_size if q else 64)
 
 
 def proj_bytes(layout, proj: str, bits: int, group_size: int) -> int:
@@ -219,7 +210,9 @@ def allocate_bits(
     E = source.num_experts
     keys = [(li, p) for li in sorted(table) for p in sorted(table[li])]
     size = {
-        (li, p, b): proj_bytes(source.layers[li], p, b, _group(source.layers[li], p, group_size))
+        (li, p, b): proj_bytes(
+            source.layers[li], p, b, target_group(source.layers[li].quant[p], group_size)
+        )
         * E
         for li, p in keys
         for b in cands

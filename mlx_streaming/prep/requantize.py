@@ -51,6 +51,12 @@ def parse_proj_bits(spec: str | dict | None) -> dict[str, int] | None:
     return out
 
 
+def target_group(source, group_size: int | None) -> int:
+    """The group size a projection is written at: the one asked for, else its source's
+    (``source``: its ``Quant``, None when not quantized), else 64."""
+    return group_size or (source.group_size if source else 64)
+
+
 def _proj_name(name: str) -> str:
     """``gate`` -> ``gate_proj``; full names (and ``fc1``-style) as they are."""
     name = str(name).strip()
@@ -100,8 +106,7 @@ def _targets(layout: LayerLayout, bits, group_size, proj_bits, layer_bits, mode)
             b = lb[proj]
         elif isinstance(lb, int):
             b = lb
-        src = layout.quant[proj]
-        gs = group_size or (src.group_size if src else 64)
+        gs = target_group(layout.quant[proj], group_size)
         if b not in (2, 3, 4, 5, 6, 8):
             raise ValueError(
                 f"bits {b} for layer {layout.layer} {proj} is not supported "
