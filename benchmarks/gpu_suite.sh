@@ -239,6 +239,8 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
         if [ ! -x "$nsys" ]; then echo "nsys not found: set NSYS=/path/to/nsys"; continue; fi
         for mode in stock streamed; do  # one process each, the capture range its decode steps
           rm -f /tmp/nsys-$mode.nsys-rep /tmp/nsys-$mode.sqlite /tmp/nsys-${mode}_*.csv
+          # its importer (QdstrmImporter) needs libdw, which the machine lacks: .gpu/lib
+          LD_LIBRARY_PATH=$PWD/.gpu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
           timeout "$limit" "$nsys" profile -t cuda --cuda-graph-trace=node -f true \
             --capture-range=cudaProfilerApi --capture-range-end=stop -o /tmp/nsys-$mode \
             python3 benchmarks/probes/gpu_timeline.py --workdir $work --trace "$trace" \

@@ -204,6 +204,7 @@ def test_device_path_plans_as_the_reference_and_the_simulator(models, policy):
                 want, _ = plan_reference(refs[li], WEIGHTS[policy], ids[None])
                 mx.eval(call.slots)  # nothing here chains the calls: run each in turn
                 assert np.array_equal(np.array(call.slots), want), (step, li)
+                assert call.slots.dtype == mx.uint32  # the matmuls' index type: no cast
                 store.finish(call, call.slots)
             sims[li].lookup(np.unique(ids))
     report = store.layer_report()  # the counters come back; the tables stay on the device

@@ -52,7 +52,7 @@ from .device_plan import (
     scratch_arrays,
     template,
 )
-from .pool import LayerPool, device_address
+from .pool import SLOT_IDS, LayerPool, device_address
 from .slots import SlotCache
 from .stats import LayerStats
 
@@ -137,7 +137,7 @@ class DevicePath:
         self.blocks = BLOCKS  # of the kernel (a probe may change it)
         self._kernels = {}  # by copy word
         self._calls = {}  # (layer, routed ids): the kernel call's fixed arguments
-        self._prev = {li: mx.zeros((1,), mx.int32) for li in self.layers}  # last outputs
+        self._prev = {li: mx.zeros((1,), SLOT_IDS) for li in self.layers}  # last outputs
 
     def _call_args(self, layer: int, n: int) -> tuple:
         """The kernel, its copy description and its template for ``n`` ids of ``layer``."""
@@ -169,7 +169,7 @@ class DevicePath:
             grid=(self.blocks * THREADS, 1, 1),
             threadgroup=(THREADS, 1, 1),
             output_shapes=[indices.shape],
-            output_dtypes=[mx.int32],
+            output_dtypes=[SLOT_IDS],
         )
         self._prev[layer] = out  # the layer's next call comes after this one
         st = self.stats[layer]

@@ -89,7 +89,7 @@ def plan_reference(
     ctr[MISSED_CALLS] += len(misses) > 0
     ctr[FREE] -= len(free)
     rank.access(d)
-    slots = np.maximum(slot_of[ids.astype(np.int64)], 0).astype(np.int32)
+    slots = np.maximum(slot_of[ids.astype(np.int64)], 0).astype(np.uint32)
     return slots, np.array(fills, np.int32)
 
 

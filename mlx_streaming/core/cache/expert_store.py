@@ -30,7 +30,7 @@ from .device_path import DevicePath
 from .host_path import HostPath
 from .loads import Loader
 from .policy import make_policy
-from .pool import LayerPool, capacities, default_slots, make_pools
+from .pool import SLOT_IDS_NP, LayerPool, capacities, default_slots, make_pools
 from .readers import make_reader
 from .recording import RoutingCounts
 from .slots import SlotCache
@@ -236,7 +236,7 @@ class FileExpertStore:
         not a host-made MLX buffer, which MLX may first move to managed memory)."""
         transfers = self.host.transfers
         if transfers is None:
-            return mx.array(slots.astype(np.int32))
+            return mx.array(slots.astype(SLOT_IDS_NP))
         return transfers.to_device(slots)
 
     # ------------------------------------------------------------ loading

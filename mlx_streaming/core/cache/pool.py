@@ -23,6 +23,9 @@ import numpy as np
 from ..format import DTYPES, ExpertDirError, LayerLayout
 from ..io import cuda
 
+# Slot ids as the matmuls take them: gather_qmm's own index type, so it casts nothing (int32
+# ids cost an AsType per projection: three ops per layer call, on every path).
+SLOT_IDS, SLOT_IDS_NP = mx.uint32, np.uint32
 SMALL_CALL = 64  # ids up to which Python lists beat numpy's indexing (a decode step)
 
 MODES = ("host", "cuda")
@@ -68,13 +71,13 @@ class LayerPool:
             self.arrays[p.name] = arr
         self._lut_dev, self._lut_stale = 0, False
         if self.mode == "cuda":  # a page-locked host copy, copied over after each change
-            self.lut = mx.zeros((layout.num_experts,), dtype=mx.int32)
+            self.lut = mx.zeros((layout.num_experts,), dtype=SLOT_IDS)
             mx.eval(self.lut)
             self._lut_dev = device_address(self.lut)
-            self._lut_host = cuda.page_locked(4 * layout.num_experts).view(np.int32)
+            self._lut_host = cuda.page_locked(4 * layout.num_experts).view(SLOT_IDS_NP)
             self._lut_host[:] = 0
         else:
-            self.lut = mx.array(np.zeros(layout.num_experts, dtype=np.int32))
+            self.lut = mx.array(np.zeros(layout.num_experts, dtype=SLOT_IDS_NP))
             mx.eval(self.lut)
             self._lut_host = np.array(self.lut, copy=False)
         pos, gap = 0, 0
@@ -142,7 +145,7 @@ class LayerPool:
             return out
         lut, ids = self._lut_host, experts.ravel().tolist()
         out = [reserved[e] if e in reserved else lut[e] for e in ids]
-        return np.array(out, np.int32).reshape(experts.shape)
+        return np.array(out, SLOT_IDS_NP).reshape(experts.shape)
 
     def set_lut(self, experts, slots) -> None:
         """Point ``lut[experts]`` at ``slots``."""

@@ -25,7 +25,7 @@ MAX_IDS = 64  # a decode step's ids (longer calls read the usual way)
 CHANNELS = 2  # reads in flight at once: a call's routing and its predictor's guess
 _DTYPES = {mx.uint32: np.uint32, mx.int32: np.int32}
 _TO_DEVICE = """
-    const int* src = (const int*)(addr[0]);
+    const unsigned int* src = (const unsigned int*)(addr[0]);
     for (int i = 0; i < N; i++) out[i] = src[i];
 """
 RING = 64  # host buffers for to_device: one is rewritten only 64 calls later
@@ -60,7 +60,7 @@ class IdTransfers:
         )
         # to_device: RING buffers of MAX_IDS ids, each with its address as a device array
         self._ring, ring_dev = cuda.shared_host(4 * MAX_IDS * RING)
-        self._ring = self._ring.view(np.int32).reshape(RING, MAX_IDS)
+        self._ring = self._ring.view(np.uint32).reshape(RING, MAX_IDS)
         self._ring_addr = [
             mx.array(np.array([ring_dev + 4 * MAX_IDS * i], np.uint64)) for i in range(RING)
         ]
@@ -95,10 +95,10 @@ class IdTransfers:
         return host.view(_DTYPES[ids.dtype]).reshape(ids.shape).copy()
 
     def to_device(self, ids: np.ndarray) -> mx.array:
-        """``mx.array(ids)`` (int32) without a host-made MLX buffer (``ids`` at most
-        ``MAX_IDS``; larger arrays take ``mx.array``)."""
+        """``mx.array(ids)`` as uint32, the slot ids' type (``pool.SLOT_IDS``), without a
+        host-made MLX buffer (``ids`` at most ``MAX_IDS``; larger arrays take ``mx.array``)."""
         if ids.size > MAX_IDS:
-            return mx.array(ids.astype(np.int32))
+            return mx.array(ids.astype(np.uint32))
         i, self._next = self._next, (self._next + 1) % RING
         self._ring[i, : ids.size] = ids.ravel()
         (out,) = self._copy(
@@ -107,7 +107,7 @@ class IdTransfers:
             grid=(1, 1, 1),
             threadgroup=(1, 1, 1),
             output_shapes=[ids.shape],
-            output_dtypes=[mx.int32],
+            output_dtypes=[mx.uint32],
         )
         return out
 

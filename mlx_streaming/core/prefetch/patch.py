@@ -20,6 +20,7 @@ import numpy as np
 
 from ..cache.expert_store import FileExpertStore
 from ..cache.host_path import launched
+from ..cache.pool import SLOT_IDS_NP
 from ..discovery import find_expert_sites, projections
 from ..dispatch import KernelParityError, PoolQuantizedSwitchLinear, PoolSwitchLinear
 from ..format import LayerLayout, mx_dtype_name
@@ -117,7 +118,7 @@ class StreamedExperts(nn.Module):
         keep = np.nonzero(rows.reshape(-1))[0]
         n = len(keep)
         tok, run = pad_subset(keep // k, flat[keep], flat.size, dummy)
-        y = self.experts(xf[mx.array(tok)], mx.array(run.astype(np.int32))[:, None])[
+        y = self.experts(xf[mx.array(tok)], mx.array(run.astype(SLOT_IDS_NP))[:, None])[
             :n, 0
         ]  # [n, D]
         if out is None:
