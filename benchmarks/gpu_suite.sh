@@ -55,7 +55,10 @@
 #                                           and streamed at RESIDENCY (default 0.5), from Nsight
 #                                           Systems (nsys ships with the machine's Nsight
 #                                           Compute): busy/idle per step, kernels by name, the
-#                                           plan kernel's µs per call (probes/gpu_timeline.py)
+#                                           plan kernel's µs per call (probes/gpu_timeline.py);
+#                                           nsys's importer needs libdw.so.1 (with libelf,
+#                                           liblzma, libbz2) in .gpu/lib, from this machine's
+#                                           /usr/lib/x86_64-linux-gnu (the H200 lacks it)
 #   bash benchmarks/gpu_suite.sh launch     MLX's host cost per evaluation call and per op, with and
 #                                           without CUDA graphs
 #   bash benchmarks/gpu_suite.sh split      one decode step's build / launch / wait, stock against

@@ -72,6 +72,10 @@ class ModelBytes:
         that ``load`` adds to them, and the KV cache of ``context`` tokens."""
         pools = sum(self.pool_bytes(i, share) for i in layers)
         fixed = sum(self.trunk[i] + context * self.kv[i] for i in layers)
+        return self.total(pools, fixed)
+
+    def total(self, pools: int, fixed: int) -> int:
+        """A rank's bytes from its layers' pools and their trunk and KV cache."""
         return self.shared + fixed + pools + MARGIN_BYTES + default_cache_limit(pools)
 
 
@@ -94,38 +98,41 @@ class SplitPlan:
 
 
 def _pack(mb: ModelBytes, hosts: list[int], share: float, context: int) -> list[int] | None:
-    """Layers per rank (rank order) when each rank takes as many of the next layers as
-    fit (the last rank starts at layer 0), or None when they do not all fit or a rank
-    gets no MoE layer (``load`` refuses such a rank)."""
+    """Layers per rank (rank order), or None where no contiguous split fits every rank
+    with a MoE layer of its own (``load`` refuses a rank without one). The last rank
+    takes layer 0 on; each rank takes as many layers as fit while the ranks after it can
+    still take the rest (a search over every split point, not a greedy guess)."""
     n, size = len(mb.trunk), len(hosts)
-    counts = [0] * size
-    i = 0
-    for r in reversed(range(size)):
-        start = i
-        while i < n and mb.rank_bytes(range(start, i + 1), share, context) <= hosts[r]:
-            counts[r] += 1
-            i += 1
-    if i < n:
+    pools = [mb.pool_bytes(i, share) for i in range(n)]
+    fixed = [mb.trunk[i] + context * mb.kv[i] for i in range(n)]
+    order = hosts[::-1]  # in taking order: the last rank first
+
+    def ends(room: int, i: int) -> list[int]:
+        """Where a rank of ``room`` bytes starting at layer ``i`` may stop (exclusive):
+        its layers fit and hold a MoE layer."""
+        out, p, f, moe = [], 0, 0, False
+        for j in range(i, n):
+            p, f, moe = p + pools[j], f + fixed[j], moe or bool(mb.experts[j])
+            if mb.total(p, f) > room:
+                break  # bytes only grow with more layers
+            if moe:
+                out.append(j + 1)
+        return out
+
+    options = [[ends(order[q], i) for i in range(n)] for q in range(size)]
+    done = [[False] * (n + 1) for _ in range(size + 1)]  # ranks q.. can take layers i..
+    done[size][n] = True
+    for q in reversed(range(size)):
+        for i in range(n):
+            done[q][i] = any(done[q + 1][j] for j in options[q][i])
+    if not done[0][0]:
         return None
-    # a rank left without layers takes one from the rank before it (that one then holds
-    # less, so it still fits; the taker is checked below)
-    for r in reversed(range(size - 1)):
-        while counts[r] == 0:
-            donor = next((q for q in range(r + 1, size) if counts[q] > 1), None)
-            if donor is None:
-                return None
-            for q in range(donor, r, -1):
-                counts[q] -= 1
-                counts[q - 1] += 1
-    end = 0
-    for r in reversed(range(size)):  # a rank that took a layer must still fit
-        layers = range(end, end + counts[r])
-        if not any(mb.experts[i] for i in layers):
-            return None
-        if mb.rank_bytes(layers, share, context) > hosts[r]:
-            return None
-        end += counts[r]
-    return counts
+    counts, i = [], 0
+    for q in range(size):
+        j = max(j for j in options[q][i] if done[q + 1][j])
+        counts.append(j - i)
+        i = j
+    return counts[::-1]
 
 
 def suggest_split(
