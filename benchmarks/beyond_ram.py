@@ -63,6 +63,8 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
     stream = {k: v for k, v in stream.items() if isinstance(v, (int, float, str, bool, type(None)))}
     trace_file = str(Path(a.trace).resolve()) if a.trace else None  # the child runs elsewhere
     rows = []
+    # read-ahead: off, then (--oracle) by a simulated predictor of each accuracy
+    oracles = [None, *a.oracle.split(",")] if getattr(a, "oracle", None) else [None]
 
     def result(rows, complete):
         return {
@@ -78,13 +80,14 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
         ref_file = Path(tmp) / "want.npz"
         np.savez(ref_file, tokens=np.array(want.tokens), logits=want.logits)
         for method in methods:
-            for r in [float(x) for x in a.residency.split(",")]:
+            for r, oracle in [(float(x), o) for x in a.residency.split(",") for o in oracles]:
                 job = {
                     "method": method, "residency": r, "checkpoint": str(ck),
                     "expert_dir": str(ed), "trace": trace_file, "start": start, "ids": ids,
                     "tokens": a.tokens, "repeat": a.repeat, "stock_tps": stock_tps,
                     "stream": stream, "want": str(ref_file),
                     "limit": int(a.memory_limit_gb * 1e9) if method == "memlimit" else 0,
+                    "oracle": oracle,
                 }  # fmt: skip
                 out = subprocess.run(
                     [sys.executable, __file__, json.dumps(job)],
@@ -92,7 +95,7 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
                     cwd=str(Path(__file__).parent),
                 )  # fmt: skip
                 if out.returncode != 0:
-                    raise RuntimeError(f"{method} at {r}: {out.stderr[-3000:]}")
+                    raise RuntimeError(f"{method} at {r} (oracle {oracle}): {out.stderr[-3000:]}")
                 row = json.loads(out.stdout.strip().splitlines()[-1])
                 log(row)
                 rows.append(row)
@@ -133,13 +136,17 @@ def child(job: dict) -> dict:
     from mlx_streaming.core.options import StreamConfig
     from mlx_streaming.core.runtime import resolve
     from mlx_streaming.planning.tiers import simulate_tiers
-    from mlx_streaming.planning.trace import RoutingTrace
+    from mlx_streaming.planning.trace import RoutingTrace, TraceOracle
 
     ck, ed, ids, start = Path(job["checkpoint"]), job["expert_dir"], job["ids"], job["start"]
     meta = load_meta(ed)
     trace = None if job["trace"] in (None, "none") else RoutingTrace.load(job["trace"])
     cfg = StreamConfig(**job["stream"]).replace(direct_io=job["method"] == "direct")
-    if cfg.prefetch and trace is not None:  # the replayed routing is the trace's, not the
+    oracle = None
+    if job.get("oracle") is not None and trace is not None:  # a what-if: guesses of known
+        oracle = TraceOracle(float(job["oracle"]))  # accuracy, read from the trace ahead
+        cfg = cfg.replace(prefetch=True, predictor=oracle)
+    elif cfg.prefetch and trace is not None:  # the replayed routing is the trace's, not the
         # model's router: guess by the trace's first half, as speed.py's warm runs do
         from mlx_streaming.core.prefetch.predictor import TransitionPredictor
 
@@ -154,6 +161,8 @@ def child(job: dict) -> dict:
     drop_page_cache([*files, *ck.glob("*.safetensors")])
     t0 = time.perf_counter()
     model, tok, store, routing = streamed(ck, ed, trace, start, slots=slots, config=cfg)
+    if oracle is not None:
+        oracle.routing = routing
     load_s = time.perf_counter() - t0
     cursor = routing.cursor if routing is not None else start
     t1 = time.perf_counter()
@@ -195,6 +204,13 @@ def child(job: dict) -> dict:
         "method": job["method"],
         "residency": job["residency"],
         "slots": slots,
+        "predictor": (
+            f"oracle {job['oracle']} (simulation)"
+            if oracle is not None
+            else getattr(cfg.predictor, "name", cfg.predictor)
+            if cfg.prefetch
+            else None
+        ),  # fmt: skip
         "tok_per_s": round(tps, 3),
         "decode_runs": [round(x, 3) for x in runs],
         "ratio_vs_stock": round(tps / stock_tps, 4),

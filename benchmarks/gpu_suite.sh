@@ -45,7 +45,14 @@
 #   bash benchmarks/gpu_suite.sh beyond     larger than RAM: stock, then 50/25/12.5% cold with
 #                                           O_DIRECT and within a MEMLIMIT-GB cgroup (default 10)
 #   bash benchmarks/gpu_suite.sh beyondahead  larger than RAM with O_DIRECT at 50% and 25%,
-#                                           read-ahead (the next layer's router) off, then on
+#                                           read-ahead off, then by the trace's transitions
+#                                           (2026-12-04g: 50% only within LIMIT=170; the
+#                                           transitions' guesses, right a quarter of the
+#                                           time, doubled the bytes)
+#   bash benchmarks/gpu_suite.sh beyondoracle  the same at RESIDENCY (default 0.5): read-ahead
+#                                           off, then by a simulated predictor right ORACLE
+#                                           (default "0.7,1") of the time: whether a real
+#                                           router's guesses (~70% right) pay on the disk
 #   bash benchmarks/gpu_suite.sh policies   decode at 50/25/12.5% on the device path under lru, then
 #                                           the host path under predictive: miss rates per path
 #   (mapab, lruab and compare measure the host path: they pass --no-device-reads)
@@ -165,6 +172,8 @@ case "$suite" in
                 speed gpu-dsv2-beyond${ahead:+-ahead} --residency 0.5,0.25 --repeat 3 \
                   --beyond-ram direct $ahead
               done ;;
+  beyondoracle) speed gpu-dsv2-beyond-oracle --residency "${RESIDENCY:-0.5}" --repeat 3 \
+                  --beyond-ram direct --oracle "${ORACLE:-0.7,1}" ;;
   policies) speed gpu-dsv2-lru --residency 0.5,0.25,0.125 --cold warm --repeat 3 \
               --prefill-tokens 0 --policy lru
             speed gpu-dsv2-hostpath --residency 0.5,0.25,0.125 --cold warm --repeat 3 \

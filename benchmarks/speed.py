@@ -88,7 +88,8 @@ def main():
         "--oracle",
         help="what-if read-ahead curve (a simulation): also run each residency under 1 with "
         "a predictor that knows the trace's next-layer picks, right with these "
-        "probabilities (e.g. 0,0.5,0.7,0.9,1), and with the trace's transition predictor",
+        "probabilities (e.g. 0,0.5,0.7,0.9,1), and with the trace's transition predictor; "
+        "with --beyond-ram, each residency also runs read-ahead by each such predictor",
     )
     a = p.parse_args()
 
