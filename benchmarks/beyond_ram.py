@@ -127,7 +127,7 @@ def child(job: dict) -> dict:
 
     if job["limit"]:  # before the model allocates anything: all of it is charged there
         enter_memory_limit(job["limit"], "mlxs-beyond-ram")
-    from harness import decode_run, rewind, streamed
+    from harness import decode_run, rewind, slots_at, streamed
 
     from mlx_streaming.analysis.verify import Trace, compare_traces, greedy_trace
     from mlx_streaming.bench.measure import bounds, drop_page_cache, measure_read_gbps
@@ -152,7 +152,7 @@ def child(job: dict) -> dict:
 
         cfg = cfg.replace(predictor=TransitionPredictor.from_trace(trace.split(0.5)[0], meta.top_k))
     rt = resolve(cfg, meta)
-    slots = max(meta.top_k, round(job["residency"] * meta.num_experts))
+    slots = slots_at(meta, job["residency"])
     files = [meta.file(li) for li in meta.layers]
     drop_page_cache(files)
     gbps = measure_read_gbps(

@@ -23,7 +23,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
-from harness import PROMPT, build, decode_run, finish, log, parser, routing_trace, streamed
+from harness import (
+    PROMPT,
+    build,
+    decode_run,
+    finish,
+    log,
+    parser,
+    routing_trace,
+    slots_at,
+    streamed,
+)
 
 
 def _median(f, n=7) -> float:
@@ -125,7 +135,7 @@ def profile(a, ck, ed, meta, trace, start) -> list[dict]:
     ]
     out = []
     for name, r, kw in configs:
-        slots = max(meta.top_k, round(r * meta.num_experts))
+        slots = slots_at(meta, r)
         model, tok, store, _ = streamed(ck, ed, trace, start, slots=slots, threads=a.threads, **kw)
         ids = tok.encode(PROMPT)
         decode_run(model, tok, ids, a.tokens)

@@ -104,6 +104,11 @@ def _route(model, trace, start):
     return apply_trace_routing(model, trace, start)
 
 
+def slots_at(meta, residency: float) -> int:
+    """Slots per MoE layer holding ``residency`` of its experts (at least top-k)."""
+    return max(meta.top_k, round(residency * meta.num_experts))
+
+
 def rewind(start: int, *routings) -> None:
     """Make trace-routed models replay from the same token."""
     for r in routings:

@@ -40,6 +40,7 @@ from harness import (
     rewind,
     routing_trace,
     save,
+    slots_at,
     stamped,
     stock,
     streamed,
@@ -167,7 +168,7 @@ def main():
 
     out_cfgs, timelines = [], {}
     for r, temp, pred in configs:
-        slots = max(meta.top_k, round(r * meta.num_experts))
+        slots = slots_at(meta, r)
         kw = load_kw
         if pred is not None:  # read-ahead by the trace's transitions or a simulated oracle
             guess = (
@@ -377,7 +378,7 @@ def memory_limited(a, ck, ed, meta, trace, start, tok, ids, ref, load_kw) -> dic
     model would not."""
     from mlx.utils import tree_flatten
 
-    slots = max(meta.top_k, round(a.limited_residency * meta.num_experts))
+    slots = slots_at(meta, a.limited_residency)
     whole = sum(v.nbytes for _, v in tree_flatten(ref.parameters()))
     del ref
     gc.collect()
@@ -407,7 +408,7 @@ def memory_limited(a, ck, ed, meta, trace, start, tok, ids, ref, load_kw) -> dic
 def prefill_run(a, ck, ed, meta, trace, start, tok, ids, ref, ref_routing, load_kw) -> dict:
     """A long prompt at one budget: prefill tok/s against stock and bytes read against
     the ideal (every distinct expert of every chunk read once)."""
-    slots = max(meta.top_k, round(a.prefill_residency * meta.num_experts))
+    slots = slots_at(meta, a.prefill_residency)
     model, _, store, routing = streamed(ck, ed, trace, start, slots=slots, **load_kw)
     long_ids = (ids * (a.prefill_tokens // len(ids) + 1))[: a.prefill_tokens]
     decode_run(model, tok, long_ids[:64], 2, a.prefill_chunk)  # compile

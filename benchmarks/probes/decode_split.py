@@ -32,7 +32,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from harness import PROMPT, build, finish, log, parser, rewind, routing_trace, stock, streamed  # noqa: E402
+from harness import (  # noqa: E402
+    PROMPT,
+    build,
+    finish,
+    log,
+    parser,
+    rewind,
+    routing_trace,
+    slots_at,
+    stock,
+    streamed,
+)
 
 
 def _ms(xs: list[float]) -> float:
@@ -96,7 +107,7 @@ def main():
     a = p.parse_args()
     ck, ed, meta = build(a)
     trace, start = routing_trace(a)
-    slots = max(meta.top_k, round(a.residency * meta.num_experts))
+    slots = slots_at(meta, a.residency)
     ref, tok, routing = stock(ck, trace, start)
     models = {"stock": (ref, routing, None)}
     for name, n, variant in (

@@ -30,7 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from harness import PROMPT, build, finish, log, parser, routing_trace, stock, streamed  # noqa: E402
+from harness import PROMPT, build, finish, log, parser, routing_trace, slots_at, stock, streamed  # noqa: E402
 
 from mlx_streaming.commands._args import positive_int  # noqa: E402
 
@@ -159,7 +159,7 @@ def main():
     if a.mode == "stock":
         model, tok, _ = stock(ck, trace, start)
     else:
-        slots = max(meta.top_k, round(a.residency * meta.num_experts))
+        slots = slots_at(meta, a.residency)
         model, tok, store, _ = streamed(ck, ed, trace, start, slots=slots)
         log("runtime", store.runtime.to_json())
     decode(model, tok, a.tokens)

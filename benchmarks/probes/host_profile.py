@@ -20,7 +20,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
-from harness import PROMPT, build, finish, log, parser, rewind, routing_trace, stock, streamed  # noqa: E402
+from harness import (  # noqa: E402
+    PROMPT,
+    build,
+    finish,
+    log,
+    parser,
+    rewind,
+    routing_trace,
+    slots_at,
+    stock,
+    streamed,
+)
 
 
 def _wrap_mlx() -> None:
@@ -82,7 +93,7 @@ def main():
     log("stock", out["stock"]["tok_per_s"], out["stock"]["top"][:8])
     del model
     for r in [float(x) for x in a.residency.split(",")]:
-        slots = max(meta.top_k, round(r * meta.num_experts))
+        slots = slots_at(meta, r)
         model, tok, store, routing = streamed(ck, ed, trace, start, slots=slots)
         rewind(start, routing)
         res = _profile(model, tok, ids, a.tokens, layers, a.top)
