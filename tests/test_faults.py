@@ -347,3 +347,31 @@ def test_a_failed_read_fails_its_call_though_another_load_finished_it(models, tm
         store.finish(call, mx.zeros((1,)))
     assert store.caches[a].slot_of[9] < 0 and not store.caches[a].pending
     store.close()
+
+
+def test_writers_of_one_json_file_do_not_collide(tmp_path):
+    """Processes writing one JSON file at once (a pipeline's ranks on one host write the
+    kernel check's file) each go through a temporary file of their own: every write
+    lands whole and none fails (before: one shared ``.tmp`` name, renamed away under the
+    other writer), and no temporary file is left."""
+    import threading
+
+    from mlx_streaming.core.format import write_json_atomic
+
+    path, errors = tmp_path / "known.json", []
+
+    def write(w):
+        try:
+            for i in range(200):
+                write_json_atomic(path, {"writer": w, "i": i, "pad": "x" * 4096})
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=write, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert json.loads(path.read_text())["i"] == 199
+    assert [p.name for p in tmp_path.iterdir()] == ["known.json"]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from ..core.format import write_json_atomic
 
 
 def _plt():
@@ -27,7 +28,7 @@ def write_report(results: list[dict], out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "results.json"]
-    files[0].write_text(json.dumps(results, ensure_ascii=False, indent=1) + "\n")
+    write_json_atomic(files[0], results)
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for r in results:

@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -263,14 +264,22 @@ def summarize_dims(layouts: dict, hidden: int, moe_inter: int) -> dict:
     return dims
 
 
-def write_json_atomic(path: Path, obj: dict) -> None:
-    """Write JSON to ``path`` through a temporary file, fsync'd, then renamed."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def write_json_atomic(path: Path, obj) -> None:
+    """Write JSON to ``path`` through a temporary file of its own (writers of one path,
+    e.g. a pipeline's ranks on one host, never share one), fsync'd, then renamed: the
+    path holds the old content or the new, never a part; nothing is left on failure."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # as open() would have made it, not mkstemp's 0o600
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     try:
         fd = os.open(path.parent, os.O_RDONLY)
         try:

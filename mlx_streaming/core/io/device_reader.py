@@ -164,7 +164,7 @@ class DeviceReader:
             grid=(FILL_BLOCKS * FILL_THREADS, 1, 1),
             threadgroup=(FILL_THREADS, 1, 1),
             output_shapes=[slots.shape],
-            output_dtypes=[mx.int32],
+            output_dtypes=[slots.dtype],
         )
         return out
 
@@ -174,7 +174,7 @@ class DeviceReader:
         n = len(experts)
         fills = np.empty(1 + 2 * n, np.int32)
         fills[0], fills[1::2], fills[2::2] = n, experts, slots
-        out = self.fill(layer, mx.array(fills), mx.zeros((1,), mx.int32))
+        out = self.fill(layer, mx.array(fills), mx.zeros((1,), mx.uint32))  # slot ids: uint32
         mx.async_eval(out)
         return Done(n * self.meta.layers[layer].record_bytes)
 
