@@ -43,7 +43,7 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
     is given the result so far after each row (a run cut short keeps its rows)."""
     import dataclasses
 
-    from harness import decode_run, log, rewind, stock
+    from harness import decode_run, log, oracle_accuracies, rewind, stock
 
     from mlx_streaming.analysis.verify import greedy_trace
 
@@ -63,8 +63,9 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
     stream = {k: v for k, v in stream.items() if isinstance(v, (int, float, str, bool, type(None)))}
     trace_file = str(Path(a.trace).resolve()) if a.trace else None  # the child runs elsewhere
     rows = []
-    # read-ahead: off, then (--oracle) by a simulated predictor of each accuracy
-    oracles = [None, *a.oracle.split(",")] if getattr(a, "oracle", None) else [None]
+    # read-ahead as asked, then (--oracle, below every expert) by a simulated predictor
+    # of each accuracy
+    oracles = oracle_accuracies(getattr(a, "oracle", None))
 
     def result(rows, complete):
         return {
@@ -80,7 +81,10 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
         ref_file = Path(tmp) / "want.npz"
         np.savez(ref_file, tokens=np.array(want.tokens), logits=want.logits)
         for method in methods:
-            for r, oracle in [(float(x), o) for x in a.residency.split(",") for o in oracles]:
+            residencies = [float(x) for x in a.residency.split(",")]
+            for r, oracle in [
+                (r, o) for r in residencies for o in [None, *oracles] if r < 1 or not o
+            ]:
                 job = {
                     "method": method, "residency": r, "checkpoint": str(ck),
                     "expert_dir": str(ed), "trace": trace_file, "start": start, "ids": ids,
@@ -127,7 +131,7 @@ def child(job: dict) -> dict:
 
     if job["limit"]:  # before the model allocates anything: all of it is charged there
         enter_memory_limit(job["limit"], "mlxs-beyond-ram")
-    from harness import decode_run, rewind, slots_at, streamed
+    from harness import ahead_label, decode_run, follow, read_ahead, rewind, slots_at, streamed
 
     from mlx_streaming.analysis.verify import Trace, compare_traces, greedy_trace
     from mlx_streaming.bench.measure import bounds, drop_page_cache, measure_read_gbps
@@ -136,21 +140,16 @@ def child(job: dict) -> dict:
     from mlx_streaming.core.options import StreamConfig
     from mlx_streaming.core.runtime import resolve
     from mlx_streaming.planning.tiers import simulate_tiers
-    from mlx_streaming.planning.trace import RoutingTrace, TraceOracle
+    from mlx_streaming.planning.trace import RoutingTrace
 
     ck, ed, ids, start = Path(job["checkpoint"]), job["expert_dir"], job["ids"], job["start"]
     meta = load_meta(ed)
     trace = None if job["trace"] in (None, "none") else RoutingTrace.load(job["trace"])
     cfg = StreamConfig(**job["stream"]).replace(direct_io=job["method"] == "direct")
-    oracle = None
-    if job.get("oracle") is not None and trace is not None:  # a what-if: guesses of known
-        oracle = TraceOracle(float(job["oracle"]))  # accuracy, read from the trace ahead
-        cfg = cfg.replace(prefetch=True, predictor=oracle)
-    elif cfg.prefetch and trace is not None:  # the replayed routing is the trace's, not the
-        # model's router: guess by the trace's first half, as speed.py's warm runs do
-        from mlx_streaming.core.prefetch.predictor import TransitionPredictor
-
-        cfg = cfg.replace(predictor=TransitionPredictor.from_trace(trace.split(0.5)[0], meta.top_k))
+    # read-ahead by a simulated oracle (a what-if), or as asked: by the trace's transitions
+    how = job["oracle"] or ("transition" if cfg.prefetch and trace is not None else None)
+    if how is not None:
+        cfg = read_ahead(cfg, how, trace, meta)
     rt = resolve(cfg, meta)
     slots = slots_at(meta, job["residency"])
     files = [meta.file(li) for li in meta.layers]
@@ -161,8 +160,7 @@ def child(job: dict) -> dict:
     drop_page_cache([*files, *ck.glob("*.safetensors")])
     t0 = time.perf_counter()
     model, tok, store, routing = streamed(ck, ed, trace, start, slots=slots, config=cfg)
-    if oracle is not None:
-        oracle.routing = routing
+    follow(cfg, routing)
     load_s = time.perf_counter() - t0
     cursor = routing.cursor if routing is not None else start
     t1 = time.perf_counter()
@@ -187,8 +185,9 @@ def child(job: dict) -> dict:
     rooms = [r for _, r in room.series] if job["limit"] else [0]
     page_cache = int(statistics.median(rooms))  # what the runs had, not the end
     predicted = None
-    if trace is not None:  # the calls since the cold start: the first token's prompt
-        # (uncounted), then each run's prompt in one call and one per decoded token
+    if trace is not None and how is None:  # (the simulator has no read-ahead) the calls
+        # since the cold start: the first token's prompt (uncounted), then each run's
+        # prompt in one call and one per decoded token
         calls = [len(ids), *([len(ids), *[1] * (job["tokens"] - 1)] * job["repeat"])]
         predicted = simulate_tiers(
             trace, rt.policy, slots, page_cache, meta.layers[meta.moe_layers[0]].stride,
@@ -204,13 +203,7 @@ def child(job: dict) -> dict:
         "method": job["method"],
         "residency": job["residency"],
         "slots": slots,
-        "predictor": (
-            f"oracle {job['oracle']} (simulation)"
-            if oracle is not None
-            else getattr(cfg.predictor, "name", cfg.predictor)
-            if cfg.prefetch
-            else None
-        ),  # fmt: skip
+        "predictor": ahead_label(how),
         "tok_per_s": round(tps, 3),
         "decode_runs": [round(x, 3) for x in runs],
         "ratio_vs_stock": round(tps / stock_tps, 4),

@@ -109,6 +109,49 @@ def slots_at(meta, residency: float) -> int:
     return max(meta.top_k, round(residency * meta.num_experts))
 
 
+def oracle_accuracies(text: str | None) -> list[str]:
+    """``--oracle``'s accuracies, checked before anything runs.
+
+    Raises:
+        SystemExit: a value that is not a number within [0, 1] (argparse's error)."""
+    out = [x.strip() for x in text.split(",")] if text else []
+    for x in out:
+        try:
+            ok = 0.0 <= float(x) <= 1.0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise SystemExit(f"--oracle {text}: {x!r} is not an accuracy; give values in [0, 1]")
+    return out
+
+
+def read_ahead(cfg, how: str, trace, meta):
+    """``cfg`` reading ahead by ``how``: ``"transition"`` (the experts that followed in
+    the trace's first half: a replay's model routes by the trace, its own random routers
+    know nothing of it) or an accuracy, a simulated ``TraceOracle`` (``follow`` it)."""
+    from mlx_streaming.core.prefetch.predictor import TransitionPredictor
+    from mlx_streaming.planning.trace import TraceOracle
+
+    if how == "transition":
+        guess = TransitionPredictor.from_trace(trace.split(0.5)[0], meta.top_k)
+    else:
+        guess = TraceOracle(float(how))
+    return cfg.replace(prefetch=True, predictor=guess)
+
+
+def follow(cfg, routing) -> None:
+    """Point a simulated oracle at the replay it reads ahead of, once the model loaded."""
+    if hasattr(cfg.predictor, "routing"):
+        cfg.predictor.routing = routing
+
+
+def ahead_label(how: str | None) -> str | None:
+    """How a row read ahead, as results name it."""
+    if how is None or how == "transition":
+        return how
+    return f"oracle {how} (simulation)"
+
+
 def rewind(start: int, *routings) -> None:
     """Make trace-routed models replay from the same token."""
     for r in routings:

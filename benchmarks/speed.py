@@ -32,11 +32,15 @@ import mlx.core as mx
 import numpy as np
 from harness import (
     PROMPT,
+    ahead_label,
     build,
     decode_run,
     finish,
+    follow,
     log,
+    oracle_accuracies,
     parser,
+    read_ahead,
     rewind,
     routing_trace,
     save,
@@ -93,6 +97,9 @@ def main():
         "with --beyond-ram, each residency also runs read-ahead by each such predictor",
     )
     a = p.parse_args()
+    oracles = oracle_accuracies(a.oracle)
+    if oracles and a.trace in (None, "none"):
+        p.error("--oracle reads the replayed trace ahead: give --trace")
 
     from mlx_streaming.analysis.verify import compare_traces, greedy_trace
     from mlx_streaming.bench.measure import (
@@ -101,9 +108,7 @@ def main():
         measure_h2d_gbps,
         measure_read_gbps,
     )
-    from mlx_streaming.core.prefetch.predictor import TransitionPredictor
     from mlx_streaming.core.runtime import resolve
-    from mlx_streaming.planning.trace import TraceOracle
 
     t0 = time.perf_counter()
     ck, ed, meta = build(a)
@@ -136,12 +141,9 @@ def main():
         return
     ref, tok, ref_routing = stock(ck, trace, start)
     ids = prompt_ids(tok)
-    cfg = stream_config(
-        a,
-        predictor=TransitionPredictor.from_trace(trace.split(0.5)[0], meta.top_k)
-        if a.prefetch and trace is not None
-        else "router",
-    )
+    cfg = stream_config(a)
+    if a.prefetch and trace is not None:
+        cfg = read_ahead(cfg, "transition", trace, meta)
     runtime = resolve(cfg, meta)
     load_kw = {"config": cfg}
 
@@ -163,23 +165,17 @@ def main():
             else {"warm": ["warm"], "cold": ["cold"], "both": ["warm", "cold"]}[a.cold]
         )
         configs += [(r, t, None) for t in temps]
-        if a.oracle and r < 1 and trace is not None:
-            configs += [(r, "warm", p) for p in ["transition", *a.oracle.split(",")]]
+        if oracles and r < 1 and trace is not None:
+            configs += [(r, "warm", p) for p in ["transition", *oracles]]
 
     out_cfgs, timelines = [], {}
     for r, temp, pred in configs:
         slots = slots_at(meta, r)
         kw = load_kw
         if pred is not None:  # read-ahead by the trace's transitions or a simulated oracle
-            guess = (
-                TransitionPredictor.from_trace(trace.split(0.5)[0], meta.top_k)
-                if pred == "transition"
-                else TraceOracle(float(pred))
-            )
-            kw = {"config": cfg.replace(prefetch=True, predictor=guess)}
+            kw = {"config": read_ahead(cfg, pred, trace, meta)}
         model, _, store, routing = streamed(ck, ed, trace, start, slots=slots, **kw)
-        if isinstance(kw["config"].predictor, TraceOracle):
-            kw["config"].predictor.routing = routing
+        follow(kw["config"], routing)
         decode_run(model, tok, ids, a.tokens)  # warm up: fill the pool, compile
         s_runs, k_runs, per_run = [], [], []
         for _ in range(a.repeat):
@@ -291,7 +287,7 @@ def main():
             "pool_mode": store.runtime.pool_mode,
         }
         if pred is not None:
-            rec["predictor"] = pred if pred == "transition" else f"oracle {pred} (simulation)"
+            rec["predictor"] = ahead_label(pred)
         if a.prefetch or pred is not None:
             rec["prediction_recall"] = round(
                 sum(x.get("prediction_recall") or 0 for x in per_run) / len(per_run), 4
