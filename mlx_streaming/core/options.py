@@ -70,7 +70,7 @@ class StreamConfig:
     )  # fmt: skip
     threads: int | None = option(
         None, "read threads (default: 4; 0, reading inline, for records under 256 KiB on "
-        "the CPU; one per core up to 15 on CUDA)"
+        "the CPU; on CUDA one per core but one, at most 15)"
     )  # fmt: skip
     reader: Reader | None = option(
         None, "who reads records into the slots: native (the compiled reader; the default "

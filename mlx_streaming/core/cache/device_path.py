@@ -265,7 +265,8 @@ class DevicePath:
         st.bytes_read += int(d[MISSES]) * nbytes
         if d[FAILED]:  # counted above first: the stats keep the calls that ran
             raise DevicePathError(
-                f"layer {layer}: the device path found no free slot for {d[FAILED]} misses"
+                f"layer {layer}: the device path found no free slot for {d[FAILED]} misses "
+                "(a defect: please report it); run with device_reads=False meanwhile"
             )
         if d[LATE]:  # the kernel trapped too: this is read only if the device survived
             raise DevicePathError(

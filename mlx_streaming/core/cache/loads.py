@@ -157,6 +157,7 @@ class Loader:
 
     def pin(self, layer: int, ids: np.ndarray) -> None:
         """Load distinct ``ids`` now (the caller then pins them)."""
+        self.finish_open()  # as begin and prefetch: no abandoned load under a reservation
         self.finish_read_aheads(layer)
         cache = self.caches[layer]
         _, misses = cache.split(ids)

@@ -50,7 +50,10 @@ class LayerPool:
         if self.mode not in MODES:
             raise ValueError(f"pool mode must be one of {MODES}, got {self.mode!r}")
         if self.mode == "cuda" and not cuda.available():
-            raise ValueError("pool mode 'cuda' needs the CUDA runtime (libcudart)")
+            raise ValueError(
+                "pool mode 'cuda' needs the CUDA runtime (libcudart), which was not found: "
+                "install MLX's CUDA build (pip install 'mlx[cuda]')"
+            )
         self.arrays: dict[str, mx.array] = {}
         self._rows: dict[str, np.ndarray] = {}  # host mode: byte view [slots, row_bytes]
         self._dev: dict[str, tuple[int, int]] = {}  # cuda mode: (device address, row bytes)
@@ -189,7 +192,11 @@ def device_address(a: mx.array) -> int:
     addr = int(p.item())
     kind = cuda.memory_type(addr)
     if kind != cuda.ATTR_DEVICE:
-        raise ValueError(f"MLX gave a pool buffer in CUDA memory of type {kind}, not device memory")
+        raise ValueError(
+            f"MLX {mx.__version__} gave a pool buffer in CUDA memory of type {kind}, not "
+            "device memory, which the slots' copies need: use the MLX version the project "
+            "is tested with (mlx[cuda]>=0.32.4, pyproject.toml)"
+        )
     return addr
 
 

@@ -149,7 +149,8 @@ class SlotCache:
             if len(victims) < n - len(slots) and limit is None:
                 raise RuntimeError(
                     f"cannot place {len(want)} experts: {self.capacity} slots, "
-                    f"{len(self.pinned)} pinned, {len(protect)} in use by this call"
+                    f"{len(self.pinned)} pinned, {len(protect)} in use by this call; give "
+                    "the layer more slots (--slots, --budget-gb) or pin fewer experts"
                 )
             slots += [(int(self.slot_of[v]), v) for v in victims]
         placed = [(e, s, v) for e, (s, v) in zip(want, slots)]
