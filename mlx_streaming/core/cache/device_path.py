@@ -155,7 +155,7 @@ class DevicePath:
         ids that fit in the slots the pins leave, in a pool that cannot hold every
         expert (one that can is loaded whole by its first call, on the host)."""
         c = self.caches[layer]
-        return c.capacity < c.num_experts and indices.size <= min(MAX_IDS, c.capacity - c.pin_count)
+        return not c.whole and indices.size <= min(MAX_IDS, c.capacity - c.pin_count)
 
     def slots(self, layer: int, indices: mx.array) -> mx.array:
         """The call's slot ids, lazily: misses filled by the device before use."""

@@ -268,7 +268,7 @@ class FileExpertStore:
         if self.device is not None:
             self.device.to_host(layer)
         total = cache.pinned.union(ids.tolist())
-        if cache.capacity < cache.num_experts and len(total) > cache.capacity - self.top_k:
+        if not cache.whole and len(total) > cache.capacity - self.top_k:
             raise ValueError(
                 f"pinning {len(total)} experts in layer {layer} leaves fewer than top_k="
                 f"{self.top_k} of its {cache.capacity} slots free; pin at most "

@@ -104,7 +104,7 @@ class Loader:
         cache = self.caches[layer]
         _, misses = cache.split(experts)
         load = misses
-        if cache.capacity >= cache.num_experts:  # room for all: load the whole layer once
+        if cache.whole:  # room for all: load the whole layer once
             load = cache.split(np.arange(cache.num_experts))[1]
         placed = []
         if len(load):

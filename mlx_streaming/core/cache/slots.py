@@ -88,10 +88,15 @@ class SlotCache:
         return int((self.expert_in >= 0).sum()) - len(self.pending)
 
     @property
+    def whole(self) -> bool:
+        """A slot for every expert: the layer can be held whole."""
+        return self.capacity >= self.num_experts
+
+    @property
     def complete(self) -> bool:
         """Every expert is resident: no lookup can miss (asked once per layer call)."""
         if not self._complete:
-            self._complete = self.capacity >= self.num_experts and self.resident == self.num_experts
+            self._complete = self.whole and self.resident == self.num_experts
         return self._complete
 
     def set_tables(self, slot_of: np.ndarray, expert_in: np.ndarray) -> None:
