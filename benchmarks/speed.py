@@ -208,6 +208,7 @@ def main():
                 "prefetch_on_time",
                 "host_s",
                 "device_s",
+                "device_kernel_s",
                 "device_path_calls",
                 "ahead_s",
                 "sync_s",
@@ -263,6 +264,10 @@ def main():
             # the device path's own calls apart (the averages above mix in the prompt's
             # host-path calls): host µs each, its expert graph's build not included
             "device_call_us": round(1e6 * tot["device_s"] / tot["device_path_calls"], 1)
+            if tot["device_path_calls"]
+            else None,
+            # ... of it, MLX building the plan kernel's op (the rest: the store's Python)
+            "device_kernel_us": round(1e6 * tot["device_kernel_s"] / tot["device_path_calls"], 1)
             if tot["device_path_calls"]
             else None,
             "device_calls": tot["device_calls"],

@@ -108,6 +108,7 @@ def test_streamed_equals_stock_on_cuda(models, tmp_path, preset, mode):
             assert t["device_calls"] > 0 and t["hits"] + t["misses"] > 0, t
             if slots < meta.num_experts:  # a full pool is resident: no device-path call
                 assert t["device_path_calls"] > 0 and t["device_s"] > 0, t  # its own host time
+                assert 0 < t["device_kernel_s"] < t["device_s"], t  # MLX's part of it
         if slots < meta.num_experts:
             assert t["misses"] > 0 and t["bytes_read"] > 0, t
         store.close()

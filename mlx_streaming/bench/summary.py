@@ -29,7 +29,15 @@ def summarize(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, sam
     fast, fall = store.fastpath_calls, store.fallback_calls
     decode = {
         k: totals[k] - first.get(k, 0)
-        for k in ("gap_s", "device_s", "device_path_calls", "device_calls", "host_calls", *PHASES)
+        for k in (
+            "gap_s",
+            "device_s",
+            "device_kernel_s",
+            "device_path_calls",
+            "device_calls",
+            "host_calls",
+            *PHASES,
+        )  # fmt: skip
     }
     decode_calls = decode["device_calls"] + decode["host_calls"]
     caps = [store.capacity(li) for li in store.layers]
@@ -131,6 +139,12 @@ def summarize(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, sam
         "decode_device_path_calls": decode["device_path_calls"],
         "decode_host_calls": decode["host_calls"],
         "decode_device_call_us": round(1e6 * decode["device_s"] / decode["device_path_calls"], 1)
+        if decode["device_path_calls"]
+        else None,
+        # ... of it, MLX building the plan kernel's op (the rest: the store's Python)
+        "decode_device_kernel_us": round(
+            1e6 * decode["device_kernel_s"] / decode["device_path_calls"], 1
+        )
         if decode["device_path_calls"]
         else None,
         "prefetched": totals["prefetched"],

@@ -23,6 +23,7 @@ nothing of the policy's order is lost or rebuilt. Counters come back the same wa
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -163,6 +164,7 @@ class DevicePath:
             self.to_device(layer)
         n = indices.size
         kernel, meta, tmpl = self._calls.get((layer, n)) or self._call_args(layer, n)
+        t0 = time.perf_counter()
         (out,) = kernel(
             inputs=[indices, self._ptrs[layer], meta, self._prev[layer]],
             template=tmpl,
@@ -173,6 +175,7 @@ class DevicePath:
         )
         self._prev[layer] = out  # the layer's next call comes after this one
         st = self.stats[layer]
+        st.device_kernel_s += time.perf_counter() - t0
         st.device_calls += 1
         st.fastpath += 1  # until the counters say the call missed
         self.caches[layer].stats.calls += 1

@@ -27,6 +27,7 @@ class LayerStats:
     device_path_calls: int = 0  # calls the device path served (plans and fills on the GPU)
     device_s: float = 0.0  # ... of host_s, in those calls: their whole host cost in the
     # store (no routing read, no read, and their expert graph is built outside it)
+    device_kernel_s: float = 0.0  # ... of device_s: MLX building the plan kernel's op
     sync_s: float = 0.0  # host time waiting for the routing to reach the host
     ahead_s: float = 0.0  # host work beside the device's: launching the routing, the
     # deferred policy update, issuing the next layer's read-ahead
