@@ -484,6 +484,12 @@ def test_the_page_cache_tier_beneath_the_pools():
                       top_k=4, t_compute=1e-3, mem_gbps=10, disk_gbps=0.001)  # fmt: skip
     assert rows[0]["predicted_tok_per_s"] == max(r["predicted_tok_per_s"] for r in rows)
     assert {r["slots"] for r in rows} >= {4, 32}
+    # a pool with a slot per expert loads its whole layer at its first call, as the store
+    # does (before: each expert was counted read at its first use, after the warm-up too)
+    E = trace.num_experts
+    whole = simulate_tiers(trace, "lru", E, 0, 1000)
+    assert whole.disk_reads == E * trace.layers
+    assert simulate_tiers(trace, "lru", E, 0, 1000, calls=[1] * 50, warm_calls=1).disk_reads == 0
 
 
 def test_a_trace_of_one_sequence_splits_inside_it():

@@ -95,9 +95,13 @@ def simulate_tiers(
         if t == warm_calls:
             hits = pc = disk = 0
         for li in layers:
-            placed = []
-            for group in caches[li].groups(seqs[li][t]):  # more than fit: one at a time
-                got = caches[li].lookup(group)
+            cache, placed = caches[li], []
+            if cache.whole and not cache.complete:  # as the store: a pool with a slot per
+                # expert loads its whole layer at its first call
+                hits += int((cache.slot_of[seqs[li][t]] >= 0).sum())
+                placed = cache.lookup(np.arange(E))
+            for group in [] if placed else cache.groups(seqs[li][t]):  # more than fit:
+                got = cache.lookup(group)  # one at a time
                 hits += len(group) - len(got)
                 placed += got
             for e, _, _ in placed:
