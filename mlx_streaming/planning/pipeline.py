@@ -32,7 +32,8 @@ class ModelBytes:
     num_experts: list[int]
     top_k: int
     kv: list[int]
-    zero_slot: bool = False  # pools short of every expert get a zero slot (GPU backends)
+    zero_slot: bool = True  # pools short of every expert get a zero slot (GPU backends;
+    # the safe guess for ranks elsewhere, as from_model and SplitPlan assume)
 
     @classmethod
     def from_model(cls, model, zero_slot: bool = True) -> ModelBytes:
