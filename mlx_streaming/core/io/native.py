@@ -159,7 +159,9 @@ class NativeReader:
         pos, w = self.pos[layer], self._wave
         with self._lock:
             self._wait_started()
-            if len(e) > w:  # what no one wave's check sees (the engine checks the rest)
+            if len(e) > w or len(e) != len(s):  # what no one wave's check sees (a wave of
+                # a request one slot longer than a wave has as many of each): the engine
+                # checks the rest
                 self._check_waves(layer, e, s)
             calls = 0
             try:
