@@ -51,6 +51,7 @@ from harness import (
 )
 
 from mlx_streaming.commands._args import add_store_args, stream_config
+from mlx_streaming.core.cache.stats import per_call_us
 
 # the host's phases of a layer call, as the store's stats name them
 PHASES = ("ahead_s", "sync_s", "host_s", "read_s", "graph_s")
@@ -263,13 +264,9 @@ def main():
             "graph_us": round(1e6 * tot["graph_s"] / calls, 1),
             # the device path's own calls apart (the averages above mix in the prompt's
             # host-path calls): host µs each, its expert graph's build not included
-            "device_call_us": round(1e6 * tot["device_s"] / tot["device_path_calls"], 1)
-            if tot["device_path_calls"]
-            else None,
+            "device_call_us": per_call_us(tot["device_s"], tot["device_path_calls"]),
             # ... of it, MLX building the plan kernel's op (the rest: the store's Python)
-            "device_kernel_us": round(1e6 * tot["device_kernel_s"] / tot["device_path_calls"], 1)
-            if tot["device_path_calls"]
-            else None,
+            "device_kernel_us": per_call_us(tot["device_kernel_s"], tot["device_path_calls"]),
             "device_calls": tot["device_calls"],
             "device_path_calls": tot["device_path_calls"],
             "host_calls": tot["host_calls"],

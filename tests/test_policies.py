@@ -557,7 +557,7 @@ def test_a_profile_with_whole_layers(models, tmp_path, capsys):
     from mlx_streaming.commands import profile as cmd
     from mlx_streaming.core.meta import load_meta
     from mlx_streaming.planning.budget import PoolShape, store_slots
-    from mlx_streaming.planning.profiles import read_pool_profile, read_whole_layers
+    from mlx_streaming.planning.profiles import read_pool_profile, read_profile
 
     _, ed = models.experts("tiny-qwen3_moe")  # 3 MoE layers, 16 experts, top-4
     meta = load_meta(ed)
@@ -599,7 +599,7 @@ def test_a_profile_with_whole_layers(models, tmp_path, capsys):
     cap = capsys.readouterr()
     printed = json.loads(cap.out)
     assert printed["whole_layers"] == [b] and read_pool_profile(out)[b] == 16
-    assert read_whole_layers(out) == [b]
+    assert read_profile(out)[1] == [b]
     assert printed["heldout_hit_rate"] < printed["uniform_heldout_hit_rate"]  # the trade
     assert "uses a profile in the expert directory on every backend" in cap.err
     import mlx_streaming  # load reads the profile's whole layers and keeps them whole

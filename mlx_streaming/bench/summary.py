@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..core.cache.stats import per_call_us
+
 PHASES = {  # the store's stats of a layer call's host phases, by their names here
     "ahead_s": "beside_device",
     "sync_s": "routing_wait",
@@ -37,7 +39,7 @@ def summarize(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, sam
             "device_calls",
             "host_calls",
             *PHASES,
-        )  # fmt: skip
+        )
     }
     decode_calls = decode["device_calls"] + decode["host_calls"]
     caps = [store.capacity(li) for li in store.layers]
@@ -138,15 +140,11 @@ def summarize(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, sam
         "decode_device_calls": decode["device_calls"],
         "decode_device_path_calls": decode["device_path_calls"],
         "decode_host_calls": decode["host_calls"],
-        "decode_device_call_us": round(1e6 * decode["device_s"] / decode["device_path_calls"], 1)
-        if decode["device_path_calls"]
-        else None,
+        "decode_device_call_us": per_call_us(decode["device_s"], decode["device_path_calls"]),
         # ... of it, MLX building the plan kernel's op (the rest: the store's Python)
-        "decode_device_kernel_us": round(
-            1e6 * decode["device_kernel_s"] / decode["device_path_calls"], 1
-        )
-        if decode["device_path_calls"]
-        else None,
+        "decode_device_kernel_us": per_call_us(
+            decode["device_kernel_s"], decode["device_path_calls"]
+        ),
         "prefetched": totals["prefetched"],
         "prefetch_used": totals["prefetch_used"],
         "prefetch_on_time": totals["prefetch_on_time"],

@@ -19,6 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .cache.pool import SLOT_IDS_NP
 from .dispatch import (
     MLX_RULE_SOURCE,
     KernelParityError,
@@ -183,7 +184,7 @@ def check_case(case: ProjectionCase, tokens: list[int], seed: int = 0) -> list[s
             masked = np.zeros(ids.shape, bool)
         x = (mx.random.normal((T, K), key=keys[-1]) * 0.5).astype(x_dt)
         want = _call(stock_proj, x, mx.array(ids.astype(np.uint32)))
-        got = _call(pool_proj, x, mx.array(slots.astype(np.uint32)))
+        got = _call(pool_proj, x, mx.array(slots.astype(SLOT_IDS_NP)))
         keep = mx.array(~masked)[..., None, None]
         same = mx.all(mx.where(keep, _bits(want) == _bits(got), True)).item()
         if not same:
@@ -207,7 +208,7 @@ def _subset_same(pool_proj, x, ids, slot_of, want, zero, rng) -> bool:
     keep = np.nonzero(np.isin(ids.reshape(-1), group))[0]
     k = ids.shape[-1]
     tok, run = pad_subset(keep // k, slot_of[ids.reshape(-1)[keep]], ids.size, zero)
-    got = _call(pool_proj, x[mx.array(tok)], mx.array(run.astype(np.uint32))[:, None])
+    got = _call(pool_proj, x[mx.array(tok)], mx.array(run.astype(SLOT_IDS_NP))[:, None])
     got = got[: len(keep), 0]
     ref = want.reshape(-1, *want.shape[2:])[mx.array(keep)]
     return mx.all(_bits(got) == _bits(ref)).item()

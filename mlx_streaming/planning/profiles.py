@@ -33,13 +33,6 @@ def read_pool_profile(path: str | Path) -> dict[int, int]:
     return read_profile(path)[0]
 
 
-def read_whole_layers(path: str | Path) -> list[int]:
-    """The layers a pool profile keeps whole on purpose (``profile --whole-layers``), the
-    one that misses most first, so that a budget scales the others and keeps as many of
-    these whole as it can; empty for other profiles."""
-    return read_profile(path)[1]
-
-
 def read_profile(path: str | Path) -> tuple[dict[int, int], list[int]]:
     """A pool profile file's ``{layer: slots}`` and its whole layers, read once.
 

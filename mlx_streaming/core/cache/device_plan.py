@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .pool import SLOT_IDS_NP
 from .scored import AGE_POW, HISTORY, LOG1P_REC, WINDOWS, Scored, state_arrays
 
 MAX_IDS = 64  # routed ids per call the device path takes (a decode step's)
@@ -89,7 +90,7 @@ def plan_reference(
     ctr[MISSED_CALLS] += len(misses) > 0
     ctr[FREE] -= len(free)
     rank.access(d)
-    slots = np.maximum(slot_of[ids.astype(np.int64)], 0).astype(np.uint32)
+    slots = np.maximum(slot_of[ids.astype(np.int64)], 0).astype(SLOT_IDS_NP)
     return slots, np.array(fills, np.int32)
 
 

@@ -45,6 +45,11 @@ class LayerStats:
     routed_after_prediction: int = 0  # distinct experts routed where a prediction was made
 
 
+def per_call_us(seconds: float, calls: int) -> float | None:
+    """Host µs per call (None where there was no call)."""
+    return round(1e6 * seconds / calls, 1) if calls else None
+
+
 def stat_names() -> list[str]:
     return [f.name for f in fields(LayerStats)]
 
