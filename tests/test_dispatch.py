@@ -23,6 +23,7 @@ from mlx_streaming.core.dispatch import (
     PoolQuantizedSwitchLinear,
     kernel,
     pool_sorted_flag,
+    reads_experts,
 )
 
 SORT_ROWS = 64  # mlx-lm's SwitchGLU sorts calls of this many rows
@@ -97,6 +98,34 @@ def test_pool_projection_passes_the_rules_flag(monkeypatch):
         x = mx.zeros((rows, 1, 64))
         proj(x, mx.zeros((rows,), mx.uint32), sorted_indices=True)
         assert seen[-1] is want
+
+
+@pytest.mark.parametrize(
+    "backend,quantized", itertools.product(("metal", "cuda", "cpu"), (True, False))
+)
+def test_stocks_flag_serves_where_the_rule_reads_no_expert_count(backend, quantized):
+    """Where ``reads_experts`` says no, the pool passes stock's flag unexamined: the
+    rule must then give stock's kernel for any expert count, at every shape."""
+    same = all(
+        kernel(GatherCall(backend, quantized, M, B, E, s))
+        == kernel(GatherCall(backend, quantized, M, B, 512, s))
+        for M, B, E, s in itertools.product(
+            (1, 2, 8), range(1, 300, 7), (3, 17, 65, 511), (True, False)
+        )
+    )
+    assert same or reads_experts(backend, quantized)
+    assert reads_experts(backend, quantized) == (backend == "metal" and quantized)
+
+
+def test_a_pool_on_cuda_takes_no_flag_lookup(monkeypatch):
+    monkeypatch.setattr(dispatch, "_flag", lambda *a: pytest.fail("looked up a flag"))
+    proj = PoolQuantizedSwitchLinear(
+        64, 32, 5, bias=False, group_size=32, bits=4, model_experts=64, backend="cuda"
+    )
+    assert proj.own_flag
+    proj(mx.zeros((4, 1, 64)), mx.zeros((4,), mx.uint32), sorted_indices=False)
+    with pytest.raises(ValueError, match="unknown backend 'vulkan'"):
+        reads_experts("vulkan", True)
 
 
 def test_full_pools_have_no_zero_slot(models):

@@ -84,6 +84,15 @@ def kernel(c: GatherCall) -> str:
     raise ValueError(f"unknown backend {c.backend!r} (one of {BACKENDS})")
 
 
+def reads_experts(backend: str, quantized: bool) -> bool:
+    """Whether the number of experts in the weight array can change ``backend``'s kernel
+    choice (only Metal's quantized rule reads it): where it cannot, stock's own flag
+    gives a pool stock's kernel at every shape."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r} (one of {BACKENDS})")
+    return backend == "metal" and quantized
+
+
 def pool_sorted_flag(
     backend: str,
     quantized: bool,
@@ -117,8 +126,6 @@ def _batch(x: mx.array, indices: mx.array) -> tuple[int, int]:
 
 
 def _flag(proj, x: mx.array, indices: mx.array, sorted_indices: bool) -> bool:
-    if proj.backend == "cpu" or proj.model_experts == proj.slots:
-        return sorted_indices  # one kernel, or the very array shape stock passes
     key = (x.shape, indices.shape, sorted_indices)
     flag = proj.flags.get(key)
     if flag is None:  # decided once per call shape (a decode step repeats one shape)
@@ -153,8 +160,14 @@ class _StockKernel:
         super().__init__(input_dims, output_dims, slots, **kw)
         self.model_experts, self.backend, self.slots = model_experts, backend, slots
         object.__setattr__(self, "flags", {})  # call shape -> sorted flag (not a child)
+        # stock's flag is the pool's where the expert count plays no part in the choice,
+        # or the pool passes stock's very array shape: no per-call lookup
+        quantized = isinstance(self, QuantizedSwitchLinear)
+        self.own_flag = not reads_experts(backend, quantized) or model_experts == slots
 
     def __call__(self, x, indices, sorted_indices=False):
+        if self.own_flag:
+            return super().__call__(x, indices, sorted_indices)
         return super().__call__(x, indices, _flag(self, x, indices, sorted_indices))
 
 
