@@ -166,19 +166,22 @@ def child(job: dict) -> dict:
     t1 = time.perf_counter()
     first = decode_run(model, tok, ids, 1)  # cold: the prompt and its first token
     ttft = time.perf_counter() - t1
-    runs, per_run = [], []
+    runs, per_run, wall = [], [], 0.0
     disk0 = disk_read_bytes()
     room = Sampler(lambda: (page_cache_room(),), 0.05) if job["limit"] else nullcontext()
     with room:
         for _ in range(job["repeat"]):
             store.reset_stats()
+            t2 = time.perf_counter()
             tps, _, n = decode_run(model, tok, ids, job["tokens"])
+            wall += time.perf_counter() - t2
             runs.append(tps)
             per_run.append((store.totals(), n + len(ids) - 1))  # the forwards run
     tokens_run = sum(n for _, n in per_run)
     disk_tok = (disk_read_bytes() - disk0) / tokens_run
     bytes_tok = sum(t["bytes_read"] for t, _ in per_run) / tokens_run
     hits = sum(t["hits"] for t, _ in per_run)
+    demand = sum(t["demand_s"] for t, _ in per_run)
     ahead, ahead_used = (sum(t[k] for t, _ in per_run) for k in ("prefetched", "prefetch_used"))
     lookups = hits + sum(t["misses"] for t, _ in per_run)
     page_cache_end = page_cache_room() if job["limit"] else 0
@@ -221,6 +224,9 @@ def child(job: dict) -> dict:
         "predicted_disk_bytes_per_token": predicted and round(predicted.disk_bytes_per_token),
         "predicted_pool_hit_rate": predicted and round(predicted.shares()["pool"], 4),
         "storage_gbps": round(gbps, 3),
+        # the runs' time (prompts included) with demand reads in flight: the rest, the
+        # storage idles unless read-ahead fills it
+        "demand_reads_share": round(demand / wall, 4) if wall else None,
         **bounds(1 / stock_tps, disk_tok, gbps, tps),  # the disk's bound: its bytes
         "ttft_cold_s": round(ttft, 3),
         "prompt_tps_cold": round(first[1], 2),

@@ -105,8 +105,10 @@ def _route(model, trace, start):
 
 
 def slots_at(meta, residency: float) -> int:
-    """Slots per MoE layer holding ``residency`` of its experts (at least top-k)."""
-    return max(meta.top_k, round(residency * meta.num_experts))
+    """Slots per MoE layer holding ``residency`` of its experts (the package's rule)."""
+    from mlx_streaming.planning.budget import slots_for_share
+
+    return slots_for_share(residency, meta.num_experts, meta.top_k)
 
 
 def oracle_accuracies(text: str | None) -> list[str]:

@@ -39,6 +39,8 @@ def test_load_generate_stream_and_prompt_cache(models, tmp_path):
     rep = store.layer_report()
     assert set(rep) == set(load_meta(tmp_path / "ed").moe_layers)
     assert all(r["bytes_read"] > 0 and r["read_s"] > 0 for r in rep.values())
+    # demand reads in flight: from each issue to the wait's end, which holds the wait
+    assert all(r["demand_s"] >= r["read_s"] for r in rep.values()), rep
     store.close()
 
 

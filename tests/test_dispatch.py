@@ -25,8 +25,7 @@ from mlx_streaming.core.dispatch import (
     pool_sorted_flag,
     reads_experts,
 )
-
-SORT_ROWS = 64  # mlx-lm's SwitchGLU sorts calls of this many rows
+from mlx_streaming.core.selftest import SORT_ROWS
 
 
 def pool_experts(slots: int, experts: int, zero_slot: bool) -> int:

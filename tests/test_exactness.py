@@ -69,9 +69,9 @@ CONFIGS = {
     "python_reader": lambda m: {"capacity": m.top_k + 1, "reader": "python"},
     "direct_io": lambda m: {"capacity": m.top_k + 1, "direct_io": True},
     "no_overlap": lambda m: {"capacity": m.top_k + 1, "config": StreamConfig(overlap=False)},
-    # the tiny models' records are under SMALL_RECORD: the split is asked for
+    # the tiny models' records are under INLINE_BYTES: the split is asked for
     "overlap": lambda m: {"capacity": m.top_k + 1, "config": StreamConfig(overlap=True)},
-    # and read inline: the engine's threads, the default from SMALL_RECORD, as asked
+    # and read inline: the engine's threads, the default from INLINE_BYTES, as asked
     "overlap_threads": lambda m: {
         "capacity": m.top_k + 1,
         "config": StreamConfig(overlap=True, threads=4),

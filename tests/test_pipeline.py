@@ -608,3 +608,23 @@ def test_a_split_is_found_whenever_one_fits():
             sp = suggest_split(mb, [h / 1e9 for h in hosts], 0)
             assert _fits(mb, hosts, sp.split) and sum(sp.split) == n
     assert found > 50  # the cases exercise both outcomes
+
+
+def test_one_rule_from_a_share_to_slots():
+    """The pipeline's planner and the benchmarks turn a residency into slots alike:
+    rounded up, within [top-k, every expert], without float noise adding a slot."""
+    from mlx_streaming.planning.budget import slots_for_share
+
+    assert [slots_for_share(r, 64, 6) for r in (1, 0.5, 0.25, 0.125, 0.05, 0)] == [
+        64,
+        32,
+        16,
+        8,
+        6,
+        6,
+    ]
+    assert slots_for_share(0.3, 64, 2) == 20  # 19.2 rounded up: at least the share
+    assert slots_for_share(0.1, 70, 2) == 7  # 0.1 * 70 is 7.000000000000001 in floats
+    for bad in (-0.5, 1.5):
+        with pytest.raises(ValueError, match="within \\[0, 1\\]"):
+            slots_for_share(bad, 64, 6)

@@ -4,7 +4,8 @@ at the given residencies, under cProfile.
 MLX's own calls (``mx.eval``, ``mx.async_eval``, array conversion) are wrapped in named
 Python functions so that the profile shows them apart from the Python that calls them:
 ``mlx:async_eval`` is MLX encoding and launching a graph, ``mlx:eval`` that plus waiting
-for it. Each row: total µs per decoded token, and per MoE layer call.
+for it. Profiled from the first decoded token on (the prompt's calls take the host
+path). Each row: total µs per decoded token, and per MoE layer call.
 
     python benchmarks/probes/host_profile.py --preset dsv2-lite --residency 0.5,0.25
 """
@@ -44,7 +45,9 @@ def _wrap_mlx() -> None:
     def async_eval_(*a, **k):
         return real_async(*a, **k)
 
-    eval_.__qualname__, async_eval_.__qualname__ = "mlx:eval", "mlx:async_eval"
+    # cProfile names a function by its code object's name
+    eval_.__code__ = eval_.__code__.replace(co_name="mlx:eval")
+    async_eval_.__code__ = async_eval_.__code__.replace(co_name="mlx:async_eval")
     mx.eval, mx.async_eval = eval_, async_eval_
 
 
@@ -54,10 +57,14 @@ def _profile(model, tok, ids, tokens: int, layers: int, top: int) -> dict:
     for _ in stream_generate(model, tok, ids, max_tokens=4):  # warm
         pass
     pr = cProfile.Profile()
+    gen = stream_generate(model, tok, ids, max_tokens=tokens)
+    next(gen)  # the prompt and the first token: host-path calls, not decode's
     pr.enable()
-    *_, last = stream_generate(model, tok, ids, max_tokens=tokens)
+    last = None
+    for last in gen:  # noqa: B007 - the last response carries the counts
+        pass
     pr.disable()
-    n = last.generation_tokens
+    n = last.generation_tokens - 1  # the tokens decoded while profiled
     st = pstats.Stats(pr, stream=io.StringIO())
     rows = []
     for (file, line, name), (_, calls, tt, ct, _) in st.stats.items():

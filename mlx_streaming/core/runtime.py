@@ -22,10 +22,12 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from .io.reader import INLINE_BYTES
 from .options import StreamConfig
 
 GB = 1e9
-# On the CPU, records under SMALL_RECORD are read inline and without the overlap split.
+# On the CPU, records under INLINE_BYTES (the reader's own threshold for reading on the
+# calling thread) are read inline and without the overlap split.
 # The split costs a second launch per call with misses (an ``async_eval``, which blocks on
 # MLX's CPU backend: ~100 µs on two cores) and waking the reader's threads ~40 µs more
 # than reading such a record on the calling thread; both pay only for records whose read
@@ -33,7 +35,6 @@ GB = 1e9
 # 0.77-0.79 with it (benchmarks/demo_gap.py, 2026-12-02); then 0.903/0.912 reading inline
 # against 0.889/0.880 on 4 threads (15 alternating pairs each, 2026-12-03). DeepSeek-V2-
 # Lite's 4-bit shape (0.55 MB records): 0.854 with the split, 0.811 without at 12.5%.
-SMALL_RECORD = 256 * 1024
 
 
 class RuntimeChoiceError(ValueError):
@@ -224,9 +225,9 @@ def resolve(
         refuse(f"rows={rows!r} points skipped rows at a zero slot: drop zero_slot=False")
 
     biggest = max((lay.record_bytes for lay in meta.layers.values()), default=0) if meta else 0
-    small = b == "cpu" and meta is not None and biggest < SMALL_RECORD
+    small = b == "cpu" and meta is not None and biggest < INLINE_BYTES
     size = f"records of {biggest / 1024:.0f} KiB {'are under' if small else 'reach'} "
-    size += f"{SMALL_RECORD // 1024} KiB"
+    size += f"{INLINE_BYTES // 1024} KiB"
     if cfg.overlap is not None:
         overlap = cfg.overlap
     else:  # the split's second launch pays only where a record's read outlasts it

@@ -19,7 +19,6 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .cache.pool import SLOT_IDS_NP
 from .dispatch import (
     MLX_RULE_SOURCE,
     KernelParityError,
@@ -28,6 +27,7 @@ from .dispatch import (
     backend,
 )
 from .format import DTYPES, LayerLayout
+from .ids import SLOT_IDS_NP
 
 SORT_ROWS = 64  # mlx-lm's SwitchGLU sorts the rows of calls this large
 THRESHOLD_ROWS = (8, 16, SORT_ROWS)  # CUDA qmv/qmm; Metal rhs minimum; the sort

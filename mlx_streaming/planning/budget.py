@@ -25,6 +25,15 @@ def pool_slots(slots: int, num_experts: int, zero_slot: bool) -> int:
     return slots + int(zero_slot and slots < num_experts)
 
 
+def slots_for_share(share: float, num_experts: int, top_k: int) -> int:
+    """Slots that hold at least ``share`` of a layer's ``num_experts``: rounded up, never
+    below ``top_k`` (a share of 0 is top-k) nor above every expert. The one rule from a
+    residency to slots."""
+    if not 0 <= share <= 1:
+        raise ValueError(f"a share of experts is within [0, 1], not {share!r}")
+    return min(num_experts, max(top_k, math.ceil(round(share * num_experts, 6))))
+
+
 def default_zero_slot() -> bool:
     """Whether pools get a zero slot here by default (``Runtime.zero_slot``: on GPU
     backends, where rows are masked)."""

@@ -11,13 +11,19 @@ each host's memory.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
 from ..core.discovery import find_expert_sites
 from ..core.options import StreamConfig
-from .budget import MARGIN_BYTES, default_cache_limit, kv_bytes, pool_slots, pools_within
+from .budget import (
+    MARGIN_BYTES,
+    default_cache_limit,
+    kv_bytes,
+    pool_slots,
+    pools_within,
+    slots_for_share,
+)
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ class ModelBytes:
         if not self.experts[i]:
             return 0
         e = self.num_experts[i]
-        slots = min(e, max(self.top_k, math.ceil(share * e)))
+        slots = slots_for_share(share, e, self.top_k)
         return self.experts[i] * pool_slots(slots, e, self.zero_slot) // e
 
     def rank_bytes(self, layers, share: float, context: int) -> int:

@@ -42,4 +42,5 @@ class LayerCall:
     misses: int = 0  # experts this call loaded
     waited_s: float = 0.0  # of the steps' and completion's time, spent waiting for reads
     routed_at: float | None = None  # when the routing reached the host
+    reads_at: float | None = None  # when the misses' reads were issued
     launched_at: float | None = None  # when the first expert work was launched

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
+from ..ids import DECODE_IDS, SLOT_IDS
 from ..io import cuda
 from ..io.device_reader import copy_kernel
 from .calls import LayerCall
@@ -40,7 +41,6 @@ from .device_plan import (
     HITS,
     LATE,
     MAX_EXPERTS,
-    MAX_IDS,
     MISSED_CALLS,
     MISSES,
     N_COUNTERS,
@@ -53,7 +53,7 @@ from .device_plan import (
     scratch_arrays,
     template,
 )
-from .pool import SLOT_IDS, LayerPool, device_address
+from .pool import LayerPool, device_address
 from .slots import SlotCache
 from .stats import LayerStats
 
@@ -156,7 +156,7 @@ class DevicePath:
         ids that fit in the slots the pins leave, in a pool that cannot hold every
         expert (one that can is loaded whole by its first call, on the host)."""
         c = self.caches[layer]
-        return not c.whole and indices.size <= min(MAX_IDS, c.capacity - c.pin_count)
+        return not c.whole and indices.size <= min(DECODE_IDS, c.capacity - c.pin_count)
 
     def slots(self, layer: int, indices: mx.array) -> mx.array:
         """The call's slot ids, lazily: misses filled by the device before use."""

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .pool import SLOT_IDS_NP
+from ..ids import DECODE_IDS, SLOT_IDS_NP
 from .scored import AGE_POW, HISTORY, LOG1P_REC, WINDOWS, Scored, state_arrays
 
-MAX_IDS = 64  # routed ids per call the device path takes (a decode step's)
 MAX_EXPERTS = 4096  # per layer (the kernel keeps a mark per expert in shared memory)
 THREADS = 256
 # counters kept on the device per layer: hits, misses, evictions, calls with misses,
@@ -48,7 +47,7 @@ def scratch_arrays() -> dict[str, np.ndarray]:
     """A layer's scratch on the device, outside the state the host and the device hand
     over: the plan's fills list (read by the kernel's other blocks) and the flag they wait
     on with the count of blocks done (reset by the last block of each call)."""
-    return {"fills": np.zeros(1 + 2 * MAX_IDS, np.int32), "sync": np.zeros(4, np.int32)}
+    return {"fills": np.zeros(1 + 2 * DECODE_IDS, np.int32), "sync": np.zeros(4, np.int32)}
 
 
 POINTERS = (

@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..format import ExpertMeta
+from ..ids import SLOT_IDS_NP
 from ..io.transfers import id_transfers
 from ..meta import load_meta
 from ..options import StreamConfig
@@ -30,7 +31,7 @@ from .device_path import DevicePath
 from .host_path import HostPath
 from .loads import Loader
 from .policy import make_policy
-from .pool import SLOT_IDS_NP, LayerPool, capacities, default_slots, make_pools
+from .pool import LayerPool, capacities, default_slots, make_pools
 from .readers import make_reader
 from .recording import RoutingCounts
 from .slots import SlotCache

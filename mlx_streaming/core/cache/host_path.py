@@ -20,10 +20,11 @@ from collections.abc import Callable
 import mlx.core as mx
 import numpy as np
 
+from ..ids import DECODE_IDS
 from ..io.transfers import IdTransfers
 from .calls import LayerCall, Step
 from .loads import Loader, Ticket
-from .pool import SMALL_CALL, LayerPool
+from .pool import LayerPool
 from .recording import RoutingCounts
 from .slots import SlotCache
 from .stats import LayerStats, Timeline
@@ -31,7 +32,7 @@ from .stats import LayerStats, Timeline
 
 def distinct(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``np.unique(ids, return_counts=True)``, cheaper for a decode step's few ids."""
-    if ids.size > SMALL_CALL:
+    if ids.size > DECODE_IDS:
         return np.unique(ids, return_counts=True)
     flat = ids.ravel().tolist()
     u = sorted(set(flat))
@@ -44,8 +45,8 @@ def distinct(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def member(values: np.ndarray, ids: np.ndarray, size: int) -> np.ndarray:
     """``np.isin(values, ids)`` for ids below ``size``, by a table (cheaper); a decode
-    step's few values by a set (see ``SMALL_CALL``)."""
-    if values.size <= SMALL_CALL:
+    step's few values by a set (up to ``DECODE_IDS``)."""
+    if values.size <= DECODE_IDS:
         want = set(ids.tolist())
         return np.array([v in want for v in values.ravel().tolist()], bool).reshape(values.shape)
     table = np.zeros(size, bool)
@@ -154,8 +155,10 @@ class HostPath:
         ``overlap`` (and some experts resident) the resident rows form a first step that
         does not wait for them; otherwise one step runs every row, its graph built on the
         reserved slots while the reads land (``finish`` waits before the launch)."""
+        t0 = time.perf_counter()
         ticket = self._tickets[call.layer] = self.loads.begin(call.layer, experts)
         call.misses = len(ticket.misses)
+        call.reads_at = t0 if call.misses else None
         if overlap and 0 < call.misses < len(experts):
             miss = member(call.host_ids, ticket.misses, self.caches[call.layer].num_experts)
             call.steps = [Step(~miss), Step(miss, after_reads=True)]
@@ -171,6 +174,7 @@ class HostPath:
             t0 = time.perf_counter()
             call.misses += self.loads.fetch(call.layer, s.group)
             call.waited_s += time.perf_counter() - t0
+            self.stats[call.layer].demand_s += time.perf_counter() - t0
             return s.rows, pool.slots_of(host)
         if s.after_reads:
             self.wait(call)
@@ -187,7 +191,10 @@ class HostPath:
         if ticket is None:
             raise RuntimeError(f"layer {call.layer}: no reads to wait for (waited twice?)")
         ticket.wait()
-        call.waited_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        call.waited_s += t1 - t0
+        if call.reads_at is not None:
+            self.stats[call.layer].demand_s += t1 - call.reads_at
         self.timeline.mark(call.layer, "read")
 
     def finish(self, call: LayerCall, y: mx.array) -> mx.array:

@@ -21,12 +21,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..format import DTYPES, ExpertDirError, LayerLayout
+from ..ids import DECODE_IDS, SLOT_IDS, SLOT_IDS_NP
 from ..io import cuda
-
-# Slot ids as the matmuls take them: gather_qmm's own index type, so it casts nothing (int32
-# ids cost an AsType per projection: three ops per layer call, on every path).
-SLOT_IDS, SLOT_IDS_NP = mx.uint32, np.uint32
-SMALL_CALL = 64  # ids up to which Python lists beat numpy's indexing (a decode step)
 
 MODES = ("host", "cuda")
 
@@ -141,7 +137,7 @@ class LayerPool:
         while it loads). A decode step's few ids go one at a time: numpy's fancy
         indexing costs more, cold, than the work (``core/cache/slots.py``)."""
         reserved = reserved or {}
-        if experts.size > SMALL_CALL:
+        if experts.size > DECODE_IDS:  # Python lists beat numpy on a few ids
             out = self._lut_host[experts]
             for e, s in reserved.items():
                 out[experts == e] = s

@@ -18,6 +18,8 @@ class LayerStats:
     bytes_read: int = 0
     records_read: int = 0
     read_s: float = 0.0  # time the caller waited for demand reads
+    demand_s: float = 0.0  # time demand reads were in flight: from a call's issue to its
+    # wait's end (one layer's at a time: the storage's busy time, read-ahead aside)
     device_calls: int = 0  # calls that read no routing on the host (a complete layer's,
     # ids remapped on the device; the device path's, misses filled there)
     host_calls: int = 0  # calls that read the routing on the host (one sync each)

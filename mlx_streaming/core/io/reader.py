@@ -31,7 +31,7 @@ MAX_RUN_BYTES = 8 << 20  # adjacent records are merged into one run up to this s
 PIECE_BYTES = 16 << 20  # runs larger than twice this are read as pieces on several threads
 # (smaller pieces measured slower on the H200 machine: each piece costs a driver copy call)
 PIECE_ALIGN = 4096  # piece boundaries (O_DIRECT needs aligned offsets and lengths)
-INLINE_BYTES = 256 << 10  # batches smaller than this are read on the calling thread
+INLINE_BYTES = 256 << 10  # reads up to this size: on the calling thread (waking one costs more)
 IOV_MAX = 1024
 
 

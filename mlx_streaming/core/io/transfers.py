@@ -21,7 +21,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-MAX_IDS = 64  # a decode step's ids (longer calls read the usual way)
+from ..ids import DECODE_IDS, SLOT_IDS, SLOT_IDS_NP
+
 CHANNELS = 2  # reads in flight at once: a call's routing and its predictor's guess
 _DTYPES = {mx.uint32: np.uint32, mx.int32: np.int32}
 _TO_DEVICE = """
@@ -45,11 +46,11 @@ class IdTransfers:
     def __init__(self):
         from . import cuda
 
-        # CHANNELS host buffers of MAX_IDS ids: the routing, and a predictor's guess
-        self._host, dev = cuda.shared_host(4 * MAX_IDS * CHANNELS)
-        self._host = self._host.reshape(CHANNELS, 4 * MAX_IDS)
+        # CHANNELS host buffers of DECODE_IDS ids: the routing, and a predictor's guess
+        self._host, dev = cuda.shared_host(4 * DECODE_IDS * CHANNELS)
+        self._host = self._host.reshape(CHANNELS, 4 * DECODE_IDS)
         self._addr = [
-            mx.array(np.array([dev + 4 * MAX_IDS * c], np.uint64)) for c in range(CHANNELS)
+            mx.array(np.array([dev + 4 * DECODE_IDS * c], np.uint64)) for c in range(CHANNELS)
         ]
         mx.eval(self._addr)
         self._kernel = mx.fast.cuda_kernel(
@@ -58,11 +59,11 @@ class IdTransfers:
             output_names=["done"],
             source=_SOURCE,
         )
-        # to_device: RING buffers of MAX_IDS ids, each with its address as a device array
-        self._ring, ring_dev = cuda.shared_host(4 * MAX_IDS * RING)
-        self._ring = self._ring.view(np.uint32).reshape(RING, MAX_IDS)
+        # to_device: RING buffers of DECODE_IDS ids, each with its address as a device array
+        self._ring, ring_dev = cuda.shared_host(4 * DECODE_IDS * RING)
+        self._ring = self._ring.view(SLOT_IDS_NP).reshape(RING, DECODE_IDS)
         self._ring_addr = [
-            mx.array(np.array([ring_dev + 4 * MAX_IDS * i], np.uint64)) for i in range(RING)
+            mx.array(np.array([ring_dev + 4 * DECODE_IDS * i], np.uint64)) for i in range(RING)
         ]
         mx.eval(self._ring_addr)
         self._next = 0
@@ -76,7 +77,7 @@ class IdTransfers:
     def start(self, ids: mx.array, channel: int = 0) -> mx.array | None:
         """The kernel's output (evaluate it, then ``read`` on the same ``channel``), or
         None where ``ids`` is read the usual way (too many, or not 32-bit integers)."""
-        if ids.size > MAX_IDS or ids.dtype not in _DTYPES:
+        if ids.size > DECODE_IDS or ids.dtype not in _DTYPES:
             return None
         (done,) = self._kernel(
             inputs=[ids, self._addr[channel]],
@@ -95,10 +96,10 @@ class IdTransfers:
         return host.view(_DTYPES[ids.dtype]).reshape(ids.shape).copy()
 
     def to_device(self, ids: np.ndarray) -> mx.array:
-        """``mx.array(ids)`` as uint32, the slot ids' type (``pool.SLOT_IDS``), without a
-        host-made MLX buffer (``ids`` at most ``MAX_IDS``; larger arrays take ``mx.array``)."""
-        if ids.size > MAX_IDS:
-            return mx.array(ids.astype(np.uint32))
+        """``mx.array(ids)`` as slot ids (``ids.SLOT_IDS``, uint32), without a
+        host-made MLX buffer (``ids`` at most ``DECODE_IDS``; larger arrays take ``mx.array``)."""
+        if ids.size > DECODE_IDS:
+            return mx.array(ids.astype(SLOT_IDS_NP))
         i, self._next = self._next, (self._next + 1) % RING
         self._ring[i, : ids.size] = ids.ravel()
         (out,) = self._copy(
@@ -107,7 +108,7 @@ class IdTransfers:
             grid=(1, 1, 1),
             threadgroup=(1, 1, 1),
             output_shapes=[ids.shape],
-            output_dtypes=[mx.uint32],
+            output_dtypes=[SLOT_IDS],
         )
         return out
 
@@ -123,7 +124,7 @@ def id_transfers() -> IdTransfers | None:
         r = IdTransfers()
         for ids in (
             mx.array([[5, 0, 63, 7, 2, 41]], mx.uint32),
-            mx.arange(MAX_IDS, dtype=mx.int32),
+            mx.arange(DECODE_IDS, dtype=mx.int32),
         ):
             ids = ids[..., ::-1] + 0  # computed on the device, like a router's output
             for c in range(CHANNELS):

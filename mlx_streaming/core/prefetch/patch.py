@@ -20,10 +20,10 @@ import numpy as np
 
 from ..cache.expert_store import FileExpertStore
 from ..cache.host_path import launched
-from ..cache.pool import SLOT_IDS_NP
 from ..discovery import find_expert_sites, projections
 from ..dispatch import KernelParityError, PoolQuantizedSwitchLinear, PoolSwitchLinear
 from ..format import LayerLayout, mx_dtype_name
+from ..ids import SLOT_IDS_NP
 from ..options import StreamConfig
 from ..runtime import resolve
 from ..selftest import SORT_ROWS, cases_for, ensure_kernel_parity, pad_subset
