@@ -20,7 +20,10 @@ cold), the first token (TTFT, cold), then the timed decode runs. Each row report
 bytes per token from the store and from the disk itself (``/proc/self/io``) beside the
 two-tier simulator's prediction (``planning.tiers``), ``B``, the overlap bound
 ``max(t_compute, disk bytes / B)`` and the serial bound ``t_compute + disk bytes / B``
-with the run's share of each, and whether the output was exact.
+with the run's share of each, the share of the runs' time with demand reads in flight
+(``demand_reads_share``: where it is well under 1 at the storage bound, the disk idles
+between layers, as demand reads start only once a layer's routing is known), and whether
+the output was exact.
 """
 
 from __future__ import annotations
