@@ -688,3 +688,42 @@ def test_a_failed_device_copy_names_the_cuda_error_not_the_file(models):
         reader.start(li, [0, 1], [0, 1]).result()
     assert "split the model again" not in str(e.value)
     reader.close()
+
+
+@needs_library
+def test_the_engines_thread_limit_is_the_runtimes(models, tmp_path):
+    """``resolve`` refuses what the engine would: past ``MAX_THREADS`` threads, naming
+    --threads; the engine itself runs exactly that many."""
+    from mlx_streaming.core.io.engine_lib import MAX_THREADS
+    from mlx_streaming.core.options import StreamConfig
+    from mlx_streaming.core.runtime import RuntimeChoiceError, resolve
+
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta, pools, reader = reader_over(ed, 2, threads=MAX_THREADS, checksums=False)
+    reader.close()
+    with pytest.raises(OSError, match=f"0 to {MAX_THREADS}"):
+        reader_over(ed, 2, threads=MAX_THREADS + 1, checksums=False)
+    cfg = StreamConfig(threads=MAX_THREADS + 1)
+    with pytest.raises(RuntimeChoiceError, match="give --threads a smaller number"):
+        resolve(cfg, meta, backend="cpu", engine_available=True)
+
+
+@needs_library
+def test_a_filesystem_without_o_direct_names_the_file_and_the_fix(models, monkeypatch):
+    import errno
+
+    from mlx_streaming.core.io import native
+
+    _, ed = models.experts("tiny-qwen3_moe")
+    real = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags, *a)
+
+    monkeypatch.setattr(native.os, "open", no_direct)
+    if not getattr(os, "O_DIRECT", 0):
+        pytest.skip("no O_DIRECT here")
+    with pytest.raises(OSError, match=r"refuses O_DIRECT; run without --direct-io"):
+        reader_over(ed, 2, threads=1, direct=True, checksums=False)

@@ -75,6 +75,14 @@ def test_without_the_engine(meta):
             resolve(StreamConfig(direct_io=True), meta, backend="cpu", engine_available=False)
 
 
+def test_macos_takes_the_python_reader_on_either_backend(meta, monkeypatch):
+    """The engine has never run on macOS: a Mac's CPU backend reads as its GPU does."""
+    monkeypatch.setattr(sys, "platform", "darwin")
+    for b in ("cpu", "metal"):
+        rt = resolve(StreamConfig(), meta, backend=b, engine_available=True)
+        assert rt.reader == "python" and "untested off Linux" in rt.reason("reader"), b
+
+
 def test_cuda_without_its_runtime_is_refused(meta):
     with pytest.raises(RuntimeChoiceError, match="libcudart"):
         resolve(StreamConfig(), meta, backend="cuda", memory=BIG, cuda_available=False)

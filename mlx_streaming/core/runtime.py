@@ -170,8 +170,8 @@ def resolve(
                "which the native reader does; drop --reader")  # fmt: skip
     elif want is not None:
         reader = want
-    elif b == "metal":
-        reader, why["reader"] = "python", "the native reader is untested on macOS"
+    elif b == "metal" or not _linux():  # macOS on its CPU backend too
+        reader, why["reader"] = "python", "the native reader is untested off Linux"
     else:
         reader = "native"
     if reader == "native":
@@ -236,6 +236,11 @@ def resolve(
             why["overlap"] = size
     if cfg.threads is not None:
         threads = cfg.threads
+        from .io.engine_lib import MAX_THREADS
+
+        if reader == "native" and threads > MAX_THREADS:
+            refuse(f"threads={threads}: the native reader runs at most {MAX_THREADS} "
+                   "threads; give --threads a smaller number")  # fmt: skip
     elif small:  # waking the reader's threads costs more than reading a small record
         threads = 0
         why["threads"] = size + ": read inline"

@@ -19,6 +19,7 @@ COUNTERS = ("calls", "records", "bytes", "read_ns", "busy_ns", "pread_ns", "copy
             "copies")  # fmt: skip
 N_COUNTERS = len(COUNTERS)
 ERR_BYTES = 512  # an engine message's buffer
+MAX_THREADS = 63  # reader threads the engine runs at most (engine.h: MAX_THREADS - 1)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None | bool = None

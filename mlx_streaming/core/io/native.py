@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import os
 import sys
 import threading
@@ -73,6 +74,12 @@ class NativeReader:
         lib = library()
         if lib is None:
             raise OSError(f"the native reader is unavailable: {why_unavailable()}")
+        h = hash_function() if checksums else None
+        if checksums and h is None:
+            raise OSError(
+                "checksums need XXH3_64bits from the xxhash package, not found: pip install "
+                "xxhash, or turn checksums off (--no-checksums, checksums=False)"
+            )
         self.lib, self.meta, self._wave = lib, meta, wave
         self.pos = {li: i for i, li in enumerate(sorted(pools))}
         stride = max(meta.layers[li].stride for li in pools)
@@ -91,9 +98,6 @@ class NativeReader:
             self._staging = aligned_buffer(wave * stride)
             self._streams, copy, sync = [], None, None
         streams = (ctypes.c_void_p * max(1, len(self._streams)))(*self._streams)
-        h = hash_function() if checksums else None
-        if checksums and h is None:
-            raise OSError("checksums need XXH3_64bits from the xxhash package: not found")
         self._err = error_buffer()  # used under self._lock once built
         self.handle = lib.mlxs_new(
             len(pools), threads, wave, stride, piece_bytes, _ptr(self._staging), copy, sync,
@@ -120,7 +124,16 @@ class NativeReader:
         """Open layer ``li``'s file and register its layout with the engine."""
         lay = self.meta.layers[li]
         flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
-        fd = os.open(self.meta.file(li), flags)
+        try:
+            fd = os.open(self.meta.file(li), flags)
+        except OSError as e:
+            if direct and e.errno == errno.EINVAL:  # e.g. tmpfs
+                raise OSError(
+                    e.errno,
+                    f"{self.meta.file(li)}: its filesystem refuses O_DIRECT; run without "
+                    "--direct-io (direct_io=False), or keep the experts on a disk's filesystem",
+                ) from e
+            raise
         self._fds.append(fd)  # closed by close(), whatever happens next
         if direct and sys.platform == "darwin":  # macOS has no O_DIRECT: F_NOCACHE
             import fcntl

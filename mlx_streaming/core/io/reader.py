@@ -132,12 +132,16 @@ class RecordReader:
             fd = os.open(path, os.O_RDONLY)
         except OSError as e:
             raise RecordReadError(e.errno, f"cannot open expert file {path}: {e.strerror}") from e
-        if not self.direct and hasattr(os, "posix_fadvise"):  # records are read at random:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead around them
-        if self.direct:
-            import fcntl
+        try:
+            if not self.direct and hasattr(os, "posix_fadvise"):  # records are read at random:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead around them
+            if self.direct:
+                import fcntl
 
-            fcntl.fcntl(fd, fcntl.F_NOCACHE, 1)
+                fcntl.fcntl(fd, fcntl.F_NOCACHE, 1)
+        except BaseException:
+            os.close(fd)
+            raise
         self._files[key] = (fd, stride, path)
         if len(self._sink) < stride:
             self._sink = memoryview(bytearray(stride))
