@@ -55,3 +55,39 @@ def test_failing_piece_fails_the_batch(tmp_path):
 def test_direct_io_is_the_native_readers_off_macos():
     with pytest.raises(ValueError, match="O_DIRECT needs aligned whole-record reads"):
         RecordReader(direct=True)
+
+
+def test_an_interrupted_wait_lets_every_read_stop_first(tmp_path, monkeypatch):
+    """Ctrl-C while a batch lands: the caller frees the batch's slots on the way out, so
+    no read may still be writing when the interrupt reaches it."""
+    import threading
+    import time
+
+    from mlx_streaming.core.io import reader as mod
+
+    path = tmp_path / "layer.bin"
+    np.zeros(STRIDE * 4, dtype=np.uint8).tofile(path)
+    r = RecordReader(threads=2, piece_bytes=1 << 20)
+    r.open(0, path, STRIDE)
+    release = threading.Event()
+
+    def slow():
+        release.wait(5)
+        time.sleep(0.2)
+
+    real_wait, calls = mod.wait, []
+
+    def interrupted(parts, timeout=None):
+        calls.append(1)
+        if len(calls) == 1:
+            release.set()  # the reads are still writing when the interrupt arrives
+            raise KeyboardInterrupt
+        return real_wait(parts, timeout)
+
+    monkeypatch.setattr(mod, "wait", interrupted)
+    outs = [aligned_buffer(STRIDE) for _ in range(3)]
+    fut = r.submit(0, [RecordJob(i, [outs[i]], after=slow) for i in range(3)])
+    with pytest.raises(KeyboardInterrupt):
+        fut.result()
+    assert all(p.done() for p in fut._parts)  # nothing writes after the interrupt
+    r.close()

@@ -303,6 +303,15 @@ class Done:
         return self._value
 
 
+def _wait_all(parts: list[Future]) -> None:
+    """Wait until every part has stopped, through further interrupts (reads are bounded)."""
+    while not all(p.done() for p in parts):
+        try:
+            wait(parts)
+        except BaseException:  # noqa: BLE001 - re-raised by the caller once all stopped
+            continue
+
+
 class _Gather(Future):
     """A future over several reads; its result is their byte total."""
 
@@ -315,7 +324,11 @@ class _Gather(Future):
 
     def result(self, timeout=None):
         if not super().done():
-            wait(self._parts, timeout)  # every read has stopped writing before we report
+            try:
+                wait(self._parts, timeout)  # every read has stopped writing before we report
+            except BaseException:  # e.g. Ctrl-C: the threads still write into the slots,
+                _wait_all(self._parts)  # which the caller frees on the way out: let them end
+                raise
             try:
                 self.set_result(self._finish(sum(p.result(0) for p in self._parts)))
             except Exception as e:  # noqa: BLE001
