@@ -81,6 +81,22 @@ def test_macos_takes_the_python_reader_on_either_backend(meta, monkeypatch):
     for b in ("cpu", "metal"):
         rt = resolve(StreamConfig(), meta, backend=b, engine_available=True)
         assert rt.reader == "python" and "untested off Linux" in rt.reason("reader"), b
+        assert "reader python (the native reader is untested off Linux)" in rt.line()
+
+
+def test_a_policy_without_its_library_says_so_once(monkeypatch):
+    """The numpy ranking gives the same victims, slower: a warning, once per process."""
+    from mlx_streaming.core.cache import native_policy
+
+    monkeypatch.setattr(native_policy, "_lib", None)
+    monkeypatch.setattr(native_policy, "library_path", lambda: None)
+    with pytest.warns(UserWarning, match="ranked in numpy, slower; pip install"):
+        assert native_policy.library() is None
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native_policy.library() is None  # said once
 
 
 def test_cuda_without_its_runtime_is_refused(meta):

@@ -70,8 +70,9 @@ class Runtime:
         path = f"{self.decode_path} path"
         if self.reason("decode_path"):
             path += f" ({self.reason('decode_path')})"
+        reader = self.reader + (f" ({self.reason('reader')})" if self.reason("reader") else "")
         return (
-            f"mlx_streaming: {self.backend}, {path}; reader {self.reader}, {self.pool_mode} "
+            f"mlx_streaming: {self.backend}, {path}; reader {reader}, {self.pool_mode} "
             f"pools, rows {self.rows}, policy {self.policy}, "
             + (f"{self.threads} threads" if self.threads else "reads inline")
             + (", O_DIRECT" if self.direct_io else "")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -52,10 +53,17 @@ def library() -> ctypes.CDLL | None:
     with _lock:
         if _lib is None:
             path = library_path()
+            why = "not built"
             try:
                 _lib = _load(path) if path is not None else False
-            except OSError:
-                _lib = False
+            except OSError as e:
+                _lib, why = False, str(e)
+            if _lib is False:  # once per process: the same victims, ranked slower
+                warnings.warn(
+                    f"the compiled policy is unavailable ({why}): victims are ranked in "
+                    "numpy, slower; pip install the package to build it",
+                    stacklevel=2,
+                )
         return _lib or None
 
 
