@@ -324,6 +324,8 @@ def test_lru_is_least_recently_used(seed, cap, pins):
     pinned = np.arange(min(pins, cap - k))
     cache.commit(cache.reserve(pinned, np.zeros(0, np.int64)))
     cache.pinned = set(pinned.tolist())
+    with pytest.raises(AttributeError):  # a copy: an edit of it would be lost, so none is
+        cache.pinned.add(E - 1)
     order: OrderedDict = OrderedDict((int(e), None) for e in pinned)
     for _ in range(200):
         need = np.unique(rng.choice(E, k, replace=False))

@@ -69,7 +69,7 @@ class StreamConfig:
         choices=sorted(POLICIES),
     )  # fmt: skip
     threads: int | None = option(
-        None, "read threads (default: 4; 0, reading inline, for records under 256 KiB on "
+        None, "read threads (default: 4; 0, reading inline, for records of at most 256 KiB on "
         "the CPU; on CUDA one per core but one, at most 15)"
     )  # fmt: skip
     reader: Reader | None = option(
@@ -109,7 +109,7 @@ class StreamConfig:
     overlap: bool | None = option(
         None,
         "compute resident experts while misses load (default: on the CPU, for records "
-        "of 256 KiB or more)",
+        "above 256 KiB)",
     )
     prefetch: bool = option(False, "read the next layer's predicted experts ahead")
     predictor: object = option(

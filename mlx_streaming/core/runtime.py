@@ -26,7 +26,7 @@ from .io.reader import INLINE_BYTES
 from .options import StreamConfig
 
 GB = 1e9
-# On the CPU, records under INLINE_BYTES (the reader's own threshold for reading on the
+# On the CPU, records of at most INLINE_BYTES (the reader's own threshold for reading on the
 # calling thread) are read inline and without the overlap split.
 # The split costs a second launch per call with misses (an ``async_eval``, which blocks on
 # MLX's CPU backend: ~100 µs on two cores) and waking the reader's threads ~40 µs more
@@ -226,8 +226,8 @@ def resolve(
         refuse(f"rows={rows!r} points skipped rows at a zero slot: drop zero_slot=False")
 
     biggest = max((lay.record_bytes for lay in meta.layers.values()), default=0) if meta else 0
-    small = b == "cpu" and meta is not None and biggest < INLINE_BYTES
-    size = f"records of {biggest / 1024:.0f} KiB {'are under' if small else 'reach'} "
+    small = b == "cpu" and meta is not None and biggest <= INLINE_BYTES
+    size = f"records of {biggest / 1024:.0f} KiB {'are at most' if small else 'exceed'} "
     size += f"{INLINE_BYTES // 1024} KiB"
     if cfg.overlap is not None:
         overlap = cfg.overlap

@@ -57,7 +57,6 @@ class Ticket:
     def __init__(self, loader: Loader, layer, experts, misses, placed, future, prefetch):
         self.layer, self.experts, self.misses, self.placed = layer, experts, misses, placed
         self.future, self.prefetch = future, prefetch
-        self.t0 = time.perf_counter()
         self.done = False
         self.error: BaseException | None = None  # a failed load fails every wait
         self._loader = loader

@@ -72,9 +72,9 @@ class SlotCache:
             self._policy.access(self._later.pop(0))
 
     @property
-    def pinned(self) -> set[int]:
+    def pinned(self) -> frozenset[int]:
         """Experts never evicted."""
-        return set(np.flatnonzero(self.pinned_mask).tolist())
+        return frozenset(np.flatnonzero(self.pinned_mask).tolist())  # a copy: set it whole
 
     @pinned.setter
     def pinned(self, experts) -> None:
@@ -128,7 +128,7 @@ class SlotCache:
         if self.fits(experts):
             return [experts]
         counts = np.ones(len(experts)) if counts is None else counts
-        pinned = np.array([e in self.pinned for e in experts.tolist()], dtype=bool)
+        pinned = self.pinned_mask[experts].astype(bool)
         resident = self.slot_of[experts] >= 0
         key = np.where(pinned, 0, np.where(resident, 1, 2))
         order = np.lexsort((counts, key))

@@ -23,7 +23,6 @@ _local = threading.local()
 H2D = 1  # cudaMemcpyHostToDevice
 NON_BLOCKING = 1  # cudaStreamNonBlocking
 ATTR_DEVICE = 2  # cudaMemoryTypeDevice
-ATTR_MANAGED = 3  # cudaMemoryTypeManaged
 D2H = 2  # cudaMemcpyDeviceToHost
 REGISTER_MAPPED = 2  # cudaHostRegisterMapped
 REGISTER_READ_ONLY = 8  # cudaHostRegisterReadOnly

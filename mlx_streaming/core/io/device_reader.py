@@ -20,6 +20,7 @@ import re
 import mlx.core as mx
 import numpy as np
 
+from ..ids import SLOT_IDS
 from . import cuda
 from .filemap import FileMaps
 from .reader import Done
@@ -174,7 +175,7 @@ class DeviceReader:
         n = len(experts)
         fills = np.empty(1 + 2 * n, np.int32)
         fills[0], fills[1::2], fills[2::2] = n, experts, slots
-        out = self.fill(layer, mx.array(fills), mx.zeros((1,), mx.uint32))  # slot ids: uint32
+        out = self.fill(layer, mx.array(fills), mx.zeros((1,), SLOT_IDS))
         mx.async_eval(out)
         return Done(n * self.meta.layers[layer].record_bytes)
 
