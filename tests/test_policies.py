@@ -142,6 +142,44 @@ def test_a_calls_reads_are_waited_for_once(models):
         store.close()
 
 
+def test_a_read_ahead_waited_for_by_a_later_load_is_not_on_time(models, monkeypatch):
+    """The reader takes one started read at a time: a load after a read-ahead that is
+    still reading waits for it, so that read-ahead did not arrive ahead of its need."""
+    import threading
+    import time
+
+    from mlx_streaming import FileExpertStore
+    from mlx_streaming.core.io import reader as rd
+    from mlx_streaming.core.meta import load_meta
+    from mlx_streaming.core.options import StreamConfig
+
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    monkeypatch.setattr(rd, "INLINE_BYTES", 0)  # the reads go to the threads
+    real, slow = rd.RecordReader._read_piece, threading.Event()
+
+    def piece(self, *a):
+        if slow.is_set():
+            time.sleep(0.3)
+        return real(self, *a)
+
+    monkeypatch.setattr(rd.RecordReader, "_read_piece", piece)
+    cfg = StreamConfig(reader="python", threads=2)
+    store = FileExpertStore(ed, capacity=meta.top_k + 2, config=cfg)
+    try:
+        a, b = store.layers[:2]
+        ahead = np.arange(2, dtype=np.int64)
+        slow.set()
+        assert store.loads.prefetch(a, ahead) == 2
+        slow.clear()
+        store.loads.fetch(b, np.arange(meta.top_k, dtype=np.int64))  # waits for it
+        store.loads.finish_read_aheads(a, ahead)
+        st = store.stats[a]
+        assert (st.prefetched, st.prefetch_used, st.prefetch_on_time) == (2, 2, 0)
+    finally:
+        store.close()
+
+
 def test_a_late_call_gathers_the_slots_the_host_plans(models):
     """A one-step call on a host pool is planned late: its graph, built on the pool's
     table before the routing is read, gives at launch the slot the plan gave each row,

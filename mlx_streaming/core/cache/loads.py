@@ -58,6 +58,7 @@ class Ticket:
         self.layer, self.experts, self.misses, self.placed = layer, experts, misses, placed
         self.future, self.prefetch = future, prefetch
         self.done = False
+        self.late = False  # still reading when a later load had to wait for it
         self.error: BaseException | None = None  # a failed load fails every wait
         self._loader = loader
 
@@ -117,6 +118,7 @@ class Loader:
         takes the table)."""
         t, self._started = self._started, None
         if t is not None and not t.done:
+            t.late = not t.future.done()  # a read-ahead a later load had to wait for
             with contextlib.suppress(Exception):  # its call has already raised
                 t.wait()
 
@@ -172,7 +174,7 @@ class Loader:
         need = set() if needed is None else set(needed.tolist())
         st = self.stats[layer]
         for t in tickets:
-            on_time = t.future.done()
+            on_time = t.future.done() and not t.late
             try:
                 t.wait()
             except Exception:  # noqa: BLE001 - a failed read-ahead is retried on demand
