@@ -77,7 +77,7 @@ def main() -> None:
     log(pairs)
 
     store = stores["default"]
-    store.timeline.record()
+    store.timeline.start()
     t1 = time.perf_counter()
     timed = run(models["default"])
     wall = time.perf_counter() - t1

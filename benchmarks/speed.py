@@ -365,7 +365,7 @@ def decode_timeline(model, tok, ids, store) -> list[dict]:
     out = []
     for i, _ in enumerate(stream_generate(model, tok, ids, max_tokens=4)):
         if i == 1:
-            store.timeline.record()
+            store.timeline.start()
         elif i == 2:
             out = store.timeline.stop()
     return out

@@ -218,7 +218,7 @@ def test_the_timeline_marks_every_path(models):
         if path == "resident":  # the first call loads the whole layer
             store.finish(store.request(li, ids), ids)
         store.reset_stats()
-        store.timeline.record()
+        store.timeline.start()
         call = store.request(li, ids[:1])
         assert call.path == path
         if path == "host":

@@ -233,8 +233,8 @@ class FileExpertStore:
         return y
 
     def ids(self, slots: np.ndarray) -> mx.array:
-        """Slot ids made on the host, as a device array (on CUDA through mapped memory,
-        not a host-made MLX buffer, which MLX may first move to managed memory)."""
+        """Slot ids made on the host, as a device array (on CUDA through shared host
+        memory, not a host-made MLX buffer, which MLX may first move to managed memory)."""
         transfers = self.host.transfers
         if transfers is None:
             return mx.array(slots.astype(SLOT_IDS_NP))

@@ -99,8 +99,8 @@ class Timeline:
         if self.on:
             self.events.append((time.perf_counter(), layer, phase, path))
 
-    def record(self) -> None:
-        """Start a fresh recording."""
+    def start(self) -> None:
+        """Start a fresh timeline (``stop`` returns it)."""
         self.events, self.on = [], True
 
     def stop(self) -> list[dict]:
