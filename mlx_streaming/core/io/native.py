@@ -7,8 +7,8 @@ a request over a wave is read before ``start`` returns, a wave at a time. Pieces
 staging area are copied into each slot's part rows (``cudaMemcpyAsync`` for CUDA pools,
 ``memcpy`` for host pools), XXH3 checksums checked with the xxhash package's own
 ``XXH3_64bits``. Where the compiled library is missing (a source tree never installed),
-``library()`` is None, one warning says what that costs, and the store reads with the
-Python reader (``io.reader``).
+``library()`` is None and the store reads with the Python reader (``io.reader``); the
+load line says so (``Runtime.line``: the reader's reason).
 """
 
 from __future__ import annotations
