@@ -63,7 +63,7 @@ def test_an_interrupted_wait_lets_every_read_stop_first(tmp_path, monkeypatch):
     import threading
     import time
 
-    from mlx_streaming.core.io import reader as mod
+    from mlx_streaming.core.io import futures as mod
 
     path = tmp_path / "layer.bin"
     np.zeros(STRIDE * 4, dtype=np.uint8).tofile(path)

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..format import ExpertMeta
-from ..io.reader import Done
+from ..io.futures import Done
 from .pool import LayerPool
 from .slots import SlotCache
 from .stats import LayerStats

@@ -23,7 +23,7 @@ import numpy as np
 from ..ids import SLOT_IDS
 from . import cuda
 from .filemap import FileMaps
-from .reader import Done
+from .futures import Done
 
 FILL_BLOCKS, FILL_THREADS = 1024, 256
 

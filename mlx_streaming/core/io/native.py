@@ -35,7 +35,8 @@ from .engine_lib import (
     library,
     why_unavailable,
 )
-from .reader import Done, RecordReadError
+from .futures import Done
+from .reader import RecordReadError
 
 
 def _ptr(a) -> int | None:

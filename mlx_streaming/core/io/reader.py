@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .futures import Done, Gather
+
 MAX_RUN_BYTES = 8 << 20  # adjacent records are merged into one run up to this size
 PIECE_BYTES = 16 << 20  # runs larger than twice this are read as pieces on several threads
 # (smaller pieces measured slower on the H200 machine: each piece costs a driver copy call)
@@ -268,7 +270,7 @@ class RecordReader:
                 f.cancel()
             wait(futures)
             raise
-        return _Gather(futures, finish)
+        return Gather(futures, finish)
 
     def read(self, key, ids, out: np.ndarray) -> int:
         """Read whole records ``ids`` into rows of ``out`` ([n, stride]); returns bytes."""
@@ -286,54 +288,6 @@ class RecordReader:
             self.close()
         except Exception:  # noqa: BLE001
             pass
-
-
-class Done:
-    """A finished read: the cheap stand-in for a Future on the inline path."""
-
-    def __init__(self, value=None, error: Exception | None = None):
-        self._value, self._error = value, error
-
-    def done(self) -> bool:
-        return True
-
-    def result(self, timeout=None):
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-
-def _wait_all(parts: list[Future]) -> None:
-    """Wait until every part has stopped, through further interrupts (reads are bounded)."""
-    while not all(p.done() for p in parts):
-        try:
-            wait(parts)
-        except BaseException:  # noqa: BLE001 - re-raised by the caller once all stopped
-            continue
-
-
-class _Gather(Future):
-    """A future over several reads; its result is their byte total."""
-
-    def __init__(self, parts: list[Future], finish):
-        super().__init__()
-        self._parts, self._finish = parts, finish
-
-    def done(self):
-        return super().done() or all(p.done() for p in self._parts)
-
-    def result(self, timeout=None):
-        if not super().done():
-            try:
-                wait(self._parts, timeout)  # every read has stopped writing before we report
-            except BaseException:  # e.g. Ctrl-C: the threads still write into the slots,
-                _wait_all(self._parts)  # which the caller frees on the way out: let them end
-                raise
-            try:
-                self.set_result(self._finish(sum(p.result(0) for p in self._parts)))
-            except Exception as e:  # noqa: BLE001
-                self.set_exception(e)
-        return super().result(timeout)
 
 
 class PythonReader:

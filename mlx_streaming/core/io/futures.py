@@ -1,0 +1,54 @@
+"""The futures of reads: a finished one (``Done``), and one over several parts
+(``Gather``) that never reports while a part still writes."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, wait
+
+
+class Done:
+    """A finished read: the cheap stand-in for a Future on the inline path."""
+
+    def __init__(self, value=None, error: Exception | None = None):
+        self._value, self._error = value, error
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout=None):
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def _wait_all(parts: list[Future]) -> None:
+    """Wait until every part has stopped, through further interrupts (reads are bounded)."""
+    while not all(p.done() for p in parts):
+        try:
+            wait(parts)
+        except BaseException:  # noqa: BLE001 - re-raised by the caller once all stopped
+            continue
+
+
+class Gather(Future):
+    """A future over several reads; its result is their byte total."""
+
+    def __init__(self, parts: list[Future], finish):
+        super().__init__()
+        self._parts, self._finish = parts, finish
+
+    def done(self):
+        return super().done() or all(p.done() for p in self._parts)
+
+    def result(self, timeout=None):
+        if not super().done():
+            try:
+                wait(self._parts, timeout)  # every read has stopped writing before we report
+            except BaseException:  # e.g. Ctrl-C: the threads still write into the slots,
+                _wait_all(self._parts)  # which the caller frees on the way out: let them end
+                raise
+            try:
+                self.set_result(self._finish(sum(p.result(0) for p in self._parts)))
+            except Exception as e:  # noqa: BLE001
+                self.set_exception(e)
+        return super().result(timeout)
