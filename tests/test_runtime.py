@@ -102,3 +102,20 @@ def test_a_policy_without_its_library_says_so_once(monkeypatch):
 def test_cuda_without_its_runtime_is_refused(meta):
     with pytest.raises(RuntimeChoiceError, match="libcudart"):
         resolve(StreamConfig(), meta, backend="cuda", memory=BIG, cuda_available=False)
+
+
+def test_ids_transfers_that_fail_their_check_say_so(monkeypatch):
+    """On CUDA the routing reaches the host through the ids' transfers if their start-up
+    check passes; a failure falls back to MLX's own read, with a warning naming it."""
+    import mlx.core as mx
+
+    from mlx_streaming.core.io import cuda, transfers
+
+    def broken():
+        raise OSError("no mapped host memory")
+
+    monkeypatch.setattr(cuda, "available", lambda: True)
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: None, raising=False)
+    monkeypatch.setattr(transfers, "IdTransfers", broken)
+    with pytest.warns(UserWarning, match="start-up check .*no mapped host memory.*exact"):
+        assert transfers.id_transfers() is None

@@ -18,6 +18,8 @@ compares both transfers with MLX's own and keeps MLX's where they differ.
 
 from __future__ import annotations
 
+import warnings
+
 import mlx.core as mx
 import numpy as np
 
@@ -120,6 +122,14 @@ def id_transfers() -> IdTransfers | None:
 
     if not cuda.available() or not hasattr(mx.fast, "cuda_kernel"):
         return None
+
+    def fallback(why: str) -> None:
+        warnings.warn(
+            f"the ids' transfers failed their start-up check ({why}): each MoE layer's "
+            "routing is read the usual way (slower; exact all the same)",
+            stacklevel=3,
+        )
+
     try:
         r = IdTransfers()
         for ids in (
@@ -131,11 +141,11 @@ def id_transfers() -> IdTransfers | None:
                 done = r.start(ids, c)
                 mx.eval(done, ids)
                 if not np.array_equal(r.read(ids, c), np.array(ids)):
-                    return None
+                    return fallback(f"channel {c} read other ids than MLX's")
         for i in range(RING + 1):  # every ring buffer, and one reused
             want = np.random.default_rng(i).integers(0, 2**31, (1, 6), np.int32)
             if not np.array_equal(np.array(r.to_device(want)), want):
-                return None
+                return fallback(f"ring buffer {i % RING} sent other ids than MLX's")
         return r
-    except Exception:  # noqa: BLE001 (any failure: read the usual way)
-        return None
+    except Exception as e:  # noqa: BLE001 (any failure: read the usual way)
+        return fallback(repr(e))
