@@ -180,6 +180,51 @@ def test_a_read_ahead_waited_for_by_a_later_load_is_not_on_time(models, monkeypa
         store.close()
 
 
+def test_two_threads_in_one_stores_request_are_refused(models):
+    """A store is driven by one thread: a second thread's request while one is inside
+    raises a clear error instead of racing on the slot tables; the first call completes."""
+    import threading
+
+    import mlx.core as mx
+
+    from mlx_streaming import FileExpertStore
+    from mlx_streaming.core.meta import load_meta
+
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    store = FileExpertStore(ed, capacity=meta.top_k + 2)
+    inside, go, out = threading.Event(), threading.Event(), {}
+    first = [True]
+
+    def hold():  # a watch: runs inside request
+        if first[0] and threading.current_thread().name == "first":
+            first[0] = False
+            inside.set()
+            go.wait(10)
+
+    store.watch(hold)
+    ids = mx.array(np.arange(meta.top_k, dtype=np.int32)[None, None])
+    li = store.layers[0]
+
+    def call():
+        c = store.request(li, ids, overlap=False)
+        out["call"] = store.finish(c, c.slots)
+
+    t = threading.Thread(target=call, name="first")
+    t.start()
+    try:
+        assert inside.wait(10)
+        with pytest.raises(RuntimeError, match="two threads called one store's request"):
+            store.request(li, ids, overlap=False)
+    finally:
+        go.set()
+        t.join(10)
+    assert "call" in out  # the first thread's call was not disturbed
+    c = store.request(li, ids, overlap=False)  # and the store serves again
+    store.finish(c, c.slots)
+    store.close()
+
+
 def test_a_late_call_gathers_the_slots_the_host_plans(models):
     """A one-step call on a host pool is planned late: its graph, built on the pool's
     table before the routing is read, gives at launch the slot the plan gave each row,

@@ -119,6 +119,7 @@ class FileExpertStore:
         self.routing.on = cfg.record
         self.observers: list[Callable] = []  # callables(layer, host_ids) seeing the routing
         self._watches: list[Callable[[], None]] = []  # called at each layer call
+        self._calling = threading.Lock()  # held inside request: one thread at a time
         self.timeline = Timeline()  # phases of layer calls, when recording
         self.host = HostPath(
             self.caches,
@@ -190,7 +191,23 @@ class FileExpertStore:
         resident experts' rows form a first step that needs no wait; ``beside`` (the
         layer's shared experts) is launched right after the routing, to compute while
         the host plans.
+
+        Raises:
+            RuntimeError: another thread is inside ``request`` of this store (a race that
+                would corrupt its tables: one thread drives a store).
         """
+        if not self._calling.acquire(blocking=False):
+            raise RuntimeError(
+                "two threads called one store's request at once: a store is driven by one "
+                "thread (the server's generation thread); serialize the generations, or "
+                "load a store per thread"
+            )
+        try:
+            return self._request(layer, indices, overlap, also, beside)
+        finally:
+            self._calling.release()
+
+    def _request(self, layer, indices, overlap, also, beside) -> LayerCall:
         for fn in self._watches:
             fn()
         t0 = time.perf_counter()
