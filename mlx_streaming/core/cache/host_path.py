@@ -172,9 +172,12 @@ class HostPath:
         s, pool, host = call.steps[i], self.pools[call.layer], call.host_ids
         if s.group is not None:
             t0 = time.perf_counter()
-            call.misses += self.loads.fetch(call.layer, s.group)
-            call.waited_s += time.perf_counter() - t0
-            self.stats[call.layer].demand_s += time.perf_counter() - t0
+            loaded = self.loads.fetch(call.layer, s.group)
+            dt = time.perf_counter() - t0
+            call.misses += loaded
+            call.waited_s += dt
+            if loaded:  # reads were in flight (as a one-group call counts them)
+                self.stats[call.layer].demand_s += dt
             return s.rows, pool.slots_of(host)
         if s.after_reads:
             self.wait(call)
