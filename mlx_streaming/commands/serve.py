@@ -16,6 +16,8 @@ from ._args import (
     positive_int,
 )
 
+SERVER_ARENAS = 2  # glibc malloc arenas in a server process (core.mem.limit_malloc_arenas)
+
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -89,6 +91,11 @@ def cli_args_for_mlx_lm(a: argparse.Namespace) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
+    from ..core.mem import limit_malloc_arenas
+
+    # first, before the model's threads allocate: one request runs at a time, and a
+    # thread per connection would otherwise leave an arena of freed blocks behind each
+    limit_malloc_arenas(SERVER_ARENAS)
     from ..serve.server import serve
 
     a = setup_arg_parser().parse_args(argv)

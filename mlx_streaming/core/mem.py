@@ -89,6 +89,26 @@ def clear_cache() -> None:
     mx.clear_cache()
 
 
+def limit_malloc_arenas(n: int) -> bool:
+    """Cap glibc's malloc arenas at ``n`` (``mallopt(M_ARENA_MAX)``; elsewhere nothing):
+    whether it took effect. glibc gives a thread that mallocs while the others' arenas
+    are busy an arena of its own, up to 8 per core, and freed blocks stay resident in
+    it, so a server that starts a thread per connection grows in steps of a few MB with
+    the connections that ever overlapped, not with live memory. Call it before other
+    threads allocate: glibc fixes the cap the first time it needs a second arena."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    return bool(libc.mallopt(M_ARENA_MAX, n))
+
+
+M_ARENA_MAX = -8  # glibc's malloc.h
+
+
 class Sampler:
     """Calls ``probe`` (which returns a tuple) on a thread every ``every_s`` seconds while
     a ``with`` block runs, and once more at its end; ``series`` keeps
