@@ -28,8 +28,9 @@ THREADS = 256
 # counters kept on the device per layer: hits, misses, evictions, calls with misses,
 # misses left without a slot (a defect), free slots left, blocks that gave up waiting for
 # the plan (a defect; the kernel then traps)
-HITS, MISSES, EVICTIONS, MISSED_CALLS, FAILED, FREE, LATE = range(7)
-N_COUNTERS = 8
+COUNTERS = ("HITS", "MISSES", "EVICTIONS", "MISSED_CALLS", "FAILED", "FREE", "LATE")
+HITS, MISSES, EVICTIONS, MISSED_CALLS, FAILED, FREE, LATE = range(len(COUNTERS))
+N_COUNTERS = len(COUNTERS)
 
 
 def layer_arrays(num_experts: int, capacity: int) -> dict[str, np.ndarray]:
@@ -117,27 +118,7 @@ def constants(weights) -> dict[str, np.ndarray]:
 PLAN_NAMES = (["ids", "p", "meta", "after"], ["slots"])  # the kernel's inputs, outputs
 BLOCKS = 128
 WAIT_NS = 2_000_000_000  # a template int: under 2**31
-PLAN = """
-    int* slot_of = (int*)p[0];
-    int* expert_in = (int*)p[1];
-    long long* ctr = (long long*)p[2];
-    long long* tp = (long long*)p[3];
-    long long* last = (long long*)p[4];
-    unsigned char* resident = (unsigned char*)p[5];
-    const unsigned char* pinned = (const unsigned char*)p[6];
-    float* trans = (float*)p[7];
-    float* row = (float*)p[8];
-    double* cum = (double*)p[9];
-    double* aged = (double*)p[10];
-    long long* aged_at = (long long*)p[11];
-    long long* prev = (long long*)p[12];
-    long long* nprev = (long long*)p[13];
-    const double* w = (const double*)p[14];
-    const long long* windows = (const long long*)p[15];
-    const double* log1p_rec = (const double*)p[16];
-    const double* age_pow = (const double*)p[17];
-    int* fills = (int*)p[18];
-    int* sync = (int*)p[19];
+_PLAN_BODY = """
     const int tid = threadIdx.x, nth = blockDim.x;
     __shared__ int fl[1 + 2 * N];  // the fills, as each block reads them
     __shared__ int role;  // the block's ticket: the first block to run plans
@@ -167,7 +148,7 @@ PLAN = """
         for (int i = 0; i < n; i++) if (slot_of[d[i]] < 0) m[k++] = d[i];
         nm = k;
         int f = 0;
-        for (int s = 0; ctr[5] > 0 && s < S && f < k; s++) if (expert_in[s] < 0) target[f++] = s;
+        for (int s = 0; ctr[FREE] > 0 && s < S && f < k; s++) if (expert_in[s] < 0) target[f++] = s;
         nfree = f;
         nvict = 0;
     }
@@ -276,12 +257,12 @@ PLAN = """
             fills[1 + 2 * i] = e;
             fills[2 + 2 * i] = s;
         }
-        ctr[0] += nd - nm;
-        ctr[1] += placed;
-        ctr[2] += placed - nfree;
-        ctr[3] += nm > 0;
-        ctr[4] += nm - placed;
-        ctr[5] -= nfree;
+        ctr[HITS] += nd - nm;
+        ctr[MISSES] += placed;
+        ctr[EVICTIONS] += placed - nfree;
+        ctr[MISSED_CALLS] += nm > 0;
+        ctr[FAILED] += nm - placed;
+        ctr[FREE] -= nfree;
     }
     __syncthreads();
     if (tid == 0) {  // the fills are out: the other blocks may copy
@@ -324,7 +305,7 @@ PLAN = """
         while (((volatile int*)sync)[0] == 0) {
             asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
             if (now - t0 > WAIT_NS) {  // never for a running planner: fail loudly, since
-                atomicAdd((unsigned long long*)(ctr + 6), 1ull);  // copying nothing
+                atomicAdd((unsigned long long*)(ctr + LATE), 1ull);  // copying nothing
                 __trap();  // would leave resident experts unfilled (LATE)
             }
             __nanosleep(64);
@@ -348,6 +329,32 @@ PLAN = """
         }
     }
 """
+
+
+_C_TYPES = {
+    np.dtype(np.int32): "int",
+    np.dtype(np.int64): "long long",
+    np.dtype(np.uint8): "unsigned char",
+    np.dtype(np.float32): "float",
+    np.dtype(np.float64): "double",
+}
+_KERNEL_NAMES = {"counters": "ctr", "t": "tp", "weights": "w"}  # short names in the body
+_READ_ONLY = ("pinned", "weights", "windows", "log1p_rec", "age_pow")
+
+
+def _declarations() -> str:
+    """The kernel's view of ``p``: each of ``POINTERS``, typed by its array's dtype, and
+    the counters' indices, so the kernel and the host cannot disagree on either."""
+    arrays = {**layer_arrays(1, 1), **constants([0.0]), **scratch_arrays()}
+    lines = []
+    for i, name in enumerate(POINTERS):
+        c = ("const " if name in _READ_ONLY else "") + _C_TYPES[arrays[name].dtype]
+        lines.append(f"    {c}* {_KERNEL_NAMES.get(name, name)} = ({c}*)p[{i}];")
+    lines += [f"    constexpr int {n} = {i};" for i, n in enumerate(COUNTERS)]
+    return "\n".join(lines) + "\n"
+
+
+PLAN = _declarations() + _PLAN_BODY
 
 
 def template(num_experts: int, capacity: int, n_ids: int, weights) -> list[tuple[str, int]]:

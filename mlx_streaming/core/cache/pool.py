@@ -160,6 +160,7 @@ class LayerPool:
 
 
 _ADDRESS = []  # the address kernel, built on first use
+ADDRESS_SOURCE = "if (threadIdx.x == 0) p[0] = (unsigned long long)(a);"
 
 
 def device_address(a: mx.array) -> int:
@@ -175,7 +176,7 @@ def device_address(a: mx.array) -> int:
                 name="mlxs_address",
                 input_names=["a"],
                 output_names=["p"],
-                source="if (threadIdx.x == 0) p[0] = (unsigned long long)(a);",
+                source=ADDRESS_SOURCE,
             )
         )
     p = _ADDRESS[0](

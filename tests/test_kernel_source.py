@@ -1,0 +1,119 @@
+"""Every CUDA kernel the package builds, compiled on the CPU machine with ``nvcc``.
+
+MLX compiles a ``mx.fast.cuda_kernel`` only when it first runs, on a CUDA machine; an
+error in a kernel's text would otherwise first show there, in device time. Here each
+kernel's full text is built the way MLX 0.32's ``build_kernel`` builds it (its header,
+then a ``__global__`` function whose parameters are the named inputs and outputs, then
+``constexpr int`` template arguments, then the source) and compiled for the H200
+(sm_90) with every warning an error. MLX's default header (``device/utils.cuh``, not in
+the CPU wheel) is stood in for by the fixed-width integer types, the only part of it
+these kernels use. The semantics are checked on the device, by ``tests/test_cuda.py``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from mlx_streaming.core.cache import device_plan
+from mlx_streaming.core.cache.pool import ADDRESS_SOURCE
+from mlx_streaming.core.cache.scored import WINDOWS
+from mlx_streaming.core.io import device_reader, transfers
+
+NVCC = shutil.which("nvcc")
+pytestmark = pytest.mark.skipif(NVCC is None, reason="no nvcc on this machine")
+
+_STAND_IN = "#include <cstdint>\n#include <cooperative_groups.h>\n"
+
+
+def build(name, source, inputs, outputs, template=(), header="") -> str:
+    """``source`` wrapped as MLX wraps it: ``inputs`` and ``outputs`` are ``(name,
+    C type)``; ``template`` ``(name, int)``."""
+    params = [f"    const {t}* {n}" for n, t in inputs] + [f"    {t}* {n}" for n, t in outputs]
+    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in template)
+    return (
+        f"{header}namespace mlx::core::cu {{\n\nnamespace cg = cooperative_groups;\n\n"
+        f"__global__ void {name}(\n" + ",\n".join(params) + ") {\n"
+        f"{consts}\n{source}\n}}\n\n}} // namespace mlx::core::cu\n"
+    )
+
+
+def compile_ok(tmp_path, name: str, text: str) -> None:
+    src = tmp_path / f"{name}.cu"
+    src.write_text(_STAND_IN + text)
+    cmd = [NVCC, "-arch=sm_90", "-std=c++17", "-c", "-o", str(tmp_path / f"{name}.o")]
+    cmd += ["-Werror", "all-warnings", "-Xcompiler", "-Wall", str(src)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    numbered = "\n".join(f"{i + 1:4d} {x}" for i, x in enumerate(text.splitlines()))
+    assert r.returncode == 0, f"nvcc refused {name}:\n{r.stderr}\n{numbered}"
+
+
+def kernels() -> dict[str, str]:
+    """Each kernel the package builds, in each variant its Python side can ask for: its
+    name and full text (as MLX builds it, header included)."""
+    words, out = device_reader._WORDS, {}
+    plan_in, plan_out = device_plan.PLAN_NAMES
+    plan_types = dict(zip(plan_in, ["uint32_t", "uint64_t", "int64_t", "uint32_t"]))
+    fill_in, fill_out = device_reader.FILL_NAMES
+    fill_types = dict(zip(fill_in, ["int32_t", "uint32_t", "int64_t"]))
+    for word, c_word in words.items():
+        for score in (0.0, 1.0):  # the LRU ranking (no score) and the scored one
+            name = f"mlxs_plan_{word}_{int(score)}"
+            out[name] = build(
+                name,
+                device_plan.PLAN.replace("WORD", c_word),
+                [(n, plan_types[n]) for n in plan_in],
+                [(plan_out[0], "uint32_t")],
+                device_plan.template(64, 32, 6, [score] * (3 + len(WINDOWS))),
+                device_reader.COPY_HEADER,
+            )
+        out[f"mlxs_fill_{word}"] = build(
+            f"mlxs_fill_{word}",
+            device_reader._FILL.replace("WORD", c_word),
+            [(n, fill_types[n]) for n in fill_in],
+            [(fill_out[0], "uint32_t")],
+            [("N", 6)],
+            device_reader.COPY_HEADER,
+        )
+    for ids in ("int32_t", "uint32_t"):
+        name = f"mlxs_routing_to_host_{ids}"
+        out[name] = build(
+            name, transfers._SOURCE, [("ids", ids), ("dst", "uint64_t")], [("done", "int32_t")],
+            [("N", 6)],
+        )  # fmt: skip
+    out["mlxs_ids_to_device"] = build(
+        "mlxs_ids_to_device", transfers._TO_DEVICE, [("addr", "uint64_t")], [("out", "uint32_t")],
+        [("N", 6)],
+    )  # fmt: skip
+    out["mlxs_address"] = build(
+        "mlxs_address", ADDRESS_SOURCE, [("a", "uint8_t")], [("p", "uint64_t")]
+    )
+    return out
+
+
+def test_every_kernel_compiles(tmp_path):
+    """All kernels in one compilation (each in a namespace of its own, since each carries
+    its header, as MLX compiles them one by one); on a failure, each alone, to name it."""
+    every = kernels()
+    try:
+        compile_ok(tmp_path, "all", "".join(f"namespace {n} {{\n{t}}}\n" for n, t in every.items()))
+    except AssertionError:
+        failures = []
+        for name, text in every.items():
+            try:
+                compile_ok(tmp_path, name, text)
+            except AssertionError as e:
+                failures.append(str(e))
+        assert failures, "nvcc refused the kernels together and accepted each alone"
+        raise AssertionError("\n\n".join(failures)) from None
+
+
+def test_a_broken_kernel_is_refused(tmp_path):
+    """The check can fail: an undeclared name, and a warning (an unused variable)."""
+    with pytest.raises(AssertionError, match="nvcc refused"):
+        compile_ok(tmp_path, "bad", build("bad", "out[0] = nothing;", [], [("out", "int")]))
+    with pytest.raises(AssertionError, match="nvcc refused"):
+        text = build("warn", "int unused = 1;\nout[0] = 0;", [], [("out", "int")])
+        compile_ok(tmp_path, "warn", text)
