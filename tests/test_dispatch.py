@@ -100,7 +100,7 @@ def test_pool_projection_passes_the_rules_flag(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "backend,quantized", itertools.product(("metal", "cuda", "cpu"), (True, False))
+    "backend,quantized", list(itertools.product(("metal", "cuda", "cpu"), (True, False)))
 )
 def test_stocks_flag_serves_where_the_rule_reads_no_expert_count(backend, quantized):
     """Where ``reads_experts`` says no, the pool passes stock's flag unexamined: the
