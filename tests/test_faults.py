@@ -375,3 +375,34 @@ def test_writers_of_one_json_file_do_not_collide(tmp_path):
     assert not errors, errors[:3]
     assert json.loads(path.read_text())["i"] == 199
     assert [p.name for p in tmp_path.iterdir()] == ["known.json"]
+
+
+def test_a_failed_read_ahead_is_counted_and_warned_once_then_read_on_demand(models, tmp_path):
+    """A read-ahead of a corrupt record fails: the store counts it (``prefetch_failed``),
+    warns once naming the layer and the error, and the later demand read of the same
+    expert raises the checksum error for the call that needs it."""
+    import warnings
+
+    _, src = models.experts("tiny-qwen3_moe")
+    ed = tmp_path / "experts"
+    shutil.copytree(src, ed)
+    meta = load_meta(ed)
+    a = meta.moe_layers[0]
+    corrupt(meta.file(a), 9 * meta.layers[a].stride + 7)
+    store = FileExpertStore(ed, capacity=8, threads=2, reader="native")
+    try:
+        assert store.prefetch(a, [9, 10]) == 2
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            store.loads.finish_read_aheads(a, np.array([9, 10]))
+            assert store.prefetch(a, [9]) == 1  # again: counted, not warned again
+            store.loads.finish_read_aheads(a)
+        said = [str(w.message) for w in seen if "read-ahead" in str(w.message)]
+        assert len(said) == 1 and f"layer {a}" in said[0] and "expert 9" in said[0], said
+        st = store.stats[a]
+        assert (st.prefetched, st.prefetch_failed, st.prefetch_used) == (3, 3, 0)
+        assert store.caches[a].slot_of[9] < 0 and not store.caches[a].pending
+        with pytest.raises(ExpertChecksumError, match=f"expert 9 of layer {a}"):
+            store.loads.fetch(a, np.array([9, 11], np.int64))
+    finally:
+        store.close()

@@ -719,3 +719,28 @@ def test_plan_refuses_a_trace_of_another_shape_and_impossible_sizes(models, tmp_
     bad = local_trace(E=16, k=4)
     with pytest.raises(TraceError, match=r"0\.\.15"):
         RoutingTrace(bad.experts.astype(np.int16) - 1, bad.offsets, 16).validate()
+
+
+@pytest.mark.parametrize("reader", ["python", "native"])
+def test_a_read_ahead_past_the_free_and_evictable_slots_places_what_fits(models, reader):
+    """Read-ahead is best effort on every reader: more guesses than the slots it may take
+    place as many as fit (the Python reader has no wave to cap them; it raised "cannot
+    place" from inside the decode step before), and the store still serves."""
+    from mlx_streaming import FileExpertStore
+    from mlx_streaming.core.meta import load_meta
+    from mlx_streaming.core.options import StreamConfig
+
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    store = FileExpertStore(ed, capacity=meta.top_k, config=StreamConfig(reader=reader))
+    try:
+        a = store.layers[0]
+        store.loads.fetch(a, np.arange(meta.top_k, dtype=np.int64))
+        guesses = np.arange(meta.top_k, meta.num_experts, dtype=np.int64)
+        issued = store.prefetch(a, guesses)
+        assert 0 < issued <= meta.top_k
+        store.loads.finish_read_aheads(a)
+        assert (store.caches[a].slot_of >= 0).sum() == meta.top_k
+        assert store.loads.fetch(a, np.arange(meta.top_k, dtype=np.int64)) > 0
+    finally:
+        store.close()

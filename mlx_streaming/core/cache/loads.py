@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 
 import mlx.core as mx
 import numpy as np
@@ -95,6 +96,7 @@ class Loader:
         self.outputs = Outputs(caches)
         self._inflight: dict[int, list[Ticket]] = {li: [] for li in caches}  # read-aheads
         self._started: Ticket | None = None  # the latest load, maybe not yet finished
+        self._warned_read_ahead = False
 
     def begin(self, layer: int, experts: np.ndarray) -> Ticket:
         """Start making distinct ``experts`` resident (they must fit): reserve slots and
@@ -133,18 +135,17 @@ class Loader:
 
     def prefetch(self, layer: int, experts, limit: int | None = None) -> int:
         """Read ahead experts a coming call of ``layer`` is expected to need, into free
-        or evictable slots (never pinned ones, nor ``experts`` themselves), at most one
-        of the reader's waves. Best effort; the next call of the layer finishes them.
-        Returns how many were issued."""
+        or evictable slots (never pinned ones, nor ``experts`` themselves), at most
+        ``limit`` and one of the reader's waves (where it has one). Best effort: as many
+        as fit; the next call of the layer finishes them. Returns how many were issued."""
         self.finish_open()
         cache = self.caches[layer]
         experts = np.asarray(experts, dtype=np.int64)
         todo = [int(e) for e in experts if cache.slot_of[e] < 0 and e not in cache.pending]
-        wave = getattr(self.reader, "wave", None)
-        if wave is not None:
-            limit = wave if limit is None else min(limit, wave)
         if not todo:
             return 0
+        wave = getattr(self.reader, "wave", None)
+        limit = min(x for x in (limit, wave, len(todo)) if x is not None)  # a limit: best effort
         with self._lock:
             placed = cache.reserve(todo, protect=np.unique(experts), limit=limit)
         if not placed:
@@ -177,7 +178,16 @@ class Loader:
             on_time = t.future.done() and not t.late
             try:
                 t.wait()
-            except Exception:  # noqa: BLE001 - a failed read-ahead is retried on demand
+            except Exception as e:  # noqa: BLE001 - a failed read-ahead is retried on demand
+                st.prefetch_failed += len(t.placed)
+                if not self._warned_read_ahead:
+                    self._warned_read_ahead = True
+                    warnings.warn(
+                        f"a read-ahead of layer {layer} failed ({e}); its experts are read "
+                        "on demand when needed (counted in prefetch_failed; warned once)",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
                 continue
             used = need.intersection(t.misses.tolist())
             st.prefetch_used += len(used)

@@ -42,6 +42,7 @@ class LayerStats:
     prefetch_used: int = 0  # ... that a later call needed (misses avoided)
     prefetch_on_time: int = 0  # ... that had arrived before they were needed
     prefetch_bytes: int = 0
+    prefetch_failed: int = 0  # experts read ahead whose read failed (retried on demand)
     predicted: int = 0  # experts a predictor named for this layer
     predicted_right: int = 0  # ... that the layer was then routed to
     routed_after_prediction: int = 0  # distinct experts routed where a prediction was made
