@@ -120,6 +120,36 @@ def test_capacity_below_top_k(copy_of):
         FileExpertStore(ed, capacity=0)
 
 
+def test_store_refuses_options_it_would_ignore(copy_of):
+    """``FileExpertStore`` sizes its pools from ``capacity`` or ``slots``; the options
+    that ``load`` applies around it (a budget, a pool profile, the context, MLX's cache
+    limit) are refused with where they apply, not silently dropped; ``slots=0`` is
+    refused as ``capacity=0`` is; ``capacity`` and ``slots`` that disagree are refused."""
+    from mlx_streaming.core.options import StreamConfig
+
+    _, ed = copy_of()
+    for opt, value in (
+        ("budget_gb", 0.5),
+        ("pool_profile", "auto"),
+        ("context", 1024),
+        ("cache_limit_gb", 1.0),
+    ):
+        with pytest.raises(ValueError, match=rf"FileExpertStore does not apply {opt}.*load"):
+            FileExpertStore(ed, **{opt: value})
+    with pytest.raises(ValueError, match=r"budget_gb.*capacity"):
+        FileExpertStore(ed, config=StreamConfig(budget_gb=0.5))  # nothing sized it
+    with pytest.raises(ExpertDirError, match=r"positive integer"):
+        FileExpertStore(ed, slots=0)
+    with pytest.raises(ValueError, match=r"capacity=8 and slots=16"):
+        FileExpertStore(ed, capacity=8, slots=16)
+    store = FileExpertStore(ed, capacity=8, slots=8)  # the same: fine
+    assert store.capacity(store.layers[0]) == 8
+    store.close()
+    store = FileExpertStore(ed, slots=8)
+    assert store.capacity(store.layers[0]) == 8
+    store.close()
+
+
 def test_device_reads_needs_cuda_mappings(copy_of):
     """``device_reads`` off CUDA (or without mapped files) is refused with what it needs;
     nothing of the store stays open."""

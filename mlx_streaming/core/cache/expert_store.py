@@ -37,6 +37,30 @@ from .recording import RoutingCounts
 from .slots import SlotCache
 from .stats import LayerStats, Timeline, stat_names, summarize
 
+# options ``load`` applies around the store, and where: the store itself ignores them
+_LOAD_ONLY = {
+    "budget_gb": "load(..., budget_gb=G), or planning.budget.store_slots for capacity and layer_caps",
+    "pool_profile": "load(...), or layer_caps=planning.profiles.load_pool_profile(dir)",
+    "context": "load(..., budget_gb='auto', context=N)",
+    "cache_limit_gb": "load(...), or mx.set_cache_limit",
+}
+
+
+def _refuse_ignored(options: dict, config, capacity) -> None:
+    """Refuse options the store would silently drop (see ``_LOAD_ONLY``)."""
+    given = sorted(set(options) & set(_LOAD_ONLY))
+    if given:
+        name = given[0]
+        raise ValueError(f"FileExpertStore does not apply {name}: {_LOAD_ONLY[name]} does")
+    if capacity is None and config is not None and config.budget_gb is not None:
+        raise ValueError(
+            f"the config's budget_gb ({config.budget_gb}) sizes no pool here: pass the "
+            f"store its capacity and layer_caps ({_LOAD_ONLY['budget_gb']})"
+        )
+    slots = options.get("slots")
+    if capacity is not None and slots is not None and slots != capacity:
+        raise ValueError(f"capacity={capacity} and slots={slots} disagree: give one")
+
 
 class FileExpertStore:
     """Bounded per-layer pools of experts, loaded on demand from an expert directory.
@@ -74,6 +98,7 @@ class FileExpertStore:
         runtime: Runtime | None = None,
         **options,
     ):
+        _refuse_ignored(options, config, capacity)
         cfg = (config or StreamConfig()).replace(**options)
         meta = expert_dir if isinstance(expert_dir, ExpertMeta) else load_meta(expert_dir)
         self.meta: ExpertMeta = meta
@@ -84,7 +109,7 @@ class FileExpertStore:
         self.top_k = meta.top_k
         self.policy_name = rt.policy
         if capacity is None:
-            capacity = cfg.slots or default_slots(meta)
+            capacity = default_slots(meta) if cfg.slots is None else cfg.slots
         caps = capacities(meta, capacity, layer_caps)
         self.caches = {
             li: SlotCache(
