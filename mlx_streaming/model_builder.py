@@ -72,7 +72,7 @@ def load(
         path_or_repo: MLX model directory or Hugging Face repo id.
         expert_dir: Expert directory (created by a split when missing).
         config: The streaming options (``StreamConfig``: slots or budget, policy, reader,
-            pool mode, cache limit, dispatch...).
+            pool mode, cache limit, decode path...).
         progress: Progress bars (default: on a terminal).
         pipeline_group: An ``mx.distributed`` group to pipeline the model over with
             mlx-lm's ``pipeline`` (``parallel.init_pipeline``): this rank loads, splits,

@@ -1,6 +1,7 @@
 """Every choice left to the backend, made once: ``resolve`` turns the streaming options
 (``StreamConfig``), the expert directory and the machine into a frozen ``Runtime`` that
-the store, the patch, ``load`` and the benchmarks read. Nothing else picks a default.
+the store, the patch, ``load`` and the benchmarks read. The few choices still made
+elsewhere are listed, each with its reason, in ``docs/ARCHITECTURE.md`` (step 2).
 
 The choices, per backend (``docs/ARCHITECTURE.md`` has the table, checked by a test):
 

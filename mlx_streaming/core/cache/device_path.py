@@ -217,17 +217,24 @@ class DevicePath:
         c.set_tables(host["slot_of"], host["expert_in"])
         held = np.flatnonzero(c.expert_in >= 0)
         self.pools[layer].set_lut(c.expert_in[held], held)
+        self.on_device.discard(layer)  # the host owns the table, even if the count raises
         self._count(layer, host["counters"])
-        self.on_device.discard(layer)
 
     def collect_counters(self) -> None:
-        """Bring every layer's counters to the stats (tables stay on the device)."""
+        """Bring every layer's counters to the stats (tables stay on the device); a
+        layer's defect is raised once every layer has been counted."""
+        errors = []
         for li in sorted(self.on_device):
             self._evaluate_output(li)
             ctr = np.zeros(N_COUNTERS, np.int64)
             src = self._addr + self._off[li]["counters"]
             cuda.copy_now(ctr.ctypes.data, src, ctr.nbytes, cuda.D2H)
-            self._count(li, ctr)
+            try:
+                self._count(li, ctr)
+            except DevicePathError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
     def _evaluate_output(self, layer: int) -> None:
         out = self._outputs.pop(layer, None)

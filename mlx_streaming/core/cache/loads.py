@@ -5,7 +5,8 @@ A ``Loader`` serves one store. ``begin`` reserves slots for the misses among a c
 experts and starts their reads at once (``reader.start``: the store's one reader, whose
 reads check each record's checksum on its first read); ``Ticket.wait`` finishes a load.
 Read-aheads (``prefetch``) are tickets finished by the layer's next call. A slot is marked
-resident only once its bytes are in place and checked. Before a pool's slots are
+resident only once its bytes are in place and checked (the device reader: once its copy
+is queued on MLX's stream, ahead of every computation that reads the slot). Before a pool's slots are
 written, the lazy outputs still reading that pool are evaluated (``Outputs``).
 """
 
@@ -28,9 +29,9 @@ TRACK_EVAL_BYTES = 1 << 20  # outputs larger than this are evaluated, not held
 
 
 class Outputs:
-    """Lazy outputs that read each layer's pool: evaluated before the pool is next
-    written behind MLX's back (host pools, written by the reader's threads), or, for
-    pools written on MLX's own stream (cuda pools), by a copy queued behind them."""
+    """Lazy outputs that read each layer's pool, evaluated before the pool is next
+    written outside MLX's graph: host pools by the reader's threads, cuda pools by the
+    native reader's own CUDA streams."""
 
     def __init__(self, layers):
         self._lazy: dict[int, list[mx.array]] = {li: [] for li in layers}
@@ -115,9 +116,10 @@ class Loader:
         return self._issue(layer, experts, misses, placed, prefetch=False)
 
     def finish_open(self) -> None:
-        """Finish a load whose call was abandoned (it raised before waiting): its slots
-        are committed or freed before any new reservation (or before the device path
-        takes the table)."""
+        """Finish the latest started load, if still open: a read-ahead still reading (the
+        reader takes one started read at a time), or the load of a call that raised
+        before waiting. Its slots are committed or freed before any new reservation (or
+        before the device path takes the table)."""
         t, self._started = self._started, None
         if t is not None and not t.done:
             t.late = not t.future.done()  # a read-ahead a later load had to wait for

@@ -5,7 +5,8 @@ writes) and the trace simulator, so both count hits, misses and evictions identi
 Placing experts is two-phase: ``reserve`` evicts the victims and marks the chosen slots
 pending (the data is not there yet), the caller loads the data, then ``commit`` makes
 the experts resident, or ``abort`` frees the slots if the load failed. A slot is never
-marked resident before its data is in place.
+marked resident before its data is in place, or (the device reader) before its copy is
+queued ahead of every computation that reads it.
 
 A lookup's policy update (``access``) is queued and applied before the policy's next
 event (or by ``flush``), so the live store can run it while the device computes

@@ -7,8 +7,9 @@ a request over a wave is read before ``start`` returns, a wave at a time. Pieces
 staging area are copied into each slot's part rows (``cudaMemcpyAsync`` for CUDA pools,
 ``memcpy`` for host pools), XXH3 checksums checked with the xxhash package's own
 ``XXH3_64bits``. Where the compiled library is missing (a source tree never installed),
-``library()`` is None and the store reads with the Python reader (``io.reader``); the
-load line says so (``Runtime.line``: the reader's reason).
+``library()`` is None: on the CPU the store then reads with the Python reader
+(``io.reader``) and the load line says so (``Runtime.line``: the reader's reason); CUDA
+and O_DIRECT need this reader, and ``runtime.resolve`` refuses them, saying so.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ class Prefetcher:
     def issue(self, pos: int) -> None:
         """Read ahead the experts predicted for layer position ``pos`` (called once the
         call before it has launched its experts)."""
-        pred = self._last.get(pos)  # popped, and scored, by this call's ``step``
+        pred = self._last.get(pos)  # popped, and scored, by layer ``pos``'s ``step``
         if pred is not None:
             self.store.prefetch(self.layers[pos], pred)
 
