@@ -226,6 +226,10 @@ def patch_model_filebacked(
         model_fingerprint,
     )
     rt = store.runtime
+    if config is not None and options.map_files is None and not options.direct_io:
+        # the mapping as the store chose it: measured again, after the store page-locked
+        # its files, the memory could say otherwise (and refuse device_reads here)
+        options = options.replace(map_files=rt.mapped if rt.pool_mode == "cuda" else None)
     mine = resolve(options, store.meta, rt.backend) if config is not None else rt
     differ = [f for f in RUNTIME_FIELDS if getattr(mine, f) != getattr(rt, f)]
     if differ:
