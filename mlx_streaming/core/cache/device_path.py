@@ -220,6 +220,11 @@ class DevicePath:
         self.on_device.discard(layer)  # the host owns the table, even if the count raises
         self._count(layer, host["counters"])
 
+    def run_queued(self) -> None:
+        """Evaluate every kernel call still queued (before the reader unmaps the files
+        they copy from: a graph evaluated later then finds its slots filled)."""
+        mx.eval([*self._outputs.values(), *self._prev.values()])
+
     def collect_counters(self) -> None:
         """Bring every layer's counters to the stats (tables stay on the device); a
         layer's defect is raised once every layer has been counted."""

@@ -414,7 +414,10 @@ class FileExpertStore:
         return t
 
     def close(self) -> None:
-        """Finish read-aheads, stop the reader, close the files."""
+        """Finish read-aheads, run the device path's queued plans (their copies read the
+        files' mappings), stop the reader, close the files."""
         for li in self.caches:
             self.loads.finish_read_aheads(li)
+        if self.device is not None:
+            self.device.run_queued()
         self.reader.close()
