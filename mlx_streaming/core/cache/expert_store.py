@@ -418,6 +418,8 @@ class FileExpertStore:
         files' mappings), stop the reader, close the files."""
         for li in self.caches:
             self.loads.finish_read_aheads(li)
-        if self.device is not None:
-            self.device.run_queued()
-        self.reader.close()
+        try:
+            if self.device is not None:
+                self.device.run_queued()
+        finally:  # a device that failed (a kernel's trap) still lets go of the files
+            self.reader.close()
