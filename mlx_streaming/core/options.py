@@ -158,3 +158,29 @@ class StreamConfig:
                 f"fields: {[f.name for f in dataclasses.fields(self)]}"
             )
         return dataclasses.replace(self, **changes)
+
+
+# options ``load`` applies around the store, and where: the store itself ignores them
+_LOAD_ONLY = {
+    "budget_gb": "load(..., budget_gb=G), or planning.budget.store_slots for capacity and layer_caps",
+    "pool_profile": "load(...), or layer_caps=planning.profiles.load_pool_profile(dir)",
+    "context": "load(..., budget_gb='auto', context=N)",
+    "cache_limit_gb": "load(...), or mx.set_cache_limit",
+}
+
+
+def refuse_load_only(options: dict, config, capacity) -> None:
+    """Refuse, for ``FileExpertStore``, the options it would silently drop: those
+    ``load`` applies around it (``_LOAD_ONLY``, with where each applies)."""
+    given = sorted(set(options) & set(_LOAD_ONLY))
+    if given:
+        name = given[0]
+        raise ValueError(f"FileExpertStore does not apply {name}: {_LOAD_ONLY[name]} does")
+    if capacity is None and config is not None and config.budget_gb is not None:
+        raise ValueError(
+            f"the config's budget_gb ({config.budget_gb}) sizes no pool here: pass the "
+            f"store its capacity and layer_caps ({_LOAD_ONLY['budget_gb']})"
+        )
+    slots = options.get("slots")
+    if capacity is not None and slots is not None and slots != capacity:
+        raise ValueError(f"capacity={capacity} and slots={slots} disagree: give one")

@@ -23,7 +23,7 @@ from ..format import ExpertMeta
 from ..ids import SLOT_IDS_NP
 from ..io.transfers import id_transfers
 from ..meta import load_meta
-from ..options import StreamConfig
+from ..options import StreamConfig, refuse_load_only
 from ..runtime import Runtime, resolve
 from .calls import LayerCall
 from .counts import HitCounts, ResidentSet
@@ -36,30 +36,6 @@ from .readers import make_reader
 from .recording import RoutingCounts
 from .slots import SlotCache
 from .stats import LayerStats, Timeline, stat_names, summarize
-
-# options ``load`` applies around the store, and where: the store itself ignores them
-_LOAD_ONLY = {
-    "budget_gb": "load(..., budget_gb=G), or planning.budget.store_slots for capacity and layer_caps",
-    "pool_profile": "load(...), or layer_caps=planning.profiles.load_pool_profile(dir)",
-    "context": "load(..., budget_gb='auto', context=N)",
-    "cache_limit_gb": "load(...), or mx.set_cache_limit",
-}
-
-
-def _refuse_ignored(options: dict, config, capacity) -> None:
-    """Refuse options the store would silently drop (see ``_LOAD_ONLY``)."""
-    given = sorted(set(options) & set(_LOAD_ONLY))
-    if given:
-        name = given[0]
-        raise ValueError(f"FileExpertStore does not apply {name}: {_LOAD_ONLY[name]} does")
-    if capacity is None and config is not None and config.budget_gb is not None:
-        raise ValueError(
-            f"the config's budget_gb ({config.budget_gb}) sizes no pool here: pass the "
-            f"store its capacity and layer_caps ({_LOAD_ONLY['budget_gb']})"
-        )
-    slots = options.get("slots")
-    if capacity is not None and slots is not None and slots != capacity:
-        raise ValueError(f"capacity={capacity} and slots={slots} disagree: give one")
 
 
 class FileExpertStore:
@@ -98,7 +74,7 @@ class FileExpertStore:
         runtime: Runtime | None = None,
         **options,
     ):
-        _refuse_ignored(options, config, capacity)
+        refuse_load_only(options, config, capacity)
         cfg = (config or StreamConfig()).replace(**options)
         meta = expert_dir if isinstance(expert_dir, ExpertMeta) else load_meta(expert_dir)
         self.meta: ExpertMeta = meta
@@ -414,8 +390,7 @@ class FileExpertStore:
         return t
 
     def close(self) -> None:
-        """Finish read-aheads, run the device path's queued plans (their copies read the
-        files' mappings), stop the reader, close the files."""
+        """Finish read-aheads and the device path's queued plans, stop the reader."""
         for li in self.caches:
             self.loads.finish_read_aheads(li)
         try:
