@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> None:
         # names the file or value and the fix; no traceback
         print(f"mlx_streaming {argv[0]}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # the user stopped it: no traceback
+        print(f"mlx_streaming {argv[0]}: interrupted", file=sys.stderr)
+        sys.exit(130)
     except RuntimeError as e:
         from .parallel import PipelineError, lost_peer
 

@@ -175,6 +175,33 @@ def test_cli_split_and_bad_flags(models, tmp_path, capsys):
         assert "must be" in capsys.readouterr().err
 
 
+def test_cli_refuses_bad_serve_input_before_any_thread_and_takes_threads_0(tmp_path, capsys):
+    """``serve`` with a port past 65535, or a local model path that is not there, stops
+    with one message naming the value (no traceback, before any thread loads); the
+    store flags take ``--threads 0`` (reading inline), as their help says; ``plan
+    --bench`` takes a multi-budget ``bench --json`` result (a list)."""
+    from mlx_streaming.cli import main
+    from mlx_streaming.commands import generate
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "x", "--port", "70000"])
+    assert "70000 is not a TCP port" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model", str(tmp_path / "nope")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "nope not found" in err and "Traceback" not in err, err
+    assert generate.setup_arg_parser().parse_args(["--model", "m", "--threads", "0"]).threads == 0
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps([{"t_compute_ms": 20.0, "storage_gbps": 2.0}, {}]))
+    from mlx_streaming.commands.plan import _bounds
+
+    class A:
+        t_compute_ms, read_gbps = None, None
+
+    A.bench = str(bench)
+    assert _bounds(A) == (0.02, 2.0)
+
+
 def test_resident_layers_count_hits_as_they_go(models):
     """Calls of several tokens to a layer holding every expert count their distinct
     experts on the device; those counts are folded in as they pile up, never held

@@ -26,6 +26,13 @@ def positive_int(s: str) -> int:
     return v
 
 
+def port_number(s: str) -> int:
+    v = positive_int(s)
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"{v} is not a TCP port: give 1-65535")
+    return v
+
+
 def nonneg_int(s: str) -> int:
     try:
         v = int(s)
@@ -86,6 +93,8 @@ def add_store_args(p: argparse.ArgumentParser, several: bool = False, sizes: boo
             kw["type"] = {"int": positive_int, "float": nonneg_float}.get(f.type.split(" ")[0], str)
             if f.name == "budget_gb":
                 kw["type"] = budget_value
+            if f.name == "threads":  # 0: read inline
+                kw["type"] = nonneg_int
             kw["default"] = f.default
             if several and f.name in ("slots", "budget_gb"):
                 kw["nargs"] = "+"

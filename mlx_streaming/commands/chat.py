@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from ._args import add_store_args, load_kwargs
 
 
@@ -27,8 +29,11 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if a.model is None:  # the repository's trained model (a completion model) if present
         a.model = trained_checkpoint()
-        if a.model is not None and a.temp == p.get_default("temp"):
-            a.temp, a.top_p = TRAINED_SAMPLING["temp"], TRAINED_SAMPLING["top_p"]
+        given = {x.split("=")[0] for x in (argv if argv is not None else sys.argv[1:])}
+        if a.model is not None and "--temp" not in given:  # its sampling, unless given
+            a.temp = TRAINED_SAMPLING["temp"]
+        if a.model is not None and "--top-p" not in given:
+            a.top_p = TRAINED_SAMPLING["top_p"]
     if a.model is None:
         p.error("--model is required: the MLX model directory or repo id to chat with")
     if a.adapter_path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from pathlib import Path
 
 from ..config import PREFILL_CHUNK
 from ._args import (
@@ -13,6 +14,7 @@ from ._args import (
     load_kwargs,
     nonneg_int,
     pipeline_kwargs,
+    port_number,
     positive_int,
 )
 
@@ -30,7 +32,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help="MLX model directory or repo id")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: local only)")
-    p.add_argument("--port", type=positive_int, default=8080)
+    p.add_argument("--port", type=port_number, default=8080)
     p.add_argument("--allowed-origins", type=lambda s: s.split(","), default=["*"])
     p.add_argument(
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
@@ -96,13 +98,22 @@ def main(argv=None) -> None:
     # first, before the model's threads allocate: one request runs at a time, and a
     # thread per connection would otherwise leave an arena of freed blocks behind each
     limit_malloc_arenas(SERVER_ARENAS)
-    from ..serve.server import serve
+    from ..prep.hub import resolve_model_path
+    from ..serve.server import ServerStopped, serve
 
     a = setup_arg_parser().parse_args(argv)
+    m = a.model
+    if Path(m).expanduser().exists() or m.count("/") != 1 or m.startswith((".", "/", "~")):
+        resolve_model_path(m)  # a local model's errors before any thread starts
     logging.basicConfig(level=getattr(logging, a.log_level), format="%(asctime)s %(message)s")
     pipe = pipeline_kwargs(a)  # joins the group first: mlx-lm's server then finds it
     pipe.pop("pipeline_group", None)  # the provider takes it from mlx-lm's own lookup
-    serve(a.host, a.port, cli_args_for_mlx_lm(a), {**load_kwargs(a), **pipe}, a.pipeline_timeout)
+    try:
+        serve(
+            a.host, a.port, cli_args_for_mlx_lm(a), {**load_kwargs(a), **pipe}, a.pipeline_timeout
+        )
+    except ServerStopped as e:  # the log above has the cause: one message, no traceback
+        raise SystemExit(f"mlx_streaming serve: error: {e}") from None
 
 
 if __name__ == "__main__":

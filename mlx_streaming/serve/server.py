@@ -20,6 +20,10 @@ import mlx.core as mx
 from mlx_lm import server as mlx_server
 
 
+class ServerStopped(RuntimeError):
+    """The server stopped on its own: its threads logged why."""
+
+
 def _same_model(a, b) -> bool:
     """Whether two model names are one local directory (or the same name)."""
     from pathlib import Path
@@ -77,7 +81,13 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         if getattr(self.cli_args, "chat_template", None):  # --chat-template, as mlx-lm's
             tokenizer.chat_template = self.cli_args.chat_template
         elif self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
-            tokenizer.chat_template = tokenizer.default_chat_template
+            default = getattr(tokenizer, "default_chat_template", None)
+            if default is None:  # transformers 5 dropped it
+                raise ValueError(
+                    f"--use-default-chat-template: this tokenizer ({model_path}) has no "
+                    "default chat template; give one with --chat-template"
+                )
+            tokenizer.chat_template = default
         if self.watch is not None:
             store.watch(self.watch.beat)
         self.model_key = (model_path, None, None)
@@ -105,6 +115,9 @@ class StreamingResponseGenerator(mlx_server.ResponseGenerator):
             store = self.model_provider.store
             if store is not None:
                 store.publish()
+            limit = self.model_provider.cli_args.prompt_cache_bytes
+            if limit is not None:  # mlx-lm trims by bytes only when it batches; we never do
+                self.prompt_cache.trim_to(n_bytes=limit)
 
 
 class StreamingAPIHandler(mlx_server.APIHandler):
@@ -339,11 +352,11 @@ def serve(
         while generator.generation_available() and http.is_alive():
             http.join(timeout=0.5)
         if http.is_alive():
-            raise RuntimeError(
+            raise ServerStopped(
                 f"the model could not be loaded, or its generation thread died "
                 f"({cli_args.model}): see the log above; the server stops"
             )
-        raise RuntimeError("the HTTP server's thread stopped: see the log above")
+        raise ServerStopped("the HTTP server's thread stopped: see the log above")
     except KeyboardInterrupt:
         pass
     finally:
