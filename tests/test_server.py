@@ -220,3 +220,29 @@ def test_requests_past_max_queue_get_503(models):
         with pytest.raises(urllib.error.HTTPError) as e:
             post(3)
         assert e.value.code == 503 and "--max-queue 1" in e.value.read().decode()
+
+
+def test_a_taken_port_is_refused_before_the_model_loads(tmp_path):
+    """``serve`` binds its port first: a port in use ends the command at once with one
+    clear message (before: after the whole load, a first split included)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from mlx_streaming.synthetic.train import trained_checkpoint
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    cmd = [sys.executable, "-m", "mlx_streaming", "serve", "--model", str(trained_checkpoint())]
+    cmd += ["--expert-dir", str(tmp_path / "ed"), "--port", str(port)]
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    finally:
+        taken.close()
+    assert r.returncode == 2 and "Address already in use" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "ed").exists()
+    print(f"refused in {time.perf_counter() - t0:.1f} s")

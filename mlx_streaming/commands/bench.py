@@ -139,6 +139,10 @@ CONFIG_FLAGS = (
 
 def main(argv=None) -> None:
     a = setup_arg_parser().parse_args(argv)
+    if a.predictor == "transition" and not a.prefetch:
+        raise ValueError("--predictor transition guesses for read-ahead: add --prefetch")
+    if a.trace_start is not None and not a.routing_trace:
+        raise ValueError("--trace-start is a position in --routing-trace: give the trace")
     kw = {k: getattr(a, k) for k in CONFIG_FLAGS}
     kw.update(memory_series=bool(a.report), progress=True)
     sizes = [{"slots": s, "budget_gb": None} for s in a.slots or []] + [

@@ -34,6 +34,9 @@ def main(argv=None) -> None:
             a.temp = TRAINED_SAMPLING["temp"]
         if a.model is not None and "--top-p" not in given:
             a.top_p = TRAINED_SAMPLING["top_p"]
+    for flag in ("max_tokens", "prefill_step_size"):  # mlx-lm's flags, unchecked there
+        if getattr(a, flag, 1) is not None and getattr(a, flag, 1) <= 0:
+            p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)} must be a positive integer")
     if a.model is None:
         p.error("--model is required: the MLX model directory or repo id to chat with")
     if a.adapter_path:

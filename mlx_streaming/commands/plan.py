@@ -224,6 +224,10 @@ def main(argv=None) -> None:
     shape = _shape(a, trace)
     t, b = _bounds(a)
     if a.memory_gb:
+        if a.plot or a.pin_hot:
+            raise ValueError(
+                "--memory-gb plans the two tiers without --plot or --pin-hot: drop them"
+            )
         return plan_tiers(a, trace, shape, t, b)
     rows = plan(
         trace,

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..prep.requantize import requantize
-from ._args import positive_int
+from ._args import positive_float, positive_int
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -32,7 +32,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--target-gb",
-        type=float,
+        type=positive_float,
         help="choose bits per layer and projection to "
         "minimise the measured error within this many GB of experts",
     )
@@ -44,10 +44,12 @@ def main(argv=None) -> None:
     from ..core.format import META_NAME
     from ..model_builder import default_expert_dir
 
+    if a.target_gb is not None and a.layer_bits:
+        raise ValueError("--target-gb chooses the bits per layer itself: drop --layer-bits")
     src = a.src
     split_dir = None if (Path(src) / META_NAME).exists() else default_expert_dir(src)
     report = None
-    if a.target_gb:
+    if a.target_gb is not None:
         from ..analysis.quality import choose_bits
 
         if split_dir is not None:  # a model: split it first, so its experts can be measured

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..core.format import write_json_atomic
 from ..synthetic.train import TrainConfig, report_lines, train_tiny
+from ._args import nonneg_float, nonneg_int, positive_int
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -23,7 +24,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     for f in fields(TrainConfig):  # one flag per TrainConfig field, its default from there
-        kind = {"int": int, "int | None": int, "float": float}.get(f.type, str)
+        kind = {"int": positive_int, "int | None": positive_int, "float": nonneg_float}.get(
+            f.type, str
+        )
+        if f.name == "seed":
+            kind = nonneg_int
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
     p.add_argument("--float-out", help="also keep the unquantized model here")
     p.add_argument("--json", dest="json_out", help="also write the report here")

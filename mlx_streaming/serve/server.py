@@ -327,25 +327,30 @@ def serve(
     if group is not None and group.size() > 1 and group.rank() == 0:
         watch = PeerWatch(group, peer_timeout_s, StreamingAPIHandler.fail_inflight)
     provider = StreamingModelProvider(cli_args, load_kwargs, watch)
-    generator = StreamingResponseGenerator(
-        provider, mlx_server.LRUPromptCache(cli_args.prompt_cache_size)
-    )
-    try:
-        if provider.pipeline_group is not None and provider.pipeline_group.rank() != 0:
-            generator.join()  # a follower: runs rank 0's requests on its own layers
-            return
+    follower = provider.pipeline_group is not None and provider.pipeline_group.rank() != 0
+    httpd, handler = None, {}
+    if not follower:  # bind first: a taken port is refused before the model loads
         fingerprint = mlx_server.get_system_fingerprint()
         info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         server_class = type("Server", (ThreadingHTTPServer,), {"address_family": info[0][0]})
         httpd = server_class(  # IPv4 or IPv6, as the host resolves
             info[0][4][:2],
             lambda *a, **kw: StreamingAPIHandler(
-                generator, *a, system_fingerprint=fingerprint, **kw
+                handler["generator"], *a, system_fingerprint=fingerprint, **kw
             ),
+        )  # no request is taken before serve_forever, after the generator exists
+    try:
+        generator = StreamingResponseGenerator(
+            provider, mlx_server.LRUPromptCache(cli_args.prompt_cache_size)
         )
-    except BaseException:  # e.g. the port is taken: the generator's thread must not
-        generator.stop_and_join()  # keep the process alive
+    except BaseException:
+        if httpd is not None:
+            httpd.server_close()
         raise
+    handler["generator"] = generator
+    if follower:
+        generator.join()  # a follower: runs rank 0's requests on its own layers
+        return
     http = threading.Thread(target=httpd.serve_forever, name="http", daemon=True)
     http.start()
     try:  # the generator's thread loads the model, then serves: if it dies, so do we
@@ -361,4 +366,5 @@ def serve(
         pass
     finally:
         httpd.shutdown()
+        httpd.server_close()
         generator.stop_and_join()
