@@ -21,6 +21,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -183,6 +184,15 @@ def finish_step(group) -> None:
     exits, or exchanges anything, tears into its peers' last step (``collective``
     synchronises first)."""
     barrier(group)
+
+
+def rank_path(path: str, group) -> str:
+    """``path`` for this rank's own file: ``name.rank{r}.ext`` in a pipeline of several
+    ranks (each records only its own layers; ranks on one host would overwrite one file)."""
+    if group is None or group.size() == 1:
+        return path
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.rank{group.rank()}{p.suffix}"))
 
 
 def lost_peer(e: Exception) -> Exception:

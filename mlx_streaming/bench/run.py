@@ -287,8 +287,10 @@ def _run(cfg: BenchConfig, group=None, loaded=None) -> dict:
     after_gen = mem.snapshot()
     out.update(summarize(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, sampler))
     if recorder is not None:
-        recorder.save(cfg.record_trace)
-        out["recorded_trace"] = cfg.record_trace
+        from ..parallel import rank_path
+
+        out["recorded_trace"] = rank_path(cfg.record_trace, group)
+        recorder.save(out["recorded_trace"])
     if cfg.compare_stock:
         out.update(_compare_stock(cfg, model, tokenizer, ids, routing, files))
     rt = store.runtime  # the store's own reader, threads and direct reads

@@ -84,7 +84,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "replay starts at its second half)",
     )
     s.add_argument("--trace-start", type=nonneg_int, help="trace token to start replay at")
-    s.add_argument("--record-trace", help="write the routing taken to this .npz")
+    s.add_argument(
+        "--record-trace",
+        help="write the routing taken to this .npz (in a pipeline each rank its own layers, to NAME.rankR.npz)",
+    )
     s.add_argument(
         "--cold",
         action="store_true",

@@ -41,7 +41,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=PREFILL_CHUNK,
         help=f"prompt tokens per prefill step (default {PREFILL_CHUNK}; 0: the same)",
     )
-    p.add_argument("--record-trace", help="write the routing taken to this .npz")
+    p.add_argument(
+        "--record-trace",
+        help="write the routing taken to this .npz (in a pipeline each rank its own layers, to NAME.rankR.npz)",
+    )
     p.add_argument("--verbose", action=argparse.BooleanOptionalAction, default=True)
     return p
 
@@ -91,7 +94,9 @@ def main(argv=None) -> None:
             prefill_step_size=a.prefill_step_size or PREFILL_CHUNK,
         )
         if recorder is not None:
-            recorder.save(a.record_trace)
+            from ..parallel import rank_path
+
+            recorder.save(rank_path(a.record_trace, group))
         if group is not None:  # the last step's forward pass is still in flight
             from ..parallel import finish_step
 
