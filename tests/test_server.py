@@ -127,7 +127,17 @@ def test_serve_exits_when_the_model_cannot_load_or_the_port_is_taken(models, tmp
         [*serve, "--model", str(tmp_path / "missing"), "--port", str(free_port())],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
+    assert r.returncode == 2 and "missing not found" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr  # checked before any thread starts
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")  # a model directory mlx-lm cannot load
+    r = subprocess.run(
+        [*serve, "--model", str(broken), "--port", str(free_port())],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
     assert r.returncode != 0 and "could not be loaded" in r.stderr, r.stderr[-2000:]
+    assert r.stderr.count("Traceback") <= 1  # the loading thread's log only, no second
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
