@@ -256,3 +256,33 @@ def test_a_taken_port_is_refused_before_the_model_loads(tmp_path):
     assert r.returncode == 2 and "Address already in use" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "ed").exists()
     print(f"refused in {time.perf_counter() - t0:.1f} s")
+
+
+def test_a_chat_past_the_context_is_refused_with_its_tools_counted(server):
+    """A chat request whose templated prompt (tools and template arguments included, as
+    mlx-lm applies them) and ``max_tokens`` run past the model's positions gets a 400
+    naming the counts; a short one with the same tools is served."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    _, base, _ = server
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+    def post(content: str):
+        body = {"messages": [{"role": "user", "content": content}], "tools": tools}
+        body.update(max_tokens=4, chat_template_kwargs={"enable_thinking": False})
+        req = urllib.request.Request(
+            base + "/v1/chat/completions", json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    status, data = post("word " * 40_000)
+    assert status == 400 and b"exceed the model's context" in data, data[:300]
+    status, data = post("Why do experts stream from disk?")
+    assert status == 200, data[:300]

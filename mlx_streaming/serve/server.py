@@ -223,8 +223,16 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         if not limit or tok is None:
             return
         try:
-            if "messages" in self.body:
-                n = len(tok.apply_chat_template(self.body["messages"], add_generation_prompt=True))
+            if "messages" in self.body:  # the template as mlx-lm applies it: its tools
+                kwargs = {**provider.cli_args.chat_template_args}  # and template arguments
+                kwargs.update(self.body.get("chat_template_kwargs") or {})
+                text = tok.apply_chat_template(
+                    self.body["messages"],
+                    add_generation_prompt=True,
+                    tools=self.body.get("tools"),
+                    **{**kwargs, "tokenize": True},
+                )
+                n = len(text)
             elif isinstance(self.body.get("prompt"), str):
                 n = len(tok.encode(self.body["prompt"]))
             else:
