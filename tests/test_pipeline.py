@@ -277,6 +277,19 @@ def test_serve_under_launch(models, tmp_path):
                     raise AssertionError(f"no server ({e}): {log.read_text()[-3000:]}") from e
                 time.sleep(0.5)
         assert got == _stock_text(ck, PROMPT, 12, chat=False)
+        # a streamed request whose client hangs up: the ranks finish it in step, and the
+        # server serves on (before: mlx-lm's stop raised on rank 0, which ended the server)
+        import socket
+
+        s = socket.create_connection(("127.0.0.1", port), timeout=60)
+        hang = json.dumps({"prompt": PROMPT, "max_tokens": 24, "stream": True}).encode()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: %d\r\n\r\n" % len(hang) + hang)  # fmt: skip
+        assert s.recv(64)
+        s.close()
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            again = json.loads(resp.read())["choices"][0]["text"]
+        assert again == got and proc.poll() is None, log.read_text()[-3000:]
     finally:
         _killpg(proc)
 

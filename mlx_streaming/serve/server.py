@@ -120,6 +120,20 @@ class StreamingResponseGenerator(mlx_server.ResponseGenerator):
                 self.prompt_cache.trim_to(n_bytes=limit)
 
 
+class _Unstoppable:
+    """A request's context whose ``stop`` does nothing (a pipeline's, see
+    ``StreamingAPIHandler.handle_completion``)."""
+
+    def __init__(self, ctx):
+        self._ctx = ctx
+
+    def __getattr__(self, name):
+        return getattr(self._ctx, name)
+
+    def stop(self):
+        pass
+
+
 class StreamingAPIHandler(mlx_server.APIHandler):
     """mlx-lm's API handler, plus the queue depth and the pools' counters; in a pipeline,
     a request in flight when a peer stops answering gets an HTTP 503 (``fail_inflight``)
@@ -147,28 +161,35 @@ class StreamingAPIHandler(mlx_server.APIHandler):
     def handle_completion(self, request, stop_words):
         """mlx-lm's; a non-stream request whose client has gone stops generating at the
         next token (it ran to max_tokens, holding the one generation slot). A stream
-        finds out by itself: its next write fails."""
-        if self.stream:
-            return super().handle_completion(request, stop_words)
+        finds out by itself: its next write fails. In a pipeline nothing stops a
+        request (mlx-lm raises there, in its generation thread, which ended rank 0's
+        server): the ranks stay in step, and the tokens left run to ``max_tokens``."""
         gen, handler = self.response_generator, self
+        if gen._is_distributed:
+            ctx_of, tokens_of = _Unstoppable, lambda ctx, tokens: tokens
+        elif self.stream:
+            return super().handle_completion(request, stop_words)
+        else:
 
-        class Watched:  # the generator, whose token stream ends when the client has gone
+            def ctx_of(ctx):
+                return ctx
+
+            def tokens_of(ctx, tokens):  # ends when the client has gone
+                for t in tokens:
+                    if handler._client_gone():
+                        ctx.stop()
+                        return
+                    yield t
+
+        class Wrapped:  # the generator, its contexts and token streams wrapped
             def __getattr__(self, name):
                 return getattr(gen, name)
 
             def generate(self, *a, **kw):
                 ctx, tokens = gen.generate(*a, **kw)
+                return ctx_of(ctx), tokens_of(ctx, tokens)
 
-                def checked():
-                    for t in tokens:
-                        if handler._client_gone():
-                            ctx.stop()
-                            return
-                        yield t
-
-                return ctx, checked()
-
-        self.response_generator = Watched()
+        self.response_generator = Wrapped()
         try:
             return super().handle_completion(request, stop_words)
         finally:
