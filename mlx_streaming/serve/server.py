@@ -165,7 +165,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         request (mlx-lm raises there, in its generation thread, which ended rank 0's
         server): the ranks stay in step, and the tokens left run to ``max_tokens``."""
         gen, handler = self.response_generator, self
-        if gen._is_distributed:
+        if mx.distributed.init().size() > 1:  # as mlx-lm tells (its _is_distributed)
             ctx_of, tokens_of = _Unstoppable, lambda ctx, tokens: tokens
         elif self.stream:
             return super().handle_completion(request, stop_words)
