@@ -258,10 +258,11 @@ def test_a_taken_port_is_refused_before_the_model_loads(tmp_path):
     print(f"refused in {time.perf_counter() - t0:.1f} s")
 
 
-def test_a_chat_past_the_context_is_refused_with_its_tools_counted(server):
-    """A chat request whose templated prompt (tools and template arguments included, as
-    mlx-lm applies them) and ``max_tokens`` run past the model's positions gets a 400
-    naming the counts; a short one with the same tools is served."""
+def test_a_chat_past_the_context_is_refused_with_tools_and_template_kwargs(server):
+    """A chat request (with tools and template arguments, which the check passes to the
+    template as mlx-lm does) whose prompt and ``max_tokens`` run past the model's
+    positions gets a 400 naming the counts; a short one with the same fields is served.
+    (This model's template renders no tools, so their tokens are not shown counted.)"""
     import json
     import urllib.error
     import urllib.request

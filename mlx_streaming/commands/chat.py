@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 from ._args import add_store_args, load_kwargs
 
 
@@ -26,17 +24,20 @@ def main(argv=None) -> None:
     from ..synthetic.train import TRAINED_SAMPLING, trained_checkpoint
 
     p = setup_arg_parser()
+    sampling = {k: p.get_default(k) for k in ("temp", "top_p")}  # mlx-lm's defaults
+    p.set_defaults(temp=None, top_p=None)  # None: not given
     a = p.parse_args(argv)
     if a.model is None:  # the repository's trained model (a completion model) if present
         a.model = trained_checkpoint()
-        given = {x.split("=")[0] for x in (argv if argv is not None else sys.argv[1:])}
-        if a.model is not None and "--temp" not in given:  # its sampling, unless given
-            a.temp = TRAINED_SAMPLING["temp"]
-        if a.model is not None and "--top-p" not in given:
-            a.top_p = TRAINED_SAMPLING["top_p"]
+        if a.model is not None:  # its sampling, where not given
+            sampling = {k: TRAINED_SAMPLING[k] for k in sampling}
+    for k, v in sampling.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
     for flag in ("max_tokens", "prefill_step_size"):  # mlx-lm's flags, unchecked there
-        if getattr(a, flag, 1) is not None and getattr(a, flag, 1) <= 0:
-            p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)} must be a positive integer")
+        v = getattr(a, flag, None)
+        if v is not None and v <= 0:
+            p.error(f"--{flag.replace('_', '-')} {v} must be a positive integer")
     if a.model is None:
         p.error("--model is required: the MLX model directory or repo id to chat with")
     if a.adapter_path:

@@ -180,9 +180,7 @@ def _bounds(a) -> tuple[float | None, float | None]:
         except json.JSONDecodeError as e:
             raise ValueError(f"--bench {a.bench} is not a `bench --json` result ({e})") from e
         if isinstance(r, list):  # one result per budget: the timings are the model's, alike
-            if not r or not isinstance(r[0], dict):
-                raise ValueError(f"--bench {a.bench} is not a `bench --json` result")
-            r = r[0]
+            r = r[0] if r else None
         if not isinstance(r, dict):
             raise ValueError(f"--bench {a.bench} is not a `bench --json` result")
         if t is None and r.get("t_compute_ms"):

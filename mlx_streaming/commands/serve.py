@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from pathlib import Path
 
 from ..config import PREFILL_CHUNK
 from ._args import (
@@ -98,13 +97,11 @@ def main(argv=None) -> None:
     # first, before the model's threads allocate: one request runs at a time, and a
     # thread per connection would otherwise leave an arena of freed blocks behind each
     limit_malloc_arenas(SERVER_ARENAS)
-    from ..prep.hub import resolve_model_path
+    from ..prep.hub import local_model_dir
     from ..serve.server import ServerStopped, serve
 
     a = setup_arg_parser().parse_args(argv)
-    m = a.model
-    if Path(m).expanduser().exists() or m.count("/") != 1 or m.startswith((".", "/", "~")):
-        resolve_model_path(m)  # a local model's errors before any thread starts
+    local_model_dir(a.model)  # a local model's errors before any thread starts
     logging.basicConfig(level=getattr(logging, a.log_level), format="%(asctime)s %(message)s")
     pipe = pipeline_kwargs(a)  # joins the group first: mlx-lm's server then finds it
     pipe.pop("pipeline_group", None)  # the provider takes it from mlx-lm's own lookup

@@ -5,8 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def resolve_model_path(path_or_repo: str | Path) -> Path:
-    """A local model directory, or a Hugging Face repo id downloaded to its cache."""
+def local_model_dir(path_or_repo: str | Path) -> Path | None:
+    """The local model directory ``path_or_repo`` names, checked, or None for a Hugging
+    Face repo id (nothing is downloaded).
+
+    Raises:
+        FileNotFoundError: a local path that is not there, or not an MLX model directory.
+    """
     p = Path(path_or_repo).expanduser()
     if p.exists():
         if not (p / "config.json").is_file():
@@ -17,6 +22,14 @@ def resolve_model_path(path_or_repo: str | Path) -> Path:
             f"model {path_or_repo} not found: give a local MLX model "
             "directory or a Hugging Face repo id (org/name)"
         )
+    return None
+
+
+def resolve_model_path(path_or_repo: str | Path) -> Path:
+    """A local model directory, or a Hugging Face repo id downloaded to its cache."""
+    local = local_model_dir(path_or_repo)
+    if local is not None:
+        return local
     from huggingface_hub import snapshot_download
 
     return Path(

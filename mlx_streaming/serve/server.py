@@ -165,29 +165,24 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         request (mlx-lm raises there, in its generation thread, which ended rank 0's
         server): the ranks stay in step, and the tokens left run to ``max_tokens``."""
         gen, handler = self.response_generator, self
-        if mx.distributed.init().size() > 1:  # as mlx-lm tells (its _is_distributed)
-            ctx_of, tokens_of = _Unstoppable, lambda ctx, tokens: tokens
-        elif self.stream:
+        pipeline = mx.distributed.init().size() > 1  # as mlx-lm tells (its _is_distributed)
+        if self.stream and not pipeline:
             return super().handle_completion(request, stop_words)
-        else:
 
-            def ctx_of(ctx):
-                return ctx
+        def until_gone(ctx, tokens):  # the token stream, ended when the client has gone
+            for t in tokens:
+                if handler._client_gone():
+                    ctx.stop()
+                    return
+                yield t
 
-            def tokens_of(ctx, tokens):  # ends when the client has gone
-                for t in tokens:
-                    if handler._client_gone():
-                        ctx.stop()
-                        return
-                    yield t
-
-        class Wrapped:  # the generator, its contexts and token streams wrapped
+        class Wrapped:  # the generator, its context or its token stream wrapped
             def __getattr__(self, name):
                 return getattr(gen, name)
 
             def generate(self, *a, **kw):
                 ctx, tokens = gen.generate(*a, **kw)
-                return ctx_of(ctx), tokens_of(ctx, tokens)
+                return (_Unstoppable(ctx), tokens) if pipeline else (ctx, until_gone(ctx, tokens))
 
         self.response_generator = Wrapped()
         try:
@@ -247,13 +242,13 @@ class StreamingAPIHandler(mlx_server.APIHandler):
             if "messages" in self.body:  # the template as mlx-lm applies it: its tools
                 kwargs = {**provider.cli_args.chat_template_args}  # and template arguments
                 kwargs.update(self.body.get("chat_template_kwargs") or {})
-                text = tok.apply_chat_template(
+                ids = tok.apply_chat_template(
                     self.body["messages"],
                     add_generation_prompt=True,
                     tools=self.body.get("tools"),
                     **{**kwargs, "tokenize": True},
                 )
-                n = len(text)
+                n = len(ids)
             elif isinstance(self.body.get("prompt"), str):
                 n = len(tok.encode(self.body["prompt"]))
             else:
@@ -357,7 +352,7 @@ def serve(
         watch = PeerWatch(group, peer_timeout_s, StreamingAPIHandler.fail_inflight)
     provider = StreamingModelProvider(cli_args, load_kwargs, watch)
     follower = provider.pipeline_group is not None and provider.pipeline_group.rank() != 0
-    httpd, handler = None, {}
+    httpd = None
     if not follower:  # bind first: a taken port is refused before the model loads
         fingerprint = mlx_server.get_system_fingerprint()
         info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -365,7 +360,7 @@ def serve(
         httpd = server_class(  # IPv4 or IPv6, as the host resolves
             info[0][4][:2],
             lambda *a, **kw: StreamingAPIHandler(
-                handler["generator"], *a, system_fingerprint=fingerprint, **kw
+                generator, *a, system_fingerprint=fingerprint, **kw
             ),
         )  # no request is taken before serve_forever, after the generator exists
     try:
@@ -376,7 +371,6 @@ def serve(
         if httpd is not None:
             httpd.server_close()
         raise
-    handler["generator"] = generator
     if follower:
         generator.join()  # a follower: runs rank 0's requests on its own layers
         return

@@ -228,7 +228,7 @@ class DevicePath:
     def collect_counters(self) -> None:
         """Bring every layer's counters to the stats (tables stay on the device); a
         layer's defect is raised once every layer has been counted."""
-        errors = []
+        error = None
         for li in sorted(self.on_device):
             self._evaluate_output(li)
             ctr = np.zeros(N_COUNTERS, np.int64)
@@ -237,9 +237,9 @@ class DevicePath:
             try:
                 self._count(li, ctr)
             except DevicePathError as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+                error = error or e
+        if error is not None:
+            raise error
 
     def _evaluate_output(self, layer: int) -> None:
         out = self._outputs.pop(layer, None)

@@ -87,9 +87,10 @@ class HostPath:
         """Launch the routing (with ``also``), then read it, start the misses' reads and
         plan the steps; ``beside`` computes after the routing, in its own launch, while
         the host plans. A call that is sure to be one step of every row on a host pool
-        (no overlap split, no guess, at most as many rows as unpinned slots) is planned late: its
-        graph is built on the pool's table (``call.slots``) while the device computes
-        the routing, and ``finish`` plans it and fills the table before the launch."""
+        (no overlap split, no guess, at most as many rows as unpinned slots) is planned
+        late: its graph is built on the pool's table (``call.slots``) while the device
+        computes the routing, and ``finish`` plans it and fills the table before the
+        launch."""
         t0 = time.perf_counter()
         self.timeline.mark(layer, "request")
         cache, st = self.caches[layer], self.stats[layer]

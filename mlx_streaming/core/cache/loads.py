@@ -6,8 +6,9 @@ experts and starts their reads at once (``reader.start``: the store's one reader
 reads check each record's checksum on its first read); ``Ticket.wait`` finishes a load.
 Read-aheads (``prefetch``) are tickets finished by the layer's next call. A slot is marked
 resident only once its bytes are in place and checked (the device reader: once its copy
-is queued on MLX's stream, ahead of every computation that reads the slot). Before a pool's slots are
-written, the lazy outputs still reading that pool are evaluated (``Outputs``).
+is queued on MLX's stream, ahead of every computation that reads the slot). Before a
+pool's slots are written, the lazy outputs still reading that pool are evaluated
+(``Outputs``).
 """
 
 from __future__ import annotations
