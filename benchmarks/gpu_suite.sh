@@ -77,6 +77,8 @@
 #                                           FORMATS (default "4-bit,3-bit"; see precision_beyond.py)
 #   bash benchmarks/gpu_suite.sh hostprof   cProfile of decode, stock against 50% and 25%: where the
 #                                           host's time goes, MLX's eval calls shown apart
+#   bash benchmarks/gpu_suite.sh kernelcost  the host's cost of a custom-kernel call by source size
+#                                           and template arguments (the plan kernel's shape)
 #   bash benchmarks/gpu_suite.sh stall      the probe of why the removed kernel transport stalled
 #   bash benchmarks/gpu_suite.sh oracle     50%: read-ahead by the trace's transitions and by a
 #                                           simulated predictor right 0/50/70/90/100% of the time
@@ -281,6 +283,8 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
                | grep -v "PyTorch was not found" | tee "$out/precision-beyond-gpu.log" | tail -4 ;;
   hostprof) timeout "$limit" python3 benchmarks/probes/host_profile.py --workdir $work \
               --trace "$trace" --json "$out/host-profile.json" 2>&1 | tail -3 ;;
+  kernelcost) timeout "$limit" python3 benchmarks/probes/kernel_call_cost.py \
+                --json "$out/kernel-call-cost.json" 2>&1 | grep "^{" ;;
   probe) timeout "$limit" python3 benchmarks/gpu.py --workdir $work --preset dsv2-lite \
            --trace "$trace" --probe --json "$out/gpu-probe.json" 2>&1 | tail -5 ;;
   *) echo "unknown suite $suite" >&2; exit 2 ;;

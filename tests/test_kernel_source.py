@@ -4,7 +4,8 @@ MLX compiles a ``mx.fast.cuda_kernel`` only when it first runs, on a CUDA machin
 error in a kernel's text would otherwise first show there, in device time. Here each
 kernel's full text is built the way MLX 0.32's ``build_kernel`` builds it (its header,
 then a ``__global__`` function whose parameters are the named inputs and outputs, then
-``constexpr int`` template arguments, then the source) and compiled for the H200
+``constexpr int`` template arguments, then the source; the plan kernel writes its
+constants into its source instead) and compiled for the H200
 (sm_90) with every warning an error. MLX's default header (``device/utils.cuh``, not in
 the CPU wheel) is stood in for by the fixed-width integer types, the only part of it
 these kernels use. The semantics are checked on the device, by ``tests/test_cuda.py``.
@@ -60,14 +61,15 @@ def kernels() -> dict[str, str]:
     fill_types = dict(zip(fill_in, ["int32_t", "uint32_t", "int64_t"]))
     for word, c_word in words.items():
         for score in (0.0, 1.0):  # the LRU ranking (no score) and the scored one
-            name = f"mlxs_plan_{word}_{int(score)}"
+            constants = device_plan.template(64, 32, 6, [score] * (3 + len(WINDOWS)))
+            name, source = device_plan.plan_source(constants)
+            name = f"{name}_{word}"  # as copy_kernel names it
             out[name] = build(
                 name,
-                device_plan.PLAN.replace("WORD", c_word),
+                source.replace("WORD", c_word),
                 [(n, plan_types[n]) for n in plan_in],
                 [(plan_out[0], "uint32_t")],
-                device_plan.template(64, 32, 6, [score] * (3 + len(WINDOWS))),
-                device_reader.COPY_HEADER,
+                header=device_reader.COPY_HEADER,
             )
         out[f"mlxs_fill_{word}"] = build(
             f"mlxs_fill_{word}",

@@ -44,12 +44,12 @@ from .device_plan import (
     MISSED_CALLS,
     MISSES,
     N_COUNTERS,
-    PLAN,
     PLAN_NAMES,
     POINTERS,
     THREADS,
     constants,
     layer_arrays,
+    plan_source,
     scratch_arrays,
     template,
 )
@@ -136,17 +136,19 @@ class DevicePath:
             self._ptrs[li] = mx.array(np.array(addr, np.uint64))
         mx.eval(list(self._ptrs.values()))
         self.blocks = BLOCKS  # of the kernel (a probe may change it)
-        self._kernels = {}  # by copy word
+        self._kernels = {}  # by copy word and constants
         self._calls = {}  # (layer, routed ids): the kernel call's fixed arguments
         self._prev = {li: mx.zeros((1,), SLOT_IDS) for li in self.layers}  # last outputs
 
     def _call_args(self, layer: int, n: int) -> tuple:
-        """The kernel, its copy description and its template for ``n`` ids of ``layer``."""
+        """The kernel and its copy description for ``n`` ids of ``layer``."""
         meta, word = self.reader.copy_meta(layer)
-        if word not in self._kernels:
-            self._kernels[word] = copy_kernel("mlxs_plan", PLAN, word, *PLAN_NAMES)
         c = self.caches[layer]
-        args = (self._kernels[word], meta, template(c.num_experts, c.capacity, n, self.weights))
+        key = (word, tuple(template(c.num_experts, c.capacity, n, self.weights)))
+        if key not in self._kernels:
+            name, source = plan_source(list(key[1]))
+            self._kernels[key] = copy_kernel(name, source, word, *PLAN_NAMES)
+        args = (self._kernels[key], meta)
         self._calls[layer, n] = args
         return args
 
@@ -163,11 +165,10 @@ class DevicePath:
         if layer not in self.on_device:
             self.to_device(layer)
         n = indices.size
-        kernel, meta, tmpl = self._calls.get((layer, n)) or self._call_args(layer, n)
+        kernel, meta = self._calls.get((layer, n)) or self._call_args(layer, n)
         t0 = time.perf_counter()
         (out,) = kernel(
             inputs=[indices, self._ptrs[layer], meta, self._prev[layer]],
-            template=tmpl,
             grid=(self.blocks * THREADS, 1, 1),
             threadgroup=(THREADS, 1, 1),
             output_shapes=[indices.shape],

@@ -111,13 +111,13 @@ def constants(weights) -> dict[str, np.ndarray]:
 # block to be scheduled; a wait past WAIT_NS (a stalled device) traps: the call fails
 # loudly rather than leave experts marked resident and unfilled. The last block out
 # resets the flag and the tickets. ``after`` (the layer's previous output) is unread: it
-# orders the layer's calls in any graph. Template: N (ids), E, S, H, NREC, NAGE, NWIN,
-# SCORE (some weight is not 0), WAIT_NS; WORD, the copy word, is written into the
-# source. Inputs: ids [N], p [len(POINTERS)] addresses, meta (the layer's copy
+# orders the layer's calls in any graph. Constants (``plan_source``): N (ids), E, S, H,
+# NREC, NAGE, NWIN, SCORE (some weight is not 0), WAIT_NS; WORD, the copy word, is
+# written into the source too. Inputs: ids [N], p [len(POINTERS)] addresses, meta (the layer's copy
 # description), after. Output: slots [N].
 PLAN_NAMES = (["ids", "p", "meta", "after"], ["slots"])  # the kernel's inputs, outputs
 BLOCKS = 128
-WAIT_NS = 2_000_000_000  # a template int: under 2**31
+WAIT_NS = 2_000_000_000  # a constexpr int: under 2**31
 _PLAN_BODY = """
     const int tid = threadIdx.x, nth = blockDim.x;
     __shared__ int fl[1 + 2 * N];  // the fills, as each block reads them
@@ -358,7 +358,8 @@ PLAN = _declarations() + _PLAN_BODY
 
 
 def template(num_experts: int, capacity: int, n_ids: int, weights) -> list[tuple[str, int]]:
-    """The kernel's template arguments for a call of ``n_ids`` ids."""
+    """The kernel's constants for a call of ``n_ids`` ids (written into its source by
+    ``plan_source``)."""
     return [
         ("N", n_ids),
         ("E", num_experts),
@@ -370,3 +371,14 @@ def template(num_experts: int, capacity: int, n_ids: int, weights) -> list[tuple
         ("SCORE", int(any(float(w) != 0.0 for w in weights))),
         ("WAIT_NS", WAIT_NS),
     ]
+
+
+def plan_source(constants: list[tuple[str, int]]) -> tuple[str, str]:
+    """The plan kernel's name and source for ``constants`` (``template``'s), which are
+    written into it rather than passed as MLX template arguments: MLX formats those
+    anew at every call, ~6 µs of the host's time per call on the H200
+    (``benchmarks/probes/kernel_call_cost.py``), and a kernel per variant costs nothing
+    per call."""
+    name = "mlxs_plan_" + "_".join(str(v) for _, v in constants)
+    decl = "".join(f"    constexpr int {k} = {v};\n" for k, v in constants)
+    return name, decl + PLAN
