@@ -91,3 +91,25 @@ def test_an_interrupted_wait_lets_every_read_stop_first(tmp_path, monkeypatch):
         fut.result()
     assert all(p.done() for p in fut._parts)  # nothing writes after the interrupt
     r.close()
+
+
+def test_a_timed_out_wait_leaves_the_batch_pending(tmp_path):
+    """``result(timeout)`` while reads still write raises TimeoutError and leaves the
+    batch to finish: a later ``result()`` returns its bytes (before, the batch failed
+    for good with the reads still running)."""
+    import threading
+
+    path = tmp_path / "layer.bin"
+    data = np.random.default_rng(1).integers(0, 256, STRIDE * 2, dtype=np.uint8)
+    data.tofile(path)
+    r = RecordReader(threads=2, piece_bytes=1 << 20)
+    r.open(0, path, STRIDE)
+    release = threading.Event()
+    out = aligned_buffer(STRIDE)
+    fut = r.submit(0, [RecordJob(1, [out], after=lambda: release.wait(5))])
+    with pytest.raises(TimeoutError, match="still running"):
+        fut.result(timeout=0.05)
+    release.set()
+    assert fut.result() == STRIDE
+    assert np.array_equal(out, data[STRIDE:])
+    r.close()

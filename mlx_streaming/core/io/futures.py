@@ -41,12 +41,22 @@ class Gather(Future):
         return super().done() or all(p.done() for p in self._parts)
 
     def result(self, timeout=None):
+        """The parts' byte total once every part has stopped (their first error raised).
+
+        Raises:
+            TimeoutError: parts still run after ``timeout`` seconds; the future stays
+                pending (a later call can still collect it).
+        """
         if not super().done():
-            try:
-                wait(self._parts, timeout)  # every read has stopped writing before we report
+            try:  # every read has stopped writing before we report
+                _, running = wait(self._parts, timeout)
             except BaseException:  # e.g. Ctrl-C: the threads still write into the slots,
                 _wait_all(self._parts)  # which the caller frees on the way out: let them end
                 raise
+            if running:
+                raise TimeoutError(
+                    f"{len(running)} of {len(self._parts)} reads still running after {timeout} s"
+                )
             try:
                 self.set_result(self._finish(sum(p.result(0) for p in self._parts)))
             except Exception as e:  # noqa: BLE001
