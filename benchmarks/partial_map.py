@@ -48,7 +48,7 @@ def replay(trace, slots: int, mapped: np.ndarray | int, start: int, tokens: int)
     from mlx_streaming.core.cache.slots import SlotCache
 
     L, E = trace.layers, trace.num_experts
-    caches = [SlotCache(E, slots, make_policy("predictive", E, slots)) for _ in range(L)]
+    caches = [SlotCache(E, slots, make_policy("predictive", E)) for _ in range(L)]
     tiers = [OrderedDict() for _ in range(L)] if isinstance(mapped, int) else None
     rows = trace.experts[start : start + tokens].astype(np.int64)
     misses = outside = faulty_calls = faulty_tokens = 0

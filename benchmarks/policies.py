@@ -20,18 +20,21 @@ from collections import OrderedDict
 import numpy as np
 from harness import finish, log, parser
 
+from mlx_streaming.core.cache.base_policy import Policy
 from mlx_streaming.core.cache.policy import POLICIES
 from mlx_streaming.core.cache.slots import SlotCache
 from mlx_streaming.planning.simulate import layer_lookups, simulate, static_hot
 from mlx_streaming.planning.trace import RoutingTrace
 
 
-class LookaheadLRU:
-    """LRU that first evicts experts not needed in the next ``h`` lookups (an oracle)."""
+class LookaheadLRU(Policy):
+    """LRU that first evicts experts not needed in the next ``h`` lookups (an oracle);
+    pins hold as in every policy."""
 
     name = "lookahead"
 
-    def __init__(self, future, h):
+    def __init__(self, num_experts, future, h):
+        super().__init__(num_experts)
         self.future, self.h, self.t = future, h, 0
         self.order: OrderedDict[int, None] = OrderedDict()
 
@@ -52,7 +55,8 @@ class LookaheadLRU:
         for j in range(1, self.h + 1):
             if self.t + j < len(self.future):
                 soon.update(self.future[self.t + j].tolist())
-        cand = [e for e in self.order if e not in protect]
+        out = set(np.asarray(protect).tolist())
+        cand = [e for e in self.order if e not in out and not self._pinned[e]]
         cand.sort(key=lambda e: e in soon)  # stable: LRU order within each class
         return cand[:n]
 
@@ -61,7 +65,7 @@ def lookahead(trace, slots, layers, tokens, h):
     hits = total = 0
     for li in layers:
         seq = layer_lookups(trace, li, 0, tokens)
-        cache = SlotCache(trace.num_experts, slots, LookaheadLRU(seq, h))
+        cache = SlotCache(trace.num_experts, slots, LookaheadLRU(trace.num_experts, seq, h))
         for need in seq:
             cache.lookup(need)
         hits += cache.stats.hits

@@ -175,7 +175,7 @@ def layer_misses(top: np.ndarray, probs: np.ndarray, capacity: int, policy: str,
     elif policy.startswith("router"):
         pol = router_scored(E, weights, extra, decay)
     else:
-        pol = make_policy(policy, E, capacity)
+        pol = make_policy(policy, E)
     cache = SlotCache(E, capacity, pol)
     for t, need in enumerate(lookups):
         if policy == "router":

@@ -178,7 +178,7 @@ def test_device_path_plans_as_the_reference_and_the_simulator(models, policy):
     assert store.device is not None
     rng = np.random.default_rng(0)
     hot = rng.permutation(E)  # a skewed, drifting choice of k distinct experts per step
-    sims = {li: SlotCache(E, cap, make_policy(policy, E, cap)) for li in store.layers}
+    sims = {li: SlotCache(E, cap, make_policy(policy, E)) for li in store.layers}
     refs: dict = {}  # the reference's arrays, handed over as the device's are
     for step in range(200):
         store.record = 80 <= step < 120  # recording reads the routing: the host path

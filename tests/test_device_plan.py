@@ -47,7 +47,7 @@ def handed_over(cache: SlotCache) -> dict:
 @pytest.mark.parametrize("pins,tokens", [(0, 1), (2, 1), (0, 3)])
 def test_reference_equals_the_simulator(policy, pins, tokens):
     E, k, cap = 32, 4, 12
-    sim = SlotCache(E, cap, make_policy(policy, E, cap))
+    sim = SlotCache(E, cap, make_policy(policy, E))
     pinned = np.arange(pins)
     sim.commit(sim.reserve(pinned, np.zeros(0, np.int64)))
     sim.pinned = set(pinned.tolist())

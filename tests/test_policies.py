@@ -47,7 +47,7 @@ def test_invariants(seed, cap, pins, policy):
     rng = np.random.default_rng(seed)
     E, k, T = 16, 4, 80
     seq = [np.unique(rng.choice(E, k, replace=False)) for _ in range(T)]
-    pol = Belady(E, seq) if policy == "belady" else make_policy(policy, E, cap)
+    pol = Belady(E, seq) if policy == "belady" else make_policy(policy, E)
     cache = SlotCache(E, cap, pol)
     pinned = np.arange(min(pins, cap - k))  # as the store allows: top_k slots stay free
     if len(pinned):
@@ -403,7 +403,7 @@ def test_lru_is_least_recently_used(seed, cap, pins):
 
     rng = np.random.default_rng(seed)
     E, k = 16, 4
-    cache = SlotCache(E, cap, make_policy("lru", E, cap))
+    cache = SlotCache(E, cap, make_policy("lru", E))
     pinned = np.arange(min(pins, cap - k))
     cache.commit(cache.reserve(pinned, np.zeros(0, np.int64)))
     cache.pinned = set(pinned.tolist())
@@ -427,7 +427,7 @@ def test_lru_is_least_recently_used(seed, cap, pins):
 
 def test_queued_lookups_reach_the_policy():
     """A lookup's policy update is queued; the policy's next decision sees it."""
-    cache = SlotCache(4, 2, make_policy("lru", 4, 2))
+    cache = SlotCache(4, 2, make_policy("lru", 4))
     for e in ([0], [1], [0]):
         cache.lookup(np.array(e))
     assert cache.policy.victims(1, np.zeros(0, np.int64)) == [1]  # 0 was used last
@@ -459,7 +459,7 @@ def test_predictive_windows_count_the_latest_lookups():
     from mlx_streaming.core.cache.scored import WINDOWS, Scored
 
     rng = np.random.default_rng(1)
-    p = Scored(16, 8)
+    p = Scored(16)
     seen = []
     for t in range(150):
         idx = np.sort(rng.choice(16, 3, replace=False))
@@ -484,7 +484,7 @@ def test_native_ranking_equals_numpy(seed, E, cap, pins, policy):
     policy's weights."""
     rng = np.random.default_rng(seed)
     cap = min(cap, E)
-    caches = [SlotCache(E, cap, make_policy(policy, E, cap, native=n)) for n in (True, False)]
+    caches = [SlotCache(E, cap, make_policy(policy, E, native=n)) for n in (True, False)]
     assert caches[0].policy.native and not caches[1].policy.native
     pinned = set(rng.choice(E, min(pins, cap - 1), replace=False).tolist()) if cap > 1 else set()
     for c in caches:
@@ -534,7 +534,7 @@ def test_native_ranking_refuses_bad_ids():
 def test_complete_holds_until_the_table_changes():
     """A pool of every expert answers ``complete`` from a latch once all are resident;
     a slot table brought back (the device path's) or a failed load undoes it."""
-    cache = SlotCache(4, 4, make_policy("lru", 4, 4))
+    cache = SlotCache(4, 4, make_policy("lru", 4))
     placed = cache.lookup(np.arange(3))
     assert not cache.complete
     cache.lookup(np.array([3]))

@@ -83,7 +83,7 @@ def simulate(
     for li in layers:
         c = slots[li] if isinstance(slots, dict) else int(slots)
         seq = layer_lookups(trace, li, start, tokens)
-        pol = Belady(E, seq) if policy == "belady" else make_policy(policy, E, c, **policy_kw)
+        pol = Belady(E, seq) if policy == "belady" else make_policy(policy, E, **policy_kw)
         cache = SlotCache(E, c, pol)
         pinned = np.asarray(sorted((pins or {}).get(li, [])), dtype=np.int64)
         if len(pinned):

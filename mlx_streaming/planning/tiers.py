@@ -87,7 +87,7 @@ def simulate_tiers(
         seqs = {
             li: [np.unique(rows[a:b, li]) for a, b in zip(bounds[:-1], bounds[1:])] for li in layers
         }
-    caches = {li: SlotCache(E, slots, make_policy(policy, E, slots)) for li in layers}
+    caches = {li: SlotCache(E, slots, make_policy(policy, E)) for li in layers}
     page: OrderedDict[tuple[int, int], None] = OrderedDict()
     hits = pc = disk = 0
     T = min(len(s) for s in seqs.values())

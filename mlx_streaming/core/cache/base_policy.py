@@ -14,7 +14,7 @@ class Policy:
 
     name = "base"
 
-    def __init__(self, num_experts: int = 0, capacity: int | None = None):
+    def __init__(self, num_experts: int = 0):
         self.num_experts = num_experts
         self._pinned = np.zeros(num_experts, np.uint8)
 

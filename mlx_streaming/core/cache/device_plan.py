@@ -64,9 +64,9 @@ def plan_reference(
     """One planning step on ``arrays`` (a layer's, as ``layer_arrays``; updated in
     place) for routed ``ids``: ``(slot of each row, fills)``, fills ``[n, e0, s0, e1,
     s1...]``: the misses and the slots they go to."""
-    E, S = len(arrays["slot_of"]), len(arrays["expert_in"])
+    E = len(arrays["slot_of"])
     slot_of, expert_in, ctr = arrays["slot_of"], arrays["expert_in"], arrays["counters"]
-    rank = Scored(E, S, weights=weights, native=False)
+    rank = Scored(E, weights=weights, native=False)
     rank.state.update({k: arrays[k] for k in rank.state})  # the arrays, not copies
     for k, a in rank.state.items():
         setattr(rank, f"_{k}" if k in ("t", "prev", "nprev", "pinned") else k, a)

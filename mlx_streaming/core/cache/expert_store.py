@@ -91,7 +91,7 @@ class FileExpertStore:
             li: SlotCache(
                 meta.layers[li].num_experts,
                 c,
-                make_policy(rt.policy, meta.layers[li].num_experts, c),
+                make_policy(rt.policy, meta.layers[li].num_experts),
             )
             for li, c in caps.items()
         }

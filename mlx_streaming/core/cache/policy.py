@@ -63,8 +63,8 @@ class Belady(Policy):
         return cand[:n]
 
 
-def make_policy(name: str, num_experts: int = 0, capacity: int | None = None, **kw) -> Policy:
+def make_policy(name: str, num_experts: int = 0, **kw) -> Policy:
     """A policy by name (see ``POLICIES``) for a layer of ``num_experts`` experts."""
     if name not in WEIGHTS:
         raise ValueError(f"unknown cache policy {name!r}; choose one of {sorted(POLICIES)}")
-    return Scored(num_experts, capacity, weights=name, **kw)
+    return Scored(num_experts, weights=name, **kw)

@@ -60,7 +60,6 @@ class Scored(Policy):
 
     Args:
         num_experts: Experts of the layer.
-        capacity: Its slots (unused by the ranking; kept for the simulator's API).
         weights: One per ``FEATURES`` entry, or a name of ``WEIGHTS``.
         native: Compute in native code where the package was built (False: numpy).
     """
@@ -68,12 +67,11 @@ class Scored(Policy):
     def __init__(
         self,
         num_experts: int,
-        capacity: int | None = None,
         weights=PREDICTIVE_WEIGHTS,
         native: bool = True,
         name: str = "scored",
     ):
-        super().__init__(num_experts, capacity)
+        super().__init__(num_experts)
         if isinstance(weights, str):
             name, weights = weights, WEIGHTS[weights]
         self.name = name
