@@ -118,4 +118,7 @@ def test_ids_transfers_that_fail_their_check_say_so(monkeypatch):
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **kw: None, raising=False)
     monkeypatch.setattr(transfers, "IdTransfers", broken)
     with pytest.warns(UserWarning, match="start-up check .*no mapped host memory.*exact"):
-        assert transfers.id_transfers() is None
+        got, why = transfers.id_transfers()
+    assert got is None and "no mapped host memory" in why
+    rt = resolve(StreamConfig(), backend="cpu")
+    assert why in rt.replace(why=(*rt.why, ("ids", why))).line()  # the load line says it

@@ -78,6 +78,7 @@ class Runtime:
             + (f"{self.threads} threads" if self.threads else "reads inline")
             + (", O_DIRECT" if self.direct_io else "")
             + (", read-ahead" if self.prefetch else "")
+            + (f"; {self.reason('ids')}" if self.reason("ids") else "")
         )
 
     def to_json(self) -> dict:

@@ -87,13 +87,9 @@ class FileExpertStore:
         if capacity is None:
             capacity = default_slots(meta) if cfg.slots is None else cfg.slots
         caps = capacities(meta, capacity, layer_caps)
+        n = {li: meta.layers[li].num_experts for li in caps}
         self.caches = {
-            li: SlotCache(
-                meta.layers[li].num_experts,
-                c,
-                make_policy(rt.policy, meta.layers[li].num_experts),
-            )
-            for li, c in caps.items()
+            li: SlotCache(n[li], c, make_policy(rt.policy, n[li])) for li, c in caps.items()
         }
         self.stats = {li: LayerStats() for li in caps}
         self.zero_slot = rt.zero_slot
@@ -122,6 +118,9 @@ class FileExpertStore:
         self._watches: list[Callable[[], None]] = []  # called at each layer call
         self._calling = threading.Lock()  # held inside request: one thread at a time
         self.timeline = Timeline()  # phases of layer calls, when recording
+        transfers, why = id_transfers() if rt.pool_mode == "cuda" else (None, "")
+        if why:  # the load line says the routing is read the usual way, and why
+            rt = self.runtime = rt.replace(why=(*rt.why, ("ids", why)))
         self.host = HostPath(
             self.caches,
             self.pools,
@@ -130,7 +129,7 @@ class FileExpertStore:
             self.routing,
             self.observers,
             self.timeline,
-            id_transfers() if rt.pool_mode == "cuda" else None,
+            transfers,
             late=not rt.prefetch,  # read-ahead guesses from the routing before the graph
         )
         self.device = None

@@ -115,20 +115,22 @@ class IdTransfers:
         return out
 
 
-def id_transfers() -> IdTransfers | None:
-    """A ``IdTransfers`` whose transfers of test arrays equal MLX's own, or None (no
-    CUDA runtime, no kernel compiler, or a different result)."""
+def id_transfers() -> tuple[IdTransfers | None, str]:
+    """An ``IdTransfers`` whose transfers of test arrays equal MLX's own, and ``""``; or
+    None and why (no CUDA runtime, no kernel compiler, or a different result: each
+    routing is then read the usual way)."""
     from . import cuda
 
     if not cuda.available() or not hasattr(mx.fast, "cuda_kernel"):
-        return None
+        return None, "no CUDA runtime or kernel compiler: routing read the usual way"
 
-    def fallback(why: str) -> None:
+    def fallback(why: str) -> tuple[None, str]:
+        why = f"the ids' transfers failed their start-up check ({why})"
         warnings.warn(
-            f"the ids' transfers failed their start-up check ({why}): each MoE layer's "
-            "routing is read the usual way (slower; exact all the same)",
+            f"{why}: each MoE layer's routing is read the usual way (slower; exact all the same)",
             stacklevel=3,
         )
+        return None, why + ": routing read the usual way"
 
     try:
         r = IdTransfers()
@@ -146,6 +148,6 @@ def id_transfers() -> IdTransfers | None:
             want = np.random.default_rng(i).integers(0, 2**31, (1, 6), np.int32)
             if not np.array_equal(np.array(r.to_device(want)), want):
                 return fallback(f"ring buffer {i % RING} sent other ids than MLX's")
-        return r
+        return r, ""
     except Exception as e:  # noqa: BLE001 (any failure: read the usual way)
         return fallback(repr(e))
