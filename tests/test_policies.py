@@ -359,6 +359,13 @@ def test_plan_splits_memory_between_pools_and_the_page_cache(tmp_path, capsys):
         assert abs(r["pool_gb"] + r["page_cache_gb"] - 0.0004) < 1e-3
     with pytest.raises(ValueError, match="--memory-gb needs a compute time"):
         cmd.main(args)
+    bounds = ["--t-compute-ms", "1", "--read-gbps", "0.001"]
+    with pytest.raises(
+        ValueError, match="routes 4 of 32 experts.*model 2 of 32.*record the trace on this"
+    ):
+        cmd.main([*args, *bounds, "--top-k", "2"])  # a trace of another model's routing
+    with pytest.raises(ValueError, match="layer_sample 1: sample at least 2"):
+        cmd.main([*args, *bounds, "--layer-sample", "1"])
 
 
 def test_profile_gives_diverse_layers_more_slots(models):

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..core.options import StreamConfig
 from ..planning.budget import PoolShape
-from ..planning.planner import PlanRow, plan, resolve_policies
+from ..planning.planner import PlanRow, plan, resolve_policies, sample_layers, shared_layers
 from ..planning.trace import RoutingTrace
 from ._args import nonneg_int, positive_float, positive_int
 
@@ -151,9 +151,8 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
         raise ValueError(f"--memory-gb plans one policy the store runs, not --policy "
                          f"{a.policy}: name one (e.g. predictive)")  # fmt: skip
     pol = "predictive" if a.policy == "auto" else a.policy
-    L = min(len(shape.slot_bytes), trace.layers)
-    sample = a.layer_sample or L
-    layers = sorted({round(i * (L - 1) / max(1, sample - 1)) for i in range(min(sample, L))})
+    L = shared_layers(trace, shape)  # a trace of another model is refused, as in plan
+    layers = sample_layers(L, a.layer_sample or None)
     _, test = trace.split(0.5)
     slot = int(np.mean(shape.slot_bytes[:L]))
     rows = best_split(test, pol, int(a.memory_gb * 1e9), slot, slot, shape.top_k, t,

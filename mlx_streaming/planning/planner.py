@@ -35,6 +35,35 @@ class PlanRow:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
 
+def shared_layers(trace: RoutingTrace, shape: PoolShape) -> int:
+    """How many MoE layers the trace and the model share (the first of each).
+
+    Raises:
+        ValueError: none, or the trace routes another count of experts than the model
+            (recorded on another model).
+    """
+    L = min(len(shape.slot_bytes), trace.layers)
+    if L == 0:
+        raise ValueError("the trace and the model share no MoE layer")
+    ne = max(shape.num_experts)
+    if trace.num_experts != ne or trace.top_k != shape.top_k:
+        raise ValueError(
+            f"the trace routes {trace.top_k} of {trace.num_experts} experts per layer, the "
+            f"model {shape.top_k} of {ne}: record the trace on this model"
+        )
+    return L
+
+
+def sample_layers(L: int, layer_sample: int | None) -> list[int]:
+    """``layer_sample`` of ``L`` layers spread evenly, first and last included (None or
+    at least ``L``: every layer)."""
+    if layer_sample is not None and layer_sample < 2:
+        raise ValueError(f"layer_sample {layer_sample}: sample at least 2 layers, or all (None)")
+    if not layer_sample or layer_sample >= L:
+        return list(range(L))
+    return sorted({round(i * (L - 1) / (layer_sample - 1)) for i in range(layer_sample)})
+
+
 def plan(
     trace: RoutingTrace,
     shape: PoolShape,
@@ -57,23 +86,12 @@ def plan(
     hold one (default: as ``load`` makes them here, ``Runtime.zero_slot``).
     """
     zero = default_zero_slot() if zero_slot is None else bool(zero_slot)
-    L = min(len(shape.slot_bytes), trace.layers)
-    if L == 0:
-        raise ValueError("the trace and the model share no MoE layer")
+    L = shared_layers(trace, shape)
     ne = max(shape.num_experts)
-    if trace.num_experts != ne or trace.top_k != shape.top_k:
-        raise ValueError(
-            f"the trace routes {trace.top_k} of {trace.num_experts} experts per layer, the "
-            f"model {shape.top_k} of {ne}: record the trace on this model"
-        )
     too_many = [s for s in slots if s > ne]
     if too_many:
         raise ValueError(f"{too_many[0]} slots exceed the layer's {ne} experts: at most {ne}")
-    layers = list(range(L))
-    if layer_sample is not None and layer_sample < 2:
-        raise ValueError(f"layer_sample {layer_sample}: sample at least 2 layers, or all (None)")
-    if layer_sample and layer_sample < L:
-        layers = sorted({round(i * (L - 1) / (layer_sample - 1)) for i in range(layer_sample)})
+    layers = sample_layers(L, layer_sample)
     fit_part, test = trace.split(0.5) if held_out else (trace, trace)
     pins = static_hot(fit_part, pin_hot) if pin_hot else None
     sizes = [(s, None) for s in slots] + [
