@@ -503,7 +503,7 @@ def test_native_and_python_readers_miss_alike_on_real_routing(models, policy):
         apply_trace_routing(model, trace, 5000)
         for _ in stream_generate(model, tok, "Streams experts from disk.", max_tokens=48):
             pass
-        assert store.reader_name == reader
+        assert store.runtime.reader == reader
         got[reader] = {li: (r["hits"], r["misses"]) for li, r in store.layer_report().items()}
         store.close()
     assert got["native"] == got["python"]

@@ -180,9 +180,10 @@ def test_a_read_ahead_waited_for_by_a_later_load_is_not_on_time(models, monkeypa
         store.close()
 
 
-def test_two_threads_in_one_stores_request_are_refused(models):
-    """A store is driven by one thread: a second thread's request while one is inside
-    raises a clear error instead of racing on the slot tables; the first call completes."""
+def test_two_threads_driving_one_store_are_refused(models):
+    """A store is driven by one thread: a second thread's request, prefetch or pin while
+    one is inside raises a clear error instead of racing on the slot tables (no lock
+    guards them); the first call completes."""
     import threading
 
     import mlx.core as mx
@@ -216,6 +217,10 @@ def test_two_threads_in_one_stores_request_are_refused(models):
         assert inside.wait(10)
         with pytest.raises(RuntimeError, match="two threads called one store's request"):
             store.request(li, ids, overlap=False)
+        with pytest.raises(RuntimeError, match="two threads called one store's prefetch"):
+            store.prefetch(li, [meta.top_k, meta.top_k + 1])
+        with pytest.raises(RuntimeError, match="two threads called one store's pin"):
+            store.pin(li, [0])
     finally:
         go.set()
         t.join(10)

@@ -11,6 +11,7 @@ data): the slot ids to use where the host has no work, or steps, each made ready
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import warnings
@@ -106,17 +107,14 @@ class FileExpertStore:
             why = f"the files could not be page-locked ({e})"
             rt = self.runtime = rt.replace(why=(*rt.why, ("mapped", why), ("decode_path", why)))
             self.reader = make_reader(rt, meta, self.pools)
-        # the tables and policies: one thread drives a store (the server's generation
-        # thread among them); the lock orders the loader's policy updates all the same
-        self.lock = threading.RLock()
         self.loads = Loader(
-            meta, self.caches, self.pools, self.reader, self.stats, cfg.clear_on_evict, self.lock
+            meta, self.caches, self.pools, self.reader, self.stats, cfg.clear_on_evict
         )
         self.routing = RoutingCounts({li: meta.layers[li].num_experts for li in caps})
         self.routing.on = cfg.record
         self.observers: list[Callable] = []  # callables(layer, host_ids) seeing the routing
         self._watches: list[Callable[[], None]] = []  # called at each layer call
-        self._calling = threading.Lock()  # held inside request: one thread at a time
+        self._calling = threading.Lock()  # held by the thread driving the store (_driver)
         self.timeline = Timeline()  # phases of layer calls, when recording
         transfers, why = id_transfers() if rt.pool_mode == "cuda" else (None, "")
         if why:  # the load line says the routing is read the usual way, and why
@@ -143,10 +141,6 @@ class FileExpertStore:
         self._published: dict = {}  # totals handed to other threads (publish, snapshot)
         self._published_lock = threading.Lock()
         self._resident = ResidentSet(self.pools, self.stats, self.counts)
-
-    @property
-    def reader_name(self) -> str:
-        return self.runtime.reader
 
     def watch(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` at every layer call (e.g. a pipeline's watch: this rank
@@ -193,17 +187,23 @@ class FileExpertStore:
         the host plans.
 
         Raises:
-            RuntimeError: another thread is inside ``request`` of this store (a race that
-                would corrupt its tables: one thread drives a store).
+            RuntimeError: another thread is inside ``request``, ``prefetch`` or ``pin``
+                of this store (a race that would corrupt its tables).
         """
+        with self._driver("request"):
+            return self._request(layer, indices, overlap, also, beside)
+
+    @contextlib.contextmanager
+    def _driver(self, what: str):
+        """One thread drives a store (no lock guards its tables): a second is refused."""
         if not self._calling.acquire(blocking=False):
             raise RuntimeError(
-                "two threads called one store's request at once: a store is driven by one "
+                f"two threads called one store's {what} at once: a store is driven by one "
                 "thread (the server's generation thread); serialize the generations, or "
                 "load a store per thread"
             )
         try:
-            return self._request(layer, indices, overlap, also, beside)
+            yield
         finally:
             self._calling.release()
 
@@ -262,9 +262,10 @@ class FileExpertStore:
         """Read ahead experts a coming call of ``layer`` is expected to need, into free
         or evictable slots (never pinned ones, nor ``experts`` themselves). Best effort;
         the next call of the layer finishes them. Returns how many were issued."""
-        if self.device is not None:
-            self.device.to_host(layer)
-        return self.loads.prefetch(layer, experts, limit)
+        with self._driver("prefetch"):
+            if self.device is not None:
+                self.device.to_host(layer)
+            return self.loads.prefetch(layer, experts, limit)
 
     def note_prediction(self, layer: int, predicted: np.ndarray, routed: np.ndarray) -> None:
         """Score a predictor's guess for ``layer`` against the experts it was routed to."""
@@ -283,8 +284,6 @@ class FileExpertStore:
                 f"expert ids {ids.tolist()} out of range for layer {layer} "
                 f"(0..{cache.num_experts - 1})"
             )
-        if self.device is not None:
-            self.device.to_host(layer)
         total = cache.pinned.union(ids.tolist())
         if not cache.whole and len(total) > cache.capacity - self.top_k:
             raise ValueError(
@@ -292,8 +291,11 @@ class FileExpertStore:
                 f"{self.top_k} of its {cache.capacity} slots free; pin at most "
                 f"{cache.capacity - self.top_k} or raise the capacity"
             )
-        self.loads.pin(layer, ids)
-        cache.pinned |= set(ids.tolist())
+        with self._driver("pin"):
+            if self.device is not None:
+                self.device.to_host(layer)
+            self.loads.pin(layer, ids)
+            cache.pinned |= set(ids.tolist())
 
     def hot(self, layer: int, n: int) -> list[int]:
         """The ``n`` experts of ``layer`` routed to most often while ``record`` was on."""
@@ -322,9 +324,8 @@ class FileExpertStore:
         return sum(c.stats.misses for c in self.caches.values())
 
     def hit_rate(self) -> float:
-        h = self.hits
-        total = h + self.misses
-        return h / total if total else 0.0
+        h, m = self.hits, self.misses
+        return h / (h + m) if h + m else 0.0
 
     @property
     def fastpath_calls(self) -> int:

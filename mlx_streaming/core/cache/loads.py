@@ -90,11 +90,9 @@ class Loader:
         reader,
         stats: dict[int, LayerStats],
         clear_on_evict: bool,
-        lock=None,
     ):
         self.meta, self.caches, self.pools, self.reader = meta, caches, pools, reader
         self.stats, self.clear_on_evict = stats, clear_on_evict
-        self._lock = lock or contextlib.nullcontext()
         self.outputs = Outputs(caches)
         self._inflight: dict[int, list[Ticket]] = {li: [] for li in caches}  # read-aheads
         self._started: Ticket | None = None  # the latest load, maybe not yet finished
@@ -112,8 +110,7 @@ class Loader:
             load = cache.split(np.arange(cache.num_experts))[1]
         placed = []
         if len(load):
-            with self._lock:  # the policy picks victims
-                placed = cache.reserve(sorted(load.tolist()), protect=experts)
+            placed = cache.reserve(sorted(load.tolist()), protect=experts)
         return self._issue(layer, experts, misses, placed, prefetch=False)
 
     def finish_open(self) -> None:
@@ -129,8 +126,7 @@ class Loader:
 
     def flush(self, layer: int) -> None:
         """Apply ``layer``'s queued policy updates now (see ``SlotCache.flush``)."""
-        with self._lock:
-            self.caches[layer].flush()
+        self.caches[layer].flush()
 
     def fetch(self, layer: int, experts: np.ndarray) -> int:
         """Make distinct ``experts`` resident now; returns the number of misses loaded."""
@@ -149,8 +145,7 @@ class Loader:
             return 0
         wave = getattr(self.reader, "wave", None)
         limit = min(x for x in (limit, wave, len(todo)) if x is not None)  # a limit: best effort
-        with self._lock:
-            placed = cache.reserve(todo, protect=np.unique(experts), limit=limit)
+        placed = cache.reserve(todo, protect=np.unique(experts), limit=limit)
         if not placed:
             return 0
         t = self._issue(layer, experts, np.array([e for e, _, _ in placed]), placed, prefetch=True)
@@ -166,8 +161,7 @@ class Loader:
         self.finish_read_aheads(layer)
         cache = self.caches[layer]
         _, misses = cache.split(ids)
-        with self._lock:
-            placed = cache.reserve(misses, protect=ids)
+        placed = cache.reserve(misses, protect=ids)
         self._issue(layer, ids, misses, placed, prefetch=True).wait()
 
     def finish_read_aheads(self, layer: int, needed: np.ndarray | None = None) -> None:
@@ -211,8 +205,7 @@ class Loader:
             except Exception as e:  # noqa: BLE001 - raised by Ticket.wait, after the abort
                 fut = Done(error=e)
         except BaseException:  # e.g. an interrupt: the reader has let go of the slots
-            with self._lock:
-                self.caches[layer].abort(placed)
+            self.caches[layer].abort(placed)
             raise
         t = Ticket(self, layer, experts, misses, placed, fut, prefetch)
         self._started = t  # finished by its caller, or before the next load
@@ -223,21 +216,20 @@ class Loader:
     def finish(self, t: Ticket) -> None:
         """Commit a load's slots once its reads have landed (abort them if one failed)."""
         t0 = time.perf_counter()
-        with self._lock:
-            cache, pool, st = self.caches[t.layer], self.pools[t.layer], self.stats[t.layer]
-            try:
-                nbytes = t.future.result()
-            except BaseException:
-                cache.abort(t.placed)  # no slot stays marked resident with bad or partial data
-                raise
-            if t.placed:
-                pool.set_lut([e for e, _, _ in t.placed], [s for _, s, _ in t.placed])
-            cache.commit(t.placed)
-            if not t.prefetch:
-                cache.access(t.experts, len(t.misses))
-                if any(v >= 0 for _, _, v in t.placed) and self.clear_on_evict:
-                    mx.clear_cache()
-            st.bytes_read += nbytes
-            st.records_read += len(t.placed)
+        cache, pool, st = self.caches[t.layer], self.pools[t.layer], self.stats[t.layer]
+        try:
+            nbytes = t.future.result()
+        except BaseException:
+            cache.abort(t.placed)  # no slot stays marked resident with bad or partial data
+            raise
+        if t.placed:
+            pool.set_lut([e for e, _, _ in t.placed], [s for _, s, _ in t.placed])
+        cache.commit(t.placed)
+        if not t.prefetch:
+            cache.access(t.experts, len(t.misses))
+            if any(v >= 0 for _, _, v in t.placed) and self.clear_on_evict:
+                mx.clear_cache()
+        st.bytes_read += nbytes
+        st.records_read += len(t.placed)
         if not t.prefetch:  # the time the caller waited for what was left of the reads
             st.read_s += time.perf_counter() - t0
