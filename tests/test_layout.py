@@ -120,7 +120,7 @@ def test_no_private_reach_through():
 CACHE_ORDER = [
     "expert_store", "counts", "host_path", "device_path", "loads", "readers", "device_plan",
     "calls", "slots", "pool", "recording", "policy", "scored", "native_policy",
-    "base_policy", "stats",
+    "base_policy", "stats", "driver",
 ]  # fmt: skip
 
 

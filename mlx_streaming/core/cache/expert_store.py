@@ -11,7 +11,6 @@ data): the slot ids to use where the host has no work, or steps, each made ready
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import warnings
@@ -29,6 +28,7 @@ from ..runtime import Runtime, resolve
 from .calls import LayerCall
 from .counts import HitCounts, ResidentSet
 from .device_path import DevicePath
+from .driver import Driver
 from .host_path import HostPath
 from .loads import Loader
 from .policy import make_policy
@@ -114,7 +114,7 @@ class FileExpertStore:
         self.routing.on = cfg.record
         self.observers: list[Callable] = []  # callables(layer, host_ids) seeing the routing
         self._watches: list[Callable[[], None]] = []  # called at each layer call
-        self._calling = threading.Lock()  # held by the thread driving the store (_driver)
+        self._driver = Driver()  # one thread drives the store
         self.timeline = Timeline()  # phases of layer calls, when recording
         transfers, why = id_transfers() if rt.pool_mode == "cuda" else (None, "")
         if why:  # the load line says the routing is read the usual way, and why
@@ -190,22 +190,11 @@ class FileExpertStore:
             RuntimeError: another thread is inside ``request``, ``prefetch`` or ``pin``
                 of this store (a race that would corrupt its tables).
         """
-        with self._driver("request"):
-            return self._request(layer, indices, overlap, also, beside)
-
-    @contextlib.contextmanager
-    def _driver(self, what: str):
-        """One thread drives a store (no lock guards its tables): a second is refused."""
-        if not self._calling.acquire(blocking=False):
-            raise RuntimeError(
-                f"two threads called one store's {what} at once: a store is driven by one "
-                "thread (the server's generation thread); serialize the generations, or "
-                "load a store per thread"
-            )
+        self._driver.enter("request")  # not a context manager: the hot path
         try:
-            yield
+            return self._request(layer, indices, overlap, also, beside)
         finally:
-            self._calling.release()
+            self._driver.leave()
 
     def _request(self, layer, indices, overlap, also, beside) -> LayerCall:
         for fn in self._watches:
@@ -262,7 +251,7 @@ class FileExpertStore:
         """Read ahead experts a coming call of ``layer`` is expected to need, into free
         or evictable slots (never pinned ones, nor ``experts`` themselves). Best effort;
         the next call of the layer finishes them. Returns how many were issued."""
-        with self._driver("prefetch"):
+        with self._driver.held("prefetch"):
             if self.device is not None:
                 self.device.to_host(layer)
             return self.loads.prefetch(layer, experts, limit)
@@ -291,7 +280,7 @@ class FileExpertStore:
                 f"{self.top_k} of its {cache.capacity} slots free; pin at most "
                 f"{cache.capacity - self.top_k} or raise the capacity"
             )
-        with self._driver("pin"):
+        with self._driver.held("pin"):
             if self.device is not None:
                 self.device.to_host(layer)
             self.loads.pin(layer, ids)
