@@ -93,7 +93,8 @@ def test_no_kernel_declares_its_own_inputs_or_outputs():
     one again fails to compile, and only on a CUDA machine (``prev`` did, 2026-12-04):
     the check refuses such a kernel on any machine, and both kernels pass it."""
     from mlx_streaming.core.cache.device_plan import PLAN, PLAN_NAMES
-    from mlx_streaming.core.io.device_reader import _FILL, FILL_NAMES, check_names
+    from mlx_streaming.core.io.device_reader import _FILL, FILL_NAMES
+    from mlx_streaming.core.io.kernels import check_names
 
     check_names("mlxs_plan", PLAN, [*PLAN_NAMES[0], *PLAN_NAMES[1]])
     check_names("mlxs_fill", _FILL, [*FILL_NAMES[0], *FILL_NAMES[1]])

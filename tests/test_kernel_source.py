@@ -4,9 +4,9 @@ MLX compiles a ``mx.fast.cuda_kernel`` only when it first runs, on a CUDA machin
 error in a kernel's text would otherwise first show there, in device time. Here each
 kernel's full text is built the way MLX 0.32's ``build_kernel`` builds it (its header,
 then a ``__global__`` function whose parameters are the named inputs and outputs, then
-``constexpr int`` template arguments, then the source; the plan kernel writes its
-constants into its source instead) and compiled for the H200
-(sm_90) with every warning an error. MLX's default header (``device/utils.cuh``, not in
+the source, its constants written into it as ``constexpr int`` lines by
+``kernels.with_consts`` as the package does) and compiled for the H200 (sm_90) with
+every warning an error. MLX's default header (``device/utils.cuh``, not in
 the CPU wheel) is stood in for by the fixed-width integer types, the only part of it
 these kernels use. The semantics are checked on the device, by ``tests/test_cuda.py``.
 """
@@ -22,6 +22,7 @@ from mlx_streaming.core.cache import device_plan
 from mlx_streaming.core.cache.pool import ADDRESS_SOURCE
 from mlx_streaming.core.cache.scored import WINDOWS
 from mlx_streaming.core.io import device_reader, transfers
+from mlx_streaming.core.io.kernels import with_consts
 
 NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="no nvcc on this machine")
@@ -29,15 +30,16 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="no nvcc on this machine")
 _STAND_IN = "#include <cstdint>\n#include <cooperative_groups.h>\n"
 
 
-def build(name, source, inputs, outputs, template=(), header="") -> str:
-    """``source`` wrapped as MLX wraps it: ``inputs`` and ``outputs`` are ``(name,
-    C type)``; ``template`` ``(name, int)``."""
+def build(name, source, inputs, outputs, consts=(), header="") -> tuple[str, str]:
+    """``source`` as the package makes it for ``consts`` (``kernels.with_consts``), wrapped
+    as MLX wraps it: ``inputs`` and ``outputs`` are ``(name, C type)``. Returns the
+    variant's name and text."""
+    name, source = with_consts(name, source, tuple(consts))
     params = [f"    const {t}* {n}" for n, t in inputs] + [f"    {t}* {n}" for n, t in outputs]
-    consts = "".join(f"  constexpr int {k} = {v};\n" for k, v in template)
-    return (
+    return name, (
         f"{header}namespace mlx::core::cu {{\n\nnamespace cg = cooperative_groups;\n\n"
         f"__global__ void {name}(\n" + ",\n".join(params) + ") {\n"
-        f"{consts}\n{source}\n}}\n\n}} // namespace mlx::core::cu\n"
+        f"{source}\n}}\n\n}} // namespace mlx::core::cu\n"
     )
 
 
@@ -59,19 +61,22 @@ def kernels() -> dict[str, str]:
     plan_types = dict(zip(plan_in, ["uint32_t", "uint64_t", "int64_t", "uint32_t"]))
     fill_in, fill_out = device_reader.FILL_NAMES
     fill_types = dict(zip(fill_in, ["int32_t", "uint32_t", "int64_t"]))
+
+    def add(*args, **kw):
+        name, text = build(*args, **kw)
+        out[name] = text
+
     for word, c_word in words.items():
         for score in (0.0, 1.0):  # the LRU ranking (no score) and the scored one
-            constants = device_plan.template(64, 32, 6, [score] * (3 + len(WINDOWS)))
-            name, source = device_plan.plan_source(constants)
-            name = f"{name}_{word}"  # as copy_kernel names it
-            out[name] = build(
-                name,
-                source.replace("WORD", c_word),
+            add(
+                f"mlxs_plan_{word}",  # as copy_kernel names it
+                device_plan.PLAN.replace("WORD", c_word),
                 [(n, plan_types[n]) for n in plan_in],
                 [(plan_out[0], "uint32_t")],
-                header=device_reader.COPY_HEADER,
+                device_plan.plan_constants(64, 32, 6, [score] * (3 + len(WINDOWS))),
+                device_reader.COPY_HEADER,
             )
-        out[f"mlxs_fill_{word}"] = build(
+        add(
             f"mlxs_fill_{word}",
             device_reader._FILL.replace("WORD", c_word),
             [(n, fill_types[n]) for n in fill_in],
@@ -80,18 +85,11 @@ def kernels() -> dict[str, str]:
             device_reader.COPY_HEADER,
         )
     for ids in ("int32_t", "uint32_t"):
-        name = f"mlxs_routing_to_host_{ids}"
-        out[name] = build(
-            name, transfers._SOURCE, [("ids", ids), ("dst", "uint64_t")], [("done", "int32_t")],
-            [("N", 6)],
-        )  # fmt: skip
-    out["mlxs_ids_to_device"] = build(
-        "mlxs_ids_to_device", transfers._TO_DEVICE, [("addr", "uint64_t")], [("out", "uint32_t")],
-        [("N", 6)],
-    )  # fmt: skip
-    out["mlxs_address"] = build(
-        "mlxs_address", ADDRESS_SOURCE, [("a", "uint8_t")], [("p", "uint64_t")]
-    )
+        add(f"mlxs_routing_to_host_{ids}", transfers._SOURCE, [("ids", ids), ("dst", "uint64_t")],
+            [("done", "int32_t")], [("N", 6)])  # fmt: skip
+    add("mlxs_ids_to_device", transfers._TO_DEVICE, [("addr", "uint64_t")], [("out", "uint32_t")],
+        [("N", 6)])  # fmt: skip
+    add("mlxs_address", ADDRESS_SOURCE, [("a", "uint8_t")], [("p", "uint64_t")])
     return out
 
 
@@ -115,7 +113,7 @@ def test_every_kernel_compiles(tmp_path):
 def test_a_broken_kernel_is_refused(tmp_path):
     """The check can fail: an undeclared name, and a warning (an unused variable)."""
     with pytest.raises(AssertionError, match="nvcc refused"):
-        compile_ok(tmp_path, "bad", build("bad", "out[0] = nothing;", [], [("out", "int")]))
+        compile_ok(tmp_path, "bad", build("bad", "out[0] = nothing;", [], [("out", "int")])[1])
     with pytest.raises(AssertionError, match="nvcc refused"):
-        text = build("warn", "int unused = 1;\nout[0] = 0;", [], [("out", "int")])
+        text = build("warn", "int unused = 1;\nout[0] = 0;", [], [("out", "int")])[1]
         compile_ok(tmp_path, "warn", text)

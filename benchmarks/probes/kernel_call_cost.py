@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mlx.core as mx  # noqa: E402
 
-from mlx_streaming.core.cache.device_plan import PLAN, plan_source, template  # noqa: E402
+from mlx_streaming.core.cache.device_plan import PLAN, plan_constants  # noqa: E402
 from mlx_streaming.core.io.device_reader import COPY_HEADER  # noqa: E402
+from mlx_streaming.core.io.kernels import with_consts  # noqa: E402
 
 
 def compact(source: str) -> str:
@@ -49,7 +50,7 @@ def _case(name: str, size: int, header: str, n_template: int):
         source=source,
         header=header,
     )
-    tmpl = template(64, 32, 6, (1.0,) * 6)[:n_template]
+    tmpl = list(plan_constants(64, 32, 6, (1.0,) * 6))[:n_template]
     return kernel, tmpl, len(source)
 
 
@@ -85,7 +86,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     plan_size = len(PLAN)
-    baked = len(plan_source(template(64, 32, 6, (1.0,) * 6))[1])
+    baked = len(with_consts("p", PLAN, plan_constants(64, 32, 6, (1.0,) * 6))[1])
     cases = [  # (name, source size, header, template arguments)
         ("plan_template_args", plan_size, COPY_HEADER, 9),
         ("plan_compacted_template_args", len(compact(PLAN)), compact(COPY_HEADER), 9),

@@ -44,14 +44,14 @@ from .device_plan import (
     MISSED_CALLS,
     MISSES,
     N_COUNTERS,
+    PLAN,
     PLAN_NAMES,
     POINTERS,
     THREADS,
     constants,
     layer_arrays,
-    plan_source,
+    plan_constants,
     scratch_arrays,
-    template,
 )
 from .pool import LayerPool, device_address
 from .slots import SlotCache
@@ -136,19 +136,18 @@ class DevicePath:
             self._ptrs[li] = mx.array(np.array(addr, np.uint64))
         mx.eval(list(self._ptrs.values()))
         self.blocks = BLOCKS  # of the kernel (a probe may change it)
-        self._kernels = {}  # by copy word and constants
+        self._kernels = {}  # by copy word: each kernel's variants
         self._calls = {}  # (layer, routed ids): the kernel call's fixed arguments
         self._prev = {li: mx.zeros((1,), SLOT_IDS) for li in self.layers}  # last outputs
 
     def _call_args(self, layer: int, n: int) -> tuple:
         """The kernel and its copy description for ``n`` ids of ``layer``."""
         meta, word = self.reader.copy_meta(layer)
+        if word not in self._kernels:
+            self._kernels[word] = copy_kernel("mlxs_plan", PLAN, word, *PLAN_NAMES)
         c = self.caches[layer]
-        key = (word, tuple(template(c.num_experts, c.capacity, n, self.weights)))
-        if key not in self._kernels:
-            name, source = plan_source(list(key[1]))
-            self._kernels[key] = copy_kernel(name, source, word, *PLAN_NAMES)
-        args = (self._kernels[key], meta)
+        consts = plan_constants(c.num_experts, c.capacity, n, self.weights)
+        args = (self._kernels[word](consts), meta)
         self._calls[layer, n] = args
         return args
 

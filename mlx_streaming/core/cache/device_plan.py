@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..ids import DECODE_IDS, SLOT_IDS_NP
+from ..io.kernels import Consts
 from .scored import AGE_POW, HISTORY, LOG1P_REC, WINDOWS, Scored, state_arrays
 
 MAX_EXPERTS = 4096  # per layer (the kernel keeps a mark per expert in shared memory)
@@ -111,7 +112,7 @@ def constants(weights) -> dict[str, np.ndarray]:
 # block to be scheduled; a wait past WAIT_NS (a stalled device) traps: the call fails
 # loudly rather than leave experts marked resident and unfilled. The last block out
 # resets the flag and the tickets. ``after`` (the layer's previous output) is unread: it
-# orders the layer's calls in any graph. Constants (``plan_source``): N (ids), E, S, H,
+# orders the layer's calls in any graph. Constants (``plan_constants``): N (ids), E, S, H,
 # NREC, NAGE, NWIN, SCORE (some weight is not 0), WAIT_NS; WORD, the copy word, is
 # written into the source too. Inputs: ids [N], p [len(POINTERS)] addresses, meta (the layer's copy
 # description), after. Output: slots [N].
@@ -357,10 +358,10 @@ def _declarations() -> str:
 PLAN = _declarations() + _PLAN_BODY
 
 
-def template(num_experts: int, capacity: int, n_ids: int, weights) -> list[tuple[str, int]]:
-    """The kernel's constants for a call of ``n_ids`` ids (written into its source by
-    ``plan_source``)."""
-    return [
+def plan_constants(num_experts: int, capacity: int, n_ids: int, weights) -> Consts:
+    """The kernel's constants for a call of ``n_ids`` ids (``kernels.Kernels`` writes
+    them into its source)."""
+    return (
         ("N", n_ids),
         ("E", num_experts),
         ("S", capacity),
@@ -370,15 +371,4 @@ def template(num_experts: int, capacity: int, n_ids: int, weights) -> list[tuple
         ("NWIN", len(WINDOWS)),
         ("SCORE", int(any(float(w) != 0.0 for w in weights))),
         ("WAIT_NS", WAIT_NS),
-    ]
-
-
-def plan_source(constants: list[tuple[str, int]]) -> tuple[str, str]:
-    """The plan kernel's name and source for ``constants`` (``template``'s), which are
-    written into it rather than passed as MLX template arguments: MLX formats those
-    anew at every call, ~6 µs of the host's time per call on the H200
-    (``benchmarks/probes/kernel_call_cost.py``), and a kernel per variant costs nothing
-    per call."""
-    name = "mlxs_plan_" + "_".join(str(v) for _, v in constants)
-    decl = "".join(f"    constexpr int {k} = {v};\n" for k, v in constants)
-    return name, decl + PLAN
+    )

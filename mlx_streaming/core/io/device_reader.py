@@ -15,8 +15,6 @@ checking).
 
 from __future__ import annotations
 
-import re
-
 import mlx.core as mx
 import numpy as np
 
@@ -24,6 +22,7 @@ from ..ids import SLOT_IDS
 from . import cuda
 from .filemap import FileMaps
 from .futures import Done
+from .kernels import Kernels
 
 FILL_BLOCKS, FILL_THREADS = 1024, 256
 
@@ -62,36 +61,14 @@ FILL_NAMES = (["fills", "slots", "meta"], ["out"])  # the fill kernel's inputs, 
 _WORDS = {16: "mlxs_w16", 8: "unsigned long long", 4: "unsigned int", 1: "unsigned char"}
 
 
-# A declaration in a kernel's body: a C type, an optional pointer star, the name.
-_DECLARED = re.compile(
-    r"\b(?:int|long long|float|double|char|bool|auto|\w+_t)\s*\*?\s+(\w+)\s*[=;\[]"
-)
-
-
-def check_names(name: str, source: str, names: list[str]) -> None:
-    """MLX declares a kernel's inputs and outputs by name in the body it wraps around
-    ``source``, so the source may not declare them again (nvcc would refuse it, and only
-    on a CUDA machine).
-
-    Raises:
-        ValueError: naming the kernel and the clashing names.
-    """
-    clash = sorted(set(names) & set(_DECLARED.findall(source)))
-    if clash:
-        raise ValueError(
-            f"kernel {name}: {clash} are its inputs or outputs and declared in its source; rename one"
-        )
-
-
 def copy_kernel(name: str, source: str, word: int, input_names: list[str], output_names):
-    """An MLX CUDA kernel whose ``source`` calls ``mlxs_copy<WORD>``, for copy words of
-    ``word`` bytes."""
-    check_names(name, source, [*input_names, *output_names])
-    return mx.fast.cuda_kernel(
-        name=f"{name}_{word}",
-        input_names=input_names,
-        output_names=output_names,
-        source=source.replace("WORD", _WORDS[word]),
+    """The variants (``kernels.Kernels``) of a CUDA kernel whose ``source`` calls
+    ``mlxs_copy<WORD>``, for copy words of ``word`` bytes."""
+    return Kernels(
+        f"{name}_{word}",
+        source.replace("WORD", _WORDS[word]),
+        input_names,
+        output_names,
         header=COPY_HEADER,
     )
 
@@ -159,9 +136,8 @@ class DeviceReader:
         """Copy the records ``fills`` names into their slots, lazily; returns ``slots``
         once they are in (an array the matmuls then read)."""
         meta, word = self._meta[layer]
-        (out,) = self._kernels[word](
+        (out,) = self._kernels[word]((("N", slots.size),))(
             inputs=[fills, slots, meta],
-            template=[("N", slots.size)],
             grid=(FILL_BLOCKS * FILL_THREADS, 1, 1),
             threadgroup=(FILL_THREADS, 1, 1),
             output_shapes=[slots.shape],

@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..ids import DECODE_IDS, SLOT_IDS, SLOT_IDS_NP
+from .kernels import Kernels
 
 CHANNELS = 2  # reads in flight at once: a call's routing and its predictor's guess
 _DTYPES = {mx.uint32: np.uint32, mx.int32: np.int32}
@@ -55,12 +56,7 @@ class IdTransfers:
             mx.array(np.array([dev + 4 * DECODE_IDS * c], np.uint64)) for c in range(CHANNELS)
         ]
         mx.eval(self._addr)
-        self._kernel = mx.fast.cuda_kernel(
-            name="mlxs_routing_to_host",
-            input_names=["ids", "dst"],
-            output_names=["done"],
-            source=_SOURCE,
-        )
+        self._kernel = Kernels("mlxs_routing_to_host", _SOURCE, ["ids", "dst"], ["done"])
         # to_device: RING buffers of DECODE_IDS ids, each with its address as a device array
         self._ring, ring_dev = cuda.shared_host(4 * DECODE_IDS * RING)
         self._ring = self._ring.view(SLOT_IDS_NP).reshape(RING, DECODE_IDS)
@@ -69,21 +65,15 @@ class IdTransfers:
         ]
         mx.eval(self._ring_addr)
         self._next = 0
-        self._copy = mx.fast.cuda_kernel(
-            name="mlxs_ids_to_device",
-            input_names=["addr"],
-            output_names=["out"],
-            source=_TO_DEVICE,
-        )
+        self._copy = Kernels("mlxs_ids_to_device", _TO_DEVICE, ["addr"], ["out"])
 
     def start(self, ids: mx.array, channel: int = 0) -> mx.array | None:
         """The kernel's output (evaluate it, then ``read`` on the same ``channel``), or
         None where ``ids`` is read the usual way (too many, or not 32-bit integers)."""
         if ids.size > DECODE_IDS or ids.dtype not in _DTYPES:
             return None
-        (done,) = self._kernel(
+        (done,) = self._kernel((("N", ids.size),))(
             inputs=[ids, self._addr[channel]],
-            template=[("N", ids.size)],
             grid=(1, 1, 1),
             threadgroup=(1, 1, 1),
             output_shapes=[(1,)],
@@ -104,9 +94,8 @@ class IdTransfers:
             return mx.array(ids.astype(SLOT_IDS_NP))
         i, self._next = self._next, (self._next + 1) % RING
         self._ring[i, : ids.size] = ids.ravel()
-        (out,) = self._copy(
+        (out,) = self._copy((("N", ids.size),))(
             inputs=[self._ring_addr[i]],
-            template=[("N", ids.size)],
             grid=(1, 1, 1),
             threadgroup=(1, 1, 1),
             output_shapes=[ids.shape],
