@@ -215,11 +215,20 @@ def test_two_threads_driving_one_store_are_refused(models):
     t.start()
     try:
         assert inside.wait(10)
-        with pytest.raises(RuntimeError, match="two threads called one store's request"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"two threads called one store at once \(request while another thread is in request",
+        ):
             store.request(li, ids, overlap=False)
-        with pytest.raises(RuntimeError, match="two threads called one store's prefetch"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"two threads called one store at once \(prefetch while another thread is in request",
+        ):
             store.prefetch(li, [meta.top_k, meta.top_k + 1])
-        with pytest.raises(RuntimeError, match="two threads called one store's pin"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"two threads called one store at once \(pin while another thread is in request",
+        ):
             store.pin(li, [0])
     finally:
         go.set()
@@ -227,7 +236,14 @@ def test_two_threads_driving_one_store_are_refused(models):
     assert "call" in out  # the first thread's call was not disturbed
     c = store.request(li, ids, overlap=False)  # and the store serves again
     store.finish(c, c.slots)
-    store.close()
+
+    def reenter():  # a watch that calls back into the store, on the driving thread
+        store.prefetch(li, [meta.top_k])
+
+    store.watch(reenter)
+    with pytest.raises(RuntimeError, match="prefetch was called from inside its own request"):
+        store.request(li, ids, overlap=False)
+    store.close()  # the guard was let go on the way out
 
 
 def test_a_late_call_gathers_the_slots_the_host_plans(models):

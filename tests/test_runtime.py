@@ -121,4 +121,4 @@ def test_ids_transfers_that_fail_their_check_say_so(monkeypatch):
         got, why = transfers.id_transfers()
     assert got is None and "no mapped host memory" in why
     rt = resolve(StreamConfig(), backend="cpu")
-    assert why in rt.replace(why=(*rt.why, ("ids", why))).line()  # the load line says it
+    assert why in rt.revised({"ids": why}).line()  # the load line says it, as the store records it

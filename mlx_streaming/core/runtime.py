@@ -45,7 +45,8 @@ class RuntimeChoiceError(ValueError):
 @dataclass(frozen=True)
 class Runtime:
     """The resolved runtime of a store (see the module's text). ``why`` says, per choice
-    that had a reason, what decided it."""
+    that had a reason, what decided it; ``why["ids"]``, a reason without a field, that
+    the ids' transfers failed their check on CUDA (the routing read the usual way)."""
 
     backend: str  # cpu | metal | cuda
     pool_mode: str  # host | cuda
@@ -88,6 +89,12 @@ class Runtime:
 
     def replace(self, **changes) -> Runtime:
         return dataclasses.replace(self, **changes)
+
+    def revised(self, reasons: dict[str, str], **changes) -> Runtime:
+        """A copy with ``changes`` and ``reasons`` (a choice revised after ``resolve``,
+        or a reason alone, e.g. ``ids``: the routing read the usual way)."""
+        why = tuple(sorted({**dict(self.why), **reasons}.items()))
+        return dataclasses.replace(self, why=why, **changes)
 
 
 def backend_name() -> str:

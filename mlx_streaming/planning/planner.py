@@ -58,7 +58,10 @@ def sample_layers(L: int, layer_sample: int | None) -> list[int]:
     """``layer_sample`` of ``L`` layers spread evenly, first and last included (None or
     at least ``L``: every layer)."""
     if layer_sample is not None and layer_sample < 2:
-        raise ValueError(f"layer_sample {layer_sample}: sample at least 2 layers, or all (None)")
+        raise ValueError(
+            f"layer_sample {layer_sample}: sample at least 2 layers, or all (None; "
+            "--layer-sample 0)"
+        )
     if not layer_sample or layer_sample >= L:
         return list(range(L))
     return sorted({round(i * (L - 1) / (layer_sample - 1)) for i in range(layer_sample)})

@@ -99,18 +99,17 @@ class FileExpertStore:
         try:
             self.reader = make_reader(rt, meta, self.pools)
         except OSError as e:  # the files could not be mapped and page-locked
-            if not rt.mapped or cfg.map_files or cfg.device_reads:  # asked for (the device
-                # path needs the mappings): the error is the answer
-                raise
+            if not rt.mapped or cfg.map_files or cfg.device_reads:
+                raise  # asked for (the device path needs the mappings): the error is the answer
             warnings.warn(f"{e}; the store reads with pread instead", RuntimeWarning, stacklevel=2)
             rt = resolve(cfg.replace(map_files=False), meta)
             why = f"the files could not be page-locked ({e})"
-            rt = self.runtime = rt.replace(why=(*rt.why, ("mapped", why), ("decode_path", why)))
+            rt = self.runtime = rt.revised({"mapped": why, "decode_path": why})
             self.reader = make_reader(rt, meta, self.pools)
         self.loads = Loader(
             meta, self.caches, self.pools, self.reader, self.stats, cfg.clear_on_evict
         )
-        self.routing = RoutingCounts({li: meta.layers[li].num_experts for li in caps})
+        self.routing = RoutingCounts(n)
         self.routing.on = cfg.record
         self.observers: list[Callable] = []  # callables(layer, host_ids) seeing the routing
         self._watches: list[Callable[[], None]] = []  # called at each layer call
@@ -118,7 +117,7 @@ class FileExpertStore:
         self.timeline = Timeline()  # phases of layer calls, when recording
         transfers, why = id_transfers() if rt.pool_mode == "cuda" else (None, "")
         if why:  # the load line says the routing is read the usual way, and why
-            rt = self.runtime = rt.replace(why=(*rt.why, ("ids", why)))
+            rt = self.runtime = rt.revised({"ids": why})
         self.host = HostPath(
             self.caches,
             self.pools,
@@ -227,12 +226,20 @@ class FileExpertStore:
     def step(self, call: LayerCall, i: int):
         """Step ``i`` of a host-path call, its experts resident (reads waited for, or an
         expert-major group loaded): ``(rows, slot of every row)``."""
-        return self.host.step(call, i)
+        self._driver.enter("step")
+        try:
+            return self.host.step(call, i)
+        finally:
+            self._driver.leave()
 
     def finish(self, call: LayerCall, y: mx.array) -> mx.array:
         """Complete ``call`` with its output; returns it."""
-        if call.path == "host":
-            return self.host.finish(call, y)
+        if call.path == "host":  # commits its loads (the other paths only keep y)
+            self._driver.enter("finish")
+            try:
+                return self.host.finish(call, y)
+            finally:
+                self._driver.leave()
         self.timeline.mark(call.layer, "built", call.path)
         if call.path == "device":
             return self.device.hold(call, y)
@@ -251,10 +258,13 @@ class FileExpertStore:
         """Read ahead experts a coming call of ``layer`` is expected to need, into free
         or evictable slots (never pinned ones, nor ``experts`` themselves). Best effort;
         the next call of the layer finishes them. Returns how many were issued."""
-        with self._driver.held("prefetch"):
+        self._driver.enter("prefetch")  # not a context manager: each call with read-ahead
+        try:
             if self.device is not None:
                 self.device.to_host(layer)
             return self.loads.prefetch(layer, experts, limit)
+        finally:
+            self._driver.leave()
 
     def note_prediction(self, layer: int, predicted: np.ndarray, routed: np.ndarray) -> None:
         """Score a predictor's guess for ``layer`` against the experts it was routed to."""
@@ -266,21 +276,21 @@ class FileExpertStore:
     # ------------------------------------------------------------ pinning / recording
     def pin(self, layer: int, ids) -> None:
         """Load ``ids`` now and never evict them."""
-        cache = self.caches[layer]
-        ids = np.unique(np.asarray(list(ids), dtype=np.int64))
-        if len(ids) and (ids.min() < 0 or ids.max() >= cache.num_experts):
-            raise ValueError(
-                f"expert ids {ids.tolist()} out of range for layer {layer} "
-                f"(0..{cache.num_experts - 1})"
-            )
-        total = cache.pinned.union(ids.tolist())
-        if not cache.whole and len(total) > cache.capacity - self.top_k:
-            raise ValueError(
-                f"pinning {len(total)} experts in layer {layer} leaves fewer than top_k="
-                f"{self.top_k} of its {cache.capacity} slots free; pin at most "
-                f"{cache.capacity - self.top_k} or raise the capacity"
-            )
         with self._driver.held("pin"):
+            cache = self.caches[layer]
+            ids = np.unique(np.asarray(list(ids), dtype=np.int64))
+            if len(ids) and (ids.min() < 0 or ids.max() >= cache.num_experts):
+                raise ValueError(
+                    f"expert ids {ids.tolist()} out of range for layer {layer} "
+                    f"(0..{cache.num_experts - 1})"
+                )
+            total = cache.pinned.union(ids.tolist())
+            if not cache.whole and len(total) > cache.capacity - self.top_k:
+                raise ValueError(
+                    f"pinning {len(total)} experts in layer {layer} leaves fewer than top_k="
+                    f"{self.top_k} of its {cache.capacity} slots free; pin at most "
+                    f"{cache.capacity - self.top_k} or raise the capacity"
+                )
             if self.device is not None:
                 self.device.to_host(layer)
             self.loads.pin(layer, ids)
@@ -380,10 +390,11 @@ class FileExpertStore:
 
     def close(self) -> None:
         """Finish read-aheads and the device path's queued plans, stop the reader."""
-        for li in self.caches:
-            self.loads.finish_read_aheads(li)
-        try:
-            if self.device is not None:
-                self.device.run_queued()
-        finally:  # a device that failed (a kernel's trap) still lets go of the files
-            self.reader.close()
+        with self._driver.held("close"):
+            for li in self.caches:
+                self.loads.finish_read_aheads(li)
+            try:
+                if self.device is not None:
+                    self.device.run_queued()
+            finally:  # a device that failed (a kernel's trap) still lets go of the files
+                self.reader.close()

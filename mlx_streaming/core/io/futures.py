@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from concurrent.futures import Future, wait
 
 
@@ -54,7 +55,7 @@ class Gather(Future):
                 _wait_all(self._parts)  # which the caller frees on the way out: let them end
                 raise
             if running:
-                raise TimeoutError(
+                raise concurrent.futures.TimeoutError(  # 3.10's is not the builtin
                     f"{len(running)} of {len(self._parts)} reads still running after {timeout} s"
                 )
             try:

@@ -256,7 +256,7 @@ def patch_model_filebacked(
             # count): every row runs masked instead, in stock's own shapes
             rows = "masked"
             check_kernels(model, store, options.kernel_check_file)
-            store.runtime = rt.replace(rows=rows, why=(*rt.why, ("rows", "kernel check")))
+            store.runtime = rt.revised({"rows": "kernel check"}, rows=rows)
     masked_below = {"subset": 0, "masked": sys.maxsize, "mixed": SORT_ROWS}[rows]
     for pos, s in enumerate(sites):
         arrays = store.pool(s.layer).arrays
