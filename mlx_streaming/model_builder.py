@@ -51,6 +51,11 @@ def default_expert_dir(model: str | Path) -> Path:
     return env.settings().home_dir / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
+def expert_dir_for(path_or_repo: str | Path, expert_dir: str | Path | None = None) -> Path:
+    """The expert directory ``load(path_or_repo, expert_dir)`` splits into and reads."""
+    return Path(expert_dir) if expert_dir else default_expert_dir(path_or_repo)
+
+
 def load(
     path_or_repo: str | Path,
     expert_dir: str | Path | None = None,
@@ -93,7 +98,7 @@ def load(
 
     cfg = (config or StreamConfig()).replace(**options)
     model_dir = resolve_model_path(path_or_repo)
-    expert_dir = Path(expert_dir) if expert_dir else default_expert_dir(path_or_repo)
+    expert_dir = expert_dir_for(path_or_repo, expert_dir)
     model, tokenizer = mlx_load(str(model_dir), lazy=True)
     model_fp = None
     if pipeline_group is None:

@@ -7,18 +7,43 @@ import pytest
 from mlx_lm import generate, load
 from serving import get, health_under_load, running_server
 
+from mlx_streaming.synthetic.build import CHAT_TEMPLATE
+
 openai = pytest.importorskip("openai")
 
 MESSAGES = [{"role": "user", "content": "Why do experts stream from disk?"}]
 PROMPT = "The expert pool holds"
 MAX_TOKENS = 24
+# the test model's own template, with each tool's JSON before the messages (its own
+# renders no tools): the same prompt as the model's when a request has no tools
+TOOLS_TEMPLATE = (
+    "{% for t in tools or [] %}<|im_start|>tool\n{{ t | tojson }}<|im_end|>\n{% endfor %}"
+    + CHAT_TEMPLATE
+)
 
 
 @pytest.fixture(scope="module")
 def server(models):
     ck, ed = models.experts("tiny-qwen3_next")
-    with running_server(ck, ed, 6) as (base, port):
+    with running_server(ck, ed, 6, extra=["--chat-template", TOOLS_TEMPLATE]) as (base, port):
         yield ck, base, port
+
+
+def post_chat(base: str, body: dict) -> tuple[int, bytes]:
+    """A /v1/chat/completions request's status and body, an HTTP error's included."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(
+        base + "/v1/chat/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
 
 
 def offline(ck, prompt):
@@ -261,29 +286,97 @@ def test_a_taken_port_is_refused_before_the_model_loads(tmp_path):
 def test_a_chat_past_the_context_is_refused_with_tools_and_template_kwargs(server):
     """A chat request (with tools and template arguments, which the check passes to the
     template as mlx-lm does) whose prompt and ``max_tokens`` run past the model's
-    positions gets a 400 naming the counts; a short one with the same fields is served.
-    (This model's template renders no tools, so their tokens are not shown counted.)"""
-    import json
-    import urllib.error
-    import urllib.request
-
+    positions gets a 400 naming the counts; a short one with the same fields is served."""
     _, base, _ = server
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
     def post(content: str):
         body = {"messages": [{"role": "user", "content": content}], "tools": tools}
         body.update(max_tokens=4, chat_template_kwargs={"enable_thinking": False})
-        req = urllib.request.Request(
-            base + "/v1/chat/completions", json.dumps(body).encode(),
-            {"Content-Type": "application/json"},
-        )  # fmt: skip
-        try:
-            with urllib.request.urlopen(req, timeout=120) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
+        return post_chat(base, body)
 
     status, data = post("word " * 40_000)
     assert status == 400 and b"exceed the model's context" in data, data[:300]
     status, data = post("Why do experts stream from disk?")
     assert status == 200, data[:300]
+
+
+def test_a_chat_whose_tools_run_past_the_context_is_refused(server):
+    """The context check counts the tools as the template renders them (the server's
+    --chat-template writes each tool's JSON into the prompt): a chat whose messages fit
+    the model's 8,192 positions but whose tools run past them gets a 400; the same
+    request without tools is served."""
+    import re
+
+    _, base, _ = server
+    long_doc = "word " * 3_000  # about 9,000 tokens once rendered
+    tools = [{"type": "function", "function": {
+        "name": "f", "description": long_doc, "parameters": {"type": "object"}}}]  # fmt: skip
+    body = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0.0}
+    status, data = post_chat(base, {**body, "tools": tools})
+    assert status == 400 and b"exceed the model's context of 8192" in data, data[:300]
+    assert int(re.search(rb"the prompt \((\d+) tokens\)", data)[1]) > 8192
+    status, data = post_chat(base, body)
+    assert status == 200, data[:300]
+
+
+def test_ctrl_c_during_the_first_split_ends_serve_and_the_next_run_completes_it(models, tmp_path):
+    """Ctrl-C while ``serve`` splits a model's experts for the first time ends it at once
+    (status 130, no traceback), leaving only whole layer files; the next run completes
+    the split and serves. Before, the split ran on mlx-lm's generation thread, which is
+    no daemon and takes no Ctrl-C: the process waited for the split to end. The split is
+    held on layer 2 by that layer's lock, as while another process splits that layer into
+    the same directory (``writer.LayerLocks``), so Ctrl-C lands mid-split every time."""
+    import fcntl
+    import filecmp
+    import os
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from serving import free_port
+
+    from mlx_streaming.core.format import META_NAME
+    from mlx_streaming.core.meta import load_meta
+
+    ck, ref = models.experts("tiny-qwen3_moe")  # MoE layers 1-3
+    ed = tmp_path / "experts"
+    ed.mkdir()
+    lock = os.open(ed / ".split.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.lockf(lock, fcntl.LOCK_EX, 1, 2)  # layer 2's byte, as LayerLocks.hold takes it
+    cmd = [sys.executable, "-m", "mlx_streaming", "serve", "--model", str(ck)]
+    cmd += ["--expert-dir", str(ed), "--port", str(free_port()), "--log-level", "WARNING"]
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 120
+            while not (ed / "layer_001.json").exists():  # layer 1 done: now waits on 2
+                assert proc.poll() is None and time.time() < deadline, "no split under way"
+                time.sleep(0.05)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            t0 = time.time()
+            rc = proc.wait(timeout=15)
+            took = time.time() - t0
+        finally:
+            os.close(lock)  # releases layer 2
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        log.seek(0)
+        out = log.read()
+    assert rc == 130 and "mlx_streaming serve: interrupted" in out, out[-3000:]
+    assert "Traceback" not in out and took < 5, (took, out[-3000:])
+    assert not (ed / META_NAME).exists()  # never taken for a complete directory
+    assert sorted(p.name for p in ed.glob("layer_*.bin")) == ["layer_001.bin"]
+    assert filecmp.cmp(ed / "layer_001.bin", ref / "layer_001.bin", shallow=False)
+    with running_server(ck, ed, 4) as (base, _):
+        r = openai.OpenAI(base_url=base + "/v1", api_key="none").completions.create(
+            model="default_model", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0
+        )
+        assert r.choices[0].text == offline(ck, PROMPT)
+    assert load_meta(ed).complete and not list(ed.glob("*.partial"))
+    for f in sorted(p.name for p in ref.glob("layer_*.bin")):
+        assert filecmp.cmp(ref / f, ed / f, shallow=False)

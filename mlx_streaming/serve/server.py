@@ -21,7 +21,7 @@ from mlx_lm import server as mlx_server
 
 
 class ServerStopped(RuntimeError):
-    """The server stopped on its own: its threads logged why."""
+    """The server stopped on its own: the message, or its threads' log, says why."""
 
 
 def _same_model(a, b) -> bool:
@@ -45,6 +45,7 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         self.memory = None  # the loaded model's memory plan
         self.context_tokens = None  # positions the loaded model was made for
         self.watch = watch  # beats on every layer call of the loaded store
+        self.loaded = threading.Event()  # set once the generation thread loaded the model
         cfg = load_kwargs.get("config")
         self.cache_limit_gb = load_kwargs.get("cache_limit_gb", cfg and cfg.cache_limit_gb)
         from ..core.mem import rss_bytes
@@ -68,6 +69,7 @@ class StreamingModelProvider(mlx_server.ModelProvider):
     def _load_streamed(self, model_path) -> None:
         from ..model_builder import load, memory_plan
 
+        self.loaded.clear()
         if self.store is not None:
             self.store.close()
         self.reset()
@@ -99,6 +101,7 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         self.processor = None
         self.draft_model = None
         self.is_batchable = False  # one request at a time: they share the expert pools
+        self.loaded.set()
 
 
 class StreamingResponseGenerator(mlx_server.ResponseGenerator):
@@ -234,7 +237,13 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         past the model's positions is refused with a 400 naming the counts (mlx-lm would
         compute it, for long, past what the model was made for)."""
         super().validate_model_parameters()
-        provider = self.response_generator.model_provider
+        gen = self.response_generator
+        provider = gen.model_provider
+        # /health answers while the generation thread loads the model: a request then
+        # waits for the tokenizer and context (else it went unchecked)
+        while not provider.loaded.wait(0.5):
+            if not gen.generation_available():
+                return  # the load failed: the server stops
         limit, tok = provider.context_tokens, provider.tokenizer
         if not limit or tok is None:
             return
@@ -328,6 +337,15 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         self.wfile.flush()
 
 
+def split_first(model: str, expert_dir=None) -> None:
+    """Split ``model``'s experts into the directory ``load`` will read, unless done."""
+    from ..model_builder import expert_dir_for
+    from ..prep.hub import resolve_model_path
+    from ..prep.split_experts import ensure_split
+
+    ensure_split(resolve_model_path(model), expert_dir_for(model, expert_dir))
+
+
 def serve(
     host: str, port: int, cli_args, load_kwargs: dict, peer_timeout_s: float | None = None
 ) -> None:
@@ -341,6 +359,11 @@ def serve(
     with ``peer_timeout_s``, a request that makes no progress for that long (a peer
     stopped answering) gets an HTTP 503 naming the silent rank, and rank 0 exits (code
     ``parallel.EXIT_PEER_SILENT``); the other ranks then end on the lost connection.
+
+    Off a pipeline, a model not yet split is split here, on the calling thread, before
+    the generator starts: Ctrl-C stops it there (mlx-lm's generation thread, which loads
+    the model, is no daemon and takes no KeyboardInterrupt). A pipeline's ranks split
+    their own layers as they load.
     """
     from http.server import ThreadingHTTPServer
 
@@ -364,6 +387,12 @@ def serve(
             ),
         )  # no request is taken before serve_forever, after the generator exists
     try:
+        if provider.pipeline_group is None:
+            try:
+                split_first(cli_args.model, load_kwargs.get("expert_dir"))
+            except Exception as e:  # as a load on the generation thread would end (not ^C)
+                msg = f"the model could not be loaded ({cli_args.model}): {e}"
+                raise ServerStopped(msg) from e
         generator = StreamingResponseGenerator(
             provider, mlx_server.LRUPromptCache(cli_args.prompt_cache_size)
         )
