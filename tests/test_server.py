@@ -177,7 +177,7 @@ def test_serve_exits_when_the_model_cannot_load_or_the_port_is_taken(models, tmp
 def test_a_relative_model_name_and_its_listed_path_are_one_model(tmp_path, monkeypatch):
     """``serve --model qm`` lists ``/abs/path/qm`` in /v1/models; a request naming that
     id is the served model (before: refused as another model)."""
-    from mlx_streaming.serve.server import _same_model
+    from mlx_streaming.serve.provider import _same_model
 
     (tmp_path / "qm").mkdir()
     monkeypatch.chdir(tmp_path)

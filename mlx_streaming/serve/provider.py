@@ -1,0 +1,100 @@
+"""The served model: which one (only the model the server was started with) and how it
+loads, with its experts streamed from disk (mlx-lm's ``ModelProvider``, loading through
+``mlx_streaming.load``), and its first split, done before the server's threads start."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import mlx.core as mx
+from mlx_lm import server as mlx_server
+
+
+def _same_model(a, b) -> bool:
+    """Whether two model names are one local directory (or the same name)."""
+    from pathlib import Path
+
+    if a == b:
+        return True
+    pa, pb = Path(str(a)), Path(str(b))
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
+
+
+class StreamingModelProvider(mlx_server.ModelProvider):
+    """Loads the served model with its experts streamed from disk. Only that model is
+    served: its expert directory belongs to it."""
+
+    def __init__(self, cli_args, load_kwargs: dict, watch=None):
+        super().__init__(cli_args)
+        self.load_kwargs = load_kwargs
+        self.store = None
+        self.memory = None  # the loaded model's memory plan
+        self.context_tokens = None  # positions the loaded model was made for
+        self.watch = watch  # beats on every layer call of the loaded store
+        self.loaded = threading.Event()  # set once the generation thread loaded the model
+        cfg = load_kwargs.get("config")
+        self.cache_limit_gb = load_kwargs.get("cache_limit_gb", cfg and cfg.cache_limit_gb)
+        from ..core.mem import rss_bytes
+
+        self.baseline_rss = rss_bytes()  # before the model is loaded
+
+    def load(self, model_path, adapter_path=None, draft_model_path=None):
+        """The served model and tokenizer (mlx-lm's server asks for them per request)."""
+        if model_path in ("default_model", None) or _same_model(model_path, self.cli_args.model):
+            model_path = self.cli_args.model  # e.g. the resolved path /v1/models lists
+        if model_path != self.cli_args.model:
+            raise ValueError(
+                f"this server streams {self.cli_args.model}; it cannot load {model_path}"
+            )
+        if adapter_path is not None or draft_model_path not in (None, "default_model"):
+            raise ValueError("adapters and draft models are not supported with streamed experts")
+        if self.model is None:
+            self._load_streamed(model_path)
+        return self.model, self.tokenizer
+
+    def _load_streamed(self, model_path) -> None:
+        from ..model_builder import load, memory_plan
+
+        self.loaded.clear()
+        if self.store is not None:
+            self.store.close()
+        self.reset()
+        self.store = None
+        gc.collect()
+        mx.clear_cache()
+        # mlx-lm's provider sets pipeline_group from the launched group and --pipeline
+        model, tokenizer, store = load(
+            model_path, **self.load_kwargs, pipeline_group=self.pipeline_group
+        )
+        if getattr(self.cli_args, "chat_template", None):  # --chat-template, as mlx-lm's
+            tokenizer.chat_template = self.cli_args.chat_template
+        elif self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
+            default = getattr(tokenizer, "default_chat_template", None)
+            if default is None:  # transformers 5 dropped it
+                raise ValueError(
+                    f"--use-default-chat-template: this tokenizer ({model_path}) has no "
+                    "default chat template; give one with --chat-template"
+                )
+            tokenizer.chat_template = default
+        if self.watch is not None:
+            store.watch(self.watch.beat)
+        self.model_key = (model_path, None, None)
+        self.model, self.tokenizer, self.store = model, tokenizer, store
+        self.memory = memory_plan(model, store, self.cache_limit_gb)
+        args = model.args if isinstance(model.args, dict) else vars(model.args)
+        self.context_tokens = args.get("max_position_embeddings")
+        store.publish()  # what /health reports until the first request ends
+        self.processor = None
+        self.draft_model = None
+        self.is_batchable = False  # one request at a time: they share the expert pools
+        self.loaded.set()
+
+
+def split_first(model: str, expert_dir=None) -> None:
+    """Split ``model``'s experts into the directory ``load`` will read, unless done."""
+    from ..model_builder import expert_dir_for
+    from ..prep.hub import resolve_model_path
+    from ..prep.split_experts import ensure_split
+
+    ensure_split(resolve_model_path(model), expert_dir_for(model, expert_dir))
