@@ -77,6 +77,9 @@
 #                                           FORMATS (default "4-bit,3-bit"; see precision_beyond.py)
 #   bash benchmarks/gpu_suite.sh hostprof   cProfile of decode, stock against 50% and 25%: where the
 #                                           host's time goes, MLX's eval calls shown apart
+#   bash benchmarks/gpu_suite.sh hmm        whether a kernel can read a plain (unlocked) file mapping
+#                                           (HMM); without it the process ends on an illegal
+#                                           address (2026-12-04o: so on our H200)
 #   bash benchmarks/gpu_suite.sh kernelcost  the host's cost of a custom-kernel call by source size
 #                                           and template arguments (the plan kernel's shape)
 #   bash benchmarks/gpu_suite.sh stall      the probe of why the removed kernel transport stalled
@@ -283,6 +286,8 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
                | grep -v "PyTorch was not found" | tee "$out/precision-beyond-gpu.log" | tail -4 ;;
   hostprof) timeout "$limit" python3 benchmarks/probes/host_profile.py --workdir $work \
               --trace "$trace" --json "$out/host-profile.json" 2>&1 | tail -3 ;;
+  hmm) timeout "$limit" python3 benchmarks/probes/hmm_read.py --mb 512 \
+         --json "$out/hmm-read.json" 2>&1 | tee "$out/hmm-read.log" | tail -4 ;;
   kernelcost) timeout "$limit" python3 benchmarks/probes/kernel_call_cost.py \
                 --json "$out/kernel-call-cost.json" 2>&1 | grep "^{" ;;
   probe) timeout "$limit" python3 benchmarks/gpu.py --workdir $work --preset dsv2-lite \
