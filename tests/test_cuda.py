@@ -100,6 +100,7 @@ def test_streamed_equals_stock_on_cuda(models, tmp_path, preset, mode):
         assert rt.reader == ("native" if mode == "pread" else "device")
         assert rt.decode_path == ("device" if mode == "device" else "host")
         assert (store.device is not None) == (mode == "device")
+        assert store.host.transfers is not None and not rt.reason("ids")  # their check passed
         for chunk, ref_trace in want.items():
             cmp = compare_traces(ref_trace, greedy_trace(model, ids, 12, chunk))
             assert cmp.exact, (slots, chunk, cmp.to_json())
