@@ -217,12 +217,14 @@ def test_two_threads_driving_one_store_are_refused(models):
         assert inside.wait(10)
         with pytest.raises(
             RuntimeError,
-            match=r"two threads called one store at once \(request while another thread is in request",
+            match=r"two threads called one store at once \(request while another thread "
+            r"is in request",
         ):
             store.request(li, ids, overlap=False)
         with pytest.raises(
             RuntimeError,
-            match=r"two threads called one store at once \(prefetch while another thread is in request",
+            match=r"two threads called one store at once \(prefetch while another thread "
+            r"is in request",
         ):
             store.prefetch(li, [meta.top_k, meta.top_k + 1])
         with pytest.raises(

@@ -186,8 +186,8 @@ class FileExpertStore:
         the host plans.
 
         Raises:
-            RuntimeError: another thread is inside ``request``, ``prefetch`` or ``pin``
-                of this store (a race that would corrupt its tables).
+            RuntimeError: another thread drives this store (``driver.Driver``: a race
+                that would corrupt its tables), or this call re-enters it.
         """
         self._driver.enter("request")  # not a context manager: the hot path
         try:

@@ -32,7 +32,8 @@ def check_names(name: str, source: str, names: list[str]) -> None:
     clash = sorted(set(names) & set(_DECLARED.findall(source)))
     if clash:
         raise ValueError(
-            f"kernel {name}: {clash} are its inputs or outputs and declared in its source; rename one"
+            f"kernel {name}: {clash} are its inputs or outputs and declared in its source; "
+            "rename one"
         )
 
 

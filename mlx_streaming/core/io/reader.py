@@ -7,8 +7,9 @@ where that is untested; the CPU where it is not built) and is the tests' oracle 
 batch of ``RecordJob``s (record id, the buffers its bytes go to, a step to run once they
 have landed) is sorted into runs of adjacent records; each run becomes one ``preadv``
 (the GIL is released during it), runs larger than twice ``PIECE_BYTES`` (32 MB) are cut
-into pieces issued together on the threads. ``PythonReader`` puts it behind the readers' one call, ``start(layer, experts, slots)``, with the records'
-checksums checked on their first read. ``direct`` bypasses the page cache with macOS's
+into pieces issued together on the threads. ``PythonReader`` puts it behind the readers'
+one call, ``start(layer, experts, slots)``, with the records' checksums checked on their
+first read. ``direct`` bypasses the page cache with macOS's
 ``F_NOCACHE`` (reads into any buffer); Linux's O_DIRECT needs aligned whole-record reads,
 which the native reader does.
 """
