@@ -94,7 +94,7 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
                     "tokens": a.tokens, "repeat": a.repeat, "stock_tps": stock_tps,
                     "stream": stream, "want": str(ref_file),
                     "limit": int(a.memory_limit_gb * 1e9) if method == "memlimit" else 0,
-                    "oracle": oracle,
+                    "oracle": oracle, "timeline": a.timeline and str(Path(a.timeline).resolve()),
                 }  # fmt: skip
                 out = subprocess.run(
                     [sys.executable, __file__, json.dumps(job)],
@@ -187,6 +187,18 @@ def child(job: dict) -> dict:
     demand = sum(t["demand_s"] for t, _ in per_run)
     ahead, ahead_used = (sum(t[k] for t, _ in per_run) for k in ("prefetched", "prefetch_used"))
     lookups = hits + sum(t["misses"] for t, _ in per_run)
+    # where a token's host time goes: ms per token by phase (the store's own counters)
+    split = {
+        k: round(1e3 * sum(t[k] for t, _ in per_run) / tokens_run, 3)
+        for k in ("ahead_s", "sync_s", "host_s", "read_s", "graph_s", "gap_s", "demand_s")
+    }
+    split["wall_s"] = round(1e3 * wall / tokens_run, 3)
+    if job.get("timeline"):  # one decode step's phases, beside the rows
+        from speed import decode_timeline
+
+        steps = decode_timeline(model, tok, ids, store)
+        name = f"{Path(job['timeline']).with_suffix('')}-{job['method']}-{job['residency']}.json"
+        Path(name).write_text(json.dumps(steps, indent=0) + "\n")
     page_cache_end = page_cache_room() if job["limit"] else 0
     rooms = [r for _, r in room.series] if job["limit"] else [0]
     page_cache = int(statistics.median(rooms))  # what the runs had, not the end
@@ -230,6 +242,7 @@ def child(job: dict) -> dict:
         # the runs' time (prompts included) with demand reads in flight: the rest, the
         # storage idles unless read-ahead fills it
         "demand_reads_share": round(demand / wall, 4) if wall else None,
+        "host_ms_per_token": split,
         **bounds(1 / stock_tps, disk_tok, gbps, tps),  # the disk's bound: its bytes
         "ttft_cold_s": round(ttft, 3),
         "prompt_tps_cold": round(first[1], 2),

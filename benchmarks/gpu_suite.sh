@@ -42,8 +42,11 @@
 #   bash benchmarks/gpu_suite.sh lruab      decode at 50% and 25% under lru (beside mapab's default)
 #   bash benchmarks/gpu_suite.sh devreads   decode at 50/25/12.5%: misses copied by the GPU itself
 #                                           (device_reads, the default), then the host path
-#   bash benchmarks/gpu_suite.sh beyond     larger than RAM: stock, then 50/25/12.5% cold with
-#                                           O_DIRECT and within a MEMLIMIT-GB cgroup (default 10)
+#   bash benchmarks/gpu_suite.sh beyond     larger than RAM: stock, then RESIDENCY (default
+#                                           50/25/12.5%) cold with O_DIRECT and within a
+#                                           MEMLIMIT-GB cgroup (default 10), or METHOD (direct,
+#                                           memlimit) alone; each row's host time split by
+#                                           phase and one decode step's timeline
 #   bash benchmarks/gpu_suite.sh beyondahead  larger than RAM with O_DIRECT at 50% and 25%,
 #                                           read-ahead off, then by the trace's transitions
 #                                           (2026-12-04g: 50% only within LIMIT=170; the
@@ -53,6 +56,7 @@
 #                                           off, then by a simulated predictor right ORACLE
 #                                           (default "0.7,1") of the time: whether a real
 #                                           router's guesses (~70% right) pay on the disk
+#                                           (METHOD=memlimit: in the MEMLIMIT-GB cgroup)
 #   bash benchmarks/gpu_suite.sh policies   decode at 50/25/12.5% on the device path under lru, then
 #                                           the host path under predictive: miss rates per path
 #   (mapab, lruab and compare measure the host path: they pass --no-device-reads)
@@ -171,14 +175,16 @@ case "$suite" in
            --no-device-reads --timeline "$out/timeline-gpu-dsv2-mapped.json" ;;
   final) speed gpu-dsv2-final --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
            --timeline "$out/timeline-gpu-dsv2-final.json" ;;
-  beyond) speed gpu-dsv2-beyond --residency 0.5,0.25,0.125 --repeat 3 --beyond-ram both \
-            --memory-limit-gb "${MEMLIMIT:-10}" ;;
+  beyond) speed gpu-dsv2-beyond --residency "${RESIDENCY:-0.5,0.25,0.125}" --repeat 3 \
+            --beyond-ram "${METHOD:-both}" --memory-limit-gb "${MEMLIMIT:-10}" \
+            --timeline "$out/timeline-beyond.json" ;;
   beyondahead) for ahead in "" --prefetch; do  # larger than RAM (O_DIRECT): read-ahead off, on
                 speed gpu-dsv2-beyond${ahead:+-ahead} --residency 0.5,0.25 --repeat 3 \
                   --beyond-ram direct $ahead
               done ;;
   beyondoracle) speed gpu-dsv2-beyond-oracle --residency "${RESIDENCY:-0.5}" --repeat 3 \
-                  --beyond-ram direct --oracle "${ORACLE:-0.7,1}" ;;
+                  --beyond-ram "${METHOD:-direct}" --memory-limit-gb "${MEMLIMIT:-10}" \
+                  --oracle "${ORACLE:-0.7,1}" ;;
   policies) speed gpu-dsv2-lru --residency 0.5,0.25,0.125 --cold warm --repeat 3 \
               --prefill-tokens 0 --policy lru
             speed gpu-dsv2-hostpath --residency 0.5,0.25,0.125 --cold warm --repeat 3 \
