@@ -197,7 +197,7 @@ def child(job: dict) -> dict:
         from speed import decode_timeline
 
         steps = decode_timeline(model, tok, ids, store)
-        name = f"{Path(job['timeline']).with_suffix('')}-{job['method']}-{job['residency']}.json"
+        name = f"{Path(job['timeline']).with_suffix('')}-{job['method']}-{job['residency']}-{job['oracle'] or 'as-run'}.json"
         Path(name).write_text(json.dumps(steps, indent=0) + "\n")
     page_cache_end = page_cache_room() if job["limit"] else 0
     rooms = [r for _, r in room.series] if job["limit"] else [0]

@@ -184,7 +184,7 @@ case "$suite" in
               done ;;
   beyondoracle) speed gpu-dsv2-beyond-oracle --residency "${RESIDENCY:-0.5}" --repeat 3 \
                   --beyond-ram "${METHOD:-direct}" --memory-limit-gb "${MEMLIMIT:-10}" \
-                  --oracle "${ORACLE:-0.7,1}" ;;
+                  --oracle "${ORACLE:-0.7,1}" --timeline "$out/timeline-beyond-oracle.json" ;;
   policies) speed gpu-dsv2-lru --residency 0.5,0.25,0.125 --cold warm --repeat 3 \
               --prefill-tokens 0 --policy lru
             speed gpu-dsv2-hostpath --residency 0.5,0.25,0.125 --cold warm --repeat 3 \
