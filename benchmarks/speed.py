@@ -130,7 +130,8 @@ def main():
             p.error("--beyond-ram memlimit needs --memory-limit-gb")
         extra = {"preset": None if a.checkpoint else a.preset, "checkpoint": str(ck),
                  "expert_mb": round(meta.expert_bytes() / 1e6, 3), "trace": a.trace,
-                 "trace_start": start, "tokens": a.tokens, "repeat": a.repeat}  # fmt: skip
+                 "trace_start": start, "tokens": a.tokens, "repeat": a.repeat,
+                 "prompt_tokens": a.prompt_tokens}  # fmt: skip
 
         def progress(res):  # each row on disk as it comes: a run cut short keeps its rows
             save(a, stamped(a, "speed-beyond-ram", {**extra, **res}, t0))

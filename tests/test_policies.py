@@ -607,6 +607,32 @@ def test_the_page_cache_tier_beneath_the_pools():
     assert simulate_tiers(trace, "lru", E, 0, 1000, calls=[1] * 50, warm_calls=1).disk_reads == 0
 
 
+def test_an_exclusive_host_tier_holds_no_record_twice():
+    """``simulate_tiers(exclusive=True)``: a host tier that takes the pools' victims and
+    gives up what a pool takes back. With no room it is O_DIRECT; with room for every
+    record the pools do not hold, each record is read from the disk once, its first touch
+    (the page cache, which also holds what the pools hold, reads more); it never reads
+    more than the page cache of its size on this trace, and its own hits are counted as
+    the page cache's."""
+    from mlx_streaming.planning.tiers import simulate_tiers
+
+    trace, slots, E = local_trace(), 8, 32
+    none = simulate_tiers(trace, "lru", slots, 0, 1000)
+    assert simulate_tiers(trace, "lru", slots, 0, 1000, exclusive=True) == none
+    firsts = sum(len(np.unique(trace.experts[:, li])) for li in range(trace.layers))
+    rest = (E - slots) * trace.layers * 1000  # room for every record the pools do not hold
+    tier = simulate_tiers(trace, "lru", slots, rest, 1000, exclusive=True)
+    page = simulate_tiers(trace, "lru", slots, rest, 1000)
+    assert tier.disk_reads == firsts < page.disk_reads
+    assert tier.page_cache_hits == none.disk_reads - firsts
+    assert tier.pool_hits == page.pool_hits == none.pool_hits  # the pools are the same
+    for c in (4, 16, 48):
+        assert (
+            simulate_tiers(trace, "lru", slots, c * 1000, 1000, exclusive=True).disk_reads
+            <= simulate_tiers(trace, "lru", slots, c * 1000, 1000).disk_reads
+        )
+
+
 def test_a_trace_of_one_sequence_splits_inside_it():
     """``generate --record-trace`` writes one sequence: its halves are cut inside it (the
     boundary split gave an empty first half, and profiles and pins fitted on nothing)."""

@@ -8,6 +8,8 @@ cache of a given size holding whole records (one LRU over every layer's records:
 model of Linux's active and inactive lists moved its prediction by 2% only), and counts
 per token the pool hits, the misses the page cache serves and the misses read from the
 disk. Sampled layers share a page cache scaled to their share of the model's layers.
+With ``exclusive`` the tier beneath is a host tier of the store's own instead, which
+holds no record the pools hold (``benchmarks/host_tier.py`` compares the two).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def simulate_tiers(
     tokens: int | None = None,
     calls: list[int] | None = None,
     warm_calls: int = 0,
+    exclusive: bool = False,
 ) -> TierResult:
     """Pool hits, page-cache hits and disk reads of ``policy`` with ``slots`` per layer
     over a page cache of ``page_cache_bytes`` (0: O_DIRECT, every miss from the disk), for
@@ -74,7 +77,10 @@ def simulate_tiers(
     whose page cache the sampled layers get their share of; the bytes per token are
     scaled to every layer. ``calls``: tokens per layer call, in order (a prompt's chunk is
     one call: its distinct experts looked up once; default one token per call), of which the
-    first ``warm_calls`` fill the tiers uncounted."""
+    first ``warm_calls`` fill the tiers uncounted. ``exclusive``: the tier beneath is the
+    store's own host tier, not the page cache: it takes the records the pools evict
+    (least recently evicted out first) and gives up a record a pool takes back, so no
+    record is held twice; a disk read goes to the pool only."""
     layers = list(range(trace.layers)) if layers is None else list(layers)
     model_layers = model_layers or trace.layers
     E = trace.num_experts
@@ -104,15 +110,19 @@ def simulate_tiers(
                 got = cache.lookup(group)  # one at a time
                 hits += len(group) - len(got)
                 placed += got
-            for e, _, _ in placed:
+            for e, _, victim in placed:
                 key = (li, int(e))
                 if key in page:
-                    page.move_to_end(key)
                     pc += 1
-                    continue
-                disk += 1
-                if capacity:
-                    page[key] = None
+                    if exclusive:
+                        del page[key]
+                    else:
+                        page.move_to_end(key)
+                else:
+                    disk += 1
+                kept = (li, int(victim)) if exclusive else None if key in page else key
+                if capacity and kept is not None and kept[1] >= 0:
+                    page[kept] = None
                     if len(page) > capacity:
                         page.popitem(last=False)
     n_tokens = sum(calls[warm_calls:]) if calls is not None else T - warm_calls
