@@ -32,7 +32,6 @@ from harness import finish, log
 from mlx_streaming.planning.tiers import simulate_tiers
 from mlx_streaming.planning.trace import RoutingTrace
 
-
 PROMPT_TOKENS = 32  # gpu_suite.sh's speed runs
 
 
