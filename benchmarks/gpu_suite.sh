@@ -34,6 +34,8 @@
 #                                           (probes/resident_layers.py writes the profiles)
 #   bash benchmarks/gpu_suite.sh readprobe  the native reader's time for 1-4 records by threads and
 #                                           piece size, alone and beside device work
+#   bash benchmarks/gpu_suite.sh diskprobe  the same from the disk (O_DIRECT), up to 31 threads:
+#                                           one record's wait against the disk's bandwidth
 #   bash benchmarks/gpu_suite.sh mapab      decode at 50% and 25%: records read with pread into
 #                                           staging, then from page-locked file mappings (default)
 #   bash benchmarks/gpu_suite.sh final      decode at 50% and 25%, defaults, with a timeline
@@ -201,6 +203,9 @@ case "$suite" in
            --policy lru --no-device-reads ;;
   readprobe) timeout 200 python3 benchmarks/probes/native_read.py --workdir $work \
                --json "$out/native-read.json" 2>&1 | tee "$out/native-read.log" | tail -3 ;;
+  diskprobe) timeout 200 python3 benchmarks/probes/native_read.py --workdir $work --direct \
+               --repeat 11 --json "$out/native-read-direct.json" 2>&1 \
+               | tee "$out/native-read-direct.log" | tail -3 ;;
   direct) timeout 200 python3 benchmarks/probes/direct_read.py --workdir $work \
             --json "$out/direct-read.json" 2>&1 | tee "$out/direct-read.log" | tail -3 ;;
   speed) speed gpu-dsv2 --residency 0.5,0.25,0.125 --cold warm --repeat 3 \

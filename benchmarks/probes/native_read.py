@@ -6,9 +6,12 @@ profile put that at ~640 µs (9 GB/s) where batches of 64 records read at 26-29 
 This probe times ``NativeReader.read`` on the preset's expert files (warm page cache)
 for 1, 2 and 4 records, and reports the engine's own counters per call: its wall time,
 and the time its threads spent in ``pread``, in copy calls and in stream
-synchronization (summed over the threads).
+synchronization (summed over the threads). With ``--direct`` every read comes from the
+disk (O_DIRECT), with more threads: how fast one record comes from the disk, which a
+layer call that misses the page cache waits for (5-10 ms on the H200's disk in the 6 GB
+cgroup, 2026-12-04p), against the disk's bandwidth with many records in flight.
 
-    python benchmarks/probes/native_read.py --preset dsv2-lite --workdir /tmp/mlxs
+    python benchmarks/probes/native_read.py --preset dsv2-lite --workdir /tmp/mlxs [--direct]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from harness import build, finish, log, parser  # noqa: E402
 def main():
     p = parser(__doc__, preset="dsv2-lite", workdir="/tmp/mlxs")
     p.add_argument("--repeat", type=int, default=21)
+    p.add_argument("--direct", action="store_true", help="read with O_DIRECT (the disk)")
     a = p.parse_args()
     from mlx_streaming.core.cache.expert_store import FileExpertStore
     from mlx_streaming.core.io import cuda
@@ -38,7 +42,7 @@ def main():
     ck, ed, meta = build(a)
     slots = meta.num_experts // 2
     store = FileExpertStore(ed, slots)
-    pools = store._resident.pools
+    pools = store.pools
     layer = store.layers[len(store.layers) // 2]
     on_cuda = store.pool_mode == "cuda"
     rng = np.random.default_rng(0)
@@ -47,14 +51,15 @@ def main():
     rows = []
     cores = os.cpu_count() or 2
     top = min(15, cores - 1)
-    for threads, piece_kb in [(t, kb) for t in sorted({3, top}) for kb in (128, 4096)]:
+    counts = sorted({3, top, *([31] if a.direct else [])})  # disk reads: more in flight
+    for threads, piece_kb in [(t, kb) for t in counts for kb in (128, 4096)]:
         r = NativeReader(
-            meta, pools, threads=threads, checksums=False,
+            meta, pools, threads=threads, checksums=False, direct=a.direct,
             cuda=cuda if on_cuda else None, piece_bytes=piece_kb << 10,
         )  # fmt: skip
         pos = r.pos[layer]
         for n in (1, 2, 4):
-            for busy in (False, True):
+            for busy in (False,) if a.direct else (False, True):
                 ts = []
                 r.counters[:] = 0
                 for _ in range(a.repeat):
@@ -84,7 +89,8 @@ def main():
                 log(rows[-1])
         r.close()
     store.close()
-    finish(a, "native_read", {"layer": layer, "pool_mode": store.pool_mode, "rows": rows})
+    finish(a, "native_read", {"layer": layer, "pool_mode": store.pool_mode,
+                              "direct": a.direct, "rows": rows})  # fmt: skip
 
 
 if __name__ == "__main__":
