@@ -187,7 +187,9 @@ def child(job: dict) -> dict:
     demand = sum(t["demand_s"] for t, _ in per_run)
     ahead, ahead_used = (sum(t[k] for t, _ in per_run) for k in ("prefetched", "prefetch_used"))
     lookups = hits + sum(t["misses"] for t, _ in per_run)
-    # where a token's host time goes: ms per token by phase (the store's own counters)
+    # where a token's host time goes: ms per token by phase (the store's own counters,
+    # ``LayerStats``); gap_s and demand_s are spans (the device's idle bound, reads in
+    # flight), not host work, and overlap the rest
     split = {
         k: round(1e3 * sum(t[k] for t, _ in per_run) / tokens_run, 3)
         for k in ("ahead_s", "sync_s", "host_s", "read_s", "graph_s", "gap_s", "demand_s")
@@ -197,7 +199,8 @@ def child(job: dict) -> dict:
         from speed import decode_timeline
 
         steps = decode_timeline(model, tok, ids, store)
-        name = f"{Path(job['timeline']).with_suffix('')}-{job['method']}-{job['residency']}-{job['oracle'] or 'as-run'}.json"
+        row = f"{job['method']}-{job['residency']}-{job['oracle'] or 'as-run'}"
+        name = f"{Path(job['timeline']).with_suffix('')}-{row}.json"
         Path(name).write_text(json.dumps(steps, indent=0) + "\n")
     page_cache_end = page_cache_room() if job["limit"] else 0
     rooms = [r for _, r in room.series] if job["limit"] else [0]
