@@ -17,7 +17,8 @@ reference. Then each (method, residency) runs in a fresh process (inside the cgr
 ``B`` (random record-sized reads at the native reader's queue depth, cold, the way the
 store reads), the expert files dropped from the page cache, the store loaded (load time,
 cold), the first token (TTFT, cold), then the timed decode runs. Each row reports tok/s,
-bytes per token from the store and from the disk itself (``/proc/self/io``) beside the
+bytes per decode step (from each run's first token on, the prompt left out) from the
+store and from the disk itself (``/proc/self/io``) beside the
 two-tier simulator's prediction (``planning.tiers``), ``B``, the overlap bound
 ``max(t_compute, disk bytes / B)`` and the serial bound ``t_compute + disk bytes / B``
 with the run's share of each, the share of the runs' time with demand reads in flight
@@ -58,6 +59,12 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
     rewind(start, ref_routing)
     want = greedy_trace(ref, ids, 16)
     del ref
+    import gc
+
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()  # the children measure what is left: stock's buffers given back
     files = [meta.file(li) for li in meta.layers]
     expert_bytes = sum(f.stat().st_size for f in files)
     methods = ["direct", "memlimit"] if a.beyond_ram == "both" else [a.beyond_ram]
@@ -76,6 +83,8 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
             "stock_runs": [round(x, 3) for x in k_runs],
             "expert_files_gb": round(expert_bytes / 1e9, 3),
             "memory_limit_gb": a.memory_limit_gb if "memlimit" in methods else None,
+            "prompt_tokens": len(ids),
+            "moe_layers": len(meta.moe_layers),
             "rows": rows,
             "complete": complete,
         }
@@ -109,6 +118,42 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
                 if progress is not None:
                     progress(result(rows, complete=False))
     return result(rows, complete=True)
+
+
+def run_calls(prompt: int, tokens: int, repeat: int) -> tuple[list[int], list[bool]]:
+    """The forwards mlx-lm makes, in tokens per call, since the cold start, and which of
+    them ``decode_window`` counts: the first token's run (the prompt less its last token,
+    the last, and the next token's forward, built before the first token is returned),
+    then each timed run's (the same, then one per later token, the last of them built
+    ahead and dropped); counted, each run's forwards after the first token's return."""
+    first = [prompt - 1, 1, 1] if prompt > 1 else [1, 1]
+    calls, counted = list(first), [False] * len(first)
+    for _ in range(repeat):
+        calls += [*first, *[1] * (tokens - 1)]
+        counted += [False] * len(first) + [True] * (tokens - 1)
+    return calls, counted
+
+
+def decode_window(model, tok, ids, tokens: int, store) -> dict:
+    """One timed run: mlx-lm's decode tok/s, and from the first token's return to the
+    end (the prompt left out) the store's counters, the disk's bytes, the wall time and
+    the forwards made (``run_calls``' counted ones)."""
+    from mlx_lm import stream_generate
+
+    mark = None
+    for r in stream_generate(model, tok, ids, max_tokens=tokens):
+        if mark is None:
+            store.reset_stats()
+            mark = (disk_read_bytes(), time.perf_counter())
+        last = r
+    wall = time.perf_counter() - mark[1]
+    return {
+        "tps": last.generation_tps,
+        "totals": store.totals(),
+        "disk_bytes": disk_read_bytes() - mark[0],
+        "wall_s": wall,
+        "steps": max(1, last.generation_tokens - 1),
+    }
 
 
 def disk_read_bytes() -> int:
@@ -167,21 +212,18 @@ def child(job: dict) -> dict:
     load_s = time.perf_counter() - t0
     cursor = routing.cursor if routing is not None else start
     t1 = time.perf_counter()
-    first = decode_run(model, tok, ids, 1)  # cold: the prompt and its first token
+    first = decode_run(model, tok, ids, 1, first_only=True)  # cold: prompt, first token
     ttft = time.perf_counter() - t1
-    runs, per_run, wall = [], [], 0.0
-    disk0 = disk_read_bytes()
+    runs, per_run, wall, disk = [], [], 0.0, 0
     room = Sampler(lambda: (page_cache_room(),), 0.05) if job["limit"] else nullcontext()
     with room:
         for _ in range(job["repeat"]):
-            store.reset_stats()
-            t2 = time.perf_counter()
-            tps, _, n = decode_run(model, tok, ids, job["tokens"])
-            wall += time.perf_counter() - t2
-            runs.append(tps)
-            per_run.append((store.totals(), n + len(ids) - 1))  # the forwards run
-    tokens_run = sum(n for _, n in per_run)
-    disk_tok = (disk_read_bytes() - disk0) / tokens_run
+            run = decode_window(model, tok, ids, job["tokens"], store)
+            runs.append(run["tps"])
+            per_run.append((run["totals"], run["steps"]))
+            wall, disk = wall + run["wall_s"], disk + run["disk_bytes"]
+    tokens_run = sum(n for _, n in per_run)  # decode steps, the prompts left out
+    disk_tok = disk / tokens_run
     bytes_tok = sum(t["bytes_read"] for t, _ in per_run) / tokens_run
     hits = sum(t["hits"] for t, _ in per_run)
     demand = sum(t["demand_s"] for t, _ in per_run)
@@ -206,13 +248,13 @@ def child(job: dict) -> dict:
     rooms = [r for _, r in room.series] if job["limit"] else [0]
     page_cache = int(statistics.median(rooms))  # what the runs had, not the end
     predicted = None
-    if trace is not None and how is None:  # (the simulator has no read-ahead) the calls
-        # since the cold start: the first token's prompt (uncounted), then each run's
-        # prompt in one call and one per decoded token
-        calls = [len(ids), *([len(ids), *[1] * (job["tokens"] - 1)] * job["repeat"])]
+    if trace is not None and how is None:  # (the simulator has no read-ahead)
+        calls, counted = run_calls(len(ids), job["tokens"], job["repeat"])
+        moe = len(meta.moe_layers)
         predicted = simulate_tiers(
             trace, rt.policy, slots, page_cache, meta.layers[meta.moe_layers[0]].stride,
-            model_layers=len(meta.moe_layers), start=cursor, calls=calls, warm_calls=1,
+            layers=range(min(moe, trace.layers)), model_layers=moe, start=cursor,
+            calls=calls, counted=counted,
         )  # fmt: skip
     rewind(start, routing)
     ref = np.load(job["want"])
@@ -232,6 +274,9 @@ def child(job: dict) -> dict:
         # read-ahead (--prefetch): experts read on a guess, and those a call then used
         "prefetched_per_token": round(ahead / tokens_run, 3),
         "prefetch_used_share": round(ahead_used / ahead, 4) if ahead else None,
+        # per decode step, from each run's first token on: the prompts left out (before
+        # 2026-12-04q every forward counted, prompts included, as "tokens")
+        "window": "decode",
         "bytes_read_per_token": round(bytes_tok),
         # from the disk itself, against the two-tier simulator's prediction for the
         # same calls of the trace and the page cache the limit leaves

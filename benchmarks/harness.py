@@ -161,11 +161,15 @@ def rewind(start: int, *routings) -> None:
             r.cursor = start
 
 
-def decode_run(model, tok, ids, tokens: int, prefill: int = 2048):
-    """One ``stream_generate``: (decode tok/s, prefill tok/s, generated tokens)."""
+def decode_run(model, tok, ids, tokens: int, prefill: int = 2048, first_only: bool = False):
+    """One ``stream_generate``: (decode tok/s, prefill tok/s, generated tokens);
+    ``first_only``: return at the first token (a time to first token)."""
     from mlx_lm import stream_generate
 
-    *_, last = stream_generate(model, tok, ids, max_tokens=tokens, prefill_step_size=prefill)
+    out = stream_generate(model, tok, ids, max_tokens=tokens, prefill_step_size=prefill)
+    for last in out:  # noqa: B007 - the last response is kept
+        if first_only:
+            break
     return last.generation_tps, last.prompt_tps, last.generation_tokens
 
 

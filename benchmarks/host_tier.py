@@ -27,6 +27,7 @@ import json
 import time
 from pathlib import Path
 
+from beyond_ram import run_calls
 from harness import finish, log
 
 from mlx_streaming.planning.tiers import simulate_tiers
@@ -38,12 +39,16 @@ PROMPT_TOKENS = 32  # gpu_suite.sh's speed runs
 def replay(run: dict, row: dict, trace: RoutingTrace, exclusive: bool) -> float:
     """Disk MB per token the simulator predicts for ``row`` of ``run``."""
     ids = run.get("prompt_tokens") or PROMPT_TOKENS  # recorded since 2026-12-04
-    calls = [ids, *([ids, *[1] * (run["tokens"] - 1)] * run["repeat"])]
-    layers = trace.layers
+    if row.get("window") == "decode":  # the run counted decode steps only
+        calls, counted = run_calls(ids, run["tokens"], run["repeat"])
+    else:  # before: every forward, prompts included, as the run's prediction did
+        calls = [ids, *([ids, *[1] * (run["tokens"] - 1)] * run["repeat"])]
+        counted = [False, *[True] * (len(calls) - 1)]
+    moe = run.get("moe_layers") or trace.layers  # recorded since 2026-12-04q
     r = simulate_tiers(
         trace, row["runtime"]["policy"], row["slots"], int(row["page_cache_room_gb"] * 1e9),
-        int(run["expert_mb"] * 1e6), model_layers=layers, start=run["trace_start"],
-        calls=calls, warm_calls=1, exclusive=exclusive,
+        int(run["expert_mb"] * 1e6), layers=range(min(moe, trace.layers)), model_layers=moe,
+        start=run["trace_start"], calls=calls, counted=counted, exclusive=exclusive,
     )  # fmt: skip
     return r.disk_bytes_per_token / 1e6
 

@@ -631,6 +631,14 @@ def test_an_exclusive_host_tier_holds_no_record_twice():
             simulate_tiers(trace, "lru", slots, c * 1000, 1000, exclusive=True).disk_reads
             <= simulate_tiers(trace, "lru", slots, c * 1000, 1000).disk_reads
         )
+    # one layer: LRU pools over an exclusive LRU tier of c records are one LRU of
+    # slots + c (a call's misses are looked up beneath before its victims go there)
+    rng = np.random.default_rng(1)  # several misses per call: the order matters
+    rows = np.stack([rng.choice(32, 6, replace=False) for _ in range(400)])[:, None, :]
+    one = RoutingTrace(rows.astype(np.uint8), np.array([0, 200, 400]), 32, "synthetic")
+    for c in (4, 8, 16):
+        tier = simulate_tiers(one, "lru", slots, c * 1000, 1000, exclusive=True)
+        assert tier.disk_reads == sum(simulate(one, "lru", slots + c).misses.values())
 
 
 def test_a_trace_of_one_sequence_splits_inside_it():

@@ -257,6 +257,8 @@ def _run(cfg: BenchConfig, group=None, loaded=None) -> dict:
     ids = encode(tokenizer, cfg.prompt)
     meta = store.meta
     files = [meta.file(li) for li in meta.layers]
+    if cfg.memory_limit_gb and files:  # pages cached before the limit (the split's, an
+        drop_page_cache(files)  # earlier run's) are charged elsewhere and would serve reads
     routing, out = None, {}
     if cfg.routing_trace:
         from ..planning.trace import apply_trace_routing

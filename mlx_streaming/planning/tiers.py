@@ -69,6 +69,7 @@ def simulate_tiers(
     calls: list[int] | None = None,
     warm_calls: int = 0,
     exclusive: bool = False,
+    counted: list[bool] | None = None,
 ) -> TierResult:
     """Pool hits, page-cache hits and disk reads of ``policy`` with ``slots`` per layer
     over a page cache of ``page_cache_bytes`` (0: O_DIRECT, every miss from the disk), for
@@ -80,7 +81,9 @@ def simulate_tiers(
     first ``warm_calls`` fill the tiers uncounted. ``exclusive``: the tier beneath is the
     store's own host tier, not the page cache: it takes the records the pools evict
     (least recently evicted out first) and gives up a record a pool takes back, so no
-    record is held twice; a disk read goes to the pool only."""
+    record is held twice; a disk read goes to the pool only. ``counted``: which of
+    ``calls`` are counted (default: those from ``warm_calls`` on), e.g. a run's decode
+    steps without its prompts."""
     layers = list(range(trace.layers)) if layers is None else list(layers)
     model_layers = model_layers or trace.layers
     E = trace.num_experts
@@ -97,9 +100,10 @@ def simulate_tiers(
     page: OrderedDict[tuple[int, int], None] = OrderedDict()
     hits = pc = disk = 0
     T = min(len(s) for s in seqs.values())
+    if counted is None:
+        counted = [t >= warm_calls for t in range(T)]
     for t in range(T):
-        if t == warm_calls:
-            hits = pc = disk = 0
+        before = (hits, pc, disk)
         for li in layers:
             cache, placed = caches[li], []
             if cache.whole and not cache.complete:  # as the store: a pool with a slot per
@@ -110,22 +114,26 @@ def simulate_tiers(
                 got = cache.lookup(group)  # one at a time
                 hits += len(group) - len(got)
                 placed += got
-            for e, _, victim in placed:
+            read = []  # the call's misses are looked up beneath together, then kept
+            for e, _, _ in placed:
                 key = (li, int(e))
-                if key in page:
-                    pc += 1
-                    if exclusive:
-                        del page[key]
-                    else:
-                        page.move_to_end(key)
-                else:
+                if key not in page:
                     disk += 1
-                kept = (li, int(victim)) if exclusive else None if key in page else key
-                if capacity and kept is not None and kept[1] >= 0:
-                    page[kept] = None
-                    if len(page) > capacity:
-                        page.popitem(last=False)
-    n_tokens = sum(calls[warm_calls:]) if calls is not None else T - warm_calls
+                    read.append(key)
+                    continue
+                pc += 1
+                if exclusive:
+                    del page[key]
+                else:
+                    page.move_to_end(key)
+            kept = [(li, int(v)) for _, _, v in placed if v >= 0] if exclusive else read
+            for key in kept if capacity else ():
+                page[key] = None
+                if len(page) > capacity:
+                    page.popitem(last=False)
+        if not counted[t]:
+            hits, pc, disk = before
+    n_tokens = sum(c for c, on in zip(calls or [1] * T, counted[:T]) if on)
     scale = record_bytes * model_layers / len(layers) / max(1, n_tokens)
     return TierResult(n_tokens, hits, pc, disk, pc * scale, disk * scale)
 
