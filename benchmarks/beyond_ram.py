@@ -30,6 +30,7 @@ the output was exact.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -47,6 +48,12 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
     is given the result so far after each row (a run cut short keeps its rows)."""
     import dataclasses
 
+    if not Path("/proc/self/io").exists() or not hasattr(os, "posix_fadvise"):
+        raise SystemExit(  # the disk's own bytes and the cold starts need both
+            f"--beyond-ram runs on Linux (it reads /proc/self/io and drops files from the "
+            f"page cache with posix_fadvise; {sys.platform} has neither): on macOS use "
+            "`python -m mlx_streaming bench --direct-io` (F_NOCACHE)"
+        )
     from harness import decode_run, log, oracle_accuracies, rewind, stock
 
     from mlx_streaming.analysis.verify import greedy_trace
