@@ -69,9 +69,13 @@ def enter_memory_limit(limit_bytes: int, name: str = "mlx_streaming") -> str:
                 (root / "cgroup.subtree_control").write_text("+memory")
             group.mkdir(exist_ok=True)
             (group / limit_file).write_text(str(int(limit_bytes)))
+            if (group / "memory.swap.max").exists():  # v2: no swapping past the limit
+                (group / "memory.swap.max").write_text("0")
             (group / procs).write_text(str(pid))
         except OSError as e:
             errors.append(f"{group}: {e}")
+            with contextlib.suppress(OSError):  # not left behind half made
+                group.rmdir()
             continue
 
         def leave(root=root, group=group, procs=procs):
