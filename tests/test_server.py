@@ -118,8 +118,15 @@ def test_failing_request_gets_an_error_and_the_server_keeps_serving(models, tmp_
             for e in range(lay.num_experts):
                 data[e * lay.stride + 5] ^= 0xFF
             meta.file(li).write_bytes(bytes(data))
-        with pytest.raises(openai.APIError):
+        # answered with the error, not a dropped connection (an APIConnectionError)
+        with pytest.raises(openai.InternalServerError, match="ExpertChecksumError"):
             client.completions.create(model="default_model", prompt=PROMPT, max_tokens=8)
+        assert get(base + "/health")[2]["status"] == "ok"
+        with pytest.raises(openai.APIError, match="ExpertChecksumError"):  # a stream: an
+            for _ in client.completions.create(  # error event, after its headers
+                model="default_model", prompt=PROMPT, max_tokens=8, stream=True
+            ):
+                pass
         assert get(base + "/health")[2]["status"] == "ok"
         for li in meta.layers:  # repaired: the next request is served normally
             meta.file(li).write_bytes(originals[li])

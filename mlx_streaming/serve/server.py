@@ -14,6 +14,7 @@ import json
 import select
 import socket
 import threading
+import traceback
 
 import mlx.core as mx
 from mlx_lm import server as mlx_server
@@ -83,6 +84,20 @@ class StreamingAPIHandler(mlx_server.APIHandler):
                 self.inflight.discard(self)
 
     def handle_completion(self, request, stop_words):
+        """mlx-lm's (``_completion``); a generation that fails (an expert that cannot be
+        read, an MLX error) is answered: a 500 naming the error, or on a stream already
+        started an error event and its end. mlx-lm re-raises it in the handler, which
+        dropped the connection."""
+        try:
+            return self._completion(request, stop_words)
+        except OSError:
+            raise  # the client has gone: there is no one to answer
+        except Exception as e:  # noqa: BLE001 - answered, and shown to the operator
+            traceback.print_exc()
+            message = f"generation failed: {type(e).__name__}: {e}"
+            self.answer_error(500, message, "server_error")
+
+    def _completion(self, request, stop_words):
         """mlx-lm's; a non-stream request whose client has gone stops generating at the
         next token (it ran to max_tokens, holding the one generation slot). A stream
         finds out by itself: its next write fails. In a pipeline nothing stops a
@@ -122,6 +137,17 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         except OSError:
             return True
 
+    def answer_error(self, status: int, message: str, kind: str) -> None:
+        """Answer with an error: ``status`` and an OpenAI error body, or on a stream
+        whose headers are out an error event, then its end."""
+        body = {"error": {"message": message, "type": kind}}
+        if getattr(self, "_headers_sent", False):
+            self.wfile.write(f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode())
+            self.wfile.flush()
+        else:  # a status line still buffered (not sent) gives way
+            self.discard_unsent_headers()
+            self.reply(status, body)
+
     def discard_unsent_headers(self) -> None:
         """Drop a status line and headers buffered but not yet sent."""
         if self._status_sent and not self._headers_sent:
@@ -140,13 +166,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         for h in handlers:
             try:
                 h.connection.settimeout(5)
-                body = json.dumps({"error": {"message": message, "type": "peer_silent"}})
-                if getattr(h, "_headers_sent", False):  # a stream: an error event, then end
-                    h.wfile.write(f"data: {body}\n\ndata: [DONE]\n\n".encode())
-                else:  # a status line still buffered (not sent) gives way to the 503
-                    h.discard_unsent_headers()
-                    h.reply(503, json.loads(body))
-                h.wfile.flush()
+                h.answer_error(503, message, "peer_silent")
             except OSError:
                 pass
 
