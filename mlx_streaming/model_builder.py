@@ -64,6 +64,7 @@ def load(
     progress: bool | None = None,
     pipeline_group=None,
     pipeline_split: list[int] | None = None,
+    tokenizer_config: dict | None = None,
     **options,
 ):
     """Load a MoE model with its experts streamed from disk.
@@ -85,6 +86,7 @@ def load(
             rank's. Every rank must call ``load`` with the same model and arguments.
         pipeline_split: Decoder layers per rank, in rank order (rank 0 runs the last
             layers); default: even.
+        tokenizer_config: Passed to mlx-lm's tokenizer (e.g. ``{"chat_template": t}``).
         **options: Overrides of ``config``'s fields, e.g. ``load(path, slots=32)`` or
             ``load(path, budget_gb=16, policy="lru")``.
 
@@ -99,7 +101,7 @@ def load(
     cfg = (config or StreamConfig()).replace(**options)
     model_dir = resolve_model_path(path_or_repo)
     expert_dir = expert_dir_for(path_or_repo, expert_dir)
-    model, tokenizer = mlx_load(str(model_dir), lazy=True)
+    model, tokenizer = mlx_load(str(model_dir), tokenizer_config=tokenizer_config or {}, lazy=True)
     model_fp = None
     if pipeline_group is None:
         meta = ensure_split(model_dir, expert_dir, progress=progress)

@@ -387,3 +387,32 @@ def test_ctrl_c_during_the_first_split_ends_serve_and_the_next_run_completes_it(
     assert load_meta(ed).complete and not list(ed.glob("*.partial"))
     for f in sorted(p.name for p in ref.glob("layer_*.bin")):
         assert filecmp.cmp(ref / f, ed / f, shallow=False)
+
+
+def test_a_chat_template_given_to_a_model_without_one_is_used(models, tmp_path):
+    """``--chat-template`` on a model that ships none: chats are formatted with it (the
+    tokenizer is built with it, as mlx-lm's provider does), not with mlx-lm's plain
+    fallback for template-less tokenizers (before: it was set after the tokenizer was
+    built, which had already decided it had no template)."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    ck, ed = models.experts("tiny-qwen3_moe")
+    bare = tmp_path / "bare"
+    shutil.copytree(ck, bare)
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((bare / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = AutoTokenizer.from_pretrained(bare)
+    assert tok.chat_template is None
+    want = tok.apply_chat_template(
+        MESSAGES, chat_template=CHAT_TEMPLATE, add_generation_prompt=True, tokenize=True,
+        return_dict=False,
+    )  # fmt: skip
+    with running_server(bare, ed, 4, extra=["--chat-template", CHAT_TEMPLATE]) as (base, _):
+        status, data = post_chat(base, {"messages": MESSAGES, "max_tokens": 2})
+    assert status == 200, data[:300]
+    assert json.loads(data)["usage"]["prompt_tokens"] == len(want)

@@ -64,19 +64,25 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         gc.collect()
         mx.clear_cache()
         # mlx-lm's provider sets pipeline_group from the launched group and --pipeline
-        model, tokenizer, store = load(
-            model_path, **self.load_kwargs, pipeline_group=self.pipeline_group
-        )
-        if getattr(self.cli_args, "chat_template", None):  # --chat-template, as mlx-lm's
-            tokenizer.chat_template = self.cli_args.chat_template
-        elif self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
+        template = getattr(self.cli_args, "chat_template", None)  # as mlx-lm's provider:
+        model, tokenizer, store = load(  # the tokenizer built with it (its tool parser too)
+            model_path, **self.load_kwargs, pipeline_group=self.pipeline_group,
+            tokenizer_config={"chat_template": template} if template else None,
+        )  # fmt: skip
+        if (
+            not template
+            and self.cli_args.use_default_chat_template
+            and tokenizer.chat_template is None
+        ):
             default = getattr(tokenizer, "default_chat_template", None)
             if default is None:  # transformers 5 dropped it
+                store.close()
                 raise ValueError(
                     f"--use-default-chat-template: this tokenizer ({model_path}) has no "
                     "default chat template; give one with --chat-template"
                 )
             tokenizer.chat_template = default
+            tokenizer.has_chat_template = True  # else mlx-lm formats chats without it
         if self.watch is not None:
             store.watch(self.watch.beat)
         self.model_key = (model_path, None, None)
