@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import select
 import socket
 import threading
 import traceback
@@ -130,10 +129,12 @@ class StreamingAPIHandler(mlx_server.APIHandler):
             self.response_generator = gen
 
     def _client_gone(self) -> bool:
-        """Whether the client closed its end (readable, and nothing to read)."""
+        """Whether the client closed its end (its end of the stream read, nothing left;
+        without ``select``, which fails on descriptors past 1023)."""
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False  # nothing to read yet: still there
         except OSError:
             return True
 
@@ -240,7 +241,8 @@ class StreamingAPIHandler(mlx_server.APIHandler):
             "concurrency": 1,
         }
         store = getattr(provider, "store", None)
-        if store is not None:  # as published after the last request: no MLX, no tables
+        if store is not None and provider.loaded.is_set():  # as published after the last
+            # request (no MLX, no tables); not while a load sets the store, then its plan
             t = store.snapshot()
             body["experts"] = {
                 "hit_rate": round(t.get("hit_rate", 0.0), 4),
