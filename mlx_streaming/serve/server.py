@@ -58,6 +58,9 @@ class _Unstoppable:
         pass
 
 
+MAX_DISCARD = 16 << 20  # a refused request's body read before the 503, up to this
+
+
 class StreamingAPIHandler(mlx_server.APIHandler):
     """mlx-lm's API handler, plus the queue depth and the pools' counters; in a pipeline,
     a request in flight when a peer stops answering gets an HTTP 503 (``fail_inflight``)
@@ -69,13 +72,24 @@ class StreamingAPIHandler(mlx_server.APIHandler):
     def do_POST(self):
         self._headers_sent = self._status_sent = False
         limit = getattr(self.response_generator.model_provider.cli_args, "max_queue", None)
-        if limit is not None and self._queue_depth() >= limit:  # back-pressure, not a pile
-            self.reply(503, {"error": {
-                "message": f"{self._queue_depth()} requests wait already (--max-queue "
-                           f"{limit}); retry later", "type": "overloaded"}})  # fmt: skip
+        with self.lock:  # admitted under the lock: requests arriving together count
+            # every POST in flight: the one generating, those queued, and those still
+            # reading their body or waiting for the model's load (mlx-lm's queue has
+            # only the second)
+            waiting = max(0, len(self.inflight) - 1)
+            full = limit is not None and waiting >= limit
+            if not full:
+                self.inflight.add(self)
+        if full:  # back-pressure, not a pile; the body read first (unread, the close
+            # would reset the connection before the client reads the 503)
+            n = int(self.headers.get("Content-Length") or 0)
+            if n <= MAX_DISCARD:
+                self.rfile.read(n)
+            self.answer_error(
+                503, f"{waiting} requests wait already (--max-queue {limit}); retry later",
+                "overloaded",
+            )  # fmt: skip
             return
-        with self.lock:
-            self.inflight.add(self)
         try:
             super().do_POST()
         finally:
