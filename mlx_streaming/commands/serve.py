@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import sys
 
 from ..config import PREFILL_CHUNK
 from ._args import (
@@ -111,6 +113,13 @@ def main(argv=None) -> None:
         )
     except ServerStopped as e:  # the log above has the cause: one message, no traceback
         raise SystemExit(f"mlx_streaming serve: error: {e}") from None
+    # stopped (Ctrl-C), the server and its generation thread ended: exit now, without
+    # the interpreter's teardown, which after a served request aborted 3 times in 4 in
+    # MLX's C++ (std::terminate: "terminate called without an active exception", MLX
+    # 0.32 on Linux, status -6 where 0 is meant)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

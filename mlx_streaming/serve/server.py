@@ -9,9 +9,13 @@ one at a time (no batching) since they share one pool of expert slots.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
+import os
+import select
 import socket
+import sys
 import threading
 import traceback
 
@@ -27,7 +31,36 @@ class ServerStopped(RuntimeError):
 
 class StreamingResponseGenerator(mlx_server.ResponseGenerator):
     """mlx-lm's response generator; after each request, on its own thread (the one that
-    runs the model), the store publishes its counters for ``/health`` to read."""
+    runs the model), the store publishes its counters for ``/health`` to read. It keeps
+    the requests' contexts, so that a stop ends the one generating at its next token."""
+
+    def __init__(self, *a, **kw):
+        # the latest requests' contexts (not weak-referenceable; served one at a time,
+        # and stopping a finished one does nothing): before mlx-lm's thread starts
+        self._contexts = collections.deque(maxlen=64)
+        self._contexts_lock = threading.Lock()
+        super().__init__(*a, **kw)
+
+    def generate(self, *a, **kw):
+        ctx, tokens = super().generate(*a, **kw)
+        with self._contexts_lock:
+            self._contexts.append(ctx)
+        return ctx, tokens
+
+    def stop_and_join(self, timeout: float | None = None) -> bool:
+        """Stop serving: requests in flight end at their next token (off a pipeline,
+        whose ranks must stay in step); wait for the thread up to ``timeout`` s.
+        Returns whether it ended (it cannot stop mid-load)."""
+        self._stop = True
+        if self.model_provider.pipeline_group is None:
+            with self._contexts_lock:
+                contexts = list(self._contexts)
+            for ctx in contexts:
+                ctx.stop()
+        self._generation_thread.join(timeout)
+        with self._contexts_lock:  # nothing of a request outlives the server
+            self._contexts.clear()
+        return not self._generation_thread.is_alive()
 
     def _serve_single(self, request, stream):
         # a pipeline's watch is armed while the model runs a request, not while a client
@@ -58,6 +91,7 @@ class _Unstoppable:
         pass
 
 
+STOP_S = 10  # on Ctrl-C, how long the generation thread is given to stop
 MAX_DISCARD = 16 << 20  # a refused request's body read before the 503, up to this
 
 
@@ -143,12 +177,13 @@ class StreamingAPIHandler(mlx_server.APIHandler):
             self.response_generator = gen
 
     def _client_gone(self) -> bool:
-        """Whether the client closed its end (its end of the stream read, nothing left;
-        without ``select``, which fails on descriptors past 1023)."""
+        """Whether the client closed its end (readable, and nothing to read; by
+        ``poll``: ``select`` fails on descriptors past 1023)."""
         try:
-            return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except BlockingIOError:
-            return False  # nothing to read yet: still there
+            p = select.poll()
+            p.register(self.connection, select.POLLIN)
+            readable = bool(p.poll(0))
+            return readable and self.connection.recv(1, socket.MSG_PEEK) == b""
         except OSError:
             return True
 
@@ -362,9 +397,14 @@ def serve(
                 f"({cli_args.model}): see the log above; the server stops"
             )
         raise ServerStopped("the HTTP server's thread stopped: see the log above")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the server's way to stop: a clean exit
         pass
     finally:
         httpd.shutdown()
         httpd.server_close()
-        generator.stop_and_join()
+        if not generator.stop_and_join(timeout=STOP_S):  # a load under way: no waiting
+            print(  # for it (mlx-lm's thread is no daemon: the interpreter would)
+                f"mlx_streaming serve: the generation thread did not stop within {STOP_S} "
+                "s (a model load under way); exiting", file=sys.stderr, flush=True,
+            )  # fmt: skip
+            os._exit(130)
