@@ -248,7 +248,7 @@ def test_requests_past_max_queue_get_503(models):
 
         def long_request():
             try:
-                post(400).read()
+                post(2000).read()  # seconds: the second waits meanwhile
             except OSError:  # the server stops at the end of the test
                 pass
 

@@ -9,8 +9,6 @@ one at a time (no batching) since they share one pool of expert slots.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
 import os
 import select
@@ -22,73 +20,12 @@ import traceback
 import mlx.core as mx
 from mlx_lm import server as mlx_server
 
+from .generator import StreamingResponseGenerator, Unstoppable
 from .provider import StreamingModelProvider, split_first
 
 
 class ServerStopped(RuntimeError):
     """The server stopped on its own: the message, or its threads' log, says why."""
-
-
-class StreamingResponseGenerator(mlx_server.ResponseGenerator):
-    """mlx-lm's response generator; after each request, on its own thread (the one that
-    runs the model), the store publishes its counters for ``/health`` to read. It keeps
-    the requests' contexts, so that a stop ends the one generating at its next token."""
-
-    def __init__(self, *a, **kw):
-        # the latest requests' contexts (not weak-referenceable; served one at a time,
-        # and stopping a finished one does nothing): before mlx-lm's thread starts
-        self._contexts = collections.deque(maxlen=64)
-        self._contexts_lock = threading.Lock()
-        super().__init__(*a, **kw)
-
-    def generate(self, *a, **kw):
-        ctx, tokens = super().generate(*a, **kw)
-        with self._contexts_lock:
-            self._contexts.append(ctx)
-        return ctx, tokens
-
-    def stop_and_join(self, timeout: float | None = None) -> bool:
-        """Stop serving: requests in flight end at their next token (off a pipeline,
-        whose ranks must stay in step); wait for the thread up to ``timeout`` s.
-        Returns whether it ended (it cannot stop mid-load)."""
-        self._stop = True
-        if self.model_provider.pipeline_group is None:
-            with self._contexts_lock:
-                contexts = list(self._contexts)
-            for ctx in contexts:
-                ctx.stop()
-        self._generation_thread.join(timeout)
-        with self._contexts_lock:  # nothing of a request outlives the server
-            self._contexts.clear()
-        return not self._generation_thread.is_alive()
-
-    def _serve_single(self, request, stream):
-        # a pipeline's watch is armed while the model runs a request, not while a client
-        # sends or reads it (a slow client is no silent peer)
-        try:
-            with self.model_provider.watch or contextlib.nullcontext():
-                return super()._serve_single(request, stream)
-        finally:
-            store = self.model_provider.store
-            if store is not None:
-                store.publish()
-            limit = self.model_provider.cli_args.prompt_cache_bytes
-            if limit is not None:  # mlx-lm trims by bytes only when it batches; we never do
-                self.prompt_cache.trim_to(n_bytes=limit)
-
-
-class _Unstoppable:
-    """A request's context whose ``stop`` does nothing (a pipeline's, see
-    ``StreamingAPIHandler.handle_completion``)."""
-
-    def __init__(self, ctx):
-        self._ctx = ctx
-
-    def __getattr__(self, name):
-        return getattr(self._ctx, name)
-
-    def stop(self):
-        pass
 
 
 STOP_S = 10  # on Ctrl-C, how long the generation thread is given to stop
@@ -168,7 +105,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
 
             def generate(self, *a, **kw):
                 ctx, tokens = gen.generate(*a, **kw)
-                return (_Unstoppable(ctx), tokens) if pipeline else (ctx, until_gone(ctx, tokens))
+                return (Unstoppable(ctx), tokens) if pipeline else (ctx, until_gone(ctx, tokens))
 
         self.response_generator = Wrapped()
         try:
