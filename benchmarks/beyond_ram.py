@@ -92,6 +92,7 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
             "memory_limit_gb": a.memory_limit_gb if "memlimit" in methods else None,
             "prompt_tokens": len(ids),
             "moe_layers": len(meta.moe_layers),
+            "record_bytes": meta.layers[meta.moe_layers[0]].stride,  # what a miss reads
             "rows": rows,
             "complete": complete,
         }
@@ -294,8 +295,8 @@ def child(job: dict) -> dict:
         "predicted_disk_bytes_per_token": predicted and round(predicted.disk_bytes_per_token),
         "predicted_pool_hit_rate": predicted and round(predicted.shares()["pool"], 4),
         "storage_gbps": round(gbps, 3),
-        # the runs' time (prompts included) with demand reads in flight: the rest, the
-        # storage idles unless read-ahead fills it
+        # the runs' decode time (from each first token on) with demand reads in flight:
+        # the rest, the storage idles unless read-ahead fills it
         "demand_reads_share": round(demand / wall, 4) if wall else None,
         "host_ms_per_token": split,
         **bounds(1 / stock_tps, disk_tok, gbps, tps),  # the disk's bound: its bytes

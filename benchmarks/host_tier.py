@@ -47,7 +47,8 @@ def replay(run: dict, row: dict, trace: RoutingTrace, exclusive: bool) -> float:
     moe = run.get("moe_layers") or trace.layers  # recorded since 2026-12-04q
     r = simulate_tiers(
         trace, row["runtime"]["policy"], row["slots"], int(row["page_cache_room_gb"] * 1e9),
-        int(run["expert_mb"] * 1e6), layers=range(min(moe, trace.layers)), model_layers=moe,
+        run.get("record_bytes") or int(run["expert_mb"] * 1e6),  # recorded since 2026-12-04q
+        layers=range(min(moe, trace.layers)), model_layers=moe,
         start=run["trace_start"], calls=calls, counted=counted, exclusive=exclusive,
     )  # fmt: skip
     return r.disk_bytes_per_token / 1e6

@@ -67,9 +67,8 @@ def simulate_tiers(
     start: int = 0,
     tokens: int | None = None,
     calls: list[int] | None = None,
-    warm_calls: int = 0,
-    exclusive: bool = False,
     counted: list[bool] | None = None,
+    exclusive: bool = False,
 ) -> TierResult:
     """Pool hits, page-cache hits and disk reads of ``policy`` with ``slots`` per layer
     over a page cache of ``page_cache_bytes`` (0: O_DIRECT, every miss from the disk), for
@@ -77,13 +76,12 @@ def simulate_tiers(
     replay (default all); ``model_layers``: the model's MoE layers (default the trace's),
     whose page cache the sampled layers get their share of; the bytes per token are
     scaled to every layer. ``calls``: tokens per layer call, in order (a prompt's chunk is
-    one call: its distinct experts looked up once; default one token per call), of which the
-    first ``warm_calls`` fill the tiers uncounted. ``exclusive``: the tier beneath is the
+    one call: its distinct experts looked up once; default one token per call).
+    ``counted``: which calls are counted (default: all); the others fill the tiers
+    uncounted (a warm-up, a run's prompts). ``exclusive``: the tier beneath is the
     store's own host tier, not the page cache: it takes the records the pools evict
     (least recently evicted out first) and gives up a record a pool takes back, so no
-    record is held twice; a disk read goes to the pool only. ``counted``: which of
-    ``calls`` are counted (default: those from ``warm_calls`` on), e.g. a run's decode
-    steps without its prompts."""
+    record is held twice; a disk read goes to the pool only."""
     layers = list(range(trace.layers)) if layers is None else list(layers)
     model_layers = model_layers or trace.layers
     E = trace.num_experts
@@ -101,7 +99,7 @@ def simulate_tiers(
     hits = pc = disk = 0
     T = min(len(s) for s in seqs.values())
     if counted is None:
-        counted = [t >= warm_calls for t in range(T)]
+        counted = [True] * T
     for t in range(T):
         before = (hits, pc, disk)
         for li in layers:
