@@ -236,6 +236,109 @@ def test_device_path_plans_as_the_reference_and_the_simulator(models, policy):
     store.close()
 
 
+def _device_copy(a: np.ndarray) -> tuple[mx.array, int]:
+    """A fresh device buffer holding ``a``'s bytes, and its address."""
+    from mlx_streaming.core.cache.pool import device_address
+    from mlx_streaming.core.io import cuda
+
+    mx.clear_cache()  # fresh device memory, not a recycled managed buffer
+    buf = mx.zeros((a.nbytes,), mx.uint8)
+    mx.eval(buf)
+    addr = device_address(buf)
+    cuda.copy_now(addr, np.ascontiguousarray(a).ctypes.data, a.nbytes)
+    return buf, addr
+
+
+def _host_copy(addr: int, like: np.ndarray) -> np.ndarray:
+    from mlx_streaming.core.io import cuda
+
+    out = np.empty_like(like)
+    cuda.copy_now(out.ctypes.data, addr, out.nbytes, cuda.D2H)
+    return out
+
+
+@pytest.mark.parametrize("policy", ["lru", "predictive"])
+def test_the_swap_kernels_trade_records_as_the_reference(policy):
+    """The plan and fill kernels' ``SWAP`` variants (a swap tier: each miss trades places
+    with its victim; no store option uses them yet) on device buffers, a pool full from
+    load and a tier of the other records: call by call the plan kernel gives the
+    reference's slots, and the pool, the tier and the homes equal the reference's
+    (``plan_reference(swap=True)``, ``copy_reference``). Then the fill kernel's variant
+    trades the pairs its list names."""
+    from mlx_streaming.core.cache.device_path import _offsets
+    from mlx_streaming.core.cache.device_plan import (
+        BLOCKS,
+        PLAN,
+        PLAN_NAMES,
+        POINTERS,
+        THREADS,
+        constants,
+        layer_arrays,
+        plan_constants,
+        plan_reference,
+        scratch_arrays,
+    )
+    from mlx_streaming.core.cache.scored import WEIGHTS
+    from mlx_streaming.core.io.device_reader import _FILL, FILL_NAMES, copy_kernel, copy_reference
+
+    E, k, cap, stride = 64, 6, 24, 1024
+    rng = np.random.default_rng(5)
+    records = rng.integers(0, 256, (E, stride), dtype=np.uint8)
+    ref = layer_arrays(E, cap)
+    ref["slot_of"][:cap] = np.arange(cap)
+    ref["expert_in"][:] = np.arange(cap)
+    ref["resident"][:cap] = 1
+    ref["home"][cap:] = np.arange(E - cap)
+    pool_np, tier_np = records[:cap].copy(), records[cap:].copy()
+    pool, pool_at = _device_copy(pool_np)
+    tier, tier_at = _device_copy(tier_np)
+    state = {**ref, **constants(WEIGHTS[policy]), **scratch_arrays()}
+    off, end = _offsets(state)
+    image = np.zeros(end, np.uint8)
+    for name, a in state.items():
+        image[off[name] : off[name] + a.nbytes] = a.reshape(-1).view(np.uint8)
+    buf, base = _device_copy(image)
+    ptrs = mx.array(np.array([base + off[n] for n in POINTERS], np.uint64))
+    meta = mx.array(np.array([tier_at, stride, 1, 0, stride, pool_at, stride], np.int64))
+    consts = plan_constants(E, cap, k, WEIGHTS[policy], swap=True)
+    plan = copy_kernel("mlxs_plan", PLAN, 16, *PLAN_NAMES)(consts)
+    out = mx.zeros((1,), mx.uint32)
+    hot = rng.permutation(E)
+    w = 1.0 / (1 + np.arange(E)) ** 1.2
+    for step in range(120):
+        order = np.roll(hot, step // 20)
+        ids = rng.choice(order, size=k, replace=False, p=w / w.sum()).astype(np.uint32)
+        want, fills = plan_reference(ref, WEIGHTS[policy], ids[None], swap=True)
+        copy_reference(fills, tier_np, pool_np, swap=True)
+        (out,) = plan(
+            inputs=[mx.array(ids[None]), ptrs, meta, out],
+            grid=(BLOCKS * THREADS, 1, 1),
+            threadgroup=(THREADS, 1, 1),
+            output_shapes=[(1, k)],
+            output_dtypes=[mx.uint32],
+        )
+        mx.eval(out)
+        assert np.array_equal(np.array(out), want), step
+        assert np.array_equal(_host_copy(pool_at, pool_np), pool_np), step
+        assert np.array_equal(_host_copy(tier_at, tier_np), tier_np), step
+        assert np.array_equal(_host_copy(base + off["home"], ref["home"]), ref["home"]), step
+    assert ref["counters"][3] > 20  # calls with misses: the trades were exercised
+    fills = np.array([2, 0, 1, 3, 5], np.int32)  # tier rows 0 and 3 with slots 1 and 5
+    copy_reference(fills, tier_np, pool_np, swap=True)
+    fill = copy_kernel("mlxs_fill", _FILL, 16, *FILL_NAMES)((("N", 1), ("SWAP", 1)))
+    (done,) = fill(
+        inputs=[mx.array(fills), mx.zeros((1,), mx.uint32), meta],
+        grid=(64 * 256, 1, 1),
+        threadgroup=(256, 1, 1),
+        output_shapes=[(1,)],
+        output_dtypes=[mx.uint32],
+    )
+    mx.eval(done)
+    assert np.array_equal(_host_copy(pool_at, pool_np), pool_np)
+    assert np.array_equal(_host_copy(tier_at, tier_np), tier_np)
+    del buf, pool, tier  # the buffers outlive every kernel that wrote them
+
+
 def test_health_polled_while_eight_clients_stream_on_cuda():
     """``tests/test_server.py``'s case on CUDA: 8 streaming clients, 200 requests,
     /health polled every 50 ms while the device path owns the slot tables; every output

@@ -100,3 +100,35 @@ def test_no_kernel_declares_its_own_inputs_or_outputs():
     check_names("mlxs_fill", _FILL, [*FILL_NAMES[0], *FILL_NAMES[1]])
     with pytest.raises(ValueError, match=r"mlxs_plan: \['nprev'\]"):
         check_names("mlxs_plan", PLAN, ["ids", "nprev"])
+
+
+@pytest.mark.parametrize("policy", ["lru", "predictive"])
+def test_a_swap_tier_holds_every_record_once(policy):
+    """The swap tier's bookkeeping (``plan_reference(swap=True)``) against its data
+    movement (``copy_reference``, the kernel's ``mlxs_copy`` on numpy): a pool full from
+    load and a tier of the other ``E - S`` records, every miss trading places with its
+    victim. After each call every slot holds the record its table names, every other
+    expert's home holds its record, and the homes are the tier's slots, each once."""
+    from mlx_streaming.core.io.device_reader import copy_reference
+
+    E, k, cap, pins = 32, 4, 12, 2
+    records = np.random.default_rng(3).integers(0, 256, (E, 40), dtype=np.uint8)
+    arrays = layer_arrays(E, cap)
+    arrays["slot_of"][:cap], arrays["expert_in"][:] = np.arange(cap), np.arange(cap)
+    arrays["resident"][:cap], arrays["pinned"][:pins] = 1, 1
+    arrays["home"][cap:] = np.arange(E - cap)
+    pool, tier = records[:cap].copy(), records[cap:].copy()
+    traded = 0
+    for ids in skewed_routing(E, k, 300, seed=4):
+        slots, fills = plan_reference(arrays, WEIGHTS[policy], ids, swap=True)
+        copy_reference(fills, tier, pool, swap=True)
+        traded += int(fills[0])
+        slot_of, home = arrays["slot_of"], arrays["home"]
+        assert np.array_equal(pool, records[arrays["expert_in"]])
+        assert np.array_equal(pool[slots], records[ids.astype(np.int64)])
+        out = np.flatnonzero(slot_of < 0)
+        assert np.array_equal(np.flatnonzero(home >= 0), out)
+        assert sorted(home[out].tolist()) == list(range(E - cap))
+        assert np.array_equal(tier[home[out]], records[out])
+        assert (slot_of[:pins] >= 0).all()  # the pinned never leave
+    assert traded == arrays["counters"][EVICTIONS] == arrays["counters"][MISSES] > 100

@@ -67,23 +67,25 @@ def kernels() -> dict[str, str]:
         out[name] = text
 
     for word, c_word in words.items():
-        for score in (0.0, 1.0):  # the LRU ranking (no score) and the scored one
+        for swap in (False, True):  # records copied in, or traded with a swap tier
+            for score in (0.0, 1.0):  # the LRU ranking (no score) and the scored one
+                weights = [score] * (3 + len(WINDOWS))
+                add(
+                    f"mlxs_plan_{word}",  # as copy_kernel names it
+                    device_plan.PLAN.replace("WORD", c_word),
+                    [(n, plan_types[n]) for n in plan_in],
+                    [(plan_out[0], "uint32_t")],
+                    device_plan.plan_constants(64, 32, 6, weights, swap),
+                    device_reader.COPY_HEADER,
+                )
             add(
-                f"mlxs_plan_{word}",  # as copy_kernel names it
-                device_plan.PLAN.replace("WORD", c_word),
-                [(n, plan_types[n]) for n in plan_in],
-                [(plan_out[0], "uint32_t")],
-                device_plan.plan_constants(64, 32, 6, [score] * (3 + len(WINDOWS))),
+                f"mlxs_fill_{word}",
+                device_reader._FILL.replace("WORD", c_word),
+                [(n, fill_types[n]) for n in fill_in],
+                [(fill_out[0], "uint32_t")],
+                [("N", 6), ("SWAP", int(swap))],
                 device_reader.COPY_HEADER,
             )
-        add(
-            f"mlxs_fill_{word}",
-            device_reader._FILL.replace("WORD", c_word),
-            [(n, fill_types[n]) for n in fill_in],
-            [(fill_out[0], "uint32_t")],
-            [("N", 6)],
-            device_reader.COPY_HEADER,
-        )
     for ids in ("int32_t", "uint32_t"):
         add(f"mlxs_routing_to_host_{ids}", transfers._SOURCE, [("ids", ids), ("dst", "uint64_t")],
             [("done", "int32_t")], [("N", 6)])  # fmt: skip

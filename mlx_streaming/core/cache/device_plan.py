@@ -35,11 +35,13 @@ N_COUNTERS = len(COUNTERS)
 
 
 def layer_arrays(num_experts: int, capacity: int) -> dict[str, np.ndarray]:
-    """The arrays of one layer's device state, host side: the slot table, the counters
-    and the ranking's state (the order of ``POINTERS``)."""
+    """The arrays of one layer's device state, host side: the slot table, each expert's
+    home in a swap tier (read only by the ``SWAP`` variant), the counters and the
+    ranking's state (the order of ``POINTERS``)."""
     return {
         "slot_of": np.full(num_experts, -1, np.int32),
         "expert_in": np.full(capacity, -1, np.int32),
+        "home": np.full(num_experts, -1, np.int32),
         "counters": np.zeros(N_COUNTERS, np.int64),
         **state_arrays(num_experts),
     }
@@ -60,11 +62,15 @@ POINTERS = (
 
 
 def plan_reference(
-    arrays: dict[str, np.ndarray], weights, ids: np.ndarray
+    arrays: dict[str, np.ndarray], weights, ids: np.ndarray, swap: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """One planning step on ``arrays`` (a layer's, as ``layer_arrays``; updated in
-    place) for routed ``ids``: ``(slot of each row, fills)``, fills ``[n, e0, s0, e1,
-    s1...]``: the misses and the slots they go to."""
+    place) for routed ``ids``: ``(slot of each row, fills)``, fills ``[n, r0, s0, r1,
+    s1...]``: the misses' records and the slots they go to.
+
+    A record is the miss's expert id, or with ``swap`` its slot in the swap tier
+    (``home``): the miss and its victim trade places, the victim taking the miss's home.
+    """
     E = len(arrays["slot_of"])
     slot_of, expert_in, ctr = arrays["slot_of"], arrays["expert_in"], arrays["counters"]
     rank = Scored(E, weights=weights, native=False)
@@ -80,11 +86,15 @@ def plan_reference(
     targets = [*free.tolist(), *(int(slot_of[v]) for v in victims)]
     for v in victims:
         slot_of[v], arrays["resident"][v] = -1, 0
-    fills = [0]
-    for e, s in zip(misses.tolist(), targets):
+    placed = misses[: len(targets)]
+    records = arrays["home"][placed].tolist() if swap else placed.tolist()
+    if swap:  # each victim takes the home of the miss that takes its slot
+        arrays["home"][np.asarray(victims, np.int64)] = arrays["home"][placed[len(free) :]]
+        arrays["home"][placed] = -1
+    fills = [len(targets)]
+    for e, r, s in zip(placed.tolist(), records, targets):
         expert_in[s], slot_of[e], arrays["resident"][e] = e, s, 1
-        fills += [e, s]
-    fills[0] = len(targets)
+        fills += [r, s]
     ctr[HITS] += len(d) - len(misses)
     ctr[MISSES] += len(targets)
     ctr[EVICTIONS] += len(victims)
@@ -113,9 +123,9 @@ def constants(weights) -> dict[str, np.ndarray]:
 # loudly rather than leave experts marked resident and unfilled. The last block out
 # resets the flag and the tickets. ``after`` (the layer's previous output) is unread: it
 # orders the layer's calls in any graph. Constants (``plan_constants``): N (ids), E, S, H,
-# NREC, NAGE, NWIN, SCORE (some weight is not 0), WAIT_NS; WORD, the copy word, is
-# written into the source too. Inputs: ids [N], p [len(POINTERS)] addresses, meta (the layer's copy
-# description), after. Output: slots [N].
+# NREC, NAGE, NWIN, SCORE (some weight is not 0), WAIT_NS, SWAP (a swap tier's records);
+# WORD, the copy word, is written into the source too. Inputs: ids [N], p
+# [len(POINTERS)] addresses, meta (the layer's copy description), after. Output: slots [N].
 PLAN_NAMES = (["ids", "p", "meta", "after"], ["slots"])  # the kernel's inputs, outputs
 BLOCKS = 128
 WAIT_NS = 2_000_000_000  # a constexpr int: under 2**31
@@ -248,6 +258,7 @@ _PLAN_BODY = """
             slot_of[v] = -1;
             resident[v] = 0;
             target[nfree + i] = s;
+            if (SWAP) home[v] = home[m[nfree + i]];  // the victim takes the miss's home
         }
         fills[0] = placed;
         for (int i = 0; i < placed; i++) {
@@ -255,8 +266,9 @@ _PLAN_BODY = """
             expert_in[s] = e;
             slot_of[e] = s;
             resident[e] = 1;
-            fills[1 + 2 * i] = e;
+            fills[1 + 2 * i] = SWAP ? home[e] : e;  // the record: its home, or its id
             fills[2 + 2 * i] = s;
+            if (SWAP) home[e] = -1;
         }
         ctr[HITS] += nd - nm;
         ctr[MISSES] += placed;
@@ -319,7 +331,7 @@ _PLAN_BODY = """
     __syncthreads();
     for (int i = 1 + tid; i < 1 + 2 * fl[0]; i += nth) fl[i] = __ldcg(fills + i);
     __syncthreads();
-    mlxs_copy<WORD>(fl, meta, (long long)blockIdx.x * nth + tid, (long long)gridDim.x * nth);
+    mlxs_copy<WORD, SWAP>(fl, meta, (long long)blockIdx.x * nth + tid, (long long)gridDim.x * nth);
     __syncthreads();
     if (tid == 0) {  // the last block out resets the flag and the tickets for the next call
         __threadfence();
@@ -358,9 +370,12 @@ def _declarations() -> str:
 PLAN = _declarations() + _PLAN_BODY
 
 
-def plan_constants(num_experts: int, capacity: int, n_ids: int, weights) -> Consts:
+def plan_constants(
+    num_experts: int, capacity: int, n_ids: int, weights, swap: bool = False
+) -> Consts:
     """The kernel's constants for a call of ``n_ids`` ids (``kernels.Kernels`` writes
-    them into its source)."""
+    them into its source); ``swap``: the records come from a swap tier and trade places
+    with their victims (``plan_reference``)."""
     return (
         ("N", n_ids),
         ("E", num_experts),
@@ -371,4 +386,5 @@ def plan_constants(num_experts: int, capacity: int, n_ids: int, weights) -> Cons
         ("NWIN", len(WINDOWS)),
         ("SCORE", int(any(float(w) != 0.0 for w in weights))),
         ("WAIT_NS", WAIT_NS),
+        ("SWAP", int(swap)),
     )

@@ -27,26 +27,32 @@ from .kernels import Kernels
 FILL_BLOCKS, FILL_THREADS = 1024, 256
 
 # The one copy routine, shared with the device path's plan kernel (``device_plan``):
-# the records a fills list names (``[n, e0, s0, e1, s1...]``) into their slots' part rows,
-# in words of ``W``, by thread ``tid`` of ``nth``. ``meta``: the layer's source address,
-# stride, part count, then per part its offset, bytes, pool address and row bytes.
+# the records a fills list names (``[n, r0, s0, r1, s1...]``) into their slots' part rows,
+# in words of ``W``, by thread ``tid`` of ``nth``; with ``SWAP`` (a swap tier's records)
+# each record and slot trade contents, each word exchanged by the one thread that owns it.
+# ``meta``: the layer's source address, stride, part count, then per part its offset,
+# bytes, pool address and row bytes.
 COPY_HEADER = """
 struct __align__(16) mlxs_w16 { unsigned long long x, y; };
-template <typename W>
+template <typename W, int SWAP>
 __device__ void mlxs_copy(const int* f, const int64_t* meta, long long tid, long long nth) {
-    const char* src = (const char*)(meta[0]);
+    char* src = (char*)(meta[0]);
     const int64_t stride = meta[1];
     const int parts = (int)meta[2];
     const int n = f[0];
     for (int k = 0; k < n; k++) {
-        const char* rec = src + (int64_t)f[1 + 2 * k] * stride;
+        char* rec = src + (int64_t)f[1 + 2 * k] * stride;
         const int64_t slot = f[2 + 2 * k];
         for (int p = 0; p < parts; p++) {
             const int64_t* q = meta + 3 + 4 * p;
-            const W* a = (const W*)(rec + q[0]);
+            W* a = (W*)(rec + q[0]);
             W* b = (W*)((char*)(q[2]) + slot * q[3]);
             const long long words = q[1] / (int64_t)sizeof(W);
-            for (long long w = tid; w < words; w += nth) b[w] = a[w];
+            for (long long w = tid; w < words; w += nth) {
+                const W x = a[w];  // with SWAP, the slot's word goes where the record's was
+                if (SWAP) a[w] = b[w];
+                b[w] = x;
+            }
         }
     }
 }
@@ -55,15 +61,27 @@ _FILL = """
     const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long nth = (long long)gridDim.x * blockDim.x;
     if (tid < N) out[tid] = slots[tid];
-    mlxs_copy<WORD>(fills, meta, tid, nth);
+    mlxs_copy<WORD, SWAP>(fills, meta, tid, nth);
 """
 FILL_NAMES = (["fills", "slots", "meta"], ["out"])  # the fill kernel's inputs, outputs
 _WORDS = {16: "mlxs_w16", 8: "unsigned long long", 4: "unsigned int", 1: "unsigned char"}
 
 
+def copy_reference(fills, source: np.ndarray, pool: np.ndarray, swap: bool = False) -> None:
+    """``mlxs_copy`` on numpy rows of whole records (``source [R, stride]``, ``pool [S,
+    stride]``), for tests: each listed record into its slot; with ``swap`` they trade."""
+    pairs = np.asarray(fills[1 : 1 + 2 * int(fills[0])], np.int64).reshape(-1, 2)
+    for r, s in pairs:
+        if swap:
+            source[r], pool[s] = pool[s].copy(), source[r].copy()
+        else:
+            pool[s] = source[r]
+
+
 def copy_kernel(name: str, source: str, word: int, input_names: list[str], output_names):
     """The variants (``kernels.Kernels``) of a CUDA kernel whose ``source`` calls
-    ``mlxs_copy<WORD>``, for copy words of ``word`` bytes."""
+    ``mlxs_copy<WORD, SWAP>``, for copy words of ``word`` bytes (its constants give
+    ``SWAP``)."""
     return Kernels(
         f"{name}_{word}",
         source.replace("WORD", _WORDS[word]),
@@ -136,7 +154,7 @@ class DeviceReader:
         """Copy the records ``fills`` names into their slots, lazily; returns ``slots``
         once they are in (an array the matmuls then read)."""
         meta, word = self._meta[layer]
-        (out,) = self._kernels[word]((("N", slots.size),))(
+        (out,) = self._kernels[word]((("N", slots.size), ("SWAP", 0)))(
             inputs=[fills, slots, meta],
             grid=(FILL_BLOCKS * FILL_THREADS, 1, 1),
             threadgroup=(FILL_THREADS, 1, 1),
