@@ -101,6 +101,13 @@ CONFIGS = {
         "capacity": 2 * m.top_k,
         "config": StreamConfig(prefetch=True),
     },
+    # the experts outside the pools in a swap tier, each miss trading with its victim
+    "swap_tier": lambda m: {"capacity": m.top_k + 1, "config": StreamConfig(swap_tier=True)},
+    "swap_tier_layer_caps": lambda m: {
+        "capacity": m.top_k,
+        "layer_caps": {m.moe_layers[0]: m.num_experts, m.moe_layers[-1]: m.top_k + 1},
+        "config": StreamConfig(swap_tier=True),
+    },
 }
 
 
@@ -157,6 +164,58 @@ def test_pinned_and_batched(models, arch):
     got = greedy_trace(model2, batch, NEW_TOKENS, PREFILL)
     cmp = compare_traces(batch_trace, got)
     assert cmp.exact, cmp.to_json()
+    store.close()
+    store2.close()
+
+
+def assert_each_record_once(store, meta) -> None:
+    """A swap tier's pools and tier hold every record of every layer once, where the
+    tables say: each slot the bytes of the expert the slot table names (and the tier's
+    table agrees), every other expert's home its record."""
+    tier = store.reader.tier
+    for li in store.layers:
+        lay, pool, cache = meta.layers[li], store.pool(li), store.caches[li]
+        raw = np.fromfile(meta.file(li), np.uint8)
+
+        def rec(e, p, raw=raw, stride=lay.stride):
+            return raw[e * stride + p.offset : e * stride + p.offset + p.nbytes]
+
+        assert np.array_equal(tier.held[li], cache.expert_in), li
+        out = np.flatnonzero(cache.slot_of < 0)
+        assert np.array_equal(np.flatnonzero(tier.home[li] >= 0), out), li
+        assert sorted(tier.home[li][out].tolist()) == list(range(len(out))), li
+        for e in out.tolist():
+            for p in lay.parts:
+                got = tier.slabs[li][tier.home[li][e], p.offset : p.offset + p.nbytes]
+                assert np.array_equal(got, rec(e, p)), (li, e, p.name)
+        for s, e in enumerate(cache.expert_in.tolist()):
+            for p in lay.parts:
+                got = np.array(pool.arrays[p.name][s]).reshape(-1).view(np.uint8)
+                assert np.array_equal(got, rec(e, p)), (li, s, p.name)
+
+
+@pytest.mark.parametrize("arch", ["tiny-qwen3_moe", "tiny-deepseek_v2"])
+def test_a_swap_tier_streams_exactly_and_holds_each_record_once(models, arch):
+    """With pins, then a batch of two prompts at top-k slots (more distinct experts per
+    call than slots: each call trades in groups): stock's tokens and logits, every record
+    held once and where the tables say, and no miss read from the disk after load."""
+    ck, ed = models.experts(arch)
+    meta = load_meta(ed)
+    cfg = StreamConfig(swap_tier=True)
+    model, store = patched(ck, ed, config=cfg, capacity=2 * meta.top_k, record=True)
+    assert store.runtime.reader == "tier"  # its pools full from load
+    assert store.resident_count() == sum(store.capacity(li) for li in store.layers)
+    batch, batch_trace = assert_exact(model, ck)
+    for li in store.recorded_layers():
+        store.pin(li, store.hot(li, 2))
+    store.record = False
+    assert_exact(model, ck)
+    assert store.misses > 0 and store.totals()["read_gbps"] == 0.0
+    assert_each_record_once(store, meta)
+    model2, store2 = patched(ck, ed, config=cfg, capacity=meta.top_k)
+    cmp = compare_traces(batch_trace, greedy_trace(model2, batch, NEW_TOKENS, PREFILL))
+    assert cmp.exact, cmp.to_json()
+    assert_each_record_once(store2, meta)
     store.close()
     store2.close()
 
@@ -365,3 +424,18 @@ def test_slot_ids_need_no_cast(models, capacity):
         assert seen and set(seen) == {mx.uint32}, set(seen)
     finally:
         store.close()
+
+
+def test_a_swap_tier_that_does_not_fit_is_refused_before_it_allocates(models):
+    """A tier larger than the memory left says both sizes and the fix, and takes nothing."""
+    from mlx_streaming.core.cache.pool import make_pools
+    from mlx_streaming.core.io.tier import SwapTier
+
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    pools = make_pools(meta, {li: meta.top_k for li in meta.moe_layers}, "host", False)
+    need = sum((meta.layers[li].num_experts - meta.top_k) * meta.layers[li].stride
+               for li in meta.moe_layers)  # fmt: skip
+    with pytest.raises(MemoryError, match=rf"needs {need / 1e9:.2f} GB .*--swap-tier"):
+        SwapTier(meta, pools, available=need - 1)
+    assert SwapTier(meta, pools, available=need).nbytes == need

@@ -40,6 +40,21 @@ def test_cuda_maps_the_files_that_fit_and_says_why(meta):
     assert (off.reader, off.decode_path) == ("device", "host")
 
 
+def test_a_swap_tier_takes_the_device_path_on_cuda_whatever_the_memory(meta):
+    """Asked for, the swap tier is the reader; on CUDA the device path trades with it,
+    even where the files would not fit in half of memory (the tier holds only what the
+    pools do not). Elsewhere the routing is read on the host."""
+    small = (1 << 20, 1 << 20)
+    rt = cuda(StreamConfig(swap_tier=True), meta, memory=small)
+    assert (rt.mapped, rt.reader, rt.decode_path) == (False, "tier", "device")
+    assert rt.reason("decode_path") == "the swap tier" and "reader tier" in rt.line()
+    assert cuda(StreamConfig(swap_tier=True, device_reads=True), meta).decode_path == "device"
+    off = cuda(StreamConfig(swap_tier=True, device_reads=False), meta)
+    assert (off.reader, off.decode_path) == ("tier", "host")
+    cpu = resolve(StreamConfig(swap_tier=True), meta, backend="cpu", engine_available=True)
+    assert (cpu.reader, cpu.decode_path) == ("tier", "host")
+
+
 @pytest.mark.parametrize(
     "backend,cfg,match",
     [
@@ -53,6 +68,10 @@ def test_cuda_maps_the_files_that_fit_and_says_why(meta):
         ("cuda", StreamConfig(device_reads=True, map_files=False), "device_reads: the GPU"),
         ("cuda", StreamConfig(map_files=True, direct_io=True), "exclude each other"),
         ("cpu", StreamConfig(rows="masked", zero_slot=False), "points skipped rows at a zero"),
+        ("cuda", StreamConfig(swap_tier=True, map_files=True), "swap_tier and map_files"),
+        ("cpu", StreamConfig(swap_tier=True, direct_io=True), "swap_tier and direct_io"),
+        ("cuda", StreamConfig(swap_tier=True, prefetch=True), "swap_tier and prefetch"),
+        ("cpu", StreamConfig(swap_tier=True, reader="python"), "swap_tier and reader"),
     ],
 )
 def test_a_forced_choice_that_cannot_run_is_refused(meta, backend, cfg, match):

@@ -83,6 +83,14 @@ class StreamConfig:
         "from them itself, on every path; they stay in host memory (default: when they fit "
         "in half the available memory, and not with --direct-io)",
     )  # fmt: skip
+    swap_tier: bool = option(
+        False, "keep the experts the pools do not hold in a swap tier in host memory "
+        "(page-locked on CUDA), read from the files once at load: each miss trades places "
+        "with its victim, so pools and tier hold the model once and no miss reads the disk; "
+        "host memory needed: the experts less the pools. For CUDA where the files do not fit "
+        "in half of memory (on unified memory a bigger pool does better); opt-in until "
+        "measured on a GPU",
+    )  # fmt: skip
     device_reads: bool | None = option(
         None, "CUDA: a decode step's misses are planned and copied by the GPU itself, "
         "inside the step's graph, with no host synchronisation per MoE layer; prompts "

@@ -9,11 +9,13 @@ The choices, per backend (``docs/ARCHITECTURE.md`` has the table, checked by a t
   ``cuda`` (device memory, written by copies).
 * reader: ``native`` (the compiled engine: ``pread`` into staging, copied into the slots),
   ``python`` (``preadv`` straight into host slots; Metal, where the engine is untested,
-  and the tests' oracle) or ``device`` (CUDA with the files mapped: the GPU copies each
-  record from the page-locked mapping itself, on both paths).
-* decode path: ``device`` (CUDA, files mapped: a decode step's misses are planned and
-  copied on the GPU, no host synchronisation) or ``host`` (the routing read on the host
-  each MoE layer call).
+  and the tests' oracle), ``device`` (CUDA with the files mapped: the GPU copies each
+  record from the page-locked mapping itself, on both paths) or ``tier`` (asked for: the
+  experts the pools do not hold, in host memory; each miss trades places with its victim,
+  on CUDA by the GPU).
+* decode path: ``device`` (CUDA, files mapped or a swap tier: a decode step's misses are
+  planned and copied on the GPU, no host synchronisation) or ``host`` (the routing read on
+  the host each MoE layer call).
 * rows, overlap, zero slot, threads, kernel check.
 """
 
@@ -149,7 +151,16 @@ def resolve(
     if cfg.map_files and pool_mode != "cuda":
         refuse(f"map_files lets the GPU copy records from page-locked mappings; on {b} the "
                "reader reads straight into the slots: drop --map-files")  # fmt: skip
-    if pool_mode != "cuda":
+    if cfg.swap_tier:
+        for name, why_not in (
+            ("map_files", "the tier holds what the pools do not; the mappings would hold it all"),
+            ("direct_io", "the tier reads each record once, at load"),
+            ("prefetch", "a miss is a trade inside its call; nothing is read ahead"),
+            ("reader", "the tier is the reader"),
+        ):
+            if getattr(cfg, name):
+                refuse(f"swap_tier and {name} exclude each other ({why_not}): drop one")
+    if pool_mode != "cuda" or cfg.swap_tier:
         mapped = False
     elif cfg.map_files is not None:
         mapped = cfg.map_files
@@ -167,7 +178,9 @@ def resolve(
 
     # the reader
     want = cfg.reader.value if cfg.reader is not None else None
-    if mapped:
+    if cfg.swap_tier:
+        reader, why["reader"] = "tier", "swap_tier asked for"
+    elif mapped:
         if want is not None:
             refuse(f"reader={want!r}: with the files mapped the GPU copies each record "
                    "itself; drop --reader, or turn map_files off")  # fmt: skip
@@ -200,20 +213,22 @@ def resolve(
         if not engine_available:
             reader, why["reader"] = "python", f"the native reader is not installed ({missing})"
 
-    # the decode path
+    # the decode path: the GPU copies from the mappings or trades with the tier
+    gpu_source = pool_mode == "cuda" and (mapped or reader == "tier")
     if cfg.device_reads:
-        if not mapped:
+        if not gpu_source:
             refuse("device_reads: the GPU copies misses from page-locked mappings of the "
-                   f"expert files, which this run does not have ({why.get('mapped') or b}); "
-                   "drop --device-reads or give the files room (map_files)")  # fmt: skip
+                   f"expert files or a swap tier, which this run has not ({why.get('mapped') or b}"
+                   "); drop --device-reads, or give the files room (map_files), or add "
+                   "--swap-tier")  # fmt: skip
         if cfg.prefetch:
             refuse("device_reads and prefetch exclude each other (read-ahead reads on the "
                    "host, the device path reads nothing there): drop one")  # fmt: skip
     if cfg.device_reads is False:
         decode_path, why["decode_path"] = "host", "device_reads turned off"
-    elif mapped and not cfg.prefetch:
+    elif gpu_source and not cfg.prefetch:
         decode_path = "device"
-        why["decode_path"] = why.get("mapped", "")
+        why["decode_path"] = why.get("mapped", "") or "the swap tier"
     else:
         decode_path = "host"
         why["decode_path"] = (

@@ -79,7 +79,8 @@ class DevicePath:
 
     Args:
         caches, pools, stats: the store's, per layer (each cache's policy a ``Scored``).
-        reader: The store's ``DeviceReader``: the mapped files and their copy routine.
+        reader: The store's ``DeviceReader``: the mapped files or the swap tier, and
+            their copy routine (with a tier, the tier's tables travel with the slot table).
     """
 
     def __init__(
@@ -146,7 +147,7 @@ class DevicePath:
         if word not in self._kernels:
             self._kernels[word] = copy_kernel("mlxs_plan", PLAN, word, *PLAN_NAMES)
         c = self.caches[layer]
-        consts = plan_constants(c.num_experts, c.capacity, n, self.weights)
+        consts = plan_constants(c.num_experts, c.capacity, n, self.weights, self.reader.swap)
         args = (self._kernels[word](consts), meta)
         self._calls[layer, n] = args
         return args
@@ -198,6 +199,8 @@ class DevicePath:
         host["slot_of"][:], host["expert_in"][:] = c.slot_of, c.expert_in
         for name, a in c.policy.state.items():
             host[name][...] = a
+        if self.reader.swap:  # where the tier holds each record, handed over too
+            host["home"][:] = self.reader.tier.home[layer]
         host["counters"][:] = 0
         host["counters"][FREE] = int((c.expert_in < 0).sum())
         self._seen[layer][:] = host["counters"]
@@ -215,6 +218,9 @@ class DevicePath:
         for name, a in c.policy.state.items():
             a[...] = host[name]
         c.set_tables(host["slot_of"], host["expert_in"])
+        if self.reader.swap:
+            tier = self.reader.tier
+            tier.home[layer][:], tier.held[layer][:] = host["home"], host["expert_in"]
         held = np.flatnonzero(c.expert_in >= 0)
         self.pools[layer].set_lut(c.expert_in[held], held)
         self.on_device.discard(layer)  # the host owns the table, even if the count raises

@@ -109,6 +109,8 @@ class FileExpertStore:
         self.loads = Loader(
             meta, self.caches, self.pools, self.reader, self.stats, cfg.clear_on_evict
         )
+        for li in self.caches if rt.reader == "tier" else ():  # its pools full from load
+            self.loads.adopt(li, self.reader.tier.held[li])
         self.routing = RoutingCounts(n)
         self.routing.on = cfg.record
         self.observers: list[Callable] = []  # callables(layer, host_ids) seeing the routing
@@ -119,16 +121,10 @@ class FileExpertStore:
         if why:  # the load line says the routing is read the usual way, and why
             rt = self.runtime = rt.revised({"ids": why})
         self.host = HostPath(
-            self.caches,
-            self.pools,
-            self.stats,
-            self.loads,
-            self.routing,
-            self.observers,
-            self.timeline,
-            transfers,
+            self.caches, self.pools, self.stats, self.loads, self.routing, self.observers,
+            self.timeline, transfers,
             late=not rt.prefetch,  # read-ahead guesses from the routing before the graph
-        )
+        )  # fmt: skip
         self.device = None
         if rt.decode_path == "device":
             try:

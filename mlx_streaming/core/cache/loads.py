@@ -113,6 +113,15 @@ class Loader:
             placed = cache.reserve(sorted(load.tolist()), protect=experts)
         return self._issue(layer, experts, misses, placed, prefetch=False)
 
+    def adopt(self, layer: int, experts: np.ndarray) -> None:
+        """Make ``experts`` resident in slots 0, 1... as the reader filled them at load (a
+        swap tier: its pools are full from the start)."""
+        cache = self.caches[layer]
+        placed = cache.reserve(np.asarray(experts).tolist(), protect=np.zeros(0, np.int64))
+        assert [s for _, s, _ in placed] == list(range(len(experts))), "a fresh table"
+        cache.commit(placed)
+        self.pools[layer].set_lut(np.asarray(experts), np.arange(len(experts)))
+
     def finish_open(self) -> None:
         """Finish the latest started load, if still open: a read-ahead still reading (the
         reader takes one started read at a time), or the load of a call that raised

@@ -1,6 +1,7 @@
 """The store's one reader, built as the runtime says (``Runtime.reader``): the compiled
-engine, the Python reader, or the GPU copying from page-locked mappings. Each serves one
-call, ``start(layer, experts, slots)``, whose ``result()`` is the bytes read."""
+engine, the Python reader, the GPU copying from page-locked mappings, or a swap tier
+(``io.tier``; on CUDA the GPU trades with it). Each serves one call,
+``start(layer, experts, slots)``, whose ``result()`` is the bytes read."""
 
 from __future__ import annotations
 
@@ -14,6 +15,17 @@ def make_reader(runtime: Runtime, meta: ExpertMeta, pools: dict):
     Raises:
         OSError: the native reader is not installed, or the files could not be mapped.
     """
+    if runtime.reader == "tier":
+        from ..io import cuda
+        from ..io.tier import SwapTier, TierReader
+
+        on_gpu = runtime.pool_mode == "cuda"
+        tier = SwapTier(meta, pools, cuda if on_gpu else None, checksums=runtime.checksums)
+        if not on_gpu:
+            return TierReader(tier)
+        from ..io.device_reader import DeviceReader
+
+        return DeviceReader(meta, pools, tier=tier)  # closes the tier if it fails
     if runtime.reader == "device":
         from ..io.device_reader import DeviceReader
 

@@ -1,6 +1,7 @@
-"""The device reader (CUDA, expert files mapped): the GPU copies records into pool slots
-itself, from page-locked mappings of the expert files (``filemap.FileMaps``), in the
-graph of the call that needs them.
+"""The device reader (CUDA, expert files mapped, or a swap tier): the GPU copies records
+into pool slots itself, from page-locked mappings of the expert files
+(``filemap.FileMaps``), or trades them with a swap tier's page-locked slots
+(``tier.SwapTier``), in the graph of the call that needs them.
 
 One routine, ``mlxs_copy`` (``COPY_HEADER``), copies the records a list names (``[n, e0,
 s0, e1, s1...]``: expert, slot) into their slots' part rows. The host path gives that
@@ -97,12 +98,15 @@ def _word(values: list[int]) -> int:
 
 
 class DeviceReader:
-    """Copies records into cuda pool slots on the GPU (see the module's text).
+    """Copies records into cuda pool slots on the GPU (see the module's text), from the
+    mapped files, or trading them with a swap tier (``tier.SwapTier``: ``swap``).
 
     Args:
         meta: The expert directory's ``ExpertMeta``.
         pools: ``{layer: LayerPool}`` (cuda pools).
-        checksums: Check every record on the host first.
+        checksums: Check every record on the host first (the tier checks as it loads).
+        tier: A ``SwapTier`` of ``pools`` (page-locked, device-mapped) instead of the
+            mapped files; the reader closes it.
 
     Raises:
         OSError: a file could not be mapped or page-locked (the message says which).
@@ -111,16 +115,15 @@ class DeviceReader:
 
     wave = None  # any number of records per start
 
-    def __init__(self, meta, pools: dict, checksums: bool = True):
-        self.meta, self.pools = meta, pools
-        self.maps = FileMaps(meta, sorted(pools), cuda=cuda)
+    def __init__(self, meta, pools: dict, checksums: bool = True, tier=None):
+        self.meta, self.pools, self.tier, self.swap = meta, pools, tier, tier is not None
+        self.maps = None
         try:
-            self.checked = {
-                li: np.zeros(meta.layers[li].num_experts, np.uint8) for li in pools
-            }  # fmt: skip
-            if checksums:
-                for li in sorted(pools):
-                    self.maps.verify(li, self.checked[li])
+            if tier is None:
+                self.maps = FileMaps(meta, sorted(pools), cuda=cuda)
+                checked = {li: np.zeros(meta.layers[li].num_experts, np.uint8) for li in pools}
+                for li in sorted(pools) if checksums else ():
+                    self.maps.verify(li, checked[li])
             self._meta, self._kernels = {}, {}
             for li in sorted(pools):
                 self._meta[li] = self._layer_meta(li)
@@ -129,16 +132,16 @@ class DeviceReader:
                     self._kernels[word] = copy_kernel("mlxs_fill", _FILL, word, *FILL_NAMES)
             mx.eval([m for m, _ in self._meta.values()])
         except BaseException:
-            self.maps.close()
+            self._release()
             raise
 
     @property
     def mapped_bytes(self) -> int:
-        return self.maps.nbytes
+        return self.tier.nbytes if self.swap else self.maps.nbytes
 
     def _layer_meta(self, li: int) -> tuple[mx.array, int]:
         pool, stride = self.pools[li], self.meta.layers[li].stride
-        src = cuda.device_pointer(self.maps.sources[li])
+        src = self.tier.sources[li] if self.swap else cuda.device_pointer(self.maps.sources[li])
         meta, checked = [src, stride, len(pool.layout.parts)], [src, stride]
         for p, (addr, row) in zip(pool.layout.parts, pool.row_pointers()):
             meta += [p.offset, p.nbytes, addr, row]
@@ -154,7 +157,7 @@ class DeviceReader:
         """Copy the records ``fills`` names into their slots, lazily; returns ``slots``
         once they are in (an array the matmuls then read)."""
         meta, word = self._meta[layer]
-        (out,) = self._kernels[word]((("N", slots.size), ("SWAP", 0)))(
+        (out,) = self._kernels[word]((("N", slots.size), ("SWAP", int(self.swap))))(
             inputs=[fills, slots, meta],
             grid=(FILL_BLOCKS * FILL_THREADS, 1, 1),
             threadgroup=(FILL_THREADS, 1, 1),
@@ -167,8 +170,9 @@ class DeviceReader:
         """Queue the copies of records ``experts`` into ``slots`` on MLX's stream now
         (the host path: its computations on these slots are queued after)."""
         n = len(experts)
+        records = self.tier.records(layer, experts, slots) if self.swap else experts
         fills = np.empty(1 + 2 * n, np.int32)
-        fills[0], fills[1::2], fills[2::2] = n, experts, slots
+        fills[0], fills[1::2], fills[2::2] = n, records, slots
         out = self.fill(layer, mx.array(fills), mx.zeros((1,), SLOT_IDS))
         mx.async_eval(out)
         return Done(n * self.meta.layers[layer].record_bytes)
@@ -181,6 +185,12 @@ class DeviceReader:
 
     def close(self) -> None:
         try:
-            mx.synchronize()  # no kernel reads the mappings any more
+            mx.synchronize()  # no kernel reads the mappings (or the tier) any more
         finally:  # a device that failed (a kernel's trap) runs nothing more
+            self._release()
+
+    def _release(self) -> None:
+        if self.tier is not None:
+            self.tier.close()
+        if self.maps is not None:
             self.maps.close()
