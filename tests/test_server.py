@@ -333,15 +333,19 @@ def test_ctrl_c_during_the_first_split_ends_serve_and_the_next_run_completes_it(
     the split and serves. Before, the split ran on mlx-lm's generation thread, which is
     no daemon and takes no Ctrl-C: the process waited for the split to end. The split is
     held on layer 2 by that layer's lock, as while another process splits that layer into
-    the same directory (``writer.LayerLocks``), so Ctrl-C lands mid-split every time."""
+    the same directory (``writer.LayerLocks``), so Ctrl-C lands mid-split every time.
+    Meanwhile ``/health`` and a POST are answered 503 "loading" (before: left waiting)."""
     import fcntl
     import filecmp
+    import json
     import os
     import signal
     import subprocess
     import sys
     import tempfile
     import time
+    import urllib.error
+    import urllib.request
 
     from serving import free_port
 
@@ -353,8 +357,9 @@ def test_ctrl_c_during_the_first_split_ends_serve_and_the_next_run_completes_it(
     ed.mkdir()
     lock = os.open(ed / ".split.lock", os.O_RDWR | os.O_CREAT, 0o644)
     fcntl.lockf(lock, fcntl.LOCK_EX, 1, 2)  # layer 2's byte, as LayerLocks.hold takes it
+    port = free_port()
     cmd = [sys.executable, "-m", "mlx_streaming", "serve", "--model", str(ck)]
-    cmd += ["--expert-dir", str(ed), "--port", str(free_port()), "--log-level", "WARNING"]
+    cmd += ["--expert-dir", str(ed), "--port", str(port), "--log-level", "WARNING"]
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -363,6 +368,14 @@ def test_ctrl_c_during_the_first_split_ends_serve_and_the_next_run_completes_it(
                 assert proc.poll() is None and time.time() < deadline, "no split under way"
                 time.sleep(0.05)
             time.sleep(0.5)
+            for url, data in (
+                (f"http://127.0.0.1:{port}/health", None),
+                (f"http://127.0.0.1:{port}/v1/completions", b'{"prompt": "x"}'),
+            ):
+                with pytest.raises(urllib.error.HTTPError) as e:  # fmt: skip
+                    urllib.request.urlopen(url, data, timeout=5)  # answered, not left waiting
+                assert e.value.code == 503 and e.value.headers["Retry-After"] == "5"
+                assert json.loads(e.value.read())["status"] == "loading"
             proc.send_signal(signal.SIGINT)
             t0 = time.time()
             rc = proc.wait(timeout=15)
@@ -476,3 +489,64 @@ def test_ctrl_c_while_a_long_request_generates_ends_serve_at_once(models):
         out = output()
     assert rc == 0 and "Traceback" not in out, (rc, out[-3000:])
     assert took < 10, (took, out[-3000:])
+
+
+def test_a_request_whose_client_left_during_its_prompt_stops_prefilling(models):
+    """A client sends a long prompt without streaming and leaves during its prefill: the
+    prefill stops at its next chunk, and the next request is not held behind the rest of
+    it (before: mlx-lm looked at the stop only between tokens, after the whole prompt)."""
+    import json
+    import socket
+    import time
+    import urllib.request
+
+    from mlx_lm.utils import load_tokenizer
+
+    ck, ed = models.experts("tiny-qwen3_moe")
+    filler = " experts stream from disk when the pool is small."
+    n = len(load_tokenizer(ck).encode(filler))
+    prompts = [f"{w}{filler * (2000 // n)}" for w in ("One", "Two")]  # ~2,000 tokens each,
+    # different from the first: no prompt-cache hit
+
+    with running_server(ck, ed, 4, extra=["--prefill-step-size", "8"]) as (base, port):
+
+        def post(prompt):
+            req = urllib.request.Request(
+                base + "/v1/completions",
+                json.dumps({"prompt": prompt, "max_tokens": 1, "temperature": 0.0}).encode(),
+                {"Content-Type": "application/json"},
+            )  # fmt: skip
+            return urllib.request.urlopen(req, timeout=300).read()
+
+        t0 = time.time()
+        post(prompts[0])
+        whole = time.time() - t0  # the whole prefill, in chunks of 8
+        s = socket.create_connection(("127.0.0.1", port))
+        body = json.dumps({"prompt": prompts[1], "max_tokens": 1}).encode()
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(whole / 5)  # its prefill under way
+        s.close()
+        t1 = time.time()
+        post("Hi")
+        assert time.time() - t1 < whole / 2, (time.time() - t1, whole)
+
+
+def test_a_client_that_half_closes_gets_no_answer_cut_short(server):
+    """A client that sends its request and shuts its sending side (a half-close, which to
+    the server looks like a client that left) is told its request stopped (a 503, or no
+    answer if it is seen gone between tokens), rather than a 200 whose text was cut at
+    the first token (before)."""
+    import json
+    import socket
+
+    _, _, port = server
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 200, "temperature": 0.0}).encode()
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=120) as s:
+        s.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        s.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    assert data == b"" or (data.startswith(b"HTTP/1.0 503") and b'"stopped"' in data), data

@@ -1,6 +1,7 @@
 """The server's response generator: mlx-lm's, which runs the model on its own thread,
 one request at a time; here it also publishes the store's counters after each request,
-arms a pipeline's peer watch while a request runs, and can stop the request in flight.
+arms a pipeline's peer watch while a request runs, and can stop the request in flight,
+its prompt's prefill included.
 """
 
 from __future__ import annotations
@@ -12,10 +13,33 @@ import threading
 from mlx_lm import server as mlx_server
 
 
+class Abandoned(Exception):
+    """A request stopped during its prompt (its client gone, or the server stopping)."""
+
+
+class _Responses:
+    """A request's response queue as the generation thread fills it: a progress report of
+    the prompt (one per prefill chunk) raises ``Abandoned`` once the request's context
+    is stopped, so that a request nobody waits for does not run its whole prompt (mlx-lm
+    looks at the stop only between tokens). mlx-lm answers the exception through the
+    queue, as any failure."""
+
+    def __init__(self, queue):
+        self.queue, self.ctx = queue, None
+
+    def put(self, item):
+        if isinstance(item, mlx_server.GenerationContext):
+            self.ctx = item
+        elif isinstance(item, tuple) and self.ctx is not None and self.ctx._should_stop:
+            raise Abandoned("the request was stopped during its prompt")
+        self.queue.put(item)
+
+
 class StreamingResponseGenerator(mlx_server.ResponseGenerator):
     """mlx-lm's response generator; after each request, on its own thread (the one that
     runs the model), the store publishes its counters for ``/health`` to read. It keeps
-    the requests' contexts, so that a stop ends the one generating at its next token."""
+    the requests' contexts, so that a stop ends the one generating at its next token, or
+    at its prompt's next prefill chunk (``Abandoned``)."""
 
     def __init__(self, *a, **kw):
         # the latest requests' contexts (not weak-referenceable; served one at a time,
@@ -48,9 +72,10 @@ class StreamingResponseGenerator(mlx_server.ResponseGenerator):
     def _serve_single(self, request, stream):
         # a pipeline's watch is armed while the model runs a request, not while a client
         # sends or reads it (a slow client is no silent peer)
+        responses, req, args = request
         try:
             with self.model_provider.watch or contextlib.nullcontext():
-                return super()._serve_single(request, stream)
+                return super()._serve_single((_Responses(responses), req, args), stream)
         finally:
             store = self.model_provider.store
             if store is not None:

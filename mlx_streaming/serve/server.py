@@ -9,6 +9,7 @@ one at a time (no batching) since they share one pool of expert slots.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -20,7 +21,8 @@ import traceback
 import mlx.core as mx
 from mlx_lm import server as mlx_server
 
-from .generator import StreamingResponseGenerator, Unstoppable
+from .generator import Abandoned, StreamingResponseGenerator, Unstoppable
+from .loading import MAX_DISCARD, LoadingHandler
 from .provider import StreamingModelProvider, split_first
 
 
@@ -28,8 +30,12 @@ class ServerStopped(RuntimeError):
     """The server stopped on its own: the message, or its threads' log, says why."""
 
 
+class ClientGone(Exception):
+    """A non-stream request's client closed its end (or half-closed it: the two look
+    alike) while its tokens were generated."""
+
+
 STOP_S = 10  # on Ctrl-C, how long the generation thread is given to stop
-MAX_DISCARD = 16 << 20  # a refused request's body read before the 503, up to this
 
 
 class StreamingAPIHandler(mlx_server.APIHandler):
@@ -76,6 +82,12 @@ class StreamingAPIHandler(mlx_server.APIHandler):
             return self._completion(request, stop_words)
         except OSError:
             raise  # the client has gone: there is no one to answer
+        except ClientGone:  # or it half-closed: it gets no answer rather than a cut one
+            self.discard_unsent_headers()
+            self.close_connection = True
+        except Abandoned as e:  # stopped during its prompt: the client left, or we stop
+            with contextlib.suppress(OSError):
+                self.answer_error(503, f"{e} (the client left, or the server stops)", "stopped")
         except Exception as e:  # noqa: BLE001 - answered, and shown to the operator
             traceback.print_exc()
             message = f"generation failed: {type(e).__name__}: {e}"
@@ -83,8 +95,9 @@ class StreamingAPIHandler(mlx_server.APIHandler):
 
     def _completion(self, request, stop_words):
         """mlx-lm's; a non-stream request whose client has gone stops generating at the
-        next token (it ran to max_tokens, holding the one generation slot). A stream
-        finds out by itself: its next write fails. In a pipeline nothing stops a
+        next token, or during its prompt at the next prefill chunk (it ran to max_tokens,
+        holding the one generation slot). A stream finds out by itself: its next write
+        (a token, or the prompt's keep-alive) fails. In a pipeline nothing stops a
         request (mlx-lm raises there, in its generation thread, which ended rank 0's
         server): the ranks stay in step, and the tokens left run to ``max_tokens``."""
         gen, handler = self.response_generator, self
@@ -96,7 +109,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
             for t in tokens:
                 if handler._client_gone():
                     ctx.stop()
-                    return
+                    raise ClientGone  # no 200 with the text cut short
                 yield t
 
         class Wrapped:  # the generator, its context or its token stream wrapped
@@ -104,8 +117,20 @@ class StreamingAPIHandler(mlx_server.APIHandler):
                 return getattr(gen, name)
 
             def generate(self, *a, **kw):
-                ctx, tokens = gen.generate(*a, **kw)
-                return (Unstoppable(ctx), tokens) if pipeline else (ctx, until_gone(ctx, tokens))
+                if pipeline:
+                    ctx, tokens = gen.generate(*a, **kw)
+                    return Unstoppable(ctx), tokens
+                seen, given = [], kw.get("progress_callback")
+
+                def progress(done, total):  # each prefill chunk: has the client gone?
+                    if given is not None:
+                        given(done, total)
+                    if seen and handler._client_gone():
+                        seen[0].stop()  # the prompt stops at its next chunk
+
+                ctx, tokens = gen.generate(*a, **{**kw, "progress_callback": progress})
+                seen.append(ctx)
+                return ctx, until_gone(ctx, tokens)
 
         self.response_generator = Wrapped()
         try:
@@ -221,8 +246,9 @@ class StreamingAPIHandler(mlx_server.APIHandler):
     def handle_health_check(self):
         healthy = self.response_generator.is_healthy
         provider = self.response_generator.model_provider
+        loading = healthy and not provider.loaded.is_set()  # requests wait meanwhile
         body = {
-            "status": "ok" if healthy else "unavailable",
+            "status": "loading" if loading else "ok" if healthy else "unavailable",
             "queue_depth": self._queue_depth(),
             "concurrency": 1,
         }
@@ -236,7 +262,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
                 "pool_gb": round(t.get("pool_bytes", 0) / 1e9, 3),
             }
             body["memory"] = self._memory(provider)
-        self.reply(200 if healthy else 503, body)
+        self.reply(200 if healthy and not loading else 503, body)
 
     def _memory(self, provider) -> dict:
         """Bytes: the process's peak RSS over its RSS before the model was loaded, MLX's
@@ -283,7 +309,9 @@ def serve(
     Off a pipeline, a model not yet split is split here, on the calling thread, before
     the generator starts: Ctrl-C stops it there (mlx-lm's generation thread, which loads
     the model, is no daemon and takes no KeyboardInterrupt). A pipeline's ranks split
-    their own layers as they load.
+    their own layers as they load. Until the model is loaded, ``/health`` answers 503
+    ``{"status": "loading"}``; during the split every request does (``LoadingHandler``),
+    during the load POSTs wait for it.
     """
     from http.server import ThreadingHTTPServer
 
@@ -295,17 +323,21 @@ def serve(
         watch = PeerWatch(group, peer_timeout_s, StreamingAPIHandler.fail_inflight)
     provider = StreamingModelProvider(cli_args, load_kwargs, watch)
     follower = provider.pipeline_group is not None and provider.pipeline_group.rank() != 0
-    httpd = None
+    httpd = http = None
+    made = []  # the generator, once made: until then every request is told to wait
+
+    def handler(*a, **kw):
+        if not made:
+            return LoadingHandler(*a, **kw)
+        return StreamingAPIHandler(made[0], *a, system_fingerprint=fingerprint, **kw)
+
     if not follower:  # bind first: a taken port is refused before the model loads
         fingerprint = mlx_server.get_system_fingerprint()
         info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         server_class = type("Server", (ThreadingHTTPServer,), {"address_family": info[0][0]})
-        httpd = server_class(  # IPv4 or IPv6, as the host resolves
-            info[0][4][:2],
-            lambda *a, **kw: StreamingAPIHandler(
-                generator, *a, system_fingerprint=fingerprint, **kw
-            ),
-        )  # no request is taken before serve_forever, after the generator exists
+        httpd = server_class(info[0][4][:2], handler)  # IPv4 or IPv6, as the host resolves
+        http = threading.Thread(target=httpd.serve_forever, name="http", daemon=True)
+        http.start()  # answers "loading" during the split
     try:
         if provider.pipeline_group is None:
             try:
@@ -316,15 +348,15 @@ def serve(
         generator = StreamingResponseGenerator(
             provider, mlx_server.LRUPromptCache(cli_args.prompt_cache_size)
         )
+        made.append(generator)
     except BaseException:
         if httpd is not None:
+            httpd.shutdown()
             httpd.server_close()
         raise
     if follower:
         generator.join()  # a follower: runs rank 0's requests on its own layers
         return
-    http = threading.Thread(target=httpd.serve_forever, name="http", daemon=True)
-    http.start()
     try:  # the generator's thread loads the model, then serves: if it dies, so do we
         while generator.generation_available() and http.is_alive():
             http.join(timeout=0.5)
