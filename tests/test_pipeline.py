@@ -472,6 +472,28 @@ def test_a_stopped_rank_fails_the_request_in_flight(models, tmp_path, stream):
     assert code == 6 and waited < 5 + 5
 
 
+def test_a_rank_stopped_while_serve_is_idle_ends_it(models, tmp_path):
+    """serve under a pipeline, idle (rank 0 shares "no request" with its peers every
+    0.1 s): SIGSTOP rank 1; rank 0 exits within --pipeline-timeout, naming it (before: it
+    hung in the share, /health still "ok", every request after it queued for ever)."""
+    ck = models.checkpoint("tiny-qwen3_moe")
+    port = free_ports(1)
+    argv = ["serve", "--model", str(ck), "--expert-dir", str(tmp_path / "ed"), "--slots", "5"]
+    argv += ["--pipeline", "--pipeline-timeout", "5", "--port", str(port)]
+    procs = _start_ranks(2, tmp_path, argv)
+    try:
+        wait_healthy(port, procs[0], (tmp_path / "rank0.err").read_text)
+        procs[1].send_signal(signal.SIGSTOP)
+        t0 = time.time()
+        code = procs[0].wait(timeout=60)
+        waited = time.time() - t0
+    finally:
+        _kill(procs)
+    err = (tmp_path / "rank0.err").read_text()
+    assert code == 6 and "rank 0: no answer within 5 s: rank 1" in err, err[-2000:]
+    assert waited < 5 + 5
+
+
 def test_bench_under_ranks_then_a_stopped_rank(models, tmp_path):
     """bench over 2 ranks: both exit cleanly after their timed runs (each run ends at a
     step boundary on every rank), rank 0 reports for both; then, with one rank stopped

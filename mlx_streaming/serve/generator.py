@@ -1,7 +1,7 @@
 """The server's response generator: mlx-lm's, which runs the model on its own thread,
 one request at a time; here it also publishes the store's counters after each request,
-arms a pipeline's peer watch while a request runs, and can stop the request in flight,
-its prompt's prefill included.
+arms a pipeline's peer watch while a request runs or is shared with the peers, and can
+stop the request in flight, its prompt's prefill included.
 """
 
 from __future__ import annotations
@@ -68,6 +68,12 @@ class StreamingResponseGenerator(mlx_server.ResponseGenerator):
         with self._contexts_lock:  # nothing of a request outlives the server
             self._contexts.clear()
         return not self._generation_thread.is_alive()
+
+    def _share_request(self, request):
+        # a pipeline's rank 0, idle, shares "no request" with its peers every 0.1 s: a
+        # silent peer would hang it there, and every request after; watched as a request
+        with self.model_provider.watch or contextlib.nullcontext():
+            return super()._share_request(request)
 
     def _serve_single(self, request, stream):
         # a pipeline's watch is armed while the model runs a request, not while a client
