@@ -218,6 +218,7 @@ def child(job: dict) -> dict:
     model, tok, store, routing = streamed(ck, ed, trace, start, slots=slots, config=cfg)
     follow(cfg, routing)
     load_s = time.perf_counter() - t0
+    tier_bytes = store.reader.mapped_bytes if rt.reader == "tier" else 0  # --swap-tier
     cursor = routing.cursor if routing is not None else start
     t1 = time.perf_counter()
     first = decode_run(model, tok, ids, 1, first_only=True)  # cold: prompt, first token
@@ -292,7 +293,10 @@ def child(job: dict) -> dict:
         "page_cache_room_gb": round(page_cache / 1e9, 3),  # the median during the runs
         "page_cache_room_gb_range": [round(min(rooms) / 1e9, 3), round(max(rooms) / 1e9, 3)],
         "page_cache_room_gb_at_end": round(page_cache_end / 1e9, 3),
-        "predicted_disk_bytes_per_token": predicted and round(predicted.disk_bytes_per_token),
+        "swap_tier_gb": round(tier_bytes / 1e9, 3),
+        # a swap tier holds every record the pools do not, from load: no disk read
+        "predicted_disk_bytes_per_token": predicted
+        and (0 if tier_bytes else round(predicted.disk_bytes_per_token)),
         "predicted_pool_hit_rate": predicted and round(predicted.shares()["pool"], 4),
         "storage_gbps": round(gbps, 3),
         # the runs' decode time (from each first token on) with demand reads in flight:

@@ -190,6 +190,39 @@ def test_a_memory_limit_keeps_the_page_cache_within_it(tmp_path):
     assert limit == 256 << 20 and used <= limit and 0 < cache <= limit and total == limit
 
 
+KILLED_CHILD = """
+import os, signal, sys
+from mlx_streaming.bench.measure import enter_memory_limit
+try:
+    print(enter_memory_limit(256 << 20, "mlxs-test-killed"), flush=True)
+except OSError as e:
+    print("NO CGROUP", e, flush=True)
+    sys.exit(0)
+if sys.argv[1] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)  # no atexit: the group stays behind
+"""
+
+
+def test_a_group_left_by_a_killed_process_is_removed_by_the_next():
+    """A run killed outright (SIGKILL, the OOM killer) leaves its memory cgroup behind;
+    the next ``enter_memory_limit`` of the same name removes it (and its own at exit).
+    Skipped without a writable memory cgroup."""
+    from pathlib import Path
+
+    def child(how):
+        return subprocess.run([sys.executable, "-c", KILLED_CHILD, how], capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+
+    r = child("kill")
+    if r.stdout.startswith("NO CGROUP"):
+        pytest.skip(r.stdout.strip())
+    left = Path(r.stdout.strip())
+    assert r.returncode == -9 and left.is_dir()
+    r = child("exit")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not left.exists() and not Path(r.stdout.strip()).exists()
+
+
 def test_bench_refuses_stock_within_a_memory_limit(models):
     from mlx_streaming.bench.run import BenchConfig, run_bench
 

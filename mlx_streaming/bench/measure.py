@@ -41,7 +41,8 @@ def enter_memory_limit(limit_bytes: int, name: str = "mlx_streaming") -> str:
     """Move this process into a new memory cgroup limited to ``limit_bytes`` (v2, else
     v1), so that what it maps or reads, the page cache of the expert files included,
     stays within it: a machine with less memory than the model. The group is removed at
-    exit. Returns its path.
+    exit, and any left by a process of the same ``name`` that was killed outright. Returns
+    its path.
 
     Raises:
         OSError: no writable memory cgroup here (it needs root); the message says what
@@ -61,6 +62,7 @@ def enter_memory_limit(limit_bytes: int, name: str = "mlx_streaming") -> str:
         if not (root / procs).exists() or (limit_file == "memory.max" and "memory" not in
                                           _read(root / "cgroup.controllers")):  # fmt: skip
             continue
+        _remove_stale(root, name)
         group = root / f"{name}-{pid}"
         try:
             if limit_file == "memory.max" and "memory" not in _read(
@@ -92,6 +94,24 @@ def enter_memory_limit(limit_bytes: int, name: str = "mlx_streaming") -> str:
         + ("; ".join(errors) or "none found")
         + "; keep the experts out of RAM with --direct-io instead"
     )
+
+
+def _remove_stale(root, name: str) -> None:
+    """Remove the groups ``enter_memory_limit`` made for processes that are gone (one
+    killed outright never ran its ``atexit``); a group still holding a process stays."""
+    for group in root.glob(f"{name}-*"):
+        pid = group.name.rsplit("-", 1)[1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # alive, another user's
+        with contextlib.suppress(OSError):
+            group.rmdir()
 
 
 def _read(path) -> str:
