@@ -32,6 +32,7 @@ def test_cuda_maps_the_files_that_fit_and_says_why(meta):
     small = cuda(StreamConfig(), meta, memory=(1 << 20, 1 << 20))  # too little memory
     assert (small.mapped, small.reader, small.decode_path) == (False, "native", "host")
     assert "do not fit in half" in small.reason("decode_path")
+    assert "--swap-tier keeps the device path" in small.line()  # what to try instead
     ahead = cuda(StreamConfig(prefetch=True), meta)
     assert ahead.decode_path == "host" and ahead.reason("decode_path") == "read-ahead is on"
     direct = cuda(StreamConfig(direct_io=True), meta)

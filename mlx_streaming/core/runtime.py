@@ -174,7 +174,8 @@ def resolve(
         why["mapped"] = (
             f"expert files {files / GB:.1f} GB {'fit' if mapped else 'do not fit'} in half "
             f"of {avail / GB:.0f} GB available"
-        )
+        ) + ("" if mapped else "; --swap-tier keeps the device path, in host memory for "
+             "only the experts the pools do not hold")  # fmt: skip
 
     # the reader
     want = cfg.reader.value if cfg.reader is not None else None
