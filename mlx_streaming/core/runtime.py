@@ -78,7 +78,13 @@ class Runtime:
         return (
             f"mlx_streaming: {self.backend}, {path}; reader {reader}, {self.pool_mode} "
             f"pools, rows {self.rows}, policy {self.policy}, "
-            + (f"{self.threads} threads" if self.threads else "reads inline")
+            + (
+                "trades inline"
+                if self.reader == "tier"
+                else f"{self.threads} threads"
+                if self.threads
+                else "reads inline"
+            )  # fmt: skip
             + (", O_DIRECT" if self.direct_io else "")
             + (", read-ahead" if self.prefetch else "")
             + (f"; {self.reason('ids')}" if self.reason("ids") else "")
@@ -174,8 +180,8 @@ def resolve(
         why["mapped"] = (
             f"expert files {files / GB:.1f} GB {'fit' if mapped else 'do not fit'} in half "
             f"of {avail / GB:.0f} GB available"
-        ) + ("" if mapped else "; --swap-tier keeps the device path, in host memory for "
-             "only the experts the pools do not hold")  # fmt: skip
+        ) + ("" if mapped or cfg.prefetch else "; --swap-tier keeps the device path, in "
+             "host memory for only the experts the pools do not hold")  # fmt: skip
 
     # the reader
     want = cfg.reader.value if cfg.reader is not None else None
@@ -217,6 +223,9 @@ def resolve(
     # the decode path: the GPU copies from the mappings or trades with the tier
     gpu_source = pool_mode == "cuda" and (mapped or reader == "tier")
     if cfg.device_reads:
+        if cfg.swap_tier and not gpu_source:
+            refuse(f"device_reads: the GPU trades with the swap tier on CUDA only (this is {b})"
+                   ": drop --device-reads")  # fmt: skip
         if not gpu_source:
             refuse("device_reads: the GPU copies misses from page-locked mappings of the "
                    f"expert files or a swap tier, which this run has not ({why.get('mapped') or b}"
@@ -256,6 +265,8 @@ def resolve(
     size += f"{INLINE_BYTES // 1024} KiB"
     if cfg.overlap is not None:
         overlap = cfg.overlap
+    elif cfg.swap_tier:  # a trade is done when start returns: nothing to overlap
+        overlap = False
     else:  # the split's second launch pays only where a record's read outlasts it
         overlap = b == "cpu" and not small
         if b == "cpu" and meta is not None:

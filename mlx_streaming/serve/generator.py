@@ -25,12 +25,18 @@ class _Responses:
     queue, as any failure."""
 
     def __init__(self, queue):
-        self.queue, self.ctx = queue, None
+        self.queue, self.stopped = queue, threading.Event()
 
     def put(self, item):
         if isinstance(item, mlx_server.GenerationContext):
-            self.ctx = item
-        elif isinstance(item, tuple) and self.ctx is not None and self.ctx._should_stop:
+            stop = item.stop  # the context's stop, heard here too
+
+            def stopped():
+                self.stopped.set()
+                stop()
+
+            item.stop = stopped
+        elif isinstance(item, tuple) and self.stopped.is_set():
             raise Abandoned("the request was stopped during its prompt")
         self.queue.put(item)
 

@@ -158,6 +158,8 @@ class DevicePath:
         ids that fit in the slots the pins leave, in a pool that cannot hold every
         expert (one that can is loaded whole by its first call, on the host)."""
         c = self.caches[layer]
+        if self.reader.swap and (c.expert_in < 0).any():  # a trade needs a victim: a
+            return False  # slot freed by a failed load is filled on the host first
         return not c.whole and indices.size <= min(DECODE_IDS, c.capacity - c.pin_count)
 
     def slots(self, layer: int, indices: mx.array) -> mx.array:
@@ -286,7 +288,8 @@ class DevicePath:
         st.bytes_read += int(d[MISSES]) * nbytes
         if d[FAILED]:  # counted above first: the stats keep the calls that ran
             raise DevicePathError(
-                f"layer {layer}: the device path found no free slot for {d[FAILED]} misses "
+                f"layer {layer}: the device path found no slot (or, with a swap tier, no "
+                f"record) for {d[FAILED]} misses "
                 "(a defect: please report it); run with device_reads=False meanwhile"
             )
         if d[LATE]:  # the kernel trapped too: this is read only if the device survived

@@ -88,6 +88,7 @@ def plan_reference(
         slot_of[v], arrays["resident"][v] = -1, 0
     placed = misses[: len(targets)]
     records = arrays["home"][placed].tolist() if swap else placed.tolist()
+    assert min(records, default=0) >= 0, "a miss outside the swap tier"
     if swap:  # each victim takes the home of the miss that takes its slot
         arrays["home"][np.asarray(victims, np.int64)] = arrays["home"][placed[len(free) :]]
         arrays["home"][placed] = -1
@@ -268,6 +269,7 @@ _PLAN_BODY = """
             resident[e] = 1;
             fills[1 + 2 * i] = SWAP ? home[e] : e;  // the record: its home, or its id
             fills[2 + 2 * i] = s;
+            if (SWAP && home[e] < 0) ctr[FAILED] += 1;  // a defect: copied from nowhere
             if (SWAP) home[e] = -1;
         }
         ctr[HITS] += nd - nm;

@@ -109,8 +109,12 @@ class FileExpertStore:
         self.loads = Loader(
             meta, self.caches, self.pools, self.reader, self.stats, cfg.clear_on_evict
         )
-        for li in self.caches if rt.reader == "tier" else ():  # its pools full from load
-            self.loads.adopt(li, self.reader.tier.held[li])
+        try:
+            for li in self.caches if rt.reader == "tier" else ():  # its pools full from load
+                self.loads.adopt(li, self.reader.tier.held[li])
+        except BaseException:
+            self.reader.close()
+            raise
         self.routing = RoutingCounts(n)
         self.routing.on = cfg.record
         self.observers: list[Callable] = []  # callables(layer, host_ids) seeing the routing

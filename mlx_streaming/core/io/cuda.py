@@ -215,6 +215,12 @@ def copy_now(dst: int, src: int, nbytes: int, kind: int = H2D) -> None:
     )
 
 
+def device_synchronize() -> None:
+    """Wait for everything queued on the device, on every stream (a pageable copy's
+    ``cudaMemcpy`` may return before its transfer has landed)."""
+    _check(lib().cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+
+
 def synchronize() -> None:
     """Wait for this thread's queued copies."""
     _check(lib().cudaStreamSynchronize(_stream()), "cudaStreamSynchronize")

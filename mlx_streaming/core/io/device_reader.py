@@ -16,6 +16,8 @@ checking).
 
 from __future__ import annotations
 
+import contextlib
+
 import mlx.core as mx
 import numpy as np
 
@@ -42,6 +44,7 @@ __device__ void mlxs_copy(const int* f, const int64_t* meta, long long tid, long
     const int parts = (int)meta[2];
     const int n = f[0];
     for (int k = 0; k < n; k++) {
+        if (f[1 + 2 * k] < 0) continue;  // no record (a defect the planner counted)
         char* rec = src + (int64_t)f[1 + 2 * k] * stride;
         const int64_t slot = f[2 + 2 * k];
         for (int p = 0; p < parts; p++) {
@@ -169,12 +172,19 @@ class DeviceReader:
     def start(self, layer: int, experts, slots) -> Done:
         """Queue the copies of records ``experts`` into ``slots`` on MLX's stream now
         (the host path: its computations on these slots are queued after)."""
-        n = len(experts)
-        records = self.tier.records(layer, experts, slots) if self.swap else experts
+        if not self.swap:
+            records, trades = experts, ()
+        else:  # raises before anything moves (tier.TierError)
+            trades = self.tier.plan(layer, experts, slots)
+            records, slots = [h for _, h, _ in trades], [s for _, _, s in trades]
+        n = len(records)
         fills = np.empty(1 + 2 * n, np.int32)
         fills[0], fills[1::2], fills[2::2] = n, records, slots
-        out = self.fill(layer, mx.array(fills), mx.zeros((1,), SLOT_IDS))
-        mx.async_eval(out)
+        with self.tier.moving() if self.swap else contextlib.nullcontext():
+            out = self.fill(layer, mx.array(fills), mx.zeros((1,), SLOT_IDS))
+            mx.async_eval(out)
+            if self.swap:
+                self.tier.moved(layer, trades)
         return Done(n * self.meta.layers[layer].record_bytes)
 
     def read_gbps(self) -> float:

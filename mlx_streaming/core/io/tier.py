@@ -14,6 +14,7 @@ variant exists so that the tier's bookkeeping runs, and is tested, on any machin
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 
@@ -21,6 +22,13 @@ import numpy as np
 
 from ..format import ExpertChecksumError, record_checksum
 from .futures import Done
+
+MARGIN = 1 << 30  # host memory the tier leaves to the rest of the process
+
+
+class TierError(RuntimeError):
+    """The swap tier cannot say where a record is (the message says why); the model must
+    be loaded again."""
 
 
 class SwapTier:
@@ -54,12 +62,15 @@ class SwapTier:
             from ..mem import machine_memory
 
             available = machine_memory()[1]
-        if need > available:
-            raise MemoryError(
-                f"the swap tier needs {need / 1e9:.2f} GB of host memory (the experts the "
-                f"pools do not hold) and {available / 1e9:.2f} GB are available: give the "
-                "pools more (--slots, --budget-gb) or drop --swap-tier"
-            )
+        self._short = (
+            f"the swap tier needs {need / 1e9:.2f} GB of host memory (the experts the pools "
+            f"do not hold) and {MARGIN / 1e9:.2f} GB left to the process beside it, and "
+            f"{available / 1e9:.2f} GB are available: give the pools more (--slots, "
+            "--budget-gb) or drop --swap-tier"
+        )
+        if need + MARGIN > available:
+            raise MemoryError(self._short)
+        self.broken: str | None = None
         self.home: dict[int, np.ndarray] = {}
         self.held: dict[int, np.ndarray] = {}
         self.slabs: dict[int, np.ndarray] = {}  # [tier slots, stride] bytes per layer
@@ -68,6 +79,8 @@ class SwapTier:
         try:
             for li in sorted(pools):
                 self._load(li, checksums)
+            if cuda is not None:  # the pools' pageable copies have landed, on any stream
+                cuda.device_synchronize()
         except BaseException:
             self.close()
             raise
@@ -77,7 +90,10 @@ class SwapTier:
         n, slots = lay.num_experts, min(pool.slots, lay.num_experts)
         nbytes = (n - slots) * lay.stride
         if self._cuda is not None:
-            flat, self.sources[li] = self._cuda.shared_host(nbytes)
+            try:
+                flat, self.sources[li] = self._cuda.shared_host(nbytes)
+            except Exception as e:  # page-locked memory is scarcer than memory
+                raise MemoryError(f"{self._short} ({e})") from e
         else:
             flat = np.zeros(nbytes, np.uint8)
             self.sources[li] = flat.ctypes.data
@@ -115,33 +131,61 @@ class SwapTier:
             else:
                 ctypes.memmove(addr + slot * row, src, p.nbytes)
 
-    def records(self, layer: int, experts, slots) -> list[int]:
-        """The tier slots of ``experts`` about to trade places with pool ``slots``, the
-        tables updated as the trades leave them: each slot's victim takes its miss's home.
+    def plan(self, layer: int, experts, slots) -> list[tuple[int, int, int]]:
+        """The trades that bring ``experts`` into pool ``slots``: ``(expert, tier row,
+        slot)``, in order. An expert whose record is already in its slot (left there when
+        a load failed before its trade and its slot was freed) needs none. Changes
+        nothing: ``moved`` updates the tables once the bytes have moved.
 
         Raises:
-            RuntimeError: an expert in neither the tier nor a slot (a trade interrupted
-                between the tables and the bytes); the model must be loaded again.
+            TierError: the tier is broken (a trade was interrupted part way), or an
+                expert is neither in the tier nor in its slot; the model must be loaded
+                again.
         """
+        if self.broken:
+            raise TierError(self.broken)
         home, held = self.home[layer], self.held[layer]
         out = []
         for e, s in zip(np.asarray(experts).tolist(), np.asarray(slots).tolist()):
-            h, v = int(home[e]), int(held[s])
-            if h < 0:
-                raise RuntimeError(
-                    f"layer {layer}: expert {e} is in neither the swap tier nor a pool slot "
-                    "(an interrupted load); load the model again"
+            h = int(home[e])
+            if h >= 0:
+                out.append((e, h, s))
+            elif held[s] != e:
+                raise TierError(
+                    f"layer {layer}: expert {e} is in neither the swap tier nor slot {s} "
+                    "(a defect: please report it); load the model again"
                 )
-            out.append(h)
+        return out
+
+    def moved(self, layer: int, trades) -> None:
+        """The tables after ``trades`` (``plan``'s) moved their bytes: each slot's
+        record (its victim) takes the home of the expert that took its place."""
+        home, held = self.home[layer], self.held[layer]
+        for e, h, s in trades:
+            v = int(held[s])
             home[e], held[s] = -1, e
             if v >= 0:
                 home[v] = h
-        return out
 
-    def trade_on_host(self, layer: int, records: list[int], slots) -> None:
-        """Exchange tier slots ``records`` with host pool ``slots``, part by part."""
+    @contextlib.contextmanager
+    def moving(self):
+        """Around a move of bytes and its ``moved``: interrupted part way (an error, a
+        Ctrl-C), the tables no longer say where the records are, and every later
+        ``plan`` refuses, rather than serve the wrong bytes."""
+        try:
+            yield
+        except BaseException as e:
+            self.broken = (
+                f"the swap tier lost track of its records when a trade was interrupted "
+                f"({type(e).__name__}); load the model again"
+            )
+            raise
+
+    def trade_on_host(self, layer: int, trades) -> None:
+        """Exchange the tier rows and host pool slots of ``trades`` (``plan``'s), part by
+        part."""
         slab, pool = self.slabs[layer], self.pools[layer]
-        for h, s in zip(records, np.asarray(slots).tolist()):
+        for _, h, s in trades:
             for p, (addr, row) in zip(pool.layout.parts, pool.row_pointers()):
                 cell = (ctypes.c_uint8 * p.nbytes).from_address(addr + s * row)
                 slot = np.frombuffer(cell, np.uint8)
@@ -169,10 +213,16 @@ class TierReader:
         return self.tier.nbytes
 
     def start(self, layer: int, experts, slots) -> Done:
-        """Trade ``experts`` into ``slots`` now; the result is the bytes brought in."""
-        records = self.tier.records(layer, experts, slots)
-        self.tier.trade_on_host(layer, records, slots)
-        return Done(len(records) * self.tier.meta.layers[layer].record_bytes)
+        """Trade ``experts`` into ``slots`` now; the result is the bytes brought in.
+
+        Raises:
+            TierError: see ``SwapTier.plan`` (nothing moved).
+        """
+        trades = self.tier.plan(layer, experts, slots)
+        with self.tier.moving():
+            self.tier.trade_on_host(layer, trades)
+            self.tier.moved(layer, trades)
+        return Done(len(trades) * self.tier.meta.layers[layer].record_bytes)
 
     def read_gbps(self) -> float:
         return 0.0  # nothing is read from the disk after load
