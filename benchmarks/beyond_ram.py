@@ -219,6 +219,7 @@ def child(job: dict) -> dict:
     follow(cfg, routing)
     load_s = time.perf_counter() - t0
     tier_bytes = store.reader.mapped_bytes if rt.reader == "tier" else 0  # --swap-tier
+    bounded = bool(tier_bytes) and store.reader.tier.partial  # --swap-tier-gb: the rest read
     cursor = routing.cursor if routing is not None else start
     t1 = time.perf_counter()
     first = decode_run(model, tok, ids, 1, first_only=True)  # cold: prompt, first token
@@ -260,10 +261,11 @@ def child(job: dict) -> dict:
     if trace is not None and how is None:  # (the simulator has no read-ahead)
         calls, counted = run_calls(len(ids), job["tokens"], job["repeat"])
         moe = len(meta.moe_layers)
-        predicted = simulate_tiers(
-            trace, rt.policy, slots, page_cache, meta.layers[meta.moe_layers[0]].stride,
+        beneath = tier_bytes if bounded else page_cache  # the tier, exclusive (the page
+        predicted = simulate_tiers(  # cache beneath it left out), or the page cache
+            trace, rt.policy, slots, beneath, meta.layers[meta.moe_layers[0]].stride,
             layers=range(min(moe, trace.layers)), model_layers=moe, start=cursor,
-            calls=calls, counted=counted,
+            calls=calls, counted=counted, exclusive=bounded,
         )  # fmt: skip
     rewind(start, routing)
     ref = np.load(job["want"])
@@ -296,7 +298,7 @@ def child(job: dict) -> dict:
         "swap_tier_gb": round(tier_bytes / 1e9, 3),
         # a swap tier holds every record the pools do not, from load: no disk read
         "predicted_disk_bytes_per_token": predicted
-        and (0 if tier_bytes else round(predicted.disk_bytes_per_token)),
+        and (0 if tier_bytes and not bounded else round(predicted.disk_bytes_per_token)),
         "predicted_pool_hit_rate": predicted and round(predicted.shares()["pool"], 4),
         "storage_gbps": round(gbps, 3),
         # the runs' decode time (from each first token on) with demand reads in flight:

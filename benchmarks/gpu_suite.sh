@@ -63,7 +63,9 @@
 #                                           at RESIDENCY (default 0.5) with the swap tier
 #                                           (--swap-tier): the device path trading each miss
 #                                           with its victim; against the host path's 17.5 tok/s
-#                                           there (2026-12-04p-cgroup50)
+#                                           there (2026-12-04p-cgroup50). With TIERGB, a tier
+#                                           of that many GB (--swap-tier-gb), the rest read
+#                                           (METHOD, default memlimit; direct: O_DIRECT)
 #   bash benchmarks/gpu_suite.sh policies   decode at 50/25/12.5% on the device path under lru, then
 #                                           the host path under predictive: miss rates per path
 #   (mapab, lruab and compare measure the host path: they pass --no-device-reads)
@@ -185,8 +187,9 @@ case "$suite" in
   beyond) speed gpu-dsv2-beyond --residency "${RESIDENCY:-0.5,0.25,0.125}" --repeat 3 \
             --beyond-ram "${METHOD:-both}" --memory-limit-gb "${MEMLIMIT:-10}" \
             --timeline "$out/timeline-beyond.json" ;;
-  beyondtier) speed gpu-dsv2-beyond-tier --residency "${RESIDENCY:-0.5}" --repeat 3 \
-                --beyond-ram memlimit --memory-limit-gb "${MEMLIMIT:-6}" --swap-tier \
+  beyondtier) speed gpu-dsv2-beyond-tier${TIERGB:+-$TIERGB} --residency "${RESIDENCY:-0.5}" \
+                --repeat 3 --beyond-ram "${METHOD:-memlimit}" --memory-limit-gb "${MEMLIMIT:-6}" \
+                --swap-tier ${TIERGB:+--swap-tier-gb $TIERGB} \
                 --timeline "$out/timeline-beyond-tier.json" ;;
   beyondahead) for ahead in "" --prefetch; do  # larger than RAM (O_DIRECT): read-ahead off, on
                 speed gpu-dsv2-beyond${ahead:+-ahead} --residency 0.5,0.25 --repeat 3 \

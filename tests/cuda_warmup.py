@@ -26,16 +26,18 @@ def main() -> None:
         for chunk in (8, 64):
             greedy_trace(ref, ids, 3, chunk)
         meta = ensure_split(ck, ed)
-        for mode in ("device", "host", "pread", "tier"):
+        for mode in ("device", "host", "pread", "tier", "bounded"):
             for slots in (meta.top_k, meta.num_experts // 2, meta.num_experts):
-                if mode == "tier" and (preset != "tiny-mixtral" or slots == meta.num_experts):
+                tier = mode in ("tier", "bounded")
+                if tier and (preset != "tiny-mixtral" or slots == meta.num_experts):
                     continue  # test_a_swap_tier_streams_exactly_on_cuda's runs only
                 cfg = mlx_streaming.StreamConfig(
                     kernel_check=True,
                     kernel_check_file=kernel_file,
-                    map_files=False if mode in ("pread", "tier") else None,
+                    map_files=False if mode == "pread" or tier else None,
                     device_reads=False if mode == "host" else None,
-                    swap_tier=mode == "tier",
+                    swap_tier=tier,
+                    swap_tier_gb=1e-6 if mode == "bounded" else None,
                 )
                 model, _, store = mlx_streaming.load(ck, ed, slots=slots, config=cfg)
                 for chunk in (8, 64):

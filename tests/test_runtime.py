@@ -53,7 +53,11 @@ def test_a_swap_tier_takes_the_device_path_on_cuda_whatever_the_memory(meta):
     off = cuda(StreamConfig(swap_tier=True, device_reads=False), meta)
     assert (off.reader, off.decode_path) == ("tier", "host")
     cpu = resolve(StreamConfig(swap_tier=True), meta, backend="cpu", engine_available=True)
-    assert (cpu.reader, cpu.decode_path) == ("tier", "host")
+    assert (cpu.reader, cpu.decode_path, cpu.files_reader) == ("tier", "host", "native")
+    bounded = cuda(StreamConfig(swap_tier=True, swap_tier_gb=1.0, direct_io=True), meta)
+    assert (bounded.reader, bounded.decode_path, bounded.direct_io) == ("tier", "host", True)
+    assert "read from the files" in bounded.reason("decode_path")
+    assert "at most 1 GB: the rest read by the native reader" in bounded.reason("reader")
 
 
 @pytest.mark.parametrize(
@@ -73,6 +77,7 @@ def test_a_swap_tier_takes_the_device_path_on_cuda_whatever_the_memory(meta):
         ("cpu", StreamConfig(swap_tier=True, direct_io=True), "swap_tier and direct_io"),
         ("cuda", StreamConfig(swap_tier=True, prefetch=True), "swap_tier and prefetch"),
         ("cpu", StreamConfig(swap_tier=True, reader="python"), "swap_tier and reader"),
+        ("cpu", StreamConfig(swap_tier_gb=2.0), "add --swap-tier"),
     ],
 )
 def test_a_forced_choice_that_cannot_run_is_refused(meta, backend, cfg, match):

@@ -91,6 +91,11 @@ class StreamConfig:
         "in half of memory (on unified memory a bigger pool does better); opt-in until "
         "measured on a GPU",
     )  # fmt: skip
+    swap_tier_gb: float | None = option(
+        None, "with --swap-tier: at most this many GB of host memory for the tier; the "
+        "records the pools gave up last stay in it, the rest are read from the files "
+        "(with --direct-io around the page cache), on the host path",
+    )  # fmt: skip
     device_reads: bool | None = option(
         None, "CUDA: a decode step's misses are planned and copied by the GPU itself, "
         "inside the step's graph, with no host synchronisation per MoE layer; prompts "

@@ -52,7 +52,7 @@ class Runtime:
 
     backend: str  # cpu | metal | cuda
     pool_mode: str  # host | cuda
-    reader: str  # native | python | device
+    reader: str  # native | python | device | tier
     mapped: bool  # the expert files mapped and page-locked for the GPU
     decode_path: str  # host | device
     rows: str  # subset | masked | mixed
@@ -64,6 +64,7 @@ class Runtime:
     checksums: bool
     direct_io: bool
     kernel_check: bool
+    files_reader: str = ""  # a bounded swap tier's reader of the rest (native | python)
     why: tuple[tuple[str, str], ...] = ()
 
     def reason(self, choice: str) -> str:
@@ -160,12 +161,18 @@ def resolve(
     if cfg.swap_tier:
         for name, why_not in (
             ("map_files", "the tier holds what the pools do not; the mappings would hold it all"),
-            ("direct_io", "the tier reads each record once, at load"),
+            (
+                "direct_io",
+                "the tier reads each record once, at load; bound it with "
+                "--swap-tier-gb to read the rest from the files",
+            ),
             ("prefetch", "a miss is a trade inside its call; nothing is read ahead"),
             ("reader", "the tier is the reader"),
         ):
-            if getattr(cfg, name):
+            if getattr(cfg, name) and not (name == "direct_io" and cfg.swap_tier_gb is not None):
                 refuse(f"swap_tier and {name} exclude each other ({why_not}): drop one")
+    if cfg.swap_tier_gb is not None and not cfg.swap_tier:
+        refuse("swap_tier_gb bounds the swap tier: add --swap-tier")
     if pool_mode != "cuda" or cfg.swap_tier:
         mapped = False
     elif cfg.map_files is not None:
@@ -185,9 +192,7 @@ def resolve(
 
     # the reader
     want = cfg.reader.value if cfg.reader is not None else None
-    if cfg.swap_tier:
-        reader, why["reader"] = "tier", "swap_tier asked for"
-    elif mapped:
+    if mapped:
         if want is not None:
             refuse(f"reader={want!r}: with the files mapped the GPU copies each record "
                    "itself; drop --reader, or turn map_files off")  # fmt: skip
@@ -219,6 +224,11 @@ def resolve(
                       if direct else ""))  # fmt: skip
         if not engine_available:
             reader, why["reader"] = "python", f"the native reader is not installed ({missing})"
+    files_reader = reader  # a partial swap tier's reader of the rest
+    if cfg.swap_tier:
+        reader, why["reader"] = "tier", "swap_tier asked for" + (
+            f", at most {cfg.swap_tier_gb:g} GB: the rest read by the {files_reader} reader"
+            if cfg.swap_tier_gb is not None else "")  # fmt: skip
 
     # the decode path: the GPU copies from the mappings or trades with the tier
     gpu_source = pool_mode == "cuda" and (mapped or reader == "tier")
@@ -236,6 +246,9 @@ def resolve(
                    "host, the device path reads nothing there): drop one")  # fmt: skip
     if cfg.device_reads is False:
         decode_path, why["decode_path"] = "host", "device_reads turned off"
+    elif cfg.swap_tier_gb is not None and reader == "tier":
+        decode_path = "host"  # the device path cannot read the files
+        why["decode_path"] = "a bounded swap tier: misses beyond it are read from the files"
     elif gpu_source and not cfg.prefetch:
         decode_path = "device"
         why["decode_path"] = why.get("mapped", "") or "the swap tier"
@@ -299,6 +312,7 @@ def resolve(
         checksums=bool(cfg.checksums),
         direct_io=bool(cfg.direct_io),
         kernel_check=bool(kernel_check),
+        files_reader=files_reader,
         why=tuple(sorted((k, v) for k, v in why.items() if v)),
     )
 

@@ -97,7 +97,7 @@ class FileExpertStore:
         self.pools = make_pools(meta, caps, rt.pool_mode, rt.zero_slot)
         self.pool_mode = rt.pool_mode
         try:
-            self.reader = make_reader(rt, meta, self.pools)
+            self.reader = make_reader(rt, meta, self.pools, cfg.swap_tier_gb)
         except OSError as e:  # the files could not be mapped and page-locked
             if not rt.mapped or cfg.map_files or cfg.device_reads:
                 raise  # asked for (the device path needs the mappings): the error is the answer

@@ -9,23 +9,34 @@ from ..format import ExpertMeta
 from ..runtime import Runtime
 
 
-def make_reader(runtime: Runtime, meta: ExpertMeta, pools: dict):
-    """The reader ``runtime`` names, over ``pools``.
+def make_reader(runtime: Runtime, meta: ExpertMeta, pools: dict, tier_gb=None):
+    """The reader ``runtime`` names, over ``pools``; a swap tier of at most ``tier_gb``
+    (default: all the pools do not hold), the rest read by the file reader the runtime
+    would have had (``runtime.files_reader``).
 
     Raises:
         OSError: the native reader is not installed, or the files could not be mapped.
+        MemoryError: the swap tier does not fit.
     """
     if runtime.reader == "tier":
         from ..io import cuda
         from ..io.tier import SwapTier, TierReader
 
         on_gpu = runtime.pool_mode == "cuda"
-        tier = SwapTier(meta, pools, cuda if on_gpu else None, checksums=runtime.checksums)
-        if not on_gpu:
-            return TierReader(tier)
-        from ..io.device_reader import DeviceReader
+        tier = SwapTier(meta, pools, cuda if on_gpu else None, runtime.checksums,
+                        limit=None if tier_gb is None else int(tier_gb * 1e9))  # fmt: skip
+        try:
+            files = None
+            if tier.partial:
+                files = make_reader(runtime.replace(reader=runtime.files_reader), meta, pools)
+            if not on_gpu:
+                return TierReader(tier, files)
+            from ..io.device_reader import DeviceReader
 
-        return DeviceReader(meta, pools, tier=tier)  # closes the tier if it fails
+            return DeviceReader(meta, pools, tier=tier, files=files)  # closes both on failure
+        except BaseException:
+            tier.close()
+            raise
     if runtime.reader == "device":
         from ..io.device_reader import DeviceReader
 

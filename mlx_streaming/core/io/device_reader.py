@@ -110,6 +110,8 @@ class DeviceReader:
         checksums: Check every record on the host first (the tier checks as it loads).
         tier: A ``SwapTier`` of ``pools`` (page-locked, device-mapped) instead of the
             mapped files; the reader closes it.
+        files: A partial tier's reader of the records outside it (the native reader);
+            the reader closes it.
 
     Raises:
         OSError: a file could not be mapped or page-locked (the message says which).
@@ -118,8 +120,9 @@ class DeviceReader:
 
     wave = None  # any number of records per start
 
-    def __init__(self, meta, pools: dict, checksums: bool = True, tier=None):
+    def __init__(self, meta, pools: dict, checksums: bool = True, tier=None, files=None):
         self.meta, self.pools, self.tier, self.swap = meta, pools, tier, tier is not None
+        self.files = files  # a partial tier's: the store's reader of the rest
         self.maps = None
         try:
             if tier is None:
@@ -172,11 +175,10 @@ class DeviceReader:
     def start(self, layer: int, experts, slots) -> Done:
         """Queue the copies of records ``experts`` into ``slots`` on MLX's stream now
         (the host path: its computations on these slots are queued after)."""
-        if not self.swap:
-            records, trades = experts, ()
-        else:  # raises before anything moves (tier.TierError)
-            trades = self.tier.plan(layer, experts, slots)
-            records, slots = [h for _, h, _ in trades], [s for _, _, s in trades]
+        records, moves = experts, None
+        if self.swap:  # raises before anything moves (tier.TierError)
+            moves = self.tier.plan(layer, experts, slots)
+            records, slots = [h for h, _ in moves.trades], [s for _, s in moves.trades]
         n = len(records)
         fills = np.empty(1 + 2 * n, np.int32)
         fills[0], fills[1::2], fills[2::2] = n, records, slots
@@ -184,14 +186,19 @@ class DeviceReader:
             out = self.fill(layer, mx.array(fills), mx.zeros((1,), SLOT_IDS))
             mx.async_eval(out)
             if self.swap:
-                self.tier.moved(layer, trades)
-        return Done(n * self.meta.layers[layer].record_bytes)
+                self.tier.moved(layer, moves)
+        traded = n * self.meta.layers[layer].record_bytes
+        if moves is None or not moves.reads:
+            return Done(traded)
+        mx.eval(out)  # the victims are out before the files' records land in their slots
+        return self.tier.read_rest(layer, moves, self.files, traded)
 
-    def read_gbps(self) -> float:
-        return 0.0  # the GPU's copies are timed with its work, not apart
+    def read_gbps(self) -> float:  # the GPU's copies are timed with its work, not apart
+        return self.files.read_gbps() if self.files is not None else 0.0
 
     def reset_counters(self) -> None:
-        pass
+        if self.files is not None:
+            self.files.reset_counters()
 
     def close(self) -> None:
         try:
@@ -200,6 +207,8 @@ class DeviceReader:
             self._release()
 
     def _release(self) -> None:
+        if self.files is not None:
+            self.files.close()
         if self.tier is not None:
             self.tier.close()
         if self.maps is not None:

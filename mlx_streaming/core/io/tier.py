@@ -10,6 +10,11 @@ and the policy decide). On CUDA the GPU moves the bytes (``DeviceReader`` over t
 the ``SWAP`` variant of ``mlxs_copy``, on both paths); elsewhere ``TierReader`` moves them
 on the host. On unified memory a bigger pool does better for the same memory; the host
 variant exists so that the tier's bookkeeping runs, and is tested, on any machine.
+
+A tier given fewer bytes than the rest (``rows``) holds the records the pools gave up
+last: a miss outside it is read from its file (the store's own reader, ``TierReader``'s
+``files``), its victim going out to the tier row written longest ago, whose record is
+dropped (it is in its file). This is the exclusive host tier ``planning.tiers`` models.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,6 +30,17 @@ from ..format import ExpertChecksumError, record_checksum
 from .futures import Done
 
 MARGIN = 1 << 30  # host memory the tier leaves to the rest of the process
+
+
+@dataclass
+class Moves:
+    """A load's moves (``SwapTier.plan``): ``trades`` (tier row, slot) exchanged first,
+    then ``reads`` (expert, slot) from the files; the tables they leave, and the clock."""
+
+    trades: list[tuple[int, int]]
+    reads: list[tuple[int, int]]
+    tables: tuple
+    clock: int
 
 
 class TierError(RuntimeError):
@@ -52,12 +69,16 @@ class SwapTier:
         ExpertChecksumError: a corrupt record (naming the file and the expert).
     """
 
-    def __init__(self, meta, pools: dict, cuda=None, checksums: bool = True, available=None):
+    def __init__(
+        self, meta, pools: dict, cuda=None, checksums: bool = True, available=None, limit=None
+    ):
         self.meta, self.pools, self._cuda = meta, pools, cuda
-        need = sum(
-            max(0, meta.layers[li].num_experts - p.slots) * meta.layers[li].stride
-            for li, p in pools.items()
-        )
+        rest = {li: max(0, meta.layers[li].num_experts - p.slots) for li, p in pools.items()}
+        full = sum(n * meta.layers[li].stride for li, n in rest.items())
+        share = 1.0 if limit is None or limit >= full else max(0.0, limit / max(1, full))
+        self.rows = {li: int(n * share) for li, n in rest.items()}  # per layer
+        self.partial = any(self.rows[li] < n for li, n in rest.items())
+        need = sum(n * meta.layers[li].stride for li, n in self.rows.items())
         if available is None:
             from ..mem import machine_memory
 
@@ -73,6 +94,9 @@ class SwapTier:
         self.broken: str | None = None
         self.home: dict[int, np.ndarray] = {}
         self.held: dict[int, np.ndarray] = {}
+        self.owner: dict[int, np.ndarray] = {}  # the expert in each tier row (-1: none)
+        self.stamp: dict[int, np.ndarray] = {}  # when each row was written (for eviction)
+        self._clock = 0
         self.slabs: dict[int, np.ndarray] = {}  # [tier slots, stride] bytes per layer
         self.sources: dict[int, int] = {}  # each slab's address (the device's, on CUDA)
         self.nbytes = 0
@@ -87,8 +111,8 @@ class SwapTier:
 
     def _load(self, li: int, checksums: bool) -> None:
         lay, pool = self.meta.layers[li], self.pools[li]
-        n, slots = lay.num_experts, min(pool.slots, lay.num_experts)
-        nbytes = (n - slots) * lay.stride
+        n, slots, rows = lay.num_experts, min(pool.slots, lay.num_experts), self.rows[li]
+        nbytes = rows * lay.stride
         if self._cuda is not None:
             try:
                 flat, self.sources[li] = self._cuda.shared_host(nbytes)
@@ -97,14 +121,16 @@ class SwapTier:
         else:
             flat = np.zeros(nbytes, np.uint8)
             self.sources[li] = flat.ctypes.data
-        self.slabs[li] = slab = flat.reshape(n - slots, lay.stride)
+        self.slabs[li] = slab = flat.reshape(rows, lay.stride)
         self.nbytes += nbytes
         self.held[li] = np.arange(slots, dtype=np.int32)
         self.home[li] = home = np.full(n, -1, np.int32)
-        home[slots:] = np.arange(n - slots)
+        home[slots : slots + rows] = np.arange(rows)
+        self.owner[li] = np.arange(slots, slots + rows, dtype=np.int32)
+        self.stamp[li] = np.zeros(rows, np.int64)
         path, staging = self.meta.file(li), np.empty(lay.stride, np.uint8)
         with open(path, "rb") as f:
-            for e in range(n):
+            for e in range(slots + rows):
                 row = slab[home[e]] if home[e] >= 0 else staging
                 got = os.preadv(f.fileno(), [memoryview(row)], e * lay.stride)
                 if got < lay.record_bytes:
@@ -131,41 +157,83 @@ class SwapTier:
             else:
                 ctypes.memmove(addr + slot * row, src, p.nbytes)
 
-    def plan(self, layer: int, experts, slots) -> list[tuple[int, int, int]]:
-        """The trades that bring ``experts`` into pool ``slots``: ``(expert, tier row,
-        slot)``, in order. An expert whose record is already in its slot (left there when
-        a load failed before its trade and its slot was freed) needs none. Changes
-        nothing: ``moved`` updates the tables once the bytes have moved.
+    def plan(self, layer: int, experts, slots) -> Moves:
+        """What brings ``experts`` into pool ``slots``, as ``Moves``: trades of tier rows
+        and slots (a miss from the tier, or a victim going out to a row whose record is
+        dropped), then reads from the files (misses outside a partial tier). An expert
+        whose record is already in its slot (left there when a load failed before its
+        trade and its slot was freed) needs none. Changes nothing: ``moved`` sets the
+        tables once the bytes have moved.
 
         Raises:
-            TierError: the tier is broken (a trade was interrupted part way), or an
-                expert is neither in the tier nor in its slot; the model must be loaded
-                again.
+            TierError: the tier is broken (a trade was interrupted part way), or (a whole
+                tier) an expert is neither in the tier nor in its slot; the model must be
+                loaded again.
         """
         if self.broken:
             raise TierError(self.broken)
-        home, held = self.home[layer], self.held[layer]
-        out = []
+        home, held = self.home[layer].copy(), self.held[layer].copy()
+        owner, stamp = self.owner[layer].copy(), self.stamp[layer].copy()
+        clock, trades, reads, later = self._clock, [], [], []
         for e, s in zip(np.asarray(experts).tolist(), np.asarray(slots).tolist()):
-            h = int(home[e])
-            if h >= 0:
-                out.append((e, h, s))
-            elif held[s] != e:
+            v, h = int(held[s]), int(home[e])
+            if h < 0 and v == e:
+                continue  # its record is in its slot
+            if h < 0 and not self.partial:
                 raise TierError(
                     f"layer {layer}: expert {e} is in neither the swap tier nor slot {s} "
                     "(a defect: please report it); load the model again"
                 )
-        return out
-
-    def moved(self, layer: int, trades) -> None:
-        """The tables after ``trades`` (``plan``'s) moved their bytes: each slot's
-        record (its victim) takes the home of the expert that took its place."""
-        home, held = self.home[layer], self.held[layer]
-        for e, h, s in trades:
-            v = int(held[s])
-            home[e], held[s] = -1, e
+            if h < 0:
+                later.append((e, s, v))  # after the trades: rows they free are not taken
+                continue
+            clock += 1
+            trades.append((h, s))
+            home[e], held[s], owner[h], stamp[h] = -1, e, v, clock
             if v >= 0:
                 home[v] = h
+        used = {h for h, _ in trades}
+        for e, s, v in later:
+            held[s] = e
+            reads.append((e, s))
+            if v < 0 or not len(owner):
+                continue  # no victim, or no tier: the victim is dropped
+            free = [h for h in np.argsort(stamp, kind="stable").tolist() if h not in used]
+            h = next((h for h in free if owner[h] < 0), free[0] if free else -1)
+            if h < 0:
+                continue
+            clock += 1
+            trades.append((h, s))
+            used.add(h)
+            if owner[h] >= 0:
+                home[owner[h]] = -1  # dropped: it is in its file
+            home[v], owner[h], stamp[h] = h, v, clock
+        return Moves(trades, reads, (home, held, owner, stamp), clock)
+
+    def moved(self, layer: int, moves: Moves) -> None:
+        """The tables once ``moves`` (``plan``'s) have moved their bytes."""
+        home, held, owner, stamp = moves.tables
+        self.home[layer][:], self.held[layer][:] = home, held
+        self.owner[layer][:], self.stamp[layer][:] = owner, stamp
+        self._clock = moves.clock
+
+    def read_rest(self, layer: int, moves: Moves, files, traded: int):
+        """Start ``moves``' reads from the files (after its trades have moved) with
+        ``files``, the store's file reader: a future of their bytes plus ``traded``. A
+        read that fails leaves its slot's content unknown to the tables (-1)."""
+        if not moves.reads:
+            return Done(traded)
+        experts, slots = (list(x) for x in zip(*moves.reads))
+
+        def unknown():
+            self.held[layer][slots] = -1
+
+        try:
+            future = files.start(layer, experts, slots)
+        except BaseException:
+            unknown()
+            raise
+        return _Reads(future, traded, unknown)
 
     @contextlib.contextmanager
     def moving(self):
@@ -182,10 +250,10 @@ class SwapTier:
             raise
 
     def trade_on_host(self, layer: int, trades) -> None:
-        """Exchange the tier rows and host pool slots of ``trades`` (``plan``'s), part by
-        part."""
+        """Exchange the tier rows and host pool slots of ``trades`` (``Moves.trades``),
+        part by part."""
         slab, pool = self.slabs[layer], self.pools[layer]
-        for _, h, s in trades:
+        for h, s in trades:
             for p, (addr, row) in zip(pool.layout.parts, pool.row_pointers()):
                 cell = (ctypes.c_uint8 * p.nbytes).from_address(addr + s * row)
                 slot = np.frombuffer(cell, np.uint8)
@@ -199,36 +267,64 @@ class SwapTier:
         self.slabs, self.sources, self.nbytes = {}, {}, 0
 
 
+class _Reads:
+    """A file reader's future whose result adds the bytes traded before it; a failed
+    read first tells the tier (``on_error``)."""
+
+    def __init__(self, future, traded: int, on_error):
+        self.future, self.traded, self.on_error = future, traded, on_error
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self, timeout=None) -> int:
+        try:
+            return (
+                self.future.result() if timeout is None else self.future.result(timeout)
+            ) + self.traded
+        except Exception:
+            self.on_error()
+            raise
+
+
 class TierReader:
     """The store's reader over a ``SwapTier`` of host pools: each miss trades places with
-    its victim, on the calling thread."""
+    its victim on the calling thread; with a partial tier, a miss outside it is then read
+    by ``files`` (the store's file reader)."""
 
     wave = None  # any number of records per start
 
-    def __init__(self, tier: SwapTier):
-        self.tier = tier
+    def __init__(self, tier: SwapTier, files=None):
+        self.tier, self.files = tier, files
 
     @property
     def mapped_bytes(self) -> int:
         return self.tier.nbytes
 
-    def start(self, layer: int, experts, slots) -> Done:
-        """Trade ``experts`` into ``slots`` now; the result is the bytes brought in.
+    def start(self, layer: int, experts, slots):
+        """Trade ``experts`` into ``slots`` now, then start the reads of those outside
+        the tier; the result is the bytes brought in.
 
         Raises:
             TierError: see ``SwapTier.plan`` (nothing moved).
         """
-        trades = self.tier.plan(layer, experts, slots)
+        moves = self.tier.plan(layer, experts, slots)
         with self.tier.moving():
-            self.tier.trade_on_host(layer, trades)
-            self.tier.moved(layer, trades)
-        return Done(len(trades) * self.tier.meta.layers[layer].record_bytes)
+            self.tier.trade_on_host(layer, moves.trades)
+            self.tier.moved(layer, moves)
+        traded = len(moves.trades) * self.tier.meta.layers[layer].record_bytes
+        return self.tier.read_rest(layer, moves, self.files, traded)
 
     def read_gbps(self) -> float:
-        return 0.0  # nothing is read from the disk after load
+        return self.files.read_gbps() if self.files is not None else 0.0
 
     def reset_counters(self) -> None:
-        pass
+        if self.files is not None:
+            self.files.reset_counters()
 
     def close(self) -> None:
-        self.tier.close()
+        try:
+            if self.files is not None:
+                self.files.close()
+        finally:
+            self.tier.close()
