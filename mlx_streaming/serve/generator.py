@@ -17,6 +17,14 @@ class Abandoned(Exception):
     """A request stopped during its prompt (its client gone, or the server stopping)."""
 
 
+class _Heard(mlx_server.GenerationContext):
+    """mlx-lm's request context whose ``stop`` also sets its ``heard`` event."""
+
+    def stop(self):
+        self.heard.set()
+        super().stop()
+
+
 class _Responses:
     """A request's response queue as the generation thread fills it: a progress report of
     the prompt (one per prefill chunk) raises ``Abandoned`` once the request's context
@@ -29,15 +37,12 @@ class _Responses:
 
     def put(self, item):
         if isinstance(item, mlx_server.GenerationContext):
-            stop = item.stop  # the context's stop, heard here too
-
-            def stopped():
-                self.stopped.set()
-                stop()
-
-            item.stop = stopped
+            item.heard = self.stopped  # its stop, heard here too (no reference cycle)
+            item.__class__ = _Heard
         elif isinstance(item, tuple) and self.stopped.is_set():
             raise Abandoned("the request was stopped during its prompt")
+        elif isinstance(item, Abandoned):  # its frames (this one's queue, which would
+            item = item.with_traceback(None)  # hold it: a cycle) and the KV cache go
         self.queue.put(item)
 
 
