@@ -508,8 +508,7 @@ def test_a_trade_cut_short_is_refused_after_and_a_failed_start_heals(models, mon
     """A trade interrupted part way (bytes moved, tables not) leaves the tier refusing
     every later load with a clear error, rather than serving wrong bytes (before: the
     next prompts gave other tokens than stock's, silently). A start that fails before
-    moving anything leaves a freed slot holding its victim's record; the next loads use
-    it and stay exact."""
+    moving anything puts its victims back in their slots; the next loads stay exact."""
     from mlx_streaming.core.io.tier import SwapTier, TierError
 
     ck, ed = models.experts("tiny-qwen3_moe")
@@ -546,7 +545,56 @@ def test_a_trade_cut_short_is_refused_after_and_a_failed_start_heals(models, mon
     monkeypatch.setattr(SwapTier, "plan", fail_once)
     with pytest.raises(OSError, match="injected"):
         assert_exact(model, ck)
-    assert any((store.caches[li].expert_in < 0).any() for li in store.layers)  # freed
+    assert all((store.caches[li].expert_in >= 0).all() for li in store.layers)  # restored
+    assert_exact(model, ck)
+    assert_each_record_once(store, meta)
+    store.close()
+
+
+def test_a_bounded_tier_survives_a_failed_read_and_an_interrupt(models, monkeypatch):
+    """A bounded swap tier's file read that fails after writing garbage into its slots,
+    then an interrupt after the trades and before the reads: the loads fail, and the next
+    ones are exact, every record where the tables say (a read's slot is known to hold its
+    record only once the read has landed)."""
+    import ctypes
+
+    from mlx_streaming.core.io.futures import Done
+    from mlx_streaming.core.io.tier import SwapTier
+
+    ck, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    slots = meta.top_k + 1
+    cfg = StreamConfig(swap_tier=True, swap_tier_gb=_rest_gb(meta, slots) / 3)
+    model, store = patched(ck, ed, config=cfg, capacity=slots)
+    files, start = store.reader.files, store.reader.files.start
+    calls = []
+
+    def garbage(layer, experts, slots_):  # the 3rd read: garbage in its slots, an error
+        calls.append(layer)
+        if len(calls) != 3:
+            return start(layer, experts, slots_)
+        pool = store.pool(layer)
+        for s in slots_:
+            for p, (addr, row) in zip(pool.layout.parts, pool.row_pointers()):
+                ctypes.memset(addr + s * row, 7, p.nbytes)
+        return Done(error=OSError("injected read error"))
+
+    monkeypatch.setattr(files, "start", garbage)
+    with pytest.raises(OSError, match="injected read error"):
+        assert_exact(model, ck)
+    monkeypatch.setattr(files, "start", start)
+    rest, calls = SwapTier.read_rest, []
+
+    def interrupted(self, *a):  # the 2nd: the trades moved, the reads never start
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return rest(self, *a)
+
+    monkeypatch.setattr(SwapTier, "read_rest", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        assert_exact(model, ck)
+    monkeypatch.setattr(SwapTier, "read_rest", rest)
     assert_exact(model, ck)
     assert_each_record_once(store, meta)
     store.close()

@@ -78,6 +78,11 @@ def test_a_swap_tier_takes_the_device_path_on_cuda_whatever_the_memory(meta):
         ("cuda", StreamConfig(swap_tier=True, prefetch=True), "swap_tier and prefetch"),
         ("cpu", StreamConfig(swap_tier=True, reader="python"), "swap_tier and reader"),
         ("cpu", StreamConfig(swap_tier_gb=2.0), "add --swap-tier"),
+        (
+            "cuda",
+            StreamConfig(swap_tier=True, swap_tier_gb=1.0, device_reads=True),
+            "a bounded swap tier reads",
+        ),
     ],
 )
 def test_a_forced_choice_that_cannot_run_is_refused(meta, backend, cfg, match):

@@ -145,6 +145,10 @@ class StreamConfig:
     def __post_init__(self):
         if isinstance(self.budget_gb, str) and self.budget_gb != "auto":
             raise ValueError(f"budget_gb must be a number of GB or 'auto', got {self.budget_gb!r}")
+        if self.swap_tier_gb is not None and not self.swap_tier_gb > 0:
+            raise ValueError(
+                f"swap_tier_gb must be a positive number of GB, got {self.swap_tier_gb!r}"
+            )
         if self.policy not in POLICIES:
             raise ValueError(
                 f"unknown cache policy {self.policy!r}; choose one of {sorted(POLICIES)}"

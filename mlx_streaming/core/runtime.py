@@ -166,7 +166,7 @@ def resolve(
                 "the tier reads each record once, at load; bound it with "
                 "--swap-tier-gb to read the rest from the files",
             ),
-            ("prefetch", "a miss is a trade inside its call; nothing is read ahead"),
+            ("prefetch", "read-ahead is not built for the tier"),
             ("reader", "the tier is the reader"),
         ):
             if getattr(cfg, name) and not (name == "direct_io" and cfg.swap_tier_gb is not None):
@@ -233,6 +233,9 @@ def resolve(
     # the decode path: the GPU copies from the mappings or trades with the tier
     gpu_source = pool_mode == "cuda" and (mapped or reader == "tier")
     if cfg.device_reads:
+        if cfg.swap_tier_gb is not None:
+            refuse("device_reads: a bounded swap tier reads the misses beyond it from the "
+                   "files, on the host path: drop --device-reads or --swap-tier-gb")  # fmt: skip
         if cfg.swap_tier and not gpu_source:
             refuse(f"device_reads: the GPU trades with the swap tier on CUDA only (this is {b})"
                    ": drop --device-reads")  # fmt: skip

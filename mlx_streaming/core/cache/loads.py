@@ -63,6 +63,7 @@ class Ticket:
         self.done = False
         self.late = False  # still reading when a later load had to wait for it
         self.error: BaseException | None = None  # a failed load fails every wait
+        self.restore = False  # a failed load's victims are back in their slots
         self._loader = loader
 
     def wait(self) -> int:
@@ -203,6 +204,9 @@ class Loader:
         """Start the reads of ``placed`` ((expert, slot, victim) reservations)."""
         if not placed:
             return Ticket(self, layer, experts, misses, placed, Done(0), prefetch)
+        tier = getattr(self.reader, "tier", None)  # a swap tier's victims stay in their
+        moves = tier.moves if tier is not None else None  # slots until a move begins
+        restore = False
         try:
             self.finish_open()  # the reader takes one started read at a time
             self.outputs.evaluate(layer)  # nothing queued still reads the slots written now
@@ -212,11 +216,12 @@ class Loader:
                     layer, [e for e, _, _ in placed], [s for _, s, _ in placed]
                 )  # fmt: skip
             except Exception as e:  # noqa: BLE001 - raised by Ticket.wait, after the abort
-                fut = Done(error=e)
+                fut, restore = Done(error=e), tier is not None and tier.moves == moves
         except BaseException:  # e.g. an interrupt: the reader has let go of the slots
-            self.caches[layer].abort(placed)
+            self.caches[layer].abort(placed, restore=tier is not None and tier.moves == moves)
             raise
         t = Ticket(self, layer, experts, misses, placed, fut, prefetch)
+        t.restore = restore  # the victims go back to their untouched slots on failure
         self._started = t  # finished by its caller, or before the next load
         if fut.done() and not prefetch:  # read before start returned (over a wave, inline)
             self.stats[layer].read_s += time.perf_counter() - t0
@@ -229,7 +234,7 @@ class Loader:
         try:
             nbytes = t.future.result()
         except BaseException:
-            cache.abort(t.placed)  # no slot stays marked resident with bad or partial data
+            cache.abort(t.placed, t.restore)  # no slot stays resident with bad or partial data
             raise
         if t.placed:
             pool.set_lut([e for e, _, _ in t.placed], [s for _, s, _ in t.placed])

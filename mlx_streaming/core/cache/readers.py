@@ -25,8 +25,8 @@ def make_reader(runtime: Runtime, meta: ExpertMeta, pools: dict, tier_gb=None):
         on_gpu = runtime.pool_mode == "cuda"
         tier = SwapTier(meta, pools, cuda if on_gpu else None, runtime.checksums,
                         limit=None if tier_gb is None else int(tier_gb * 1e9))  # fmt: skip
+        files = None
         try:
-            files = None
             if tier.partial:
                 files = make_reader(runtime.replace(reader=runtime.files_reader), meta, pools)
             if not on_gpu:
@@ -35,7 +35,11 @@ def make_reader(runtime: Runtime, meta: ExpertMeta, pools: dict, tier_gb=None):
 
             return DeviceReader(meta, pools, tier=tier, files=files)  # closes both on failure
         except BaseException:
-            tier.close()
+            try:
+                if files is not None:
+                    files.close()
+            finally:
+                tier.close()
             raise
     if runtime.reader == "device":
         from ..io.device_reader import DeviceReader

@@ -178,12 +178,17 @@ class SlotCache:
             self.slot_of[e] = s
             policy.insert(e)
 
-    def abort(self, placements: list[Placement]) -> None:
-        """A load failed: its slots become free; nothing new becomes resident."""
-        for e, s, _ in placements:
+    def abort(self, placements: list[Placement], restore: bool = False) -> None:
+        """A load failed: nothing new becomes resident; its slots become free, or with
+        ``restore`` (the slots were not touched) hold their victims again."""
+        for e, s, v in placements:
             if self.pending.pop(e, None) is not None:
                 self._complete = False
                 self.expert_in[s] = -1
+                if restore and v >= 0:
+                    self.expert_in[s], self.slot_of[v] = v, s
+                    self._policy.insert(v)
+                    self.stats.evictions -= 1
 
     def access(self, experts: np.ndarray, n_misses: int) -> None:
         """Count one lookup of distinct ``experts`` of which ``n_misses`` missed (the

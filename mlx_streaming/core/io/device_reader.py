@@ -207,9 +207,11 @@ class DeviceReader:
             self._release()
 
     def _release(self) -> None:
-        if self.files is not None:
-            self.files.close()
-        if self.tier is not None:
-            self.tier.close()
-        if self.maps is not None:
-            self.maps.close()
+        try:
+            if self.files is not None:
+                self.files.close()
+        finally:
+            if self.tier is not None:
+                self.tier.close()
+            if self.maps is not None:
+                self.maps.close()

@@ -92,6 +92,7 @@ class SwapTier:
         if need + MARGIN > available:
             raise MemoryError(self._short)
         self.broken: str | None = None
+        self.moves = 0  # moves begun (``moving``)
         self.home: dict[int, np.ndarray] = {}
         self.held: dict[int, np.ndarray] = {}
         self.owner: dict[int, np.ndarray] = {}  # the expert in each tier row (-1: none)
@@ -194,7 +195,7 @@ class SwapTier:
                 home[v] = h
         used = {h for h, _ in trades}
         for e, s, v in later:
-            held[s] = e
+            held[s] = -1  # its content unknown until the read lands (``_Reads``)
             reads.append((e, s))
             if v < 0 or not len(owner):
                 continue  # no victim, or no tier: the victim is dropped
@@ -219,27 +220,24 @@ class SwapTier:
 
     def read_rest(self, layer: int, moves: Moves, files, traded: int):
         """Start ``moves``' reads from the files (after its trades have moved) with
-        ``files``, the store's file reader: a future of their bytes plus ``traded``. A
-        read that fails leaves its slot's content unknown to the tables (-1)."""
+        ``files``, the store's file reader: a future of their bytes plus ``traded``. The
+        read slots' records are known to the tables only once the reads have landed
+        (until then, and after a failure or an interrupt, -1: unknown)."""
         if not moves.reads:
             return Done(traded)
         experts, slots = (list(x) for x in zip(*moves.reads))
 
-        def unknown():
-            self.held[layer][slots] = -1
+        def landed():
+            self.held[layer][slots] = experts
 
-        try:
-            future = files.start(layer, experts, slots)
-        except BaseException:
-            unknown()
-            raise
-        return _Reads(future, traded, unknown)
+        return _Reads(files.start(layer, experts, slots), traded, landed)
 
     @contextlib.contextmanager
     def moving(self):
         """Around a move of bytes and its ``moved``: interrupted part way (an error, a
         Ctrl-C), the tables no longer say where the records are, and every later
         ``plan`` refuses, rather than serve the wrong bytes."""
+        self.moves += 1  # the loader restores a failed load's victims only if unchanged
         try:
             yield
         except BaseException as e:
@@ -268,23 +266,21 @@ class SwapTier:
 
 
 class _Reads:
-    """A file reader's future whose result adds the bytes traded before it; a failed
-    read first tells the tier (``on_error``)."""
+    """A file reader's future whose result adds the bytes traded before it; once the
+    reads have landed, the tier hears of it (``landed``)."""
 
-    def __init__(self, future, traded: int, on_error):
-        self.future, self.traded, self.on_error = future, traded, on_error
+    def __init__(self, future, traded: int, landed):
+        self.future, self.traded, self.landed = future, traded, landed
 
     def done(self) -> bool:
         return self.future.done()
 
     def result(self, timeout=None) -> int:
-        try:
-            return (
-                self.future.result() if timeout is None else self.future.result(timeout)
-            ) + self.traded
-        except Exception:
-            self.on_error()
-            raise
+        n = self.future.result() if timeout is None else self.future.result(timeout)
+        if self.landed is not None:
+            self.landed()
+            self.landed = None
+        return n + self.traded
 
 
 class TierReader:
