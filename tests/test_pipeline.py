@@ -391,6 +391,22 @@ def _start_ranks(n: int, out: Path, argv: list[str]) -> list[subprocess.Popen]:
     ]
 
 
+def _serving_ranks(models, tmp_path) -> tuple[list, int]:
+    """``serve`` on two ranks (tiny-qwen3_moe, --pipeline-timeout 5), healthy: the
+    processes and rank 0's port."""
+    ck = models.checkpoint("tiny-qwen3_moe")
+    port = free_ports(1)
+    argv = ["serve", "--model", str(ck), "--expert-dir", str(tmp_path / "ed"), "--slots", "5"]
+    argv += ["--pipeline", "--pipeline-timeout", "5", "--port", str(port)]
+    procs = _start_ranks(2, tmp_path, argv)
+    try:
+        wait_healthy(port, procs[0], (tmp_path / "rank0.err").read_text)
+    except BaseException:
+        _kill(procs)
+        raise
+    return procs, port
+
+
 def _kill(procs) -> None:
     for p in procs:
         _killpg(p)
@@ -440,13 +456,8 @@ def test_a_stopped_rank_fails_the_request_in_flight(models, tmp_path, stream):
     once came with the 503 after it), and rank 0 exits."""
     import http.client
 
-    ck = models.checkpoint("tiny-qwen3_moe")
-    port = free_ports(1)
-    argv = ["serve", "--model", str(ck), "--expert-dir", str(tmp_path / "ed"), "--slots", "5"]
-    argv += ["--pipeline", "--pipeline-timeout", "5", "--port", str(port)]
-    procs = _start_ranks(2, tmp_path, argv)
+    procs, port = _serving_ranks(models, tmp_path)
     try:
-        wait_healthy(port, procs[0], (tmp_path / "rank0.err").read_text)
         body = {"prompt": PROMPT, "max_tokens": LONG, "temperature": 0, "stream": stream}
         c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
@@ -476,13 +487,8 @@ def test_a_rank_stopped_while_serve_is_idle_ends_it(models, tmp_path):
     """serve under a pipeline, idle (rank 0 shares "no request" with its peers every
     0.1 s): SIGSTOP rank 1; rank 0 exits within --pipeline-timeout, naming it (before: it
     hung in the share, /health still "ok", every request after it queued for ever)."""
-    ck = models.checkpoint("tiny-qwen3_moe")
-    port = free_ports(1)
-    argv = ["serve", "--model", str(ck), "--expert-dir", str(tmp_path / "ed"), "--slots", "5"]
-    argv += ["--pipeline", "--pipeline-timeout", "5", "--port", str(port)]
-    procs = _start_ranks(2, tmp_path, argv)
+    procs, port = _serving_ranks(models, tmp_path)
     try:
-        wait_healthy(port, procs[0], (tmp_path / "rank0.err").read_text)
         procs[1].send_signal(signal.SIGSTOP)
         t0 = time.time()
         code = procs[0].wait(timeout=60)
