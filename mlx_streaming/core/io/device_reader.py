@@ -16,8 +16,6 @@ checking).
 
 from __future__ import annotations
 
-import contextlib
-
 import mlx.core as mx
 import numpy as np
 
@@ -175,23 +173,23 @@ class DeviceReader:
     def start(self, layer: int, experts, slots) -> Done:
         """Queue the copies of records ``experts`` into ``slots`` on MLX's stream now
         (the host path: its computations on these slots are queued after)."""
-        records, moves = experts, None
-        if self.swap:  # raises before anything moves (tier.TierError)
-            moves = self.tier.plan(layer, experts, slots)
-            records, slots = [h for h, _ in moves.trades], [s for _, s in moves.trades]
+        if self.swap:  # the tier's trades (tier.SwapTier.take), by the fill kernel
+            return self.tier.take(layer, experts, slots, self._trade, self.files)
+        self._queue(layer, experts, slots)
+        return Done(len(experts) * self.meta.layers[layer].record_bytes)
+
+    def _trade(self, layer: int, trades):
+        """Queue the exchanges of ``trades`` (tier row, slot); a wait for them."""
+        out = self._queue(layer, [h for h, _ in trades], [s for _, s in trades])
+        return lambda: mx.eval(out)
+
+    def _queue(self, layer: int, records, slots) -> mx.array:
         n = len(records)
         fills = np.empty(1 + 2 * n, np.int32)
         fills[0], fills[1::2], fills[2::2] = n, records, slots
-        with self.tier.moving() if self.swap else contextlib.nullcontext():
-            out = self.fill(layer, mx.array(fills), mx.zeros((1,), SLOT_IDS))
-            mx.async_eval(out)
-            if self.swap:
-                self.tier.moved(layer, moves)
-        traded = n * self.meta.layers[layer].record_bytes
-        if moves is None or not moves.reads:
-            return Done(traded)
-        mx.eval(out)  # the victims are out before the files' records land in their slots
-        return self.tier.read_rest(layer, moves, self.files, traded)
+        out = self.fill(layer, mx.array(fills), mx.zeros((1,), SLOT_IDS))
+        mx.async_eval(out)
+        return out
 
     def read_gbps(self) -> float:  # the GPU's copies are timed with its work, not apart
         return self.files.read_gbps() if self.files is not None else 0.0

@@ -218,6 +218,24 @@ class SwapTier:
         self.owner[layer][:], self.stamp[layer][:] = owner, stamp
         self._clock = moves.clock
 
+    def take(self, layer: int, experts, slots, move, files):
+        """Bring ``experts`` into ``slots``: ``plan``, ``move(layer, trades)`` the trades'
+        bytes (it returns a wait for them, or None when they have moved), ``moved``,
+        then the reads of the rest (``read_rest``, once the trades have moved). The
+        one sequence of every reader over the tier.
+
+        Raises:
+            TierError: see ``plan`` (nothing moved).
+        """
+        moves = self.plan(layer, experts, slots)
+        with self.moving():
+            wait = move(layer, moves.trades)
+            self.moved(layer, moves)
+        if moves.reads and wait is not None:
+            wait()  # the victims are out before the files' records land in their slots
+        traded = len(moves.trades) * self.meta.layers[layer].record_bytes
+        return self.read_rest(layer, moves, files, traded)
+
     def read_rest(self, layer: int, moves: Moves, files, traded: int):
         """Start ``moves``' reads from the files (after its trades have moved) with
         ``files``, the store's file reader: a future of their bytes plus ``traded``. The
@@ -304,12 +322,7 @@ class TierReader:
         Raises:
             TierError: see ``SwapTier.plan`` (nothing moved).
         """
-        moves = self.tier.plan(layer, experts, slots)
-        with self.tier.moving():
-            self.tier.trade_on_host(layer, moves.trades)
-            self.tier.moved(layer, moves)
-        traded = len(moves.trades) * self.tier.meta.layers[layer].record_bytes
-        return self.tier.read_rest(layer, moves, self.files, traded)
+        return self.tier.take(layer, experts, slots, self.tier.trade_on_host, self.files)
 
     def read_gbps(self) -> float:
         return self.files.read_gbps() if self.files is not None else 0.0
