@@ -12,7 +12,9 @@
 #                                           error (2026-12-03b: the suite's later cases failed
 #                                           on "an illegal memory access")
 #   bash benchmarks/gpu_suite.sh tests      the cuda-marked tests (every CUDA path's exactness,
-#                                           the plan kernel against its reference, verify, /health)
+#                                           the plan kernel against its reference, verify, /health);
+#                                           K selects some (pytest -k), MLXS_WARMUP_ONLY the
+#                                           presets the session fixture compiles for
 #   bash benchmarks/gpu_suite.sh speed      DeepSeek-V2-Lite shape at full width, its real routing:
 #                                           stock and streamed alternating at 50/25/12.5%,
 #                                           warm page cache, 32-token prompt, 96 decode tokens;
@@ -174,7 +176,7 @@ case "$suite" in
               -k "device-$preset or host-tiny-mixtral" > "$out/isolate-$preset.log" 2>&1
             echo "device-$preset then host-tiny-mixtral: rc $? $(tail -1 "$out/isolate-$preset.log")"
           done ;;
-  tests) timeout "$limit" python3 -m pytest -v --durations=0 -m cuda tests/test_cuda.py 2>&1 \
+  tests) timeout "$limit" python3 -m pytest -v --durations=0 -m cuda tests/test_cuda.py ${K:+-k "$K"} 2>&1 \
            | tee "$out/tests-cuda.log" | tail -15 ;;
   quick) speed gpu-dsv2-quick --residency 0.5 --cold warm --repeat 3 --prefill-tokens 0 \
            --timeline "$out/timeline-gpu-dsv2-quick.json" ;;

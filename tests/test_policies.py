@@ -380,6 +380,18 @@ def test_plan_splits_memory_between_pools_and_the_page_cache(tmp_path, capsys):
     for r in rows:
         assert abs(r["pool_share"] + r["page_cache_share"] + r["disk_share"] - 1) < 1e-3
         assert abs(r["pool_gb"] + r["page_cache_gb"] - 0.0004) < 1e-3
+        assert r["flags"].startswith(f"--slots {r['slots']}")
+    # both tiers beneath the pools, at each split: the swap tier (no record held twice)
+    # never reads more from the disk than the page cache of its size on this trace
+    by = {(r["slots"], r["tier"]): r for r in rows}
+    swaps = [r for r in rows if r["tier"] == "swap"]
+    assert swaps and {r["tier"] for r in rows} == {"page cache", "swap"}
+    for r in swaps:
+        assert r["disk_mb_per_token"] <= by[r["slots"], "page cache"]["disk_mb_per_token"]
+        assert "--swap-tier" in r["flags"]
+    cmd.main([*args, "--t-compute-ms", "1", "--read-gbps", "0.001"])
+    table = capsys.readouterr().out
+    assert "swap" in table and "--swap-tier" in table and "page cache" in table
     with pytest.raises(ValueError, match="--memory-gb needs a compute time"):
         cmd.main(args)
     bounds = ["--t-compute-ms", "1", "--read-gbps", "0.001"]

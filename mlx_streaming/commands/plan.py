@@ -36,9 +36,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     size.add_argument(
         "--memory-gb",
         type=positive_float,
-        help="the memory left after the trunk, shared by the pools and the page cache: "
-        "each split's hits per tier (pool, page cache, disk) and predicted tok/s, best "
-        "first (needs a compute time and the disk's bandwidth, e.g. --bench)",
+        help="the memory left after the trunk, shared by the pools and the tier beneath "
+        "them (the page cache, or the store's --swap-tier): each split's hits per tier "
+        "(pool, page cache or swap tier, disk), predicted tok/s and the flags that run it, "
+        "best first (needs a compute time and the disk's bandwidth, e.g. --bench)",
     )
     p.add_argument(
         "--mem-gbps",
@@ -157,17 +158,19 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
     slot = int(np.mean(shape.slot_bytes[:L]))
     rows = best_split(test, pol, int(a.memory_gb * 1e9), slot, slot, shape.top_k, t,
                       a.mem_gbps, b, layers=layers, model_layers=len(shape.slot_bytes),
-                      tokens=a.tokens)  # fmt: skip
+                      tokens=a.tokens, beneath=("page cache", "swap"))  # fmt: skip
     if a.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"policy {pol}; {a.memory_gb} GB for pools and page cache; best first")
-    print(f"{'slots':>5} {'pool GB':>8} {'cache GB':>9} {'pool':>6} {'cache':>6} {'disk':>6} "
-          f"{'disk MB/tok':>11} {'tok/s':>8}")  # fmt: skip
+    print(f"policy {pol}; {a.memory_gb} GB for pools and the tier beneath them (the page "
+          f"cache, or the store's swap tier); best first")  # fmt: skip
+    print(f"{'slots':>5} {'beneath':<10} {'pool GB':>8} {'tier GB':>8} {'pool':>6} {'tier':>6} "
+          f"{'disk':>6} {'disk MB/tok':>11} {'tok/s':>8}  flags")  # fmt: skip
     for r in rows:
-        print(f"{r['slots']:>5} {r['pool_gb']:>8.2f} {r['page_cache_gb']:>9.2f} "
+        print(f"{r['slots']:>5} {r['tier']:<10} {r['pool_gb']:>8.2f} {r['page_cache_gb']:>8.2f} "
               f"{r['pool_share']:6.3f} {r['page_cache_share']:6.3f} {r['disk_share']:6.3f} "
-              f"{r['disk_mb_per_token']:>11.2f} {r['predicted_tok_per_s']:>8.2f}")  # fmt: skip
+              f"{r['disk_mb_per_token']:>11.2f} {r['predicted_tok_per_s']:>8.2f}  "
+              f"{r['flags']}")  # fmt: skip
 
 
 def _bounds(a) -> tuple[float | None, float | None]:

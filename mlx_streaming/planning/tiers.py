@@ -150,10 +150,18 @@ def best_split(
     model_layers: int | None = None,
     tokens: int | None = 4000,
     steps: int = 8,
+    beneath: tuple[str, ...] = ("page cache",),
 ) -> list[dict]:
     """The memory ``memory_bytes`` left after the trunk split between pools and the
-    page cache, ``steps`` ways from all pools downwards: each split's slots per layer,
-    page cache, hits per tier and predicted tok/s (overlap bound), best first."""
+    tier beneath them, ``steps`` ways from all pools downwards: each split's slots per
+    layer, tier size, hits per tier and predicted tok/s (overlap bound), best first.
+    ``beneath``: the tiers to model under the pools, "page cache" (the OS's, holding
+    what the pools hold too) and "swap" (the store's exclusive host tier, ``--swap-tier``;
+    whole where it has room for every record the pools do not hold)."""
+    unknown = set(beneath) - {"page cache", "swap"}
+    if unknown:
+        raise ValueError(f"best_split: unknown tier {sorted(unknown)}; "
+                         f"known: 'page cache', 'swap'")  # fmt: skip
     model_layers = model_layers or trace.layers
     most = min(trace.num_experts, memory_bytes // (slot_bytes * model_layers))
     if most < top_k:
@@ -163,16 +171,33 @@ def best_split(
     rows = []
     for s in sorted({int(x) for x in np.linspace(top_k, most, steps)}, reverse=True):
         cache = memory_bytes - s * slot_bytes * model_layers
-        r = simulate_tiers(trace, policy, s, cache, record_bytes, layers, model_layers,
-                           tokens=tokens)  # fmt: skip
-        t = r.time_per_token(t_compute, mem_gbps, disk_gbps)
-        rows.append({
-            "slots": s,
-            "pool_gb": round(s * slot_bytes * model_layers / 1e9, 3),
-            "page_cache_gb": round(cache / 1e9, 3),
-            **{f"{k}_share": round(v, 4) for k, v in r.shares().items()},
-            "disk_mb_per_token": round(r.disk_bytes_per_token / 1e6, 3),
-            "page_cache_mb_per_token": round(r.page_cache_bytes_per_token / 1e6, 3),
-            "predicted_tok_per_s": round(1 / t, 3),
-        })  # fmt: skip
+        for tier in beneath:
+            swap = tier == "swap"
+            if swap and s == trace.num_experts:
+                continue  # nothing left for a tier to hold
+            r = simulate_tiers(trace, policy, s, cache, record_bytes, layers, model_layers,
+                               tokens=tokens, exclusive=swap)  # fmt: skip
+            t = r.time_per_token(t_compute, mem_gbps, disk_gbps)
+            rows.append({
+                "slots": s,
+                "tier": tier,
+                "pool_gb": round(s * slot_bytes * model_layers / 1e9, 3),
+                "page_cache_gb": round(cache / 1e9, 3),
+                **{f"{k}_share": round(v, 4) for k, v in r.shares().items()},
+                "disk_mb_per_token": round(r.disk_bytes_per_token / 1e6, 3),
+                "page_cache_mb_per_token": round(r.page_cache_bytes_per_token / 1e6, 3),
+                "predicted_tok_per_s": round(1 / t, 3),
+                "flags": _flags(s, swap, cache, (trace.num_experts - s) * record_bytes
+                                * model_layers),  # fmt: skip
+            })  # fmt: skip
     return sorted(rows, key=lambda r: -r["predicted_tok_per_s"])
+
+
+def _flags(slots: int, swap: bool, tier_bytes: int, rest_bytes: int) -> str:
+    """The store's flags for a split: its slots, and the swap tier (whole where it holds
+    every record the pools do not, else bounded)."""
+    if not swap:
+        return f"--slots {slots}"
+    if tier_bytes >= rest_bytes:
+        return f"--slots {slots} --swap-tier"
+    return f"--slots {slots} --swap-tier --swap-tier-gb {tier_bytes / 1e9:.3g}"
