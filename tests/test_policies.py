@@ -590,6 +590,38 @@ def test_complete_holds_until_the_table_changes():
     assert cache.complete and len(placed) == 3
 
 
+def test_plan_the_host_tier_beneath_device_pools(tmp_path, capsys):
+    """``plan --host-gb``: pools of their own (a GPU's) at each ``--slots``, and beneath
+    them the host memory as the page cache or the swap tier; the swap tier with room for
+    every record the pools do not hold runs whole and reads no more from the disk than
+    its first touches, and never more than the page cache; without pools, a clear error."""
+    from mlx_streaming.commands import plan as cmd
+
+    local_trace(T=400).save(tmp_path / "t.npz")
+    base = ["--trace", str(tmp_path / "t.npz"), "--expert-bytes", "4096", "--tokens", "200",
+            "--t-compute-ms", "1", "--read-gbps", "0.001"]  # fmt: skip
+    rest = (32 - 8) * 3 * 4096  # 3 layers: every record 8 slots per layer leave out
+    cmd.main([*base, "--slots", "16", "8", "--host-gb", str(rest * 1.01 / 1e9), "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert {(r["slots"], r["tier"]) for r in rows} == {
+        (s, t) for s in (16, 8) for t in ("page cache", "swap")
+    }
+    by = {(r["slots"], r["tier"]): r for r in rows}
+    for s in (16, 8):
+        swap, cache = by[s, "swap"], by[s, "page cache"]
+        assert swap["disk_mb_per_token"] <= cache["disk_mb_per_token"]
+        assert swap["flags"] == f"--slots {s} --swap-tier"  # whole: room for the rest
+        assert swap["page_cache_gb"] == cache["page_cache_gb"] == round(rest * 1.01 / 1e9, 3)
+    first = 3 * 32 * 4096 / 200 / 1e6  # every record read once over the 200 tokens
+    assert by[8, "swap"]["disk_mb_per_token"] <= first + 5e-4  # rounded to 1 kB
+    cmd.main([*base, "--slots", "8", "--host-gb", str(rest / 2e9), "--json"])
+    half = {r["tier"]: r for r in json.loads(capsys.readouterr().out)}
+    assert "--swap-tier-gb" in half["swap"]["flags"]  # bounded: half the rest
+    assert half["swap"]["disk_mb_per_token"] > by[8, "swap"]["disk_mb_per_token"]
+    with pytest.raises(ValueError, match="--host-gb .* add --slots or --budget-gb"):
+        cmd.main([*base, "--host-gb", "1"])
+
+
 def test_the_page_cache_tier_beneath_the_pools():
     """``simulate_tiers``: with no page cache (O_DIRECT) every pool miss is a disk read
     and the pool's hits are the simulator's; with room for every record only the first

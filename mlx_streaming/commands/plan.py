@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 from ..core.options import StreamConfig
-from ..planning.budget import PoolShape
+from ..planning.budget import PoolShape, default_zero_slot, plan_budget
 from ..planning.planner import PlanRow, plan, resolve_policies, sample_layers, shared_layers
 from ..planning.trace import RoutingTrace
 from ._args import nonneg_int, positive_float, positive_int
@@ -42,10 +42,17 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "best first (needs a compute time and the disk's bandwidth, e.g. --bench)",
     )
     p.add_argument(
+        "--host-gb",
+        type=positive_float,
+        help="with --slots or --budget-gb, pools in a GPU's own memory (CUDA): this much "
+        "host memory beneath them, as the page cache or as the store's swap tier; each "
+        "row's hits per tier, disk bytes, predicted tok/s and flags, best first",
+    )
+    p.add_argument(
         "--mem-gbps",
         type=positive_float,
         default=10.0,
-        help="with --memory-gb: the page cache's copy bandwidth (default 10)",
+        help="with --memory-gb or --host-gb: the host tier's copy bandwidth (default 10)",
     )
     p.add_argument(
         "--policy",
@@ -142,28 +149,37 @@ def _shape(a, trace: RoutingTrace) -> PoolShape:
 
 
 def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
-    """``--memory-gb``: the pools against the page cache (``planning.tiers``)."""
-    from ..planning.tiers import best_split
+    """``--memory-gb``: the pools against the tier beneath them; ``--host-gb``: the tier
+    beneath pools of their own (``planning.tiers``)."""
+    from ..planning.tiers import beneath_device_pools, best_split
 
+    flag = "--memory-gb" if a.memory_gb else "--host-gb"
     if t is None or b is None:
-        raise ValueError("--memory-gb needs a compute time and the disk's bandwidth: --bench, "
+        raise ValueError(f"{flag} needs a compute time and the disk's bandwidth: --bench, "
                          "or --t-compute-ms and --read-gbps")  # fmt: skip
     if a.policy == "all" or a.policy == "belady":
-        raise ValueError(f"--memory-gb plans one policy the store runs, not --policy "
+        raise ValueError(f"{flag} plans one policy the store runs, not --policy "
                          f"{a.policy}: name one (e.g. predictive)")  # fmt: skip
     pol = "predictive" if a.policy == "auto" else a.policy
     L = shared_layers(trace, shape)  # a trace of another model is refused, as in plan
-    layers = sample_layers(L, a.layer_sample or None)
+    sim = dict(layers=sample_layers(L, a.layer_sample or None),
+               model_layers=len(shape.slot_bytes), tokens=a.tokens)  # fmt: skip
     _, test = trace.split(0.5)
     slot = int(np.mean(shape.slot_bytes[:L]))
-    rows = best_split(test, pol, int(a.memory_gb * 1e9), slot, slot, shape.top_k, t,
-                      a.mem_gbps, b, layers=layers, model_layers=len(shape.slot_bytes),
-                      tokens=a.tokens, beneath=("page cache", "swap"))  # fmt: skip
+    if a.memory_gb:
+        rows = best_split(test, pol, int(a.memory_gb * 1e9), slot, slot, shape.top_k, t,
+                          a.mem_gbps, b, beneath=("page cache", "swap"), **sim)  # fmt: skip
+        what = f"{a.memory_gb} GB for pools and the tier beneath them"
+    else:
+        zero = default_zero_slot()
+        slots = a.slots or [plan_budget(shape, g, zero).default_slots for g in a.budget_gb]
+        rows = beneath_device_pools(test, pol, slots, int(a.host_gb * 1e9), slot, slot, t,
+                                    a.mem_gbps, b, **sim)  # fmt: skip
+        what = f"pools on the device, {a.host_gb} GB of host memory beneath them"
     if a.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"policy {pol}; {a.memory_gb} GB for pools and the tier beneath them (the page "
-          f"cache, or the store's swap tier); best first")  # fmt: skip
+    print(f"policy {pol}; {what} (the page cache, or the store's swap tier); best first")
     print(f"{'slots':>5} {'beneath':<10} {'pool GB':>8} {'tier GB':>8} {'pool':>6} {'tier':>6} "
           f"{'disk':>6} {'disk MB/tok':>11} {'tok/s':>8}  flags")  # fmt: skip
     for r in rows:
@@ -216,6 +232,9 @@ def main(argv=None) -> None:
     a = setup_arg_parser().parse_args(argv)
     if a.machines_gb:
         return plan_hosts(a)
+    if a.host_gb and not (a.slots or a.budget_gb):
+        raise ValueError("--host-gb plans the host tier beneath pools of a given size: "
+                         "add --slots or --budget-gb")  # fmt: skip
     if not a.trace or not (a.budget_gb or a.slots or a.memory_gb):
         raise ValueError(
             "plan needs --trace and --budget-gb, --slots or --memory-gb (or --machines-gb)"
@@ -223,10 +242,11 @@ def main(argv=None) -> None:
     trace = RoutingTrace.load(a.trace)
     shape = _shape(a, trace)
     t, b = _bounds(a)
-    if a.memory_gb:
+    if a.memory_gb or a.host_gb:
         if a.plot or a.pin_hot:
             raise ValueError(
-                "--memory-gb plans the two tiers without --plot or --pin-hot: drop them"
+                "--memory-gb and --host-gb plan the two tiers without --plot or --pin-hot: "
+                "drop them"
             )
         return plan_tiers(a, trace, shape, t, b)
     rows = plan(

@@ -15,7 +15,7 @@ holds no record the pools hold (``benchmarks/host_tier.py`` compares the two).
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -168,29 +168,66 @@ def best_split(
         raise ValueError(
             f"{memory_bytes / 1e9:.2f} GB holds {most} slots per layer, below top_k={top_k}"
         )
+    sim = dict(layers=layers, model_layers=model_layers, tokens=tokens)
+    rates = (t_compute, mem_gbps, disk_gbps)
     rows = []
     for s in sorted({int(x) for x in np.linspace(top_k, most, steps)}, reverse=True):
         cache = memory_bytes - s * slot_bytes * model_layers
         for tier in beneath:
-            swap = tier == "swap"
-            if swap and s == trace.num_experts:
-                continue  # nothing left for a tier to hold
-            r = simulate_tiers(trace, policy, s, cache, record_bytes, layers, model_layers,
-                               tokens=tokens, exclusive=swap)  # fmt: skip
-            t = r.time_per_token(t_compute, mem_gbps, disk_gbps)
-            rows.append({
-                "slots": s,
-                "tier": tier,
-                "pool_gb": round(s * slot_bytes * model_layers / 1e9, 3),
-                "page_cache_gb": round(cache / 1e9, 3),
-                **{f"{k}_share": round(v, 4) for k, v in r.shares().items()},
-                "disk_mb_per_token": round(r.disk_bytes_per_token / 1e6, 3),
-                "page_cache_mb_per_token": round(r.page_cache_bytes_per_token / 1e6, 3),
-                "predicted_tok_per_s": round(1 / t, 3),
-                "flags": _flags(s, swap, cache, (trace.num_experts - s) * record_bytes
-                                * model_layers),  # fmt: skip
-            })  # fmt: skip
+            if tier != "swap" or s < trace.num_experts:  # a full pool leaves a tier nothing
+                rows.append(_row(trace, policy, s, slot_bytes, record_bytes, cache, tier,
+                                 rates, sim))  # fmt: skip
     return sorted(rows, key=lambda r: -r["predicted_tok_per_s"])
+
+
+def beneath_device_pools(
+    trace: RoutingTrace,
+    policy: str,
+    slots: list[int],
+    host_bytes: int,
+    slot_bytes: int,
+    record_bytes: int,
+    t_compute: float,
+    mem_gbps: float,
+    disk_gbps: float,
+    layers=None,
+    model_layers: int | None = None,
+    tokens: int | None = 4000,
+) -> list[dict]:
+    """Pools in a GPU's own memory (CUDA) at each of ``slots`` per layer, and beneath
+    them ``host_bytes`` of host memory as the page cache or as the store's swap tier:
+    each row's hits per tier, disk bytes and predicted tok/s, best first. The row's
+    ``page_cache_gb`` is the host tier's size, whichever it is."""
+    model_layers = model_layers or trace.layers
+    sim = dict(layers=layers, model_layers=model_layers, tokens=tokens)
+    rates = (t_compute, mem_gbps, disk_gbps)
+    rows = [
+        _row(trace, policy, s, slot_bytes, record_bytes, host_bytes, tier, rates, sim)
+        for s in sorted(set(slots), reverse=True)
+        for tier in ("page cache", "swap")
+        if tier != "swap" or s < trace.num_experts
+    ]
+    return sorted(rows, key=lambda r: -r["predicted_tok_per_s"])
+
+
+def _row(trace, policy, s, slot_bytes, record_bytes, tier_bytes, tier, rates, sim) -> dict:
+    """One split's simulated hits per tier, bytes and predicted tok/s (overlap bound)."""
+    swap = tier == "swap"
+    r = simulate_tiers(trace, policy, s, tier_bytes, record_bytes, exclusive=swap, **sim)
+    rest = (trace.num_experts - s) * record_bytes * sim["model_layers"]
+    # a trade moves the victim out as the miss comes in: twice the tier's bytes
+    timed = replace(r, page_cache_bytes_per_token=r.page_cache_bytes_per_token * (1 + swap))
+    return {
+        "slots": s,
+        "tier": tier,
+        "pool_gb": round(s * slot_bytes * sim["model_layers"] / 1e9, 3),
+        "page_cache_gb": round(tier_bytes / 1e9, 3),
+        **{f"{k}_share": round(v, 4) for k, v in r.shares().items()},
+        "disk_mb_per_token": round(r.disk_bytes_per_token / 1e6, 3),
+        "page_cache_mb_per_token": round(r.page_cache_bytes_per_token / 1e6, 3),
+        "predicted_tok_per_s": round(1 / timed.time_per_token(*rates), 3),
+        "flags": _flags(s, swap, tier_bytes, rest),
+    }
 
 
 def _flags(slots: int, swap: bool, tier_bytes: int, rest_bytes: int) -> str:
