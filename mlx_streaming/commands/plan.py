@@ -151,7 +151,7 @@ def _shape(a, trace: RoutingTrace) -> PoolShape:
 def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
     """``--memory-gb``: the pools against the tier beneath them; ``--host-gb``: the tier
     beneath pools of their own (``planning.tiers``)."""
-    from ..planning.tiers import beneath_device_pools, best_split
+    from ..planning.tiers import best_split, split_rows
 
     flag = "--memory-gb" if a.memory_gb else "--host-gb"
     if t is None or b is None:
@@ -173,8 +173,8 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
     else:
         zero = default_zero_slot()
         slots = a.slots or [plan_budget(shape, g, zero).default_slots for g in a.budget_gb]
-        rows = beneath_device_pools(test, pol, slots, int(a.host_gb * 1e9), slot, slot, t,
-                                    a.mem_gbps, b, **sim)  # fmt: skip
+        splits = [(s, int(a.host_gb * 1e9)) for s in sorted(set(slots), reverse=True)]
+        rows = split_rows(test, pol, splits, slot, slot, t, a.mem_gbps, b, **sim)
         what = f"pools on the device, {a.host_gb} GB of host memory beneath them"
     if a.json:
         print(json.dumps(rows, indent=1))

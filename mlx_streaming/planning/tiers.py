@@ -158,33 +158,24 @@ def best_split(
     ``beneath``: the tiers to model under the pools, "page cache" (the OS's, holding
     what the pools hold too) and "swap" (the store's exclusive host tier, ``--swap-tier``;
     whole where it has room for every record the pools do not hold)."""
-    unknown = set(beneath) - {"page cache", "swap"}
-    if unknown:
-        raise ValueError(f"best_split: unknown tier {sorted(unknown)}; "
-                         f"known: 'page cache', 'swap'")  # fmt: skip
     model_layers = model_layers or trace.layers
     most = min(trace.num_experts, memory_bytes // (slot_bytes * model_layers))
     if most < top_k:
         raise ValueError(
             f"{memory_bytes / 1e9:.2f} GB holds {most} slots per layer, below top_k={top_k}"
         )
-    sim = dict(layers=layers, model_layers=model_layers, tokens=tokens)
-    rates = (t_compute, mem_gbps, disk_gbps)
-    rows = []
-    for s in sorted({int(x) for x in np.linspace(top_k, most, steps)}, reverse=True):
-        cache = memory_bytes - s * slot_bytes * model_layers
-        for tier in beneath:
-            if tier != "swap" or s < trace.num_experts:  # a full pool leaves a tier nothing
-                rows.append(_row(trace, policy, s, slot_bytes, record_bytes, cache, tier,
-                                 rates, sim))  # fmt: skip
-    return sorted(rows, key=lambda r: -r["predicted_tok_per_s"])
+    splits = [
+        (s, memory_bytes - s * slot_bytes * model_layers)
+        for s in sorted({int(x) for x in np.linspace(top_k, most, steps)}, reverse=True)
+    ]
+    return split_rows(trace, policy, splits, slot_bytes, record_bytes, t_compute, mem_gbps,
+                      disk_gbps, layers, model_layers, tokens, beneath)  # fmt: skip
 
 
-def beneath_device_pools(
+def split_rows(
     trace: RoutingTrace,
     policy: str,
-    slots: list[int],
-    host_bytes: int,
+    splits: list[tuple[int, int]],
     slot_bytes: int,
     record_bytes: int,
     t_compute: float,
@@ -193,19 +184,22 @@ def beneath_device_pools(
     layers=None,
     model_layers: int | None = None,
     tokens: int | None = 4000,
+    beneath: tuple[str, ...] = ("page cache", "swap"),
 ) -> list[dict]:
-    """Pools in a GPU's own memory (CUDA) at each of ``slots`` per layer, and beneath
-    them ``host_bytes`` of host memory as the page cache or as the store's swap tier:
-    each row's hits per tier, disk bytes and predicted tok/s, best first. The row's
-    ``page_cache_gb`` is the host tier's size, whichever it is."""
-    model_layers = model_layers or trace.layers
-    sim = dict(layers=layers, model_layers=model_layers, tokens=tokens)
+    """Each ``(slots per layer, bytes of the tier beneath)`` split, with each tier of
+    ``beneath`` under the pools: hits per tier, disk bytes and predicted tok/s, best
+    first. ``best_split`` makes the splits of one memory; pools in a GPU's own memory
+    (``plan --host-gb``) have the same host bytes beneath each pool size."""
+    unknown = set(beneath) - {"page cache", "swap"}
+    if unknown:
+        raise ValueError(f"unknown tier {sorted(unknown)}; known: 'page cache', 'swap'")
+    sim = dict(layers=layers, model_layers=model_layers or trace.layers, tokens=tokens)
     rates = (t_compute, mem_gbps, disk_gbps)
     rows = [
-        _row(trace, policy, s, slot_bytes, record_bytes, host_bytes, tier, rates, sim)
-        for s in sorted(set(slots), reverse=True)
-        for tier in ("page cache", "swap")
-        if tier != "swap" or s < trace.num_experts
+        _row(trace, policy, s, slot_bytes, record_bytes, tier_bytes, tier, rates, sim)
+        for s, tier_bytes in splits
+        for tier in beneath
+        if tier != "swap" or s < trace.num_experts  # a full pool leaves a tier nothing
     ]
     return sorted(rows, key=lambda r: -r["predicted_tok_per_s"])
 
