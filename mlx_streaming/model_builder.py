@@ -205,11 +205,12 @@ def load_trunk(model, progress: bool | None = None) -> None:
 
 
 def memory_plan(model, store: FileExpertStore, cache_limit_gb: float | None = None) -> MemoryPlan:
-    """Trunk, pool and buffer-cache bytes of a patched model (nothing is evaluated);
-    ``cache_limit_gb`` as given to ``load``."""
+    """Trunk, pool, buffer-cache and swap-tier bytes of a patched model (nothing is
+    evaluated); ``cache_limit_gb`` as given to ``load``."""
     from mlx.utils import tree_flatten
 
     params = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     pools = store.pool_bytes()
     cap = int(cache_limit_gb * 1e9) if cache_limit_gb is not None else default_cache_limit(pools)
-    return MemoryPlan(params - pools, pools, cap)
+    tier = getattr(getattr(store.reader, "tier", None), "nbytes", 0)  # host memory
+    return MemoryPlan(params - pools, pools, cap, tier)

@@ -504,6 +504,30 @@ def test_a_swap_tier_that_does_not_fit_is_refused_before_it_allocates(models):
     assert SwapTier(meta, pools, available=need + MARGIN).nbytes == need
 
 
+def test_the_memory_plan_and_the_expert_line_count_the_swap_tier(models):
+    """The swap tier's host memory is in the memory plan's total and in ``generate``'s
+    expert line, whose bytes say they include the trades (before: neither named it)."""
+    import mlx_streaming
+    from mlx_streaming.commands.generate import expert_line
+
+    ck, ed = models.experts("tiny-qwen3_moe")
+    meta, slots = load_meta(ed), 4
+    rest = sum((meta.layers[li].num_experts - slots) * meta.layers[li].stride
+               for li in meta.moe_layers)  # fmt: skip
+    for tier in (True, False):
+        cfg = mlx_streaming.StreamConfig(swap_tier=tier)
+        model, _, store = mlx_streaming.load(ck, ed, slots=slots, config=cfg)
+        plan = mlx_streaming.memory_plan(model, store)
+        assert plan.swap_tier_bytes == (rest if tier else 0)
+        assert plan.total_bytes == (
+            plan.trunk_bytes + plan.pool_bytes + plan.cache_limit_bytes + plan.swap_tier_bytes
+        )
+        assert ("swap_tier_gb" in plan.to_json()) == tier
+        line = expert_line(store)
+        assert ("read or traded" in line and f"swap tier {rest / 1e9:.3f} GB" in line) == tier
+        store.close()
+
+
 def test_a_trade_cut_short_is_refused_after_and_a_failed_start_heals(models, monkeypatch):
     """A trade interrupted part way (bytes moved, tables not) leaves the tier refusing
     every later load with a clear error, rather than serving wrong bytes (before: the

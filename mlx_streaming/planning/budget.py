@@ -212,22 +212,27 @@ def scale_profile(
 
 @dataclass
 class MemoryPlan:
-    """Where a streamed model's memory goes: trunk, expert pools, MLX's buffer cache cap
-    (the KV cache grows with the context on top of these)."""
+    """Where a streamed model's memory goes: trunk, expert pools, MLX's buffer cache cap,
+    the swap tier's host memory (the KV cache grows with the context on top of these)."""
 
     trunk_bytes: int
     pool_bytes: int
     cache_limit_bytes: int
+    swap_tier_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.trunk_bytes + self.pool_bytes + self.cache_limit_bytes
+        return self.trunk_bytes + self.pool_bytes + self.cache_limit_bytes + self.swap_tier_bytes
 
     def to_json(self) -> dict:
+        tier = (
+            {"swap_tier_gb": round(self.swap_tier_bytes / 1e9, 3)} if self.swap_tier_bytes else {}
+        )
         return {
             "trunk_gb": round(self.trunk_bytes / 1e9, 3),
             "pools_gb": round(self.pool_bytes / 1e9, 3),
             "mlx_cache_limit_gb": round(self.cache_limit_bytes / 1e9, 3),
+            **tier,
             "total_gb_before_kv": round(self.total_bytes / 1e9, 3),
         }
 

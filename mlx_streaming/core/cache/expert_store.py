@@ -383,8 +383,8 @@ class FileExpertStore:
         """Counters summed over layers, with hit rate, host µs per call, read-ahead and
         prediction precision, and the reader's bandwidth."""
         t = summarize(self.layer_report())
-        t["read_gbps"] = self.reader.read_gbps()
-        t["pool_bytes"] = self.pool_bytes()
+        t["read_gbps"], t["pool_bytes"] = self.reader.read_gbps(), self.pool_bytes()
+        t["swap_tier_bytes"] = getattr(getattr(self.reader, "tier", None), "nbytes", 0)
         t["mapped_bytes"] = getattr(self.reader, "mapped_bytes", 0)
         return t
 
