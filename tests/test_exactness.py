@@ -471,7 +471,7 @@ def test_a_bounded_swap_tier_reads_fewer_records_from_the_files(models):
         pytest.skip("counts reads through /proc/self/io")
     ck, ed = models.experts("tiny-qwen3_moe")
     meta = load_meta(ed)
-    slots, read = meta.top_k + 1, {}
+    slots, read, extra = meta.top_k + 1, {}, {}
     third = _rest_gb(meta, slots) / 3
     for name, cfg in (
         ("files", StreamConfig(direct_io=True)),
@@ -479,14 +479,19 @@ def test_a_bounded_swap_tier_reads_fewer_records_from_the_files(models):
     ):
         model, store = patched(ck, ed, config=cfg, capacity=slots)
         assert_exact(model, ck)  # the trunk in, the tiers warm
-        before = _bytes_read()
+        before, counted = _bytes_read(), store.totals()["file_bytes_read"]
         assert_exact(model, ck)
         read[name] = _bytes_read() - before
+        extra[name] = read[name] - (store.totals()["file_bytes_read"] - counted)
         if name == "tier":
             assert store.runtime.decode_path == "host" and store.reader.tier.partial
             assert_each_record_once(store, meta)
         store.close()
     assert 0 < read["tier"] < 0.9 * read["files"], read
+    # the store's count of the files' bytes leaves the trades out: it is the system's
+    # count less the same share in both runs (O_DIRECT reads whole strides, the store
+    # counts records' bytes)
+    assert abs(extra["tier"] / read["tier"] - extra["files"] / read["files"]) < 0.005, extra
 
 
 def test_a_swap_tier_that_does_not_fit_is_refused_before_it_allocates(models):
@@ -506,7 +511,8 @@ def test_a_swap_tier_that_does_not_fit_is_refused_before_it_allocates(models):
 
 def test_the_memory_plan_and_the_expert_line_count_the_swap_tier(models):
     """The swap tier's host memory is in the memory plan's total and in ``generate``'s
-    expert line, whose bytes say they include the trades (before: neither named it)."""
+    expert line, whose bytes say they include the trades, and the store counts the files'
+    bytes apart (``bench``'s storage bound counts those; before: the trades too)."""
     import mlx_streaming
     from mlx_streaming.commands.generate import expert_line
 
@@ -523,6 +529,9 @@ def test_the_memory_plan_and_the_expert_line_count_the_swap_tier(models):
             plan.trunk_bytes + plan.pool_bytes + plan.cache_limit_bytes + plan.swap_tier_bytes
         )
         assert ("swap_tier_gb" in plan.to_json()) == tier
+        greedy_trace(model, reference(ck)[0][1], 4)
+        t = store.totals()  # a whole tier reads nothing from the files after load
+        assert t["bytes_read"] > 0 and t["file_bytes_read"] == (0 if tier else t["bytes_read"])
         line = expert_line(store)
         assert ("read or traded" in line and f"swap tier {rest / 1e9:.3f} GB" in line) == tier
         store.close()

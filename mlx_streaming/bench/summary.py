@@ -117,6 +117,11 @@ def summarize(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, sam
         "bytes_read_per_token": round(
             (totals["bytes_read"] - first["bytes_read"]) / max(1, gen - 1)
         ),
+        # of those, read from the files (the rest traded with a swap tier: host memory)
+        "file_bytes_read_per_token": round(
+            (totals["file_bytes_read"] - first.get("file_bytes_read", 0)) / max(1, gen - 1)
+        ),
+        "swap_tier_gb": round(totals["swap_tier_bytes"] / 1e9, 3),
         "prefill_bytes_read": first.get("bytes_read", 0),
         "prefill_bytes_per_token": round(first.get("bytes_read", 0) / max(1, len(ids))),
         "read_wait_s": round(totals["read_s"], 4),

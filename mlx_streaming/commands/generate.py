@@ -117,10 +117,11 @@ def expert_line(store, group=None) -> str:
     t = store.totals()
     who = "" if group is None else f" of rank {group.rank()}"
     span = f"MoE layers {store.layers[0]}-{store.layers[-1]}"
-    tier = t["swap_tier_bytes"]  # its trades count as reads
+    tier, files = t["swap_tier_bytes"], t["file_bytes_read"]  # its trades count as reads
     return (
         f"Experts{who} ({span}): hit rate {store.hit_rate():.3f}, {t['bytes_read'] / 1e6:.1f} MB "
-        f"{'read or traded' if tier else 'read'} in {t['read_s']:.2f} s, pools "
+        f"{f'read or traded ({files / 1e6:.1f} MB from the files)' if tier else 'read'} in "
+        f"{t['read_s']:.2f} s, pools "
         f"{store.pool_bytes() / 1e9:.3f} GB{f', swap tier {tier / 1e9:.3f} GB' if tier else ''}, "
         f"peak memory {mx.get_peak_memory() / 1e9:.3f} GB"
     )

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..format import ExpertMeta
 from ..ids import SLOT_IDS_NP
+from ..io.tier import tier_totals
 from ..io.transfers import id_transfers
 from ..meta import load_meta
 from ..options import StreamConfig, refuse_load_only
@@ -381,12 +382,11 @@ class FileExpertStore:
 
     def totals(self) -> dict:
         """Counters summed over layers, with hit rate, host µs per call, read-ahead and
-        prediction precision, and the reader's bandwidth."""
+        prediction precision, the reader's bandwidth, and the swap tier's."""
         t = summarize(self.layer_report())
         t["read_gbps"], t["pool_bytes"] = self.reader.read_gbps(), self.pool_bytes()
-        t["swap_tier_bytes"] = getattr(getattr(self.reader, "tier", None), "nbytes", 0)
         t["mapped_bytes"] = getattr(self.reader, "mapped_bytes", 0)
-        return t
+        return {**t, **tier_totals(self.reader, t["bytes_read"])}
 
     def close(self) -> None:
         """Finish read-aheads and the device path's queued plans, stop the reader."""

@@ -96,6 +96,7 @@ class SwapTier:
             raise MemoryError(self._short)
         self.broken: str | None = None
         self.moves = 0  # moves begun (``moving``)
+        self.traded_bytes = 0  # bytes brought into the pools by trades (``take``'s)
         self.home: dict[int, np.ndarray] = {}
         self.held: dict[int, np.ndarray] = {}
         self.owner: dict[int, np.ndarray] = {}  # the expert in each tier row (-1: none)
@@ -237,6 +238,7 @@ class SwapTier:
         if moves.reads and wait is not None:
             wait()  # the victims are out before the files' records land in their slots
         traded = len(moves.trades) * self.meta.layers[layer].record_bytes
+        self.traded_bytes += traded
         return self.read_rest(layer, moves, files, traded)
 
     def read_rest(self, layer: int, moves: Moves, files, traded: int):
@@ -284,6 +286,17 @@ class SwapTier:
     def close(self) -> None:
         """Let go of the slabs (freed with their arrays; idempotent)."""
         self.slabs, self.sources, self.nbytes = {}, {}, 0
+
+
+def tier_totals(reader, bytes_read: int) -> dict:
+    """A store's swap tier in its totals: its host memory, and of ``bytes_read`` (reads
+    and trades) those read from the files (none after load with a whole tier, whose
+    misses the device path may trade on the GPU)."""
+    tier = getattr(reader, "tier", None)
+    if tier is None:
+        return {"swap_tier_bytes": 0, "file_bytes_read": bytes_read}
+    files = bytes_read - tier.traded_bytes if tier.partial else 0
+    return {"swap_tier_bytes": tier.nbytes, "file_bytes_read": max(0, files)}
 
 
 class _Reads:
