@@ -311,7 +311,7 @@ def _host_copy(addr: int, like: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("policy", ["lru", "predictive"])
 def test_the_swap_kernels_trade_records_as_the_reference(policy):
     """The plan and fill kernels' ``SWAP`` variants (a swap tier: each miss trades places
-    with its victim; no store option uses them yet) on device buffers, a pool full from
+    with its victim; `--swap-tier` runs them) on device buffers, a pool full from
     load and a tier of the other records: call by call the plan kernel gives the
     reference's slots, and the pool, the tier and the homes equal the reference's
     (``plan_reference(swap=True)``, ``copy_reference``). Then the fill kernel's variant

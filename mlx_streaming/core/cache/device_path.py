@@ -158,8 +158,9 @@ class DevicePath:
         ids that fit in the slots the pins leave, in a pool that cannot hold every
         expert (one that can is loaded whole by its first call, on the host)."""
         c = self.caches[layer]
-        if self.reader.swap and (c.expert_in < 0).any():  # a trade needs a victim: a
-            return False  # slot freed by a failed load is filled on the host first
+        if self.reader.swap and (self.reader.tier.broken or (c.expert_in < 0).any()):
+            return False  # a trade needs a victim (a slot freed by a failed load is filled
+            # on the host first) and a tier that knows its records (the host refuses)
         return not c.whole and indices.size <= min(DECODE_IDS, c.capacity - c.pin_count)
 
     def slots(self, layer: int, indices: mx.array) -> mx.array:
@@ -221,8 +222,7 @@ class DevicePath:
             a[...] = host[name]
         c.set_tables(host["slot_of"], host["expert_in"])
         if self.reader.swap:
-            tier = self.reader.tier
-            tier.home[layer][:], tier.held[layer][:] = host["home"], host["expert_in"]
+            self.reader.tier.placed(layer, host["home"], host["expert_in"])
         held = np.flatnonzero(c.expert_in >= 0)
         self.pools[layer].set_lut(c.expert_in[held], held)
         self.on_device.discard(layer)  # the host owns the table, even if the count raises

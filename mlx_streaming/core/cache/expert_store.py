@@ -211,10 +211,10 @@ class FileExpertStore:
             return LayerCall(layer, "resident", slots=slots)
         device = self.device
         if device is not None:
+            if not watched and layer not in device.on_device:
+                self.loads.finish_open()  # no read pending in its table (nor a slot it frees)
             if not watched and device.takes(layer, indices):
                 self.timeline.mark(layer, "request", "device")
-                if layer not in device.on_device:
-                    self.loads.finish_open()  # no read left pending in its table
                 call = LayerCall(layer, "device", slots=device.slots(layer, indices))
                 st, dt = self.stats[layer], time.perf_counter() - t0
                 st.host_s, st.device_s = st.host_s + dt, st.device_s + dt

@@ -218,7 +218,7 @@ class Loader:
             except Exception as e:  # noqa: BLE001 - raised by Ticket.wait, after the abort
                 fut, restore = Done(error=e), tier is not None and tier.moves == moves
         except BaseException:  # e.g. an interrupt: the reader has let go of the slots
-            self.caches[layer].abort(placed, restore=tier is not None and tier.moves == moves)
+            self._abort(layer, placed, restore=tier is not None and tier.moves == moves)
             raise
         t = Ticket(self, layer, experts, misses, placed, fut, prefetch)
         t.restore = restore  # the victims go back to their untouched slots on failure
@@ -227,6 +227,18 @@ class Loader:
             self.stats[layer].read_s += time.perf_counter() - t0
         return t
 
+    def _abort(self, layer: int, placed, restore: bool) -> None:
+        """A load failed: its slots are freed, or with ``restore`` hold their victims
+        again. A swap tier's trades that moved are kept (the tier says where their
+        records went: freed, a whole tier would find them in no slot it is given)."""
+        tier, kept = getattr(self.reader, "tier", None), []
+        if tier is not None and not restore and not tier.broken:
+            kept = [p for p in placed if tier.held[layer][p[1]] == p[0]]
+        if kept:
+            self.pools[layer].set_lut([e for e, _, _ in kept], [s for _, s, _ in kept])
+            self.caches[layer].commit(kept)
+        self.caches[layer].abort([p for p in placed if p not in kept], restore)
+
     def finish(self, t: Ticket) -> None:
         """Commit a load's slots once its reads have landed (abort them if one failed)."""
         t0 = time.perf_counter()
@@ -234,7 +246,7 @@ class Loader:
         try:
             nbytes = t.future.result()
         except BaseException:
-            cache.abort(t.placed, t.restore)  # no slot stays resident with bad or partial data
+            self._abort(t.layer, t.placed, t.restore)  # no slot resident with bad bytes
             raise
         if t.placed:
             pool.set_lut([e for e, _, _ in t.placed], [s for _, s, _ in t.placed])

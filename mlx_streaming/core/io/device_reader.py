@@ -195,6 +195,8 @@ class DeviceReader:
         return self.files.read_gbps() if self.files is not None else 0.0
 
     def reset_counters(self) -> None:
+        if self.tier is not None:
+            self.tier.traded_bytes = 0
         if self.files is not None:
             self.files.reset_counters()
 

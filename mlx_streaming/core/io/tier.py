@@ -38,9 +38,12 @@ MARGIN = 512 << 20
 @dataclass
 class Moves:
     """A load's moves (``SwapTier.plan``): ``trades`` (tier row, slot) exchanged first,
-    then ``reads`` (expert, slot) from the files; the tables they leave, and the clock."""
+    the first ``brought`` of them bringing a miss in (the rest send a victim out to a row
+    whose record is dropped), then ``reads`` (expert, slot) from the files; the tables
+    they leave, and the clock."""
 
     trades: list[tuple[int, int]]
+    brought: int
     reads: list[tuple[int, int]]
     tables: tuple
     clock: int
@@ -96,7 +99,8 @@ class SwapTier:
             raise MemoryError(self._short)
         self.broken: str | None = None
         self.moves = 0  # moves begun (``moving``)
-        self.traded_bytes = 0  # bytes brought into the pools by trades (``take``'s)
+        self.traded_bytes = 0  # bytes brought into the pools by trades (``take``'s), since
+        # the readers' ``reset_counters`` (as the store's ``bytes_read``)
         self.home: dict[int, np.ndarray] = {}
         self.held: dict[int, np.ndarray] = {}
         self.owner: dict[int, np.ndarray] = {}  # the expert in each tier row (-1: none)
@@ -197,7 +201,7 @@ class SwapTier:
             home[e], held[s], owner[h], stamp[h] = -1, e, v, clock
             if v >= 0:
                 home[v] = h
-        used = {h for h, _ in trades}
+        used, brought = {h for h, _ in trades}, len(trades)
         for e, s, v in later:
             held[s] = -1  # its content unknown until the read lands (``_Reads``)
             reads.append((e, s))
@@ -213,7 +217,7 @@ class SwapTier:
             if owner[h] >= 0:
                 home[owner[h]] = -1  # dropped: it is in its file
             home[v], owner[h], stamp[h] = h, v, clock
-        return Moves(trades, reads, (home, held, owner, stamp), clock)
+        return Moves(trades, brought, reads, (home, held, owner, stamp), clock)
 
     def moved(self, layer: int, moves: Moves) -> None:
         """The tables once ``moves`` (``plan``'s) have moved their bytes."""
@@ -221,6 +225,15 @@ class SwapTier:
         self.home[layer][:], self.held[layer][:] = home, held
         self.owner[layer][:], self.stamp[layer][:] = owner, stamp
         self._clock = moves.clock
+
+    def placed(self, layer: int, home: np.ndarray, held: np.ndarray) -> None:
+        """The tables as another mover left them (the device path's plan kernel, which
+        trades with a whole tier only): ``home`` and ``held``, each row's owner from them."""
+        self.home[layer][:], self.held[layer][:] = home, held
+        owner = self.owner[layer]
+        owner[:] = -1
+        rows = np.flatnonzero(home >= 0)
+        owner[home[rows]] = rows
 
     def take(self, layer: int, experts, slots, move, files):
         """Bring ``experts`` into ``slots``: ``plan``, ``move(layer, trades)`` the trades'
@@ -231,13 +244,14 @@ class SwapTier:
         Raises:
             TierError: see ``plan`` (nothing moved).
         """
-        moves = self.plan(layer, experts, slots)
+        moves, wait = self.plan(layer, experts, slots), None
         with self.moving():
-            wait = move(layer, moves.trades)
+            if moves.trades:
+                wait = move(layer, moves.trades)
             self.moved(layer, moves)
         if moves.reads and wait is not None:
             wait()  # the victims are out before the files' records land in their slots
-        traded = len(moves.trades) * self.meta.layers[layer].record_bytes
+        traded = moves.brought * self.meta.layers[layer].record_bytes
         self.traded_bytes += traded
         return self.read_rest(layer, moves, files, traded)
 
@@ -344,6 +358,7 @@ class TierReader:
         return self.files.read_gbps() if self.files is not None else 0.0
 
     def reset_counters(self) -> None:
+        self.tier.traded_bytes = 0
         if self.files is not None:
             self.files.reset_counters()
 
