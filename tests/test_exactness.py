@@ -541,6 +541,25 @@ def test_the_memory_plan_and_the_expert_line_count_the_swap_tier(models):
         store.close()
 
 
+def _interrupt_after_trades(monkeypatch, model, ck, nth: int) -> None:
+    """A prompt whose ``nth`` tier load is interrupted once its trades have moved, before
+    its reads start."""
+    from mlx_streaming.core.io.tier import SwapTier
+
+    rest, calls = SwapTier.read_rest, []
+
+    def interrupted(self, *a):
+        calls.append(1)
+        if len(calls) == nth:
+            raise KeyboardInterrupt
+        return rest(self, *a)
+
+    monkeypatch.setattr(SwapTier, "read_rest", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        assert_exact(model, ck)
+    monkeypatch.setattr(SwapTier, "read_rest", rest)
+
+
 def test_a_trade_cut_short_is_refused_after_and_a_failed_start_heals(models, monkeypatch):
     """A trade interrupted part way (bytes moved, tables not) leaves the tier refusing
     every later load with a clear error, rather than serving wrong bytes (before: the
@@ -586,18 +605,7 @@ def test_a_trade_cut_short_is_refused_after_and_a_failed_start_heals(models, mon
     assert_exact(model, ck)
     assert_each_record_once(store, meta)
     monkeypatch.setattr(SwapTier, "plan", plan)
-    rest, calls = SwapTier.read_rest, []
-
-    def interrupted(self, *a):  # the 3rd load: its trades moved, then an interrupt
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return rest(self, *a)
-
-    monkeypatch.setattr(SwapTier, "read_rest", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        assert_exact(model, ck)
-    monkeypatch.setattr(SwapTier, "read_rest", rest)
+    _interrupt_after_trades(monkeypatch, model, ck, 3)
     # the moved records keep their slots (before: freed, and a later miss given one of
     # them found its record in no slot: "a defect", the model to load again)
     assert all((store.caches[li].expert_in >= 0).all() for li in store.layers)
@@ -614,7 +622,6 @@ def test_a_bounded_tier_survives_a_failed_read_and_an_interrupt(models, monkeypa
     import ctypes
 
     from mlx_streaming.core.io.futures import Done
-    from mlx_streaming.core.io.tier import SwapTier
 
     ck, ed = models.experts("tiny-qwen3_moe")
     meta = load_meta(ed)
@@ -638,18 +645,7 @@ def test_a_bounded_tier_survives_a_failed_read_and_an_interrupt(models, monkeypa
     with pytest.raises(OSError, match="injected read error"):
         assert_exact(model, ck)
     monkeypatch.setattr(files, "start", start)
-    rest, calls = SwapTier.read_rest, []
-
-    def interrupted(self, *a):  # the 2nd: the trades moved, the reads never start
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return rest(self, *a)
-
-    monkeypatch.setattr(SwapTier, "read_rest", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        assert_exact(model, ck)
-    monkeypatch.setattr(SwapTier, "read_rest", rest)
+    _interrupt_after_trades(monkeypatch, model, ck, 2)
     assert_exact(model, ck)
     assert_each_record_once(store, meta)
     store.close()
