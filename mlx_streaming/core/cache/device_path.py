@@ -158,9 +158,10 @@ class DevicePath:
         ids that fit in the slots the pins leave, in a pool that cannot hold every
         expert (one that can is loaded whole by its first call, on the host)."""
         c = self.caches[layer]
+        # a trade needs a victim (a slot freed by a failed load is filled on the host
+        # first) and a tier that knows where its records are (else the host refuses)
         if self.reader.swap and (self.reader.tier.broken or (c.expert_in < 0).any()):
-            return False  # a trade needs a victim (a slot freed by a failed load is filled
-            # on the host first) and a tier that knows its records (the host refuses)
+            return False
         return not c.whole and indices.size <= min(DECODE_IDS, c.capacity - c.pin_count)
 
     def slots(self, layer: int, indices: mx.array) -> mx.array:

@@ -232,8 +232,8 @@ class SwapTier:
         self.home[layer][:], self.held[layer][:] = home, held
         owner = self.owner[layer]
         owner[:] = -1
-        rows = np.flatnonzero(home >= 0)
-        owner[home[rows]] = rows
+        away = np.flatnonzero(home >= 0)  # the experts in the tier
+        owner[home[away]] = away
 
     def take(self, layer: int, experts, slots, move, files):
         """Bring ``experts`` into ``slots``: ``plan``, ``move(layer, trades)`` the trades'
