@@ -80,9 +80,15 @@ class StreamingResponseGenerator(mlx_server.ResponseGenerator):
             self._contexts.clear()
         return not self._generation_thread.is_alive()
 
+    def _generate(self):
+        try:
+            super()._generate()
+        finally:  # the server stops, or the load failed
+            self.model_provider.unwatch()
+
     def _share_request(self, request):
         # a pipeline's rank 0, idle, shares "no request" with its peers every 0.1 s: a
-        # silent peer would hang it there, and every request after; watched as a request
+        # silent peer would hang it there, and every request after; each share beats
         with self.model_provider.watch or contextlib.nullcontext():
             return super()._share_request(request)
 
