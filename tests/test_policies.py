@@ -367,33 +367,57 @@ def test_plan_command_json(tmp_path, capsys):
 
 
 def test_plan_splits_memory_between_pools_and_the_page_cache(tmp_path, capsys):
-    """``plan --memory-gb``: each split of the memory between pools and the page cache,
-    its hits per tier and predicted tok/s, best first; without the bounds, a clear error."""
+    """``plan --memory-gb``: each split of the memory between pools and the tier beneath
+    them, the page cache or the swap tier, each less the ``MARGIN`` the process keeps:
+    hits per tier and predicted tok/s, best first, and flags the store accepts in that
+    memory; a whole swap tier reads nothing from the disk (the store fills it at load);
+    without the bounds, or too little memory, a clear error."""
     from mlx_streaming.commands import plan as cmd
+    from mlx_streaming.core.io.tier import MARGIN
 
     local_trace(T=400).save(tmp_path / "t.npz")
-    args = ["--trace", str(tmp_path / "t.npz"), "--expert-bytes", "4096", "--memory-gb",
-            "0.0004", "--tokens", "200"]  # fmt: skip
-    cmd.main([*args, "--t-compute-ms", "1", "--read-gbps", "0.001", "--json"])
+    rec, left = 4096 * 1000, MARGIN / 1e9  # 3 layers of 32 records of 4 MB, whole pages
+    args = ["--trace", str(tmp_path / "t.npz"), "--expert-bytes", str(rec), "--memory-gb",
+            str(left + 0.36), "--tokens", "200"]  # fmt: skip
+    cmd.main([*args, "--t-compute-ms", "1", "--read-gbps", "1", "--json"])
     rows = json.loads(capsys.readouterr().out)
     assert rows[0]["predicted_tok_per_s"] == max(r["predicted_tok_per_s"] for r in rows)
-    for r in rows:
-        assert abs(r["pool_share"] + r["page_cache_share"] + r["disk_share"] - 1) < 1e-3
-        assert abs(r["pool_gb"] + r["page_cache_gb"] - 0.0004) < 1e-3
-        assert r["flags"].startswith(f"--slots {r['slots']}")
-    # both tiers beneath the pools, at each split: the swap tier (no record held twice)
-    # never reads more from the disk than the page cache of its size on this trace
     by = {(r["slots"], r["tier"]): r for r in rows}
     swaps = [r for r in rows if r["tier"] == "swap"]
     assert swaps and {r["tier"] for r in rows} == {"page cache", "swap"}
-    for r in swaps:
-        assert r["disk_mb_per_token"] <= by[r["slots"], "page cache"]["disk_mb_per_token"]
-        assert "--swap-tier" in r["flags"]
-    cmd.main([*args, "--t-compute-ms", "1", "--read-gbps", "0.001"])
+    for r in rows:
+        assert abs(r["pool_share"] + r["tier_share"] + r["disk_share"] - 1) < 1e-3
+        assert r["pool_gb"] == round(r["slots"] * 3 * rec / 1e9, 3)  # no zero slot here
+        assert r["flags"].startswith(f"--slots {r['slots']}")
+        if r["tier"] == "page cache":
+            assert abs(r["tier_gb"] - max(0, 0.36 - r["pool_gb"])) < 2e-3
+    for r in swaps:  # bounded here: the flag's GB fits beside the pools and the margin
+        text = r["flags"].split("--swap-tier-gb ")[1]
+        assert r["flags"] == f"--slots {r['slots']} --swap-tier --swap-tier-gb {text}"
+        gb = float(text)
+        assert r["slots"] * 3 * rec + gb * 1e9 + MARGIN <= (left + 0.36) * 1e9
+        rows_per_layer = int((32 - r["slots"]) * gb * 1e9 / ((32 - r["slots"]) * 3 * rec))
+        assert r["tier_gb"] == round(rows_per_layer * 3 * rec / 1e9, 3) <= gb
+        # no record held twice: fewer disk reads than the page cache of that memory
+        assert r["disk_mb_per_token"] < by[r["slots"], "page cache"]["disk_mb_per_token"]
+    assert 32 not in {r["slots"] for r in swaps}  # whole pools: no tier
+    cmd.main([*args[:-3], str(left + 0.5), *args[-2:], "--t-compute-ms", "1",
+              "--read-gbps", "1", "--json"])  # fmt: skip
+    whole = [r for r in json.loads(capsys.readouterr().out) if r["flags"].endswith("--swap-tier")]
+    assert whole and all(r["disk_share"] == 0 for r in whole)  # filled at load
+    for r in whole:
+        assert r["tier_gb"] == round((32 - r["slots"]) * 3 * rec / 1e9, 3)
+    cmd.main([*args, "--t-compute-ms", "1", "--read-gbps", "1"])
     table = capsys.readouterr().out
     assert "swap" in table and "--swap-tier" in table and "page cache" in table
     with pytest.raises(ValueError, match="--memory-gb needs a compute time"):
         cmd.main(args)
+    with pytest.raises(ValueError, match=r"--memory-gb 0.01: .*takes 0.04915 GB; raise it"):
+        cmd.main([*args[:-3], "0.01", *args[-2:], "--t-compute-ms", "1", "--read-gbps", "1"])
+    with pytest.raises(ValueError, match="give --memory-gb .* or --host-gb .* not both"):
+        cmd.main([*args, "--host-gb", "1", "--t-compute-ms", "1", "--read-gbps", "1"])
+    args = ["--trace", str(tmp_path / "t.npz"), "--expert-bytes", "4096", "--memory-gb",
+            "0.0004", "--tokens", "200"]  # fmt: skip
     bounds = ["--t-compute-ms", "1", "--read-gbps", "0.001"]
     with pytest.raises(
         ValueError, match="routes 4 of 32 experts.*model 2 of 32.*record the trace on this"
@@ -591,35 +615,78 @@ def test_complete_holds_until_the_table_changes():
 
 
 def test_plan_the_host_tier_beneath_device_pools(tmp_path, capsys):
-    """``plan --host-gb``: pools of their own (a GPU's) at each ``--slots``, and beneath
-    them the host memory as the page cache or the swap tier; the swap tier with room for
-    every record the pools do not hold runs whole and reads no more from the disk than
-    its first touches, and never more than the page cache; without pools, a clear error."""
+    """``plan --host-gb``: pools of their own (a GPU's, a zero slot each) at each
+    ``--slots``, and beneath them the host memory less the ``MARGIN`` as the page cache or
+    the swap tier; the swap tier with room for every record the pools do not hold runs
+    whole (its own size) and reads nothing from the disk; a bounded one reads more;
+    without pools, or with pools below top-k, a clear error."""
     from mlx_streaming.commands import plan as cmd
+    from mlx_streaming.core.io.tier import MARGIN
 
     local_trace(T=400).save(tmp_path / "t.npz")
-    base = ["--trace", str(tmp_path / "t.npz"), "--expert-bytes", "4096", "--tokens", "200",
-            "--t-compute-ms", "1", "--read-gbps", "0.001"]  # fmt: skip
-    rest = (32 - 8) * 3 * 4096  # 3 layers: every record 8 slots per layer leave out
-    cmd.main([*base, "--slots", "16", "8", "--host-gb", str(rest * 1.01 / 1e9), "--json"])
+    rec = 4096 * 1000  # whole pages: the stride
+    base = ["--trace", str(tmp_path / "t.npz"), "--expert-bytes", str(rec), "--tokens", "200",
+            "--t-compute-ms", "1", "--read-gbps", "1"]  # fmt: skip
+    rest = (32 - 8) * 3 * rec  # 3 layers: every record 8 slots per layer leave out
+    host = (MARGIN + rest * 1.01) / 1e9
+    cmd.main([*base, "--slots", "16", "8", "40", "--host-gb", str(host), "--json"])
     rows = json.loads(capsys.readouterr().out)
     assert {(r["slots"], r["tier"]) for r in rows} == {
         (s, t) for s in (16, 8) for t in ("page cache", "swap")
-    }
+    } | {(32, "page cache")}  # 40 slots: every expert's, no tier beneath
     by = {(r["slots"], r["tier"]): r for r in rows}
     for s in (16, 8):
         swap, cache = by[s, "swap"], by[s, "page cache"]
-        assert swap["disk_mb_per_token"] <= cache["disk_mb_per_token"]
+        assert swap["pool_gb"] == round((s + 1) * 3 * rec / 1e9, 3)  # a zero slot each
         assert swap["flags"] == f"--slots {s} --swap-tier"  # whole: room for the rest
-        assert swap["page_cache_gb"] == cache["page_cache_gb"] == round(rest * 1.01 / 1e9, 3)
-    first = 3 * 32 * 4096 / 200 / 1e6  # every record read once over the 200 tokens
-    assert by[8, "swap"]["disk_mb_per_token"] <= first + 5e-4  # rounded to 1 kB
-    cmd.main([*base, "--slots", "8", "--host-gb", str(rest / 2e9), "--json"])
+        assert swap["tier_gb"] == round((32 - s) * 3 * rec / 1e9, 3)
+        assert cache["tier_gb"] == round(rest * 1.01 / 1e9, 3)
+        assert swap["disk_share"] == 0 < cache["disk_share"]
+    cmd.main([*base, "--slots", "8", "--host-gb", str((MARGIN + rest / 2) / 1e9), "--json"])
     half = {r["tier"]: r for r in json.loads(capsys.readouterr().out)}
-    assert "--swap-tier-gb" in half["swap"]["flags"]  # bounded: half the rest
-    assert half["swap"]["disk_mb_per_token"] > by[8, "swap"]["disk_mb_per_token"]
+    assert half["swap"]["flags"] == "--slots 8 --swap-tier --swap-tier-gb 0.147"  # 11 rows a layer
+    assert half["swap"]["disk_mb_per_token"] > 0
+    cmd.main([*base, "--slots", "8", "--host-gb", str(MARGIN / 1e9)])
+    table = capsys.readouterr().out  # no room beyond the margin: no swap row
+    assert "page cache" in table and "--swap-tier" not in table
     with pytest.raises(ValueError, match="--host-gb .* add --slots or --budget-gb"):
         cmd.main([*base, "--host-gb", "1"])
+    with pytest.raises(ValueError, match="--slots 2 is below top_k=4.*--slots 4 or more"):
+        cmd.main([*base, "--slots", "2", "--host-gb", "1"])
+
+
+def test_a_planned_swap_tier_is_one_the_store_takes(models, tmp_path, capsys):
+    """Each swap-tier row ``plan --memory-gb`` prints for an expert directory: the store's
+    ``SwapTier``, given that row's slots and flags and the memory the pools leave, takes
+    it (no ``MemoryError``), at the size the row says, bounded where the flag bounds it."""
+    from mlx_streaming.commands import plan as cmd
+    from mlx_streaming.core.cache.pool import make_pools
+    from mlx_streaming.core.io.tier import MARGIN, SwapTier
+    from mlx_streaming.core.meta import load_meta
+
+    _, ed = models.experts("tiny-qwen3_moe")  # 3 MoE layers, 16 experts, top-4
+    meta = load_meta(ed)
+    lay = meta.layers[meta.moe_layers[0]]
+    slot = lay.record_bytes  # less than a stride: the tier is whole from 10 slots up
+    memory = MARGIN + 3 * (10 * slot + 6 * lay.stride)
+    local_trace(T=400, E=16).save(tmp_path / "t.npz")
+    cmd.main(["--trace", str(tmp_path / "t.npz"), "--expert-dir", str(ed), "--memory-gb",
+              str(memory / 1e9), "--tokens", "100", "--t-compute-ms", "1", "--read-gbps", "1",
+              "--json"])  # fmt: skip
+    rows = [r for r in json.loads(capsys.readouterr().out) if r["tier"] == "swap"]
+    assert {"--swap-tier-gb" in r["flags"] for r in rows} == {True, False}, rows
+    for r in rows:
+        s = r["slots"]
+        pools = make_pools(meta, {li: s for li in meta.moe_layers}, "host", False)
+        gb = r["flags"].split("--swap-tier-gb ")[1] if "-gb" in r["flags"] else None
+        pool_bytes = sum(p.nbytes for p in pools.values())
+        tier = SwapTier(meta, pools, limit=gb and int(float(gb) * 1e9),
+                        available=memory - pool_bytes)  # fmt: skip
+        try:
+            assert tier.partial == (gb is not None)
+            assert round(tier.nbytes / 1e9, 3) == r["tier_gb"]
+        finally:
+            tier.close()
 
 
 def test_the_page_cache_tier_beneath_the_pools():
@@ -653,37 +720,74 @@ def test_the_page_cache_tier_beneath_the_pools():
 
 
 def test_an_exclusive_host_tier_holds_no_record_twice():
-    """``simulate_tiers(exclusive=True)``: a host tier that takes the pools' victims and
-    gives up what a pool takes back. With no room it is O_DIRECT; with room for every
-    record the pools do not hold, each record is read from the disk once, its first touch
-    (the page cache, which also holds what the pools hold, reads more); it never reads
-    more than the page cache of its size on this trace, and its own hits are counted as
-    the page cache's."""
+    """``simulate_tiers(exclusive=True)``: the store's swap tier. Its pools are full from
+    load (slot ``s`` holds expert ``s``) and the pools behave as over any tier; with no
+    row, every miss is read from the disk; with a row for every record the pools do not
+    hold, none is (filled at load), and each miss is a trade: one record copied in, its
+    victim out. More rows never read more, and each layer's rows are its own: LRU pools
+    over an exclusive tier of ``c`` rows, oldest written out, are one LRU of ``slots + c``
+    filled at load as the store fills them."""
     from mlx_streaming.planning.tiers import simulate_tiers
 
     trace, slots, E = local_trace(), 8, 32
-    none = simulate_tiers(trace, "lru", slots, 0, 1000)
-    assert simulate_tiers(trace, "lru", slots, 0, 1000, exclusive=True) == none
-    firsts = sum(len(np.unique(trace.experts[:, li])) for li in range(trace.layers))
+    cold = simulate_tiers(trace, "lru", slots, 0, 1000)  # the page cache's pools: empty
+    none = simulate_tiers(trace, "lru", slots, 0, 1000, exclusive=True)
+    assert none.page_cache_hits == none.tier_write_bytes_per_token == 0
+    assert none.lookups == cold.lookups and none.pool_hits > cold.pool_hits  # full at load
     rest = (E - slots) * trace.layers * 1000  # room for every record the pools do not hold
-    tier = simulate_tiers(trace, "lru", slots, rest, 1000, exclusive=True)
-    page = simulate_tiers(trace, "lru", slots, rest, 1000)
-    assert tier.disk_reads == firsts < page.disk_reads
-    assert tier.page_cache_hits == none.disk_reads - firsts
-    assert tier.pool_hits == page.pool_hits == none.pool_hits  # the pools are the same
-    for c in (4, 16, 48):
-        assert (
-            simulate_tiers(trace, "lru", slots, c * 1000, 1000, exclusive=True).disk_reads
-            <= simulate_tiers(trace, "lru", slots, c * 1000, 1000).disk_reads
-        )
-    # one layer: LRU pools over an exclusive LRU tier of c records are one LRU of
-    # slots + c (a call's misses are looked up beneath before its victims go there)
-    rng = np.random.default_rng(1)  # several misses per call: the order matters
-    rows = np.stack([rng.choice(32, 6, replace=False) for _ in range(400)])[:, None, :]
-    one = RoutingTrace(rows.astype(np.uint8), np.array([0, 200, 400]), 32, "synthetic")
-    for c in (4, 8, 16):
-        tier = simulate_tiers(one, "lru", slots, c * 1000, 1000, exclusive=True)
-        assert tier.disk_reads == sum(simulate(one, "lru", slots + c).misses.values())
+    whole = simulate_tiers(trace, "lru", slots, rest, 1000, exclusive=True)
+    assert whole.disk_reads == 0 and whole.pool_hits == none.pool_hits
+    assert whole.page_cache_hits == none.disk_reads
+    assert whole.tier_write_bytes_per_token == whole.page_cache_bytes_per_token > 0
+    reads = [
+        simulate_tiers(trace, "lru", slots, c * 1000, 1000, exclusive=True).disk_reads
+        for c in (0, 3, 30, 60, 72)  # 0, 1, 10, 20 rows per layer, every record
+    ]
+    assert reads == sorted(reads, reverse=True) and reads[0] > reads[2] > reads[-1] == 0
+
+
+def test_the_swap_tier_simulator_follows_the_store_s_tier(models):
+    """``simulate_tiers(exclusive=True)`` against the store's own ``SwapTier`` tables,
+    whole and bounded, driven as the store drives them (its slot tables filled at load,
+    each call's misses planned, moved, the files' records landed): the same pool hits,
+    trades and reads from the files, call for call."""
+    from mlx_streaming.core.cache.pool import make_pools
+    from mlx_streaming.core.io.tier import SwapTier
+    from mlx_streaming.core.meta import load_meta
+    from mlx_streaming.planning.tiers import simulate_tiers
+
+    _, ed = models.experts("tiny-qwen3_moe")  # 3 MoE layers, 16 experts, top-4
+    meta = load_meta(ed)
+    layers, slots, E = meta.moe_layers, 6, 16
+    trace, stride = local_trace(T=300, E=E), meta.layers[layers[0]].stride
+    full = (E - slots) * stride * len(layers)
+    for limit in (None, full // 3):
+        pools = make_pools(meta, {li: slots for li in layers}, "host", False)
+        tier, caches = SwapTier(meta, pools, limit=limit), {}
+        try:
+            for li in layers:  # as the store adopts the pools the tier filled
+                caches[li] = cache = SlotCache(E, slots, make_policy("lru", E))
+                cache.commit(cache.reserve(range(slots), np.zeros(0, int)))
+            hits = trades = reads = 0
+            for t in range(trace.tokens):
+                for i, li in enumerate(layers):
+                    experts = np.unique(trace.experts[t, i]).astype(np.int64)
+                    cache = caches[li]
+                    _, misses = cache.split(experts)
+                    placed = cache.reserve(misses, experts)
+                    moves = tier.plan(li, [e for e, _, _ in placed], [s for _, s, _ in placed])
+                    tier.moved(li, moves)
+                    for e, s in moves.reads:  # landed
+                        tier.held[li][s] = e
+                    cache.commit(placed)
+                    cache.access(experts, len(misses))
+                    hits += len(experts) - len(misses)
+                    trades, reads = trades + moves.brought, reads + len(moves.reads)
+        finally:
+            tier.close()
+        sim = simulate_tiers(trace, "lru", slots, limit or full, stride, exclusive=True)
+        assert tier.partial == (limit is not None) and (reads > 0) == tier.partial
+        assert (sim.pool_hits, sim.page_cache_hits, sim.disk_reads) == (hits, trades, reads)
 
 
 def test_a_trace_of_one_sequence_splits_inside_it():

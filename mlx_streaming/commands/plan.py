@@ -139,18 +139,20 @@ def _shape(a, trace: RoutingTrace) -> PoolShape:
 
     model, config = load_lazy(resolve_model_path(a.model))
     sites = find_expert_sites(model, config)
-    sizes = [sum(p.nbytes for p in layer_layout(s, "x").parts) for s in sites]
+    layouts = [layer_layout(s, "x") for s in sites]
     return PoolShape(
-        sizes,
+        [sum(p.nbytes for p in lay.parts) for lay in layouts],
         [s.num_experts for s in sites],
         next(s.top_k for s in sites if s.top_k),
         [s.layer for s in sites],
+        [lay.stride for lay in layouts],
     )
 
 
 def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
     """``--memory-gb``: the pools against the tier beneath them; ``--host-gb``: the tier
     beneath pools of their own (``planning.tiers``)."""
+    from ..core.io.tier import MARGIN
     from ..planning.tiers import best_split, split_rows
 
     flag = "--memory-gb" if a.memory_gb else "--host-gb"
@@ -165,28 +167,41 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
     sim = dict(layers=sample_layers(L, a.layer_sample or None),
                model_layers=len(shape.slot_bytes), tokens=a.tokens)  # fmt: skip
     _, test = trace.split(0.5)
-    slot = int(np.mean(shape.slot_bytes[:L]))
-    if a.memory_gb:
-        rows = best_split(test, pol, int(a.memory_gb * 1e9), slot, slot, shape.top_k, t,
-                          a.mem_gbps, b, beneath=("page cache", "swap"), **sim)  # fmt: skip
-        what = f"{a.memory_gb} GB for pools and the tier beneath them"
-    else:
+    slot, record = int(np.mean(shape.slot_bytes[:L])), int(np.mean(shape.strides[:L]))
+    rates = (t, a.mem_gbps, b)
+    if a.memory_gb:  # pools in this machine's memory: its zero slot rule (GPUs: one each)
         zero = default_zero_slot()
-        slots = a.slots or [plan_budget(shape, g, zero).default_slots for g in a.budget_gb]
-        splits = [(s, int(a.host_gb * 1e9)) for s in sorted(set(slots), reverse=True)]
-        rows = split_rows(test, pol, splits, slot, slot, t, a.mem_gbps, b, **sim)
+        try:
+            rows = best_split(test, pol, int(a.memory_gb * 1e9), slot, record, shape.top_k,
+                              *rates, beneath=("page cache", "swap"), zero_slot=zero,
+                              **sim)  # fmt: skip
+        except ValueError as e:
+            raise ValueError(f"--memory-gb {a.memory_gb}: {e}; raise it") from None
+        what = f"{a.memory_gb} GB for pools and the tier beneath them"
+    else:  # pools in a GPU's own memory: a zero slot each
+        E, k = min(shape.num_experts), shape.top_k
+        slots = a.slots or [plan_budget(shape, g, True).default_slots for g in a.budget_gb]
+        if min(slots) < k:
+            raise ValueError(f"--slots {min(slots)} is below top_k={k}: a pool holds one "
+                             f"token's experts at least; give --slots {k} or more")  # fmt: skip
+        splits = [(s, int(a.host_gb * 1e9)) for s in sorted({min(s, E) for s in slots})[::-1]]
+        rows = split_rows(test, pol, splits, slot, record, *rates, zero_slot=True, **sim)
         what = f"pools on the device, {a.host_gb} GB of host memory beneath them"
     if a.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"policy {pol}; {what} (the page cache, or the store's swap tier); best first")
+    print(f"policy {pol}; {what} (the page cache, or the store's swap tier, each less "
+          f"{MARGIN / 1e9:.2f} GB left to the process); best first")  # fmt: skip
     print(f"{'slots':>5} {'beneath':<10} {'pool GB':>8} {'tier GB':>8} {'pool':>6} {'tier':>6} "
           f"{'disk':>6} {'disk MB/tok':>11} {'tok/s':>8}  flags")  # fmt: skip
     for r in rows:
-        print(f"{r['slots']:>5} {r['tier']:<10} {r['pool_gb']:>8.2f} {r['page_cache_gb']:>8.2f} "
-              f"{r['pool_share']:6.3f} {r['page_cache_share']:6.3f} {r['disk_share']:6.3f} "
+        print(f"{r['slots']:>5} {r['tier']:<10} {r['pool_gb']:>8.2f} {r['tier_gb']:>8.2f} "
+              f"{r['pool_share']:6.3f} {r['tier_share']:6.3f} {r['disk_share']:6.3f} "
               f"{r['disk_mb_per_token']:>11.2f} {r['predicted_tok_per_s']:>8.2f}  "
               f"{r['flags']}")  # fmt: skip
+    if a.host_gb and any("--swap-tier-gb" in r["flags"] for r in rows):
+        print("(on CUDA a bounded swap tier runs the host path, whose per-token cost these "
+              "tok/s leave out: the device path takes a whole tier only)")  # fmt: skip
 
 
 def _bounds(a) -> tuple[float | None, float | None]:
@@ -232,6 +247,9 @@ def main(argv=None) -> None:
     a = setup_arg_parser().parse_args(argv)
     if a.machines_gb:
         return plan_hosts(a)
+    if a.host_gb and a.memory_gb:
+        raise ValueError("give --memory-gb (pools and the tier beneath share one memory) or "
+                         "--host-gb with --slots or --budget-gb (pools on a GPU), not both")  # fmt: skip
     if a.host_gb and not (a.slots or a.budget_gb):
         raise ValueError("--host-gb plans the host tier beneath pools of a given size: "
                          "add --slots or --budget-gb")  # fmt: skip

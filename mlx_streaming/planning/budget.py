@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.cache.pool import default_slots
-from ..core.format import ExpertMeta
+from ..core.format import ALIGN, ExpertMeta
 from .allocate import climb
 
 
@@ -52,12 +52,15 @@ class PoolShape:
     num_experts: list[int]
     top_k: int
     layers: list[int] = field(default_factory=list)
+    strides: list[int] = field(default_factory=list)  # bytes per record on disk
 
     def __post_init__(self):
         if isinstance(self.num_experts, int):
             self.num_experts = [self.num_experts] * len(self.slot_bytes)
         if not self.layers:
             self.layers = list(range(len(self.slot_bytes)))
+        if not self.strides:  # a record's parts padded, at least: a page apiece
+            self.strides = [-(-b // ALIGN) * ALIGN for b in self.slot_bytes]
 
     @classmethod
     def from_meta(cls, meta: ExpertMeta) -> PoolShape:
@@ -67,6 +70,7 @@ class PoolShape:
             [meta.layers[li].num_experts for li in layers],
             meta.top_k,
             layers,
+            [meta.layers[li].stride for li in layers],
         )
 
     def pool_bytes(self, slots: dict[int, int], zero_slot: bool) -> int:

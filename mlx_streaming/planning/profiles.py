@@ -150,7 +150,9 @@ def build_profile(
     full = PoolShape.from_meta(meta) if isinstance(meta, ExpertMeta) else meta
     zero = default_zero_slot() if zero_slot is None else zero_slot
     L = min(len(full.layers), trace.layers)
-    shape = PoolShape(full.slot_bytes[:L], full.num_experts[:L], full.top_k, full.layers[:L])
+    shape = PoolShape(
+        full.slot_bytes[:L], full.num_experts[:L], full.top_k, full.layers[:L], full.strides[:L]
+    )
     layers = list(range(L))
     calib, held = trace.split(0.5)
     k, ne = shape.top_k, shape.num_experts

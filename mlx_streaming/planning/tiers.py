@@ -14,13 +14,16 @@ holds no record the pools hold (``benchmarks/host_tier.py`` compares the two).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..core.cache.policy import make_policy
 from ..core.cache.slots import SlotCache
+from ..core.io.tier import MARGIN
+from .budget import pool_slots
 from .simulate import layer_lookups
 from .trace import RoutingTrace
 
@@ -29,10 +32,11 @@ from .trace import RoutingTrace
 class TierResult:
     tokens: int
     pool_hits: int
-    page_cache_hits: int  # pool misses found in the page cache
+    page_cache_hits: int  # pool misses found in the tier beneath (page cache or swap tier)
     disk_reads: int  # pool misses read from the disk
-    page_cache_bytes_per_token: float  # bytes copied from the page cache
+    page_cache_bytes_per_token: float  # bytes copied from the tier beneath
     disk_bytes_per_token: float  # bytes read from the disk
+    tier_write_bytes_per_token: float = 0.0  # victims copied into a swap tier
 
     @property
     def lookups(self) -> int:
@@ -42,18 +46,74 @@ class TierResult:
         n = max(1, self.lookups)
         return {
             "pool": self.pool_hits / n,
-            "page_cache": self.page_cache_hits / n,
+            "tier": self.page_cache_hits / n,
             "disk": self.disk_reads / n,
         }
 
     def time_per_token(self, t_compute: float, mem_gbps: float, disk_gbps: float,
                        overlap: bool = True) -> float:  # fmt: skip
         """Predicted seconds per token: compute and reads overlapped, or one after the
-        other."""
-        io = self.page_cache_bytes_per_token / (mem_gbps * 1e9) + self.disk_bytes_per_token / (
-            disk_gbps * 1e9
-        )
+        other. Copies to and from the tier beneath run at ``mem_gbps``."""
+        copies = self.page_cache_bytes_per_token + self.tier_write_bytes_per_token
+        io = copies / (mem_gbps * 1e9) + self.disk_bytes_per_token / (disk_gbps * 1e9)
         return max(t_compute, io) if overlap else t_compute + io
+
+
+class _PageCache:
+    """The OS page cache: one LRU of whole records over every layer's; a record read
+    from the disk is kept, one found there becomes the newest."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.lru = capacity, OrderedDict()
+
+    def find(self, li: int, e: int) -> bool:
+        if (li, e) not in self.lru:
+            return False
+        self.lru.move_to_end((li, e))
+        return True
+
+    def keep(self, li: int, placed, found: list[bool]) -> int:
+        for (e, _, _), hit in zip(placed, found):
+            if not hit and self.capacity:
+                self.lru[li, int(e)] = None
+                if len(self.lru) > self.capacity:
+                    self.lru.popitem(last=False)
+        return 0  # the kernel writes what it reads: no copy of ours
+
+
+class _SwapRows:
+    """The store's swap tier (``core.io.tier.SwapTier``): each layer's own ``rows``,
+    filled at load with the experts after the pool's. A miss found there trades places
+    with its victim (which takes its row, written now); then a miss from the disk sends
+    its victim to the row written longest ago that the call has not traded into, whose
+    record is dropped (it is in its file); with none left, the victim is dropped."""
+
+    def __init__(self, layers, slots: int, rows: int):
+        self.held = {li: OrderedDict.fromkeys(range(slots, slots + rows)) for li in layers}
+
+    def find(self, li: int, e: int) -> bool:
+        return self.held[li].pop(e, 0) is None
+
+    def keep(self, li: int, placed, found: list[bool]) -> int:
+        held = self.held[li]
+        traded = [int(v) for (_, _, v), hit in zip(placed, found) if hit and v >= 0]
+        sent = [int(v) for (_, _, v), hit in zip(placed, found) if not hit and v >= 0]
+        held.update(dict.fromkeys(traded))  # into the rows their misses left, newest
+        sent = sent[: len(held) - len(traded)]  # the rows this call did not trade into
+        for v in sent:
+            held.popitem(last=False)
+            held[v] = None
+        return len(traded) + len(sent)
+
+
+def swap_rows(num_experts: int, slots: int, record_bytes: int, model_layers: int,
+              limit: int | None) -> int:  # fmt: skip
+    """Rows per layer of a swap tier of at most ``limit`` bytes (None: whole) beneath
+    pools of ``slots``, as ``SwapTier`` sizes them."""
+    rest = max(0, num_experts - slots)
+    full = rest * record_bytes * model_layers
+    share = 1.0 if limit is None or limit >= full else max(0.0, limit / max(1, full))
+    return int(rest * share)
 
 
 def simulate_tiers(
@@ -79,13 +139,13 @@ def simulate_tiers(
     one call: its distinct experts looked up once; default one token per call).
     ``counted``: which calls are counted (default: all); the others fill the tiers
     uncounted (a warm-up, a run's prompts). ``exclusive``: the tier beneath is the
-    store's own host tier, not the page cache: it takes the records the pools evict
-    (least recently evicted out first) and gives up a record a pool takes back, so no
-    record is held twice; a disk read goes to the pool only."""
+    store's swap tier of at most ``page_cache_bytes`` (``--swap-tier-gb``), not the page
+    cache: its rows per layer as ``SwapTier`` sizes them, the pools full from load (slot
+    ``s`` holds expert ``s``) and the tier holding the next experts, so no record is held
+    twice and the first touches are no reads."""
     layers = list(range(trace.layers)) if layers is None else list(layers)
     model_layers = model_layers or trace.layers
     E = trace.num_experts
-    capacity = int(page_cache_bytes * len(layers) / model_layers) // max(1, record_bytes)
     if calls is None:
         seqs = {li: layer_lookups(trace, li, start, tokens) for li in layers}
     else:
@@ -95,13 +155,20 @@ def simulate_tiers(
             li: [np.unique(rows[a:b, li]) for a, b in zip(bounds[:-1], bounds[1:])] for li in layers
         }
     caches = {li: SlotCache(E, slots, make_policy(policy, E)) for li in layers}
-    page: OrderedDict[tuple[int, int], None] = OrderedDict()
-    hits = pc = disk = 0
+    if exclusive:
+        n = swap_rows(E, slots, record_bytes, model_layers, page_cache_bytes)
+        beneath = _SwapRows(layers, slots, n)
+        for cache in caches.values():  # as the store adopts the pools the tier filled
+            cache.commit(cache.reserve(range(min(slots, E)), protect=np.zeros(0, np.int64)))
+    else:
+        room = int(page_cache_bytes * len(layers) / model_layers) // max(1, record_bytes)
+        beneath = _PageCache(room)
+    hits = pc = disk = writes = 0
     T = min(len(s) for s in seqs.values())
     if counted is None:
         counted = [True] * T
     for t in range(T):
-        before = (hits, pc, disk)
+        before = (hits, pc, disk, writes)
         for li in layers:
             cache, placed = caches[li], []
             if cache.whole and not cache.complete:  # as the store: a pool with a slot per
@@ -112,28 +179,16 @@ def simulate_tiers(
                 got = cache.lookup(group)  # one at a time
                 hits += len(group) - len(got)
                 placed += got
-            read = []  # the call's misses are looked up beneath together, then kept
-            for e, _, _ in placed:
-                key = (li, int(e))
-                if key not in page:
-                    disk += 1
-                    read.append(key)
-                    continue
-                pc += 1
-                if exclusive:
-                    del page[key]
-                else:
-                    page.move_to_end(key)
-            kept = [(li, int(v)) for _, _, v in placed if v >= 0] if exclusive else read
-            for key in kept if capacity else ():
-                page[key] = None
-                if len(page) > capacity:
-                    page.popitem(last=False)
+            # the call's misses are looked up beneath together, then kept
+            found = [beneath.find(li, int(e)) for e, _, _ in placed]
+            pc += sum(found)
+            disk += len(found) - sum(found)
+            writes += beneath.keep(li, placed, found)
         if not counted[t]:
-            hits, pc, disk = before
+            hits, pc, disk, writes = before
     n_tokens = sum(c for c, on in zip(calls or [1] * T, counted[:T]) if on)
     scale = record_bytes * model_layers / len(layers) / max(1, n_tokens)
-    return TierResult(n_tokens, hits, pc, disk, pc * scale, disk * scale)
+    return TierResult(n_tokens, hits, pc, disk, pc * scale, disk * scale, writes * scale)
 
 
 def best_split(
@@ -151,25 +206,37 @@ def best_split(
     tokens: int | None = 4000,
     steps: int = 8,
     beneath: tuple[str, ...] = ("page cache",),
+    zero_slot: bool = False,
 ) -> list[dict]:
-    """The memory ``memory_bytes`` left after the trunk split between pools and the
-    tier beneath them, ``steps`` ways from all pools downwards: each split's slots per
-    layer, tier size, hits per tier and predicted tok/s (overlap bound), best first.
-    ``beneath``: the tiers to model under the pools, "page cache" (the OS's, holding
-    what the pools hold too) and "swap" (the store's exclusive host tier, ``--swap-tier``;
-    whole where it has room for every record the pools do not hold)."""
+    """The memory ``memory_bytes`` left after the trunk split between pools (with a zero
+    slot each where ``zero_slot``) and the tier beneath them, ``steps`` ways from all
+    pools downwards: each split's slots per layer, tier size, hits per tier and predicted
+    tok/s (overlap bound), best first. ``beneath``: the tiers to model under the pools,
+    "page cache" (the OS's, holding what the pools hold too) and "swap" (the store's
+    exclusive host tier, ``--swap-tier``; whole where it has room for every record the
+    pools do not hold).
+
+    Raises:
+        ValueError: the memory cannot hold top-k slots in every layer (saying how much can).
+    """
     model_layers = model_layers or trace.layers
-    most = min(trace.num_experts, memory_bytes // (slot_bytes * model_layers))
-    if most < top_k:
+    E = trace.num_experts
+
+    def pools(s: int) -> int:
+        return pool_slots(s, E, zero_slot) * slot_bytes * model_layers
+
+    most = max([s for s in range(top_k, E + 1) if pools(s) <= memory_bytes], default=0)
+    if not most:
         raise ValueError(
-            f"{memory_bytes / 1e9:.2f} GB holds {most} slots per layer, below top_k={top_k}"
+            f"{memory_bytes / 1e9:.4g} GB cannot hold top_k={top_k} slots in each of "
+            f"{model_layers} MoE layers: that takes {pools(top_k) / 1e9:.4g} GB"
         )
     splits = [
-        (s, memory_bytes - s * slot_bytes * model_layers)
+        (s, memory_bytes - pools(s))
         for s in sorted({int(x) for x in np.linspace(top_k, most, steps)}, reverse=True)
     ]
     return split_rows(trace, policy, splits, slot_bytes, record_bytes, t_compute, mem_gbps,
-                      disk_gbps, layers, model_layers, tokens, beneath)  # fmt: skip
+                      disk_gbps, layers, model_layers, tokens, beneath, zero_slot)  # fmt: skip
 
 
 def split_rows(
@@ -185,50 +252,59 @@ def split_rows(
     model_layers: int | None = None,
     tokens: int | None = 4000,
     beneath: tuple[str, ...] = ("page cache", "swap"),
+    zero_slot: bool = False,
 ) -> list[dict]:
-    """Each ``(slots per layer, bytes of the tier beneath)`` split, with each tier of
+    """Each ``(slots per layer, host bytes beneath)`` split, with each tier of
     ``beneath`` under the pools: hits per tier, disk bytes and predicted tok/s, best
     first. ``best_split`` makes the splits of one memory; pools in a GPU's own memory
-    (``plan --host-gb``) have the same host bytes beneath each pool size."""
+    (``plan --host-gb``) have the same host bytes beneath each pool size. Either tier gets
+    the host bytes less ``MARGIN``, which the process takes after load; a swap tier of no
+    row per layer is left out."""
     unknown = set(beneath) - {"page cache", "swap"}
     if unknown:
         raise ValueError(f"unknown tier {sorted(unknown)}; known: 'page cache', 'swap'")
     sim = dict(layers=layers, model_layers=model_layers or trace.layers, tokens=tokens)
     rates = (t_compute, mem_gbps, disk_gbps)
     rows = [
-        _row(trace, policy, s, slot_bytes, record_bytes, tier_bytes, tier, rates, sim)
-        for s, tier_bytes in splits
+        _row(trace, policy, s, slot_bytes, record_bytes, host, tier, rates, sim, zero_slot)
+        for s, host in splits
         for tier in beneath
-        if tier != "swap" or s < trace.num_experts  # a full pool leaves a tier nothing
     ]
-    return sorted(rows, key=lambda r: -r["predicted_tok_per_s"])
+    return sorted([r for r in rows if r], key=lambda r: -r["predicted_tok_per_s"])
 
 
-def _row(trace, policy, s, slot_bytes, record_bytes, tier_bytes, tier, rates, sim) -> dict:
-    """One split's simulated hits per tier, bytes and predicted tok/s (overlap bound)."""
-    swap = tier == "swap"
-    r = simulate_tiers(trace, policy, s, tier_bytes, record_bytes, exclusive=swap, **sim)
-    rest = (trace.num_experts - s) * record_bytes * sim["model_layers"]
-    # a trade moves the victim out as the miss comes in: twice the tier's bytes
-    timed = replace(r, page_cache_bytes_per_token=r.page_cache_bytes_per_token * (1 + swap))
+def _row(trace, policy, s, slot_bytes, record_bytes, host, tier, rates, sim, zero) -> dict | None:
+    """One split's simulated hits per tier, bytes and predicted tok/s (overlap bound),
+    with the flags that run it; None for a swap tier of no row per layer."""
+    E, L = trace.num_experts, sim["model_layers"]
+    room = size = max(0, host - MARGIN)
+    flags = f"--slots {s}"
+    if tier == "swap":  # whole where the room holds every record the pools do not
+        room, flags = (E - s) * record_bytes * L, f"{flags} --swap-tier"
+        if not size:
+            return None
+        if size < room:  # bounded: the flag's GB, as the store reads it
+            gb = _floor_gb(size)
+            room, flags = int(float(gb) * 1e9), f"{flags} --swap-tier-gb {gb}"
+        size = swap_rows(E, s, record_bytes, L, room) * record_bytes * L  # its own size
+        if not size:
+            return None
+    r = simulate_tiers(trace, policy, s, room, record_bytes, exclusive=tier == "swap", **sim)
     return {
         "slots": s,
         "tier": tier,
-        "pool_gb": round(s * slot_bytes * sim["model_layers"] / 1e9, 3),
-        "page_cache_gb": round(tier_bytes / 1e9, 3),
+        "pool_gb": round(pool_slots(s, E, zero) * slot_bytes * L / 1e9, 3),
+        "tier_gb": round(size / 1e9, 3),
         **{f"{k}_share": round(v, 4) for k, v in r.shares().items()},
         "disk_mb_per_token": round(r.disk_bytes_per_token / 1e6, 3),
-        "page_cache_mb_per_token": round(r.page_cache_bytes_per_token / 1e6, 3),
-        "predicted_tok_per_s": round(1 / timed.time_per_token(*rates), 3),
-        "flags": _flags(s, swap, tier_bytes, rest),
+        "tier_mb_per_token": round(r.page_cache_bytes_per_token / 1e6, 3),
+        "predicted_tok_per_s": round(1 / r.time_per_token(*rates), 3),
+        "flags": flags,
     }
 
 
-def _flags(slots: int, swap: bool, tier_bytes: int, rest_bytes: int) -> str:
-    """The store's flags for a split: its slots, and the swap tier (whole where it holds
-    every record the pools do not, else bounded)."""
-    if not swap:
-        return f"--slots {slots}"
-    if tier_bytes >= rest_bytes:
-        return f"--slots {slots} --swap-tier"
-    return f"--slots {slots} --swap-tier --swap-tier-gb {tier_bytes / 1e9:.3g}"
+def _floor_gb(nbytes: int) -> str:
+    """``nbytes`` in GB to 3 significant digits, rounded down (the flag never asks for
+    more than there is)."""
+    p = max(0, 2 - math.floor(math.log10(nbytes / 1e9)))
+    return f"{math.floor(nbytes / 1e9 * 10**p) / 10**p:.{p}f}"
