@@ -136,11 +136,13 @@ def load(
 
 def auto_budget_for(model, context: int, machine: tuple[int, int] | None = None):
     """``budget_gb="auto"`` for a lazily loaded ``model`` (its trunk: every parameter
-    outside the experts) on this machine (``machine``: ``(total, available)`` bytes, to
-    simulate another); prints what it chose and why."""
+    outside the experts) on this machine, in the memory the pools live in (on CUDA the
+    GPU's; ``machine``: ``(total, available)`` bytes, to simulate another); prints what
+    it chose and why."""
     from mlx.utils import tree_flatten
 
-    from .core.mem import machine_memory
+    from .core.dispatch import backend
+    from .core.mem import pool_memory
     from .planning.budget import auto_budget, kv_bytes
 
     params = tree_flatten(model.parameters())
@@ -149,8 +151,9 @@ def auto_budget_for(model, context: int, machine: tuple[int, int] | None = None)
     )
     trunk = sum(v.nbytes for _, v in params) - experts
     kv = sum(kv_bytes(model))
-    total, available = machine or machine_memory()
-    plan = auto_budget(trunk, kv, context, total, available)
+    total, available = machine or pool_memory()
+    where = "machine" if machine or backend() != "cuda" else "GPU"  # pools in its memory
+    plan = auto_budget(trunk, kv, context, total, available, where)
     print(plan.why(), file=sys.stderr, flush=True)
     return plan
 

@@ -400,3 +400,23 @@ def test_health_polled_while_eight_clients_stream_on_cuda():
     from serving import health_under_load
 
     health_under_load(200)
+
+
+def test_auto_budget_sizes_the_pools_in_the_gpu_s_memory(models, capsys):
+    """``budget_gb="auto"`` on CUDA: the pools, trunk and KV cache live in the GPU's
+    memory, so the budget comes from its free memory (``cudaMemGetInfo``), not the
+    host's (before: a GPU smaller than the host's RAM was given pools it could not hold)."""
+    from mlx_streaming.core.io import cuda
+    from mlx_streaming.core.mem import machine_memory, pool_memory
+
+    total, free = pool_memory()
+    assert (total, free) == pytest.approx(cuda.device_memory(), rel=0.05)
+    assert (total, free) != machine_memory()
+    ck, ed = models.experts("tiny-qwen3_moe", dtype="bfloat16")
+    _, _, store = mlx_streaming.load(ck, ed, budget_gb="auto", context=512, progress=False)
+    try:
+        err = capsys.readouterr().err
+        assert f"(GPU {total / 1e9:.2f} GB)" in err, err
+        assert store.pool_bytes() <= free
+    finally:
+        store.close()

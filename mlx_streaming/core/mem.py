@@ -185,6 +185,20 @@ def machine_memory() -> tuple[int, int]:
     return total, avail
 
 
+def pool_memory() -> tuple[int, int]:
+    """``(total, available)`` bytes where the model's trunk, pools and KV cache live: on
+    CUDA the GPU's own memory (free there counts as available; host memory holds only
+    what lies beneath the pools), elsewhere ``machine_memory``."""
+    from .dispatch import backend
+
+    if backend() == "cuda":
+        from .io import cuda
+
+        if cuda.available():
+            return cuda.device_memory()
+    return machine_memory()
+
+
 def cgroup_memory() -> tuple[int, int, int] | None:
     """``(limit, used, page cache)`` bytes of this process's memory cgroup (v2 or v1),
     or None where it has no limit (or no cgroup can be read)."""

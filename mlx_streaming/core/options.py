@@ -56,8 +56,9 @@ class StreamConfig:
         None, "expert slots per MoE layer (default: half the layer's experts, at least top-k)"
     )
     budget_gb: float | str | None = option(
-        None, "total GB for all expert pools, instead of slots; auto: what the machine has "
-        "left after the trunk, the KV cache for --context tokens and a headroom"
+        None, "total GB for all expert pools, instead of slots; auto: what the machine (on "
+        "CUDA, the GPU) has left after the trunk, the KV cache for --context tokens and a "
+        "headroom"
     )  # fmt: skip
     context: int = option(4096, "tokens of context --budget-gb auto keeps KV cache room for")
     pool_profile: str = option(

@@ -333,6 +333,7 @@ class AutoBudget:
     context: int
     headroom: int
     cache_cap: int
+    where: str = "machine"  # whose memory: the machine's, or (CUDA) the GPU's
 
     def why(self) -> str:
         gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
@@ -340,13 +341,14 @@ class AutoBudget:
             f"--budget-gb auto: {gb(self.budget_bytes)} for the expert pools = "
             f"{gb(self.available)} available - trunk {gb(self.trunk)} - KV cache for "
             f"{self.context} tokens {gb(self.kv)} - MLX's buffer cache {gb(self.cache_cap)} - "
-            f"headroom {gb(self.headroom + MARGIN_BYTES)} (machine {gb(self.total)})"
+            f"headroom {gb(self.headroom + MARGIN_BYTES)} ({self.where} {gb(self.total)})"
         )
 
 
 def auto_budget(
-    trunk: int, kv_per_token: int, context: int, total: int, available: int
-) -> AutoBudget:
+    trunk: int, kv_per_token: int, context: int, total: int, available: int,
+    where: str = "machine",
+) -> AutoBudget:  # fmt: skip
     """The largest pool budget whose peak (trunk + pools + KV for ``context`` tokens +
     MLX's buffer-cache cap + the margin) fits the available memory less a headroom; never
     more than physical memory.
@@ -361,11 +363,11 @@ def auto_budget(
     pools = pools_within(available - trunk - kv - headroom)
     if pools <= 0:
         raise ValueError(
-            f"--budget-gb auto: this machine has {available / 1e9:.2f} GB available; the "
+            f"--budget-gb auto: this {where} has {available / 1e9:.2f} GB available; the "
             f"trunk needs {trunk / 1e9:.2f} GB and the KV cache for {context} tokens "
             f"{kv / 1e9:.2f} GB, plus {(headroom + MARGIN_BYTES) / 1e9:.2f} GB of headroom: "
             "nothing is left for expert pools; free memory, lower --context, or pass "
             "--budget-gb explicitly"
         )
     return AutoBudget(pools, total, available, trunk, kv, context, headroom,
-                      default_cache_limit(pools))  # fmt: skip
+                      default_cache_limit(pools), where)  # fmt: skip

@@ -215,6 +215,13 @@ def copy_now(dst: int, src: int, nbytes: int, kind: int = H2D) -> None:
     )
 
 
+def device_memory() -> tuple[int, int]:
+    """``(total, free)`` bytes of the current device's memory (``cudaMemGetInfo``)."""
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    _check(lib().cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)), "cudaMemGetInfo")
+    return total.value, free.value
+
+
 def device_synchronize() -> None:
     """Wait for everything queued on the device, on every stream (a pageable copy's
     ``cudaMemcpy`` may return before its transfer has landed)."""
