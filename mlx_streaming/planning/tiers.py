@@ -208,10 +208,10 @@ def best_split(
     beneath: tuple[str, ...] = ("page cache",),
     zero_slot: bool = False,
 ) -> list[dict]:
-    """The memory ``memory_bytes`` left after the trunk split between pools (with a zero
-    slot each where ``zero_slot``) and the tier beneath them, ``steps`` ways from all
-    pools downwards: each split's slots per layer, tier size, hits per tier and predicted
-    tok/s (overlap bound), best first. ``beneath``: the tiers to model under the pools,
+    """The memory ``memory_bytes`` left after the trunk, less ``MARGIN`` (the process's
+    own), split between pools (with a zero slot each where ``zero_slot``) and the tier
+    beneath them, ``steps`` ways from all pools downwards: each split's slots per layer,
+    tier size, hits per tier and predicted tok/s (overlap bound), best first. ``beneath``: the tiers to model under the pools,
     "page cache" (the OS's, holding what the pools hold too) and "swap" (the store's
     exclusive host tier, ``--swap-tier``; whole where it has room for every record the
     pools do not hold).
@@ -225,11 +225,13 @@ def best_split(
     def pools(s: int) -> int:
         return pool_slots(s, E, zero_slot) * slot_bytes * model_layers
 
-    most = max([s for s in range(top_k, E + 1) if pools(s) <= memory_bytes], default=0)
+    usable = memory_bytes - MARGIN  # the process's own, whichever tier is beneath
+    most = max([s for s in range(top_k, E + 1) if pools(s) <= usable], default=0)
     if not most:
         raise ValueError(
             f"{memory_bytes / 1e9:.4g} GB cannot hold top_k={top_k} slots in each of "
-            f"{model_layers} MoE layers: that takes {pools(top_k) / 1e9:.4g} GB"
+            f"{model_layers} MoE layers beside the {MARGIN / 1e9:.2f} GB the process "
+            f"keeps: that takes {(pools(top_k) + MARGIN) / 1e9:.4g} GB"
         )
     splits = [
         (s, memory_bytes - pools(s))
