@@ -8,8 +8,9 @@ cache of a given size holding whole records (one LRU over every layer's records:
 model of Linux's active and inactive lists moved its prediction by 2% only), and counts
 per token the pool hits, the misses the page cache serves and the misses read from the
 disk. Sampled layers share a page cache scaled to their share of the model's layers.
-With ``exclusive`` the tier beneath is a host tier of the store's own instead, which
-holds no record the pools hold (``benchmarks/host_tier.py`` compares the two).
+With ``exclusive`` the tier beneath is the store's swap tier instead (``--swap-tier``),
+which holds no record the pools hold, each layer in rows of its own, as
+``core.io.tier.SwapTier`` keeps them (``benchmarks/host_tier.py`` compares the two).
 """
 
 from __future__ import annotations
