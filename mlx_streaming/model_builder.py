@@ -7,6 +7,7 @@ public function of its own module.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import sys
 from pathlib import Path
@@ -64,6 +65,7 @@ def load(
     progress: bool | None = None,
     pipeline_group=None,
     pipeline_split: list[int] | None = None,
+    pipeline_watch: parallel.PeerWatch | None = None,
     tokenizer_config: dict | None = None,
     **options,
 ):
@@ -86,6 +88,10 @@ def load(
             rank's. Every rank must call ``load`` with the same model and arguments.
         pipeline_split: Decoder layers per rank, in rank order (rank 0 runs the last
             layers); default: even.
+        pipeline_watch: The group's ``parallel.PeerWatch`` (the commands make it as they
+            join the group): the load's exchanges with the other ranks run under it
+            (``parallel.Pace``: a rank slower to load is waited for, a silent one ends
+            this one), and every layer call of the store beats it. None: no time limit.
         tokenizer_config: Passed to mlx-lm's tokenizer (e.g. ``{"chat_template": t}``).
         **options: Overrides of ``config``'s fields, e.g. ``load(path, slots=32)`` or
             ``load(path, budget_gb=16, policy="lru")``.
@@ -102,12 +108,13 @@ def load(
     model_dir = resolve_model_path(path_or_repo)
     expert_dir = expert_dir_for(path_or_repo, expert_dir)
     model, tokenizer = mlx_load(str(model_dir), tokenizer_config=tokenizer_config or {}, lazy=True)
-    model_fp = None
+    model_fp, pace = None, None
     if pipeline_group is None:
         meta = ensure_split(model_dir, expert_dir, progress=progress)
     else:
+        pace = parallel.Pace(pipeline_group, pipeline_watch)
         meta, model_fp = pipeline_share(
-            model, model_dir, expert_dir, pipeline_group, pipeline_split, progress
+            model, model_dir, expert_dir, pace, pipeline_split, progress
         )
     p = cfg.pool_profile
     path = pool_profile_path(expert_dir) if p == "auto" else None if p == "none" else p
@@ -119,15 +126,17 @@ def load(
         meta, cfg.slots, cfg.budget_gb, caps, runtime.zero_slot, whole
     )
     store = FileExpertStore(meta, capacity, layer_caps, config=cfg, runtime=runtime)
+    if pipeline_watch is not None:
+        store.watch(pipeline_watch.beat)  # a step's progress
     try:  # a failure from here on releases the store (threads, files, page-locked maps)
         if cfg.kernel_check_file is None:
             cfg = cfg.replace(kernel_check_file=env.settings().kernel_check_file)
         patch_model_filebacked(model, store, config=cfg, model_fingerprint=model_fp)
         mx.set_cache_limit(memory_plan(model, store, cfg.cache_limit_gb).cache_limit_bytes)
         print(store.runtime.line(), file=sys.stderr, flush=True)
-        load_trunk(model, progress)
-        if pipeline_group is not None:
-            parallel.barrier(pipeline_group)
+        load_trunk(model, progress, pace.tick if pace else None)
+        if pace is not None:
+            pace.done()  # every rank loaded
     except BaseException:
         store.close()
         raise
@@ -158,13 +167,15 @@ def auto_budget_for(model, context: int, machine: tuple[int, int] | None = None)
     return plan
 
 
-def pipeline_share(model, model_dir, expert_dir, group, split, progress=None):
-    """Pipeline the lazily loaded ``model`` over ``group`` and split this rank's experts;
-    returns ``(meta of this rank's layers, the whole model's fingerprint)``.
+def pipeline_share(model, model_dir, expert_dir, pace: parallel.Pace, split, progress=None):
+    """Pipeline the lazily loaded ``model`` over ``pace.group`` and split this rank's
+    experts; returns ``(meta of this rank's layers, the whole model's fingerprint)``.
 
     Every rank checks with the others that they loaded the same model and the same
-    expert directory contents before any of them goes on.
+    expert directory contents before any of them goes on (``pace``: they hear from one
+    another between the split's layers, and the check runs under its watch).
     """
+    group = pace.group
     sites = find_expert_sites(model)
     model_fp = fingerprint(model, sites)
     own = parallel.pipeline_model(model, group, split)
@@ -174,22 +185,25 @@ def pipeline_share(model, model_dir, expert_dir, group, split, progress=None):
             f"rank {group.rank()} runs layers {own.start}-{own.stop - 1}, which hold no "
             "experts: choose a --pipeline-split that gives every rank a MoE layer"
         )
-    meta = ensure_split(model_dir, expert_dir, layers=mine, progress=progress)
-    parallel.check_same_everywhere(
-        group,
-        {"model": parallel.digest(model_fp), "experts": parallel.digest(meta.fingerprint)},
-        {
-            "model": "every rank must load the same model (same files on every host)",
-            "experts": "their expert directories were split from different models: "
-            "split this model into each host's directory again",
-        },
-    )
+    meta = ensure_split(model_dir, expert_dir, layers=mine, progress=progress, tick=pace.tick)
+    pace.done()
+    with pace.watch or contextlib.nullcontext():
+        parallel.check_same_everywhere(
+            group,
+            {"model": parallel.digest(model_fp), "experts": parallel.digest(meta.fingerprint)},
+            {
+                "model": "every rank must load the same model (same files on every host)",
+                "experts": "their expert directories were split from different models: "
+                "split this model into each host's directory again",
+            },
+        )
     return meta.subset(mine), model_fp
 
 
-def load_trunk(model, progress: bool | None = None) -> None:
+def load_trunk(model, progress: bool | None = None, tick=None) -> None:
     """Read the (lazily loaded) trunk weights now, one block at a time, with a progress
-    bar on a terminal, so the first token does not pay for them."""
+    bar on a terminal, so the first token does not pay for them; ``tick()`` after each
+    block (a pipeline's ``Pace.tick``)."""
     from mlx.utils import tree_flatten
     from tqdm import tqdm
 
@@ -205,6 +219,8 @@ def load_trunk(model, progress: bool | None = None) -> None:
         disable=None if progress is None else not progress,
     ):
         mx.eval(arrays)
+        if tick is not None:
+            tick()
 
 
 def memory_plan(model, store: FileExpertStore, cache_limit_gb: float | None = None) -> MemoryPlan:

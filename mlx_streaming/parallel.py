@@ -6,12 +6,14 @@ layers (rank 0 the last ones); hidden states pass rank to rank by send/recv and 
 output is all-gathered, so every rank ends each step with the same logits. This module
 holds what a streamed model adds around it: the group with a bounded start, which layers
 are this rank's, the cross-rank check that every rank loaded the same model and experts,
-the translation of a lost peer into a clear error, and ``PeerWatch``, which ends a rank
-whose peer stopped answering (MLX would wait on it forever).
+the translation of a lost peer into a clear error, ``PeerWatch``, which ends a rank
+whose peer stopped answering (MLX would wait on it forever), and ``Pace``, which keeps
+ranks doing local work of unequal length (a load) in touch under it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -340,3 +342,39 @@ class PeerWatch:
                 pass
         print(msg, file=sys.stderr, flush=True)
         os._exit(EXIT_PEER_SILENT)
+
+
+class Pace:
+    """Ranks doing local work of unequal length (a load: the split, the trunk) wait for
+    each other in rounds, so that a slow rank is told apart from a silent one.
+
+    ``tick()``, after each piece of work, joins a round once ``every`` s passed since the
+    last; ``done()`` joins rounds until every rank is done. Only the rounds run under
+    ``watch`` (armed there alone): a rank that stops, or stops working, ends its peers
+    within the watch's time; one that works on, in pieces shorter than that less
+    ``every``, does not. A round pairs with any round of the peers, so ranks need not
+    tick alike.
+    """
+
+    def __init__(self, group, watch: PeerWatch | None = None):
+        self.group, self.watch = group, watch
+        self.every = (watch.timeout_s if watch else DEFAULT_CONNECT_TIMEOUT_S) / 4
+        self._last = time.monotonic()
+
+    def tick(self) -> None:
+        """After a piece of this rank's work: a round with the peers, if one is due."""
+        if time.monotonic() - self._last >= self.every:
+            self._round(0)
+
+    def done(self) -> None:
+        """This rank's work is done: rounds until every rank's is (a barrier)."""
+        while self._round(1) < self.group.size():
+            pass
+
+    def _round(self, done: int) -> int:
+        with self.watch or contextlib.nullcontext():
+            n = collective(
+                lambda: mx.distributed.all_sum(mx.array(done), group=self.group, stream=mx.cpu)
+            )
+        self._last = time.monotonic()
+        return n.item()

@@ -163,6 +163,7 @@ def ensure_split(
     *,
     layers=None,
     progress: bool | None = None,
+    tick=None,
 ) -> ExpertMeta:
     """``split_model``, returning the parsed meta (``load`` parses it once this way).
 
@@ -170,7 +171,8 @@ def ensure_split(
     lists the layers split so far and, until every layer is there, the model's others
     as missing. Processes that split into one directory at once (pipeline ranks on one
     host) take a lock per layer: no layer is written twice, and the meta is merged
-    under a lock of its own.
+    under a lock of its own. ``tick()`` after each layer (a pipeline's ``Pace.tick``:
+    the other ranks hear from this one while it splits).
     """
     out = Path(out_dir)
     want = None if layers is None else set(layers)
@@ -201,6 +203,8 @@ def ensure_split(
         ):
             with locks.hold(site.layer):
                 layouts[site.layer] = _split_layer(out, site, index, fp)
+            if tick is not None:
+                tick()
     hidden, moe_inter = expert_dims(sites[0])
     meta = ExpertMeta(
         root=out,
