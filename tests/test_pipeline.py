@@ -26,6 +26,7 @@ from serving import wait_healthy
 from mlx_streaming.analysis.verify import greedy_trace
 
 RANK_SCRIPT = Path(__file__).with_name("pipeline_rank.py")
+STOP_SCRIPT = Path(__file__).with_name("stop_rank.py")  # rank 1 held up in its load
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
 PROMPT = (
     "A mixture of experts model routes each token to a few experts out of many; "
@@ -373,15 +374,18 @@ def test_a_split_keeps_room_for_what_load_adds_and_the_kv_cache(models):
         suggest_split(mb, [small - 0.002, 1.0], 0)  # before: "add memory or hosts"
 
 
-def _start_ranks(n: int, out: Path, argv: list[str]) -> list[subprocess.Popen]:
-    """``n`` ranks of ``python -m mlx_streaming ARGV`` on 127.0.0.1, each in its own
-    session (the caller kills them), output to OUT/rank<r>.out and .err."""
+def _start_ranks(
+    n: int, out: Path, argv: list[str], script: Path | None = None
+) -> list[subprocess.Popen]:
+    """``n`` ranks of ``python -m mlx_streaming ARGV`` (or ``python SCRIPT ARGV``) on
+    127.0.0.1, each in its own session (the caller kills them), output to
+    OUT/rank<r>.out and .err."""
     base = free_ports(n)
     hostfile = out / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{base + r}"] for r in range(n)]))
     return [
         subprocess.Popen(
-            [sys.executable, "-m", "mlx_streaming", *argv],
+            [sys.executable, *([str(script)] if script else ["-m", "mlx_streaming"]), *argv],
             env={**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(r)},
             stdout=open(out / f"rank{r}.out", "w"),
             stderr=open(out / f"rank{r}.err", "w"),
@@ -449,6 +453,52 @@ def test_a_stopped_rank_ends_generate_in_bounded_time(models, tmp_path):
     assert waited < 5 + 5  # the bound, plus the watch's polling and the exit
 
 
+@pytest.mark.parametrize(
+    "command,where",
+    [("generate", "ensure_split"), ("generate", "load_trunk"), ("serve", "load_trunk")],
+)
+def test_a_rank_stopped_while_loading_ends_the_others(models, tmp_path, command, where):
+    """SIGSTOP rank 1 as its load enters WHERE (before its split: rank 0 waits to check
+    models and experts with it; before its trunk: rank 0 waits for every rank to have
+    loaded): rank 0 exits within --pipeline-timeout, naming it (before: it waited for
+    ever, generate silent, serve's /health "loading")."""
+    ck = models.checkpoint("tiny-qwen3_moe")
+    argv = [command, "--model", str(ck), "--expert-dir", str(tmp_path / "ed"), "--slots", "5"]
+    argv += ["--pipeline", "--pipeline-timeout", "5"]
+    argv += ["--port", str(free_ports(1))] if command == "serve" else ["--prompt", PROMPT]
+    stopped = tmp_path / "stopped_at"
+    held = ["--in", where, "--stop-file", str(stopped)]
+    procs = _start_ranks(2, tmp_path, held + argv, script=STOP_SCRIPT)
+    try:
+        code = procs[0].wait(timeout=120)
+        waited = time.time() - float(stopped.read_text())
+        assert procs[1].poll() is None  # stopped, not dead: rank 0 heard nothing
+    finally:
+        _kill(procs)
+    err = (tmp_path / "rank0.err").read_text()
+    assert code == 6, err[-2000:]
+    assert "rank 0: no answer within 5 s: rank 1" in err, err[-2000:]
+    assert waited < 5 + 5
+
+
+def test_a_rank_slower_to_load_is_waited_for(models, tmp_path):
+    """Rank 1's load takes 10 s longer than rank 0's, working all along (its trunk in
+    pieces of 0.25 s): with --pipeline-timeout 5, rank 0 waits for it (the ranks hear
+    from each other between pieces), and the text is stock's."""
+    ck = models.checkpoint("tiny-qwen3_moe")
+    argv = ["generate", "--model", str(ck), "--expert-dir", str(tmp_path / "ed"), "--slots"]
+    argv += ["5", "--pipeline", "--pipeline-timeout", "5", "--prompt", PROMPT]
+    argv += ["--max-tokens", "12", "--no-verbose"]
+    procs = _start_ranks(2, tmp_path, ["--in", "load_trunk", "--slow", "10"] + argv, STOP_SCRIPT)
+    try:
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        _kill(procs)
+    assert codes == [0, 0], (tmp_path / "rank0.err").read_text()[-2000:]
+    text = (tmp_path / "rank0.out").read_text()
+    assert text.strip() == _stock_text(ck, PROMPT, 12, chat=True).strip()
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_stopped_rank_fails_the_request_in_flight(models, tmp_path, stream):
     """serve under a pipeline: SIGSTOP the other rank while a completion is running; the
@@ -483,20 +533,24 @@ def test_a_stopped_rank_fails_the_request_in_flight(models, tmp_path, stream):
     assert code == 6 and waited < 5 + 5
 
 
-def test_a_rank_stopped_while_serve_is_idle_ends_it(models, tmp_path):
+@pytest.mark.parametrize("stopped", [1, 0])
+def test_a_rank_stopped_while_serve_is_idle_ends_it(models, tmp_path, stopped):
     """serve under a pipeline, idle (rank 0 shares "no request" with its peers every
-    0.1 s): SIGSTOP rank 1; rank 0 exits within --pipeline-timeout, naming it (before: it
-    hung in the share, /health still "ok", every request after it queued for ever)."""
+    0.1 s): SIGSTOP one rank; the other exits within --pipeline-timeout, naming it
+    (before: rank 0 hung in the share, /health still "ok", every request after it queued
+    for ever; rank 1, whose rank 0 stopped, waited for ever)."""
     procs, port = _serving_ranks(models, tmp_path)
+    other = 1 - stopped
     try:
-        procs[1].send_signal(signal.SIGSTOP)
+        procs[stopped].send_signal(signal.SIGSTOP)
         t0 = time.time()
-        code = procs[0].wait(timeout=60)
+        code = procs[other].wait(timeout=60)
         waited = time.time() - t0
     finally:
         _kill(procs)
-    err = (tmp_path / "rank0.err").read_text()
-    assert code == 6 and "rank 0: no answer within 5 s: rank 1" in err, err[-2000:]
+    err = (tmp_path / f"rank{other}.err").read_text()
+    assert code == 6, err[-2000:]
+    assert f"rank {other}: no answer within 5 s: rank {stopped}" in err, err[-2000:]
     assert waited < 5 + 5
 
 

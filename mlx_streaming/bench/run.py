@@ -144,8 +144,8 @@ def _trace(cfg: BenchConfig):
     return trace, start, train
 
 
-def open_model(cfg: BenchConfig, group=None):
-    """``load`` with the config's options (``group``: pipeline over it):
+def open_model(cfg: BenchConfig, group=None, watch=None):
+    """``load`` with the config's options (``group``: pipeline over it, under ``watch``):
     ``(model, tokenizer, store)``."""
     stream = cfg.stream.replace(record=cfg.stream.record or cfg.pin_hot > 0)
     if stream.prefetch and cfg.predictor == "transition":
@@ -161,6 +161,7 @@ def open_model(cfg: BenchConfig, group=None):
         stream,
         pipeline_group=group,
         pipeline_split=list(cfg.pipeline_split) if cfg.pipeline_split else None,
+        pipeline_watch=watch,
     )
     _check_bits(cfg, store.meta)
     return model, tokenizer, store
@@ -183,7 +184,8 @@ def run_bench(cfg: BenchConfig, group=None, watch=None) -> dict:
 
     With a pipeline ``group`` every rank runs it in step; each rank's result describes
     its own layers, and ``pipeline.per_rank`` holds every rank's main figures. ``watch``
-    (a ``parallel.PeerWatch``) ends this rank if a peer stops answering once loaded.
+    (the group's ``parallel.PeerWatch``) ends this rank if a peer stops answering: the
+    load arms it around its exchanges, and it is armed from the load's end on.
     """
     if cfg.cold and not hasattr(os, "posix_fadvise"):
         drop_page_cache([])  # raises the clear error before anything is loaded
@@ -201,17 +203,10 @@ def run_bench(cfg: BenchConfig, group=None, watch=None) -> dict:
             "exists to avoid: compare on one host (or check exactness with the tests)"
         )
     with memory_limits(cfg.wired_gb, cfg.stream.cache_limit_gb), contextlib.ExitStack() as on:
-        out = _run(cfg, group, lambda store: _watch(on, watch, store))
+        out = _run(cfg, group, watch, on)
         if group is not None:
             out["pipeline"] = _per_rank(cfg, group, out)
     return out
-
-
-def _watch(stack: contextlib.ExitStack, watch, store) -> None:
-    """Arm ``watch`` (if any) for the rest of the run, beating on each layer call."""
-    if watch is not None:
-        store.watch(watch.beat)
-        stack.enter_context(watch)
 
 
 PER_RANK = (
@@ -246,13 +241,14 @@ def _per_rank(cfg: BenchConfig, group, out: dict) -> dict:
     }
 
 
-def _run(cfg: BenchConfig, group=None, loaded=None) -> dict:
+def _run(cfg: BenchConfig, group=None, watch=None, armed=None) -> dict:
+    """One run; ``watch`` is armed in ``armed`` (an ``ExitStack``) once loaded."""
     mem.reset_peak()
     t0 = time.perf_counter()
-    model, tokenizer, store = open_model(cfg, group)
+    model, tokenizer, store = open_model(cfg, group, watch)
     load_s = time.perf_counter() - t0
-    if loaded is not None:
-        loaded(store)
+    if watch is not None:
+        armed.enter_context(watch)  # for the rest of the run
     after_patch = mem.snapshot()
     ids = encode(tokenizer, cfg.prompt)
     meta = store.meta

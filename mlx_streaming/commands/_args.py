@@ -126,15 +126,17 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=DEFAULT_CONNECT_TIMEOUT_S,
         help="seconds to wait for the other ranks to connect, and for a peer to answer "
-        f"within a step (default {DEFAULT_CONNECT_TIMEOUT_S:.0f}); a silent peer ends the rank",
+        "while loading (a slower one is waited for while it works) and within a step "
+        f"(default {DEFAULT_CONNECT_TIMEOUT_S:.0f}); a silent peer ends the rank",
     )
 
 
-def pipeline_kwargs(a: argparse.Namespace) -> dict:
-    """``load``'s pipeline arguments: joins the group (bounded by --pipeline-timeout);
-    with --rank-budget-gb, this rank's ``budget_gb``. ``peer_watch(a, group)`` makes the
-    watch that bounds each step."""
-    from ..parallel import init_pipeline, parse_split
+def pipeline_kwargs(a: argparse.Namespace, on_silence=None) -> dict:
+    """``load``'s pipeline arguments: joins the group (bounded by --pipeline-timeout)
+    and makes the one ``PeerWatch`` (``pipeline_watch``) that bounds every exchange with
+    the other ranks from then on, the load's and each step's (``on_silence``: see
+    ``PeerWatch``); with --rank-budget-gb, this rank's ``budget_gb``."""
+    from ..parallel import PeerWatch, init_pipeline, parse_split
 
     if not a.pipeline:
         if a.pipeline_split or a.rank_budget_gb:
@@ -150,7 +152,8 @@ def pipeline_kwargs(a: argparse.Namespace) -> dict:
         except argparse.ArgumentTypeError as e:
             raise ValueError(f"--rank-budget-gb {a.rank_budget_gb!r}: {e}") from None
     group = init_pipeline(a.pipeline_timeout)
-    out = {"pipeline_group": group, "pipeline_split": split}
+    watch = PeerWatch(group, a.pipeline_timeout, on_silence)
+    out = {"pipeline_group": group, "pipeline_split": split, "pipeline_watch": watch}
     if budgets is not None:
         if len(budgets) != group.size():
             raise ValueError(f"--rank-budget-gb has {len(budgets)} values for {group.size()} ranks")
@@ -167,10 +170,3 @@ def stream_config(a: argparse.Namespace, **changes) -> StreamConfig:
 def load_kwargs(a: argparse.Namespace) -> dict:
     """``mlx_streaming.load``'s keyword arguments from the streaming flags."""
     return {"expert_dir": a.expert_dir, "config": stream_config(a)}
-
-
-def peer_watch(a: argparse.Namespace, group, on_silence=None):
-    """The ``PeerWatch`` bounding each step by --pipeline-timeout (None off a pipeline)."""
-    from ..parallel import PeerWatch
-
-    return None if group is None else PeerWatch(group, a.pipeline_timeout, on_silence)

@@ -14,7 +14,6 @@ from ._args import (
     add_pipeline_args,
     add_store_args,
     nonneg_int,
-    peer_watch,
     pipeline_kwargs,
     positive_float,
     positive_int,
@@ -157,7 +156,7 @@ def main(argv=None) -> None:
         kw["pipeline_split"] = tuple(pipe["pipeline_split"])
     if "budget_gb" in pipe:  # --rank-budget-gb: this rank's
         sizes = [{"slots": None, "budget_gb": pipe["budget_gb"]}]
-    watch = peer_watch(a, group)
+    watch = pipe.get("pipeline_watch")
     results = [
         run_bench(BenchConfig(**kw, stream=stream_config(a, **size)), group, watch)
         for size in sizes or [{"slots": None, "budget_gb": None}]

@@ -11,7 +11,6 @@ from ._args import (
     add_store_args,
     load_kwargs,
     nonneg_int,
-    peer_watch,
     pipeline_kwargs,
     positive_int,
 )
@@ -65,9 +64,7 @@ def main(argv=None) -> None:
     group = pipe.get("pipeline_group")
     primary = group is None or group.rank() == 0  # the rank that prints
     model, tok, store = load(a.model, **{**load_kwargs(a), **pipe})
-    watch = peer_watch(a, group)  # a peer that stops answering ends this rank
-    if watch is not None:
-        store.watch(watch.beat)
+    watch = pipe.get("pipeline_watch")  # armed: a peer that stops answering ends this rank
     recorder = None
     if a.record_trace:
         from ..planning.trace import TraceRecorder
@@ -75,15 +72,15 @@ def main(argv=None) -> None:
         recorder = TraceRecorder(store.layers, store.meta.num_experts, a.model)
         store.observers.append(recorder)
     prompt = sys.stdin.read() if a.prompt == "-" and primary else a.prompt
-    if group is not None and a.prompt == "-":
-        from ..parallel import gather_lines
-
-        prompt = gather_lines(group, prompt)[0]  # rank 0 read stdin
-    if not a.ignore_chat_template and tok.chat_template is not None:
-        msgs = [{"role": "system", "content": a.system_prompt}] if a.system_prompt else []
-        msgs.append({"role": "user", "content": prompt})
-        prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     with watch or contextlib.nullcontext():
+        if group is not None and a.prompt == "-":
+            from ..parallel import gather_lines
+
+            prompt = gather_lines(group, prompt)[0]  # rank 0 read stdin
+        if not a.ignore_chat_template and tok.chat_template is not None:
+            msgs = [{"role": "system", "content": a.system_prompt}] if a.system_prompt else []
+            msgs.append({"role": "user", "content": prompt})
+            prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         text = generate(
             model,
             tok,

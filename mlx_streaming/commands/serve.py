@@ -100,17 +100,17 @@ def main(argv=None) -> None:
     # thread per connection would otherwise leave an arena of freed blocks behind each
     limit_malloc_arenas(SERVER_ARENAS)
     from ..prep.hub import local_model_dir
-    from ..serve.server import ServerStopped, serve
+    from ..serve.server import ServerStopped, StreamingAPIHandler, serve
 
     a = setup_arg_parser().parse_args(argv)
     local_model_dir(a.model)  # a local model's errors before any thread starts
     logging.basicConfig(level=getattr(logging, a.log_level), format="%(asctime)s %(message)s")
-    pipe = pipeline_kwargs(a)  # joins the group first: mlx-lm's server then finds it
+    # joins the group first (mlx-lm's server then finds it); a silent peer fails the
+    # requests in flight before this rank exits
+    pipe = pipeline_kwargs(a, StreamingAPIHandler.fail_inflight)
     pipe.pop("pipeline_group", None)  # the provider takes it from mlx-lm's own lookup
     try:
-        serve(
-            a.host, a.port, cli_args_for_mlx_lm(a), {**load_kwargs(a), **pipe}, a.pipeline_timeout
-        )
+        serve(a.host, a.port, cli_args_for_mlx_lm(a), {**load_kwargs(a), **pipe})
     except ServerStopped as e:  # the log above has the cause: one message, no traceback
         raise SystemExit(f"mlx_streaming serve: error: {e}") from None
     # stopped (Ctrl-C), the server and its generation thread ended: exit now, without

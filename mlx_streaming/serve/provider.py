@@ -25,13 +25,15 @@ class StreamingModelProvider(mlx_server.ModelProvider):
     """Loads the served model with its experts streamed from disk. Only that model is
     served: its expert directory belongs to it."""
 
-    def __init__(self, cli_args, load_kwargs: dict, watch=None):
+    def __init__(self, cli_args, load_kwargs: dict):
         super().__init__(cli_args)
         self.load_kwargs = load_kwargs
         self.store = None
         self.memory = None  # the loaded model's memory plan
         self.context_tokens = None  # positions the loaded model was made for
-        self.watch = watch  # beats on every layer call of the loaded store
+        # a pipeline's watch: the load arms it around its exchanges and beats it on
+        # every layer call of the store
+        self.watch = load_kwargs.get("pipeline_watch")
         self.loaded = threading.Event()  # set once the generation thread loaded the model
         self.watching = False  # the watch armed from the load to the thread's end
         cfg = load_kwargs.get("config")
@@ -84,8 +86,6 @@ class StreamingModelProvider(mlx_server.ModelProvider):
                 )
             tokenizer.chat_template = default
             tokenizer.has_chat_template = True  # else mlx-lm formats chats without it
-        if self.watch is not None:
-            store.watch(self.watch.beat)
         self.model_key = (model_path, None, None)
         self.model, self.tokenizer, self.store = model, tokenizer, store
         self.memory = memory_plan(model, store, self.cache_limit_gb)

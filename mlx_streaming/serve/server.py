@@ -292,9 +292,7 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         self.wfile.flush()
 
 
-def serve(
-    host: str, port: int, cli_args, load_kwargs: dict, peer_timeout_s: float | None = None
-) -> None:
+def serve(host: str, port: int, cli_args, load_kwargs: dict) -> None:
     """Run mlx-lm's server with the streamed model until interrupted.
 
     As in ``mlx_lm.server.run``: its response generator loads the model on its own
@@ -302,9 +300,11 @@ def serve(
     is the standard library's threading server with mlx-lm's handler, extended. In a
     pipeline (``cli_args.pipeline`` under ``mlx.launch``) only rank 0 serves HTTP; the
     generator shares each request with the other ranks, which run their layers. There,
-    with ``peer_timeout_s``, a request that makes no progress for that long (a peer
-    stopped answering) gets an HTTP 503 naming the silent rank, and rank 0 exits (code
-    ``parallel.EXIT_PEER_SILENT``); the other ranks then end on the lost connection.
+    with ``load_kwargs["pipeline_watch"]`` (a ``parallel.PeerWatch`` of the group), every
+    rank is bounded from its load's exchanges until its generation thread ends: one whose
+    peer stops answering for the watch's time exits (code ``parallel.EXIT_PEER_SILENT``),
+    naming it, rank 0 after answering the requests in flight with an HTTP 503 (the
+    watch's ``on_silence``).
 
     Off a pipeline, a model not yet split is split here, on the calling thread, before
     the generator starts: Ctrl-C stops it there (mlx-lm's generation thread, which loads
@@ -315,13 +315,7 @@ def serve(
     """
     from http.server import ThreadingHTTPServer
 
-    from ..parallel import PeerWatch
-
-    group = mx.distributed.init() if cli_args.pipeline and peer_timeout_s else None
-    watch = None
-    if group is not None and group.size() > 1 and group.rank() == 0:
-        watch = PeerWatch(group, peer_timeout_s, StreamingAPIHandler.fail_inflight)
-    provider = StreamingModelProvider(cli_args, load_kwargs, watch)
+    provider = StreamingModelProvider(cli_args, load_kwargs)
     follower = provider.pipeline_group is not None and provider.pipeline_group.rank() != 0
     httpd = http = None
     made = []  # the generator, once made: until then every request is told to wait
