@@ -4,6 +4,7 @@ loads, with its experts streamed from disk (mlx-lm's ``ModelProvider``, loading 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 
@@ -35,7 +36,7 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         # every layer call of the store
         self.watch = load_kwargs.get("pipeline_watch")
         self.loaded = threading.Event()  # set once the generation thread loaded the model
-        self.watching = False  # the watch armed from the load to the thread's end
+        self._armed = contextlib.ExitStack()  # the watch, from the load to the thread's end
         cfg = load_kwargs.get("config")
         self.cache_limit_gb = load_kwargs.get("cache_limit_gb", cfg and cfg.cache_limit_gb)
         from ..core.mem import rss_bytes
@@ -95,18 +96,15 @@ class StreamingModelProvider(mlx_server.ModelProvider):
         self.processor = None
         self.draft_model = None
         self.is_batchable = False  # one request at a time: they share the expert pools
-        if self.watch is not None and not self.watching:
+        if self.watch is not None:
             # from here mlx-lm's thread shares with its peers outside any request (a seed,
             # then "no request" every 0.1 s): armed until the thread ends (``unwatch``)
-            self.watch.__enter__()
-            self.watching = True
+            self._armed.enter_context(self.watch)
         self.loaded.set()
 
     def unwatch(self) -> None:
         """Disarm the watch the load armed (the generation thread is ending)."""
-        if self.watching:
-            self.watching = False
-            self.watch.__exit__(None, None, None)
+        self._armed.close()
 
 
 def split_first(model: str, expert_dir=None) -> None:
