@@ -150,7 +150,6 @@ def auto_budget_for(model, context: int, machine: tuple[int, int] | None = None)
     it chose and why."""
     from mlx.utils import tree_flatten
 
-    from .core.dispatch import backend
     from .core.mem import pool_memory
     from .planning.budget import auto_budget, kv_bytes
 
@@ -160,9 +159,8 @@ def auto_budget_for(model, context: int, machine: tuple[int, int] | None = None)
     )
     trunk = sum(v.nbytes for _, v in params) - experts
     kv = sum(kv_bytes(model))
-    total, available = machine or pool_memory()
-    where = "machine" if machine or backend() != "cuda" else "GPU"  # pools in its memory
-    plan = auto_budget(trunk, kv, context, total, available, where)
+    total, available, whose = (*machine, "machine") if machine else pool_memory()
+    plan = auto_budget(trunk, kv, context, total, available, whose)
     print(plan.why(), file=sys.stderr, flush=True)
     return plan
 

@@ -409,7 +409,8 @@ def test_auto_budget_sizes_the_pools_in_the_gpu_s_memory(models, capsys):
     from mlx_streaming.core.io import cuda
     from mlx_streaming.core.mem import machine_memory, pool_memory
 
-    total, free = pool_memory()
+    total, free, whose = pool_memory()
+    assert whose == "GPU"
     assert (total, free) == pytest.approx(cuda.device_memory(), rel=0.05)
     assert (total, free) != machine_memory()
     ck, ed = models.experts("tiny-qwen3_moe", dtype="bfloat16")

@@ -185,18 +185,19 @@ def machine_memory() -> tuple[int, int]:
     return total, avail
 
 
-def pool_memory() -> tuple[int, int]:
-    """``(total, available)`` bytes where the model's trunk, pools and KV cache live: on
-    CUDA the GPU's own memory (free there counts as available; host memory holds only
-    what lies beneath the pools), elsewhere ``machine_memory``."""
+def pool_memory() -> tuple[int, int, str]:
+    """``(total, available, whose)`` bytes where the model's trunk, pools and KV cache
+    live: on CUDA the GPU's own memory (``whose`` "GPU"; free there counts as available,
+    and host memory holds only what lies beneath the pools), elsewhere ``machine_memory``
+    ("machine")."""
     from .dispatch import backend
 
     if backend() == "cuda":
         from .io import cuda
 
         if cuda.available():
-            return cuda.device_memory()
-    return machine_memory()
+            return (*cuda.device_memory(), "GPU")
+    return (*machine_memory(), "machine")
 
 
 def cgroup_memory() -> tuple[int, int, int] | None:
