@@ -92,8 +92,11 @@ class _SwapRows:
     def __init__(self, layers, slots: int, rows: int):
         self.held = {li: OrderedDict.fromkeys(range(slots, slots + rows)) for li in layers}
 
-    def find(self, li: int, e: int) -> bool:
-        return self.held[li].pop(e, 0) is None
+    def find(self, li: int, e: int) -> bool:  # found: it leaves its row for the trade
+        if e not in self.held[li]:
+            return False
+        del self.held[li][e]
+        return True
 
     def keep(self, li: int, placed, found: list[bool]) -> int:
         held = self.held[li]
