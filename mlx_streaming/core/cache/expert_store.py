@@ -53,6 +53,7 @@ class FileExpertStore:
             store's ``runtime`` (``runtime.resolve``: pools, reader, mapping, decode
             path...); the store also reads ``record`` and ``clear_on_evict``.
         runtime: An already resolved ``Runtime`` (``load`` passes the one it printed).
+        tick: Called after each layer's work as the store opens (a pipeline's ``Pace.tick``).
         **options: Overrides of ``config``'s fields (e.g. ``policy="lru"``; the seed
             passes ``clear_on_evict`` and ``record``).
 
@@ -74,18 +75,15 @@ class FileExpertStore:
         *,
         config: StreamConfig | None = None,
         runtime: Runtime | None = None,
+        tick: Callable[[], None] | None = None,
         **options,
     ):
         refuse_load_only(options, config, capacity)
         cfg = (config or StreamConfig()).replace(**options)
         meta = expert_dir if isinstance(expert_dir, ExpertMeta) else load_meta(expert_dir)
-        self.meta: ExpertMeta = meta
-        self.config = cfg
-        self.runtime = runtime or resolve(cfg, meta)
-        rt = self.runtime
-        self.expert_dir = meta.root
-        self.top_k = meta.top_k
-        self.policy_name = rt.policy
+        self.meta, self.config = meta, cfg
+        rt = self.runtime = runtime or resolve(cfg, meta)
+        self.expert_dir, self.top_k, self.policy_name = meta.root, meta.top_k, rt.policy
         if capacity is None:
             capacity = default_slots(meta) if cfg.slots is None else cfg.slots
         caps = capacities(meta, capacity, layer_caps)
@@ -98,7 +96,7 @@ class FileExpertStore:
         self.pools = make_pools(meta, caps, rt.pool_mode, rt.zero_slot)
         self.pool_mode = rt.pool_mode
         try:
-            self.reader = make_reader(rt, meta, self.pools, cfg.swap_tier_gb)
+            self.reader = make_reader(rt, meta, self.pools, cfg.swap_tier_gb, tick)
         except OSError as e:  # the files could not be mapped and page-locked
             if not rt.mapped or cfg.map_files or cfg.device_reads:
                 raise  # asked for (the device path needs the mappings): the error is the answer
@@ -106,13 +104,15 @@ class FileExpertStore:
             rt = resolve(cfg.replace(map_files=False), meta)
             why = f"the files could not be page-locked ({e})"
             rt = self.runtime = rt.revised({"mapped": why, "decode_path": why})
-            self.reader = make_reader(rt, meta, self.pools)
+            self.reader = make_reader(rt, meta, self.pools, tick=tick)
         self.loads = Loader(
             meta, self.caches, self.pools, self.reader, self.stats, cfg.clear_on_evict
         )
         try:
             for li in self.caches if rt.reader == "tier" else ():  # its pools full from load
                 self.loads.adopt(li, self.reader.tier.held[li])
+                if tick is not None:
+                    tick()
         except BaseException:
             self.reader.close()
             raise

@@ -5,14 +5,23 @@ engine, the Python reader, the GPU copying from page-locked mappings, or a swap 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..format import ExpertMeta
 from ..runtime import Runtime
 
 
-def make_reader(runtime: Runtime, meta: ExpertMeta, pools: dict, tier_gb=None):
+def make_reader(
+    runtime: Runtime,
+    meta: ExpertMeta,
+    pools: dict,
+    tier_gb=None,
+    tick: Callable[[], None] | None = None,
+):
     """The reader ``runtime`` names, over ``pools``; a swap tier of at most ``tier_gb``
     (default: all the pools do not hold), the rest read by the file reader the runtime
-    would have had (``runtime.files_reader``).
+    would have had (``runtime.files_reader``). ``tick()`` after each layer's long work
+    (a tier's fill, a file's mapping and check; e.g. a pipeline's ``Pace.tick``).
 
     Raises:
         OSError: the native reader is not installed, or the files could not be mapped.
@@ -23,12 +32,15 @@ def make_reader(runtime: Runtime, meta: ExpertMeta, pools: dict, tier_gb=None):
         from ..io.tier import SwapTier, TierReader
 
         on_gpu = runtime.pool_mode == "cuda"
-        tier = SwapTier(meta, pools, cuda if on_gpu else None, runtime.checksums,
-                        limit=None if tier_gb is None else int(tier_gb * 1e9))  # fmt: skip
+        limit = None if tier_gb is None else int(tier_gb * 1e9)
+        tier = SwapTier(
+            meta, pools, cuda if on_gpu else None, runtime.checksums, limit=limit, tick=tick
+        )
         files = None
         try:
             if tier.partial:
-                files = make_reader(runtime.replace(reader=runtime.files_reader), meta, pools)
+                files_rt = runtime.replace(reader=runtime.files_reader)
+                files = make_reader(files_rt, meta, pools, tick=tick)
             if not on_gpu:
                 return TierReader(tier, files)
             from ..io.device_reader import DeviceReader
@@ -44,7 +56,7 @@ def make_reader(runtime: Runtime, meta: ExpertMeta, pools: dict, tier_gb=None):
     if runtime.reader == "device":
         from ..io.device_reader import DeviceReader
 
-        return DeviceReader(meta, pools, checksums=runtime.checksums)
+        return DeviceReader(meta, pools, checksums=runtime.checksums, tick=tick)
     if runtime.reader == "python":
         from ..io.reader import PythonReader
 

@@ -16,6 +16,8 @@ checking).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import numpy as np
 
@@ -110,6 +112,8 @@ class DeviceReader:
             mapped files; the reader closes it.
         files: A partial tier's reader of the records outside it (the native reader);
             the reader closes it.
+        tick: Called after each layer's file is mapped and after each is checked (e.g.
+            a pipeline's ``Pace.tick``).
 
     Raises:
         OSError: a file could not be mapped or page-locked (the message says which).
@@ -118,16 +122,26 @@ class DeviceReader:
 
     wave = None  # any number of records per start
 
-    def __init__(self, meta, pools: dict, checksums: bool = True, tier=None, files=None):
+    def __init__(
+        self,
+        meta,
+        pools: dict,
+        checksums: bool = True,
+        tier=None,
+        files=None,
+        tick: Callable[[], None] | None = None,
+    ):
         self.meta, self.pools, self.tier, self.swap = meta, pools, tier, tier is not None
         self.files = files  # a partial tier's: the store's reader of the rest
         self.maps = None
         try:
             if tier is None:
-                self.maps = FileMaps(meta, sorted(pools), cuda=cuda)
+                self.maps = FileMaps(meta, sorted(pools), cuda=cuda, tick=tick)
                 checked = {li: np.zeros(meta.layers[li].num_experts, np.uint8) for li in pools}
                 for li in sorted(pools) if checksums else ():
                     self.maps.verify(li, checked[li])
+                    if tick is not None:
+                        tick()
             self._meta, self._kernels = {}, {}
             for li in sorted(pools):
                 self._meta[li] = self._layer_meta(li)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from collections.abc import Callable
 
 import numpy as np
 
@@ -24,13 +25,14 @@ class FileMaps:
         layers: The layers whose files to map.
         cuda: The CUDA runtime module (``io.cuda``) to page-lock each mapping with, or
             None (no page-locking).
+        tick: Called after each layer's file is mapped (e.g. a pipeline's ``Pace.tick``).
 
     Raises:
         OSError: a file cannot be opened, mapped or page-locked (naming it); whatever
             was mapped before is released.
     """
 
-    def __init__(self, meta, layers, cuda=None):
+    def __init__(self, meta, layers, cuda=None, tick: Callable[[], None] | None = None):
         self.meta, self._cuda = meta, cuda
         self.sources: dict[int, int] = {}  # layer -> host address of its file's mapping
         self.nbytes = 0  # of the files mapped
@@ -38,6 +40,8 @@ class FileMaps:
         try:
             for li in layers:
                 self._map(li)
+                if tick is not None:
+                    tick()
         except BaseException:
             self.close()
             raise

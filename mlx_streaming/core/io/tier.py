@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +66,9 @@ class SwapTier:
         checksums: Check each record as it is read.
         available: Bytes of host memory the tier may take (default: the machine's
             available memory, ``mem.machine_memory``).
+        limit: Bytes the tier may hold (default: every record the pools do not).
+        tick: Called after each layer's records are read (e.g. a pipeline's
+            ``Pace.tick``: a layer's fill is the longest stretch without one).
 
     ``home[layer][e]``: the tier slot holding expert ``e`` (-1 while it is in a pool slot);
     ``held[layer][s]``: the expert whose record pool slot ``s`` holds.
@@ -76,7 +80,14 @@ class SwapTier:
     """
 
     def __init__(
-        self, meta, pools: dict, cuda=None, checksums: bool = True, available=None, limit=None
+        self,
+        meta,
+        pools: dict,
+        cuda=None,
+        checksums: bool = True,
+        available=None,
+        limit=None,
+        tick: Callable[[], None] | None = None,
     ):
         self.meta, self.pools, self._cuda = meta, pools, cuda
         rest = {li: max(0, meta.layers[li].num_experts - p.slots) for li, p in pools.items()}
@@ -112,6 +123,8 @@ class SwapTier:
         try:
             for li in sorted(pools):
                 self._load(li, checksums)
+                if tick is not None:
+                    tick()
             if cuda is not None:  # the pools' pageable copies have landed, on any stream
                 cuda.device_synchronize()
         except BaseException:
