@@ -184,8 +184,12 @@ CASE = selftest.ProjectionCase(
 def test_self_test_passes_with_the_rule(monkeypatch, tmp_path):
     _metal_like(monkeypatch)
     cache = tmp_path / "parity.json"
-    selftest.ensure_kernel_parity([CASE], tokens_max=80, cache_file=cache)
+    ticks = []
+    selftest.ensure_kernel_parity([CASE], 80, cache, tick=lambda: ticks.append(1))
     assert json.loads(cache.read_text()) == {CASE.key(): "exact"}
+    assert ticks == [1]  # after the case (a pipeline's Pace.tick)
+    selftest.ensure_kernel_parity([CASE], 80, cache, tick=lambda: ticks.append(1))
+    assert ticks == [1]  # a case known exact is not checked again
 
 
 def test_self_test_catches_a_kernel_mismatch(monkeypatch, tmp_path):

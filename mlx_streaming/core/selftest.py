@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -219,9 +220,14 @@ def _bits(a: mx.array) -> mx.array:
 
 
 def ensure_kernel_parity(
-    cases: list[ProjectionCase], tokens_max: int = 2048, cache_file: Path | None = None
+    cases: list[ProjectionCase],
+    tokens_max: int = 2048,
+    cache_file: Path | None = None,
+    tick: Callable[[], None] | None = None,
 ) -> None:
-    """Check every case not yet known to be exact on this device and MLX version.
+    """Check every case not yet known to be exact on this device and MLX version;
+    ``tick()`` after each case (e.g. a pipeline's ``Pace.tick``: a case's compiles are
+    the longest stretch without one).
 
     Raises:
         KernelParityError: a pool-shaped call differs from the stock-shaped one.
@@ -246,6 +252,8 @@ def ensure_kernel_parity(
             )
         known[key] = "exact"
         _write(cache_file, known)
+        if tick is not None:
+            tick()
 
 
 def _read(path: Path | None) -> dict:

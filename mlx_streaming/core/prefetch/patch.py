@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -173,6 +174,7 @@ def patch_model_filebacked(
     layer_proj_bits: dict | None = None,
     config: StreamConfig | None = None,
     model_fingerprint: dict | None = None,
+    tick: Callable[[], None] | None = None,
 ) -> int:
     """Swap every MoE layer's experts for file-backed ones served by ``store``.
 
@@ -193,6 +195,7 @@ def patch_model_filebacked(
             overlap, read-ahead, kernel check; all give identical outputs).
         model_fingerprint: The whole model's ``fingerprint``, taken before mlx-lm's
             ``pipeline`` kept only this rank's layers (required for a pipelined model).
+        tick: Called after each case of the kernel check (a pipeline's ``Pace.tick``).
 
     Returns:
         The number of patched MoE layers.
@@ -248,14 +251,16 @@ def patch_model_filebacked(
     rows = rt.rows
     if rt.kernel_check:
         try:
-            check_kernels(model, store, options.kernel_check_file, subset=rows != "masked")
+            check_kernels(
+                model, store, options.kernel_check_file, subset=rows != "masked", tick=tick
+            )
         except KernelParityError:
             if store.config.rows is not None or rows != "mixed":
                 raise
             # the default's row subsets differ here (an MLX whose kernels read the row
             # count): every row runs masked instead, in stock's own shapes
             rows = "masked"
-            check_kernels(model, store, options.kernel_check_file)
+            check_kernels(model, store, options.kernel_check_file, tick=tick)
             store.runtime = rt.revised({"rows": "kernel check"}, rows=rows)
     masked_below = {"subset": 0, "masked": sys.maxsize, "mixed": SORT_ROWS}[rows]
     for pos, s in enumerate(sites):
@@ -277,10 +282,15 @@ _CHECKED: set = set()  # kernel-parity cases found exact in this process
 
 
 def check_kernels(
-    model: nn.Module, store: FileExpertStore, cache_file=None, subset: bool = False
+    model: nn.Module,
+    store: FileExpertStore,
+    cache_file=None,
+    subset: bool = False,
+    tick: Callable[[], None] | None = None,
 ) -> None:
     """Check that every distinct pool of ``store`` computes exactly what stock's arrays
-    would on this device (see ``selftest``); ``subset``: also long calls' row subsets.
+    would on this device (see ``selftest``); ``subset``: also long calls' row subsets;
+    ``tick()`` after each case checked.
 
     Raises:
         KernelParityError: MLX picks another kernel for a pool than for stock.
@@ -304,5 +314,5 @@ def check_kernels(
             subset,
         )
     todo = [c for c in dict.fromkeys(cases) if c not in _CHECKED]
-    ensure_kernel_parity(todo, cache_file=Path(cache_file) if cache_file else None)
+    ensure_kernel_parity(todo, cache_file=Path(cache_file) if cache_file else None, tick=tick)
     _CHECKED.update(todo)
