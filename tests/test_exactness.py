@@ -513,6 +513,19 @@ def test_a_swap_tier_that_does_not_fit_is_refused_before_it_allocates(models):
     assert SwapTier(meta, pools, available=need + MARGIN).nbytes == need
 
 
+def test_a_store_with_a_swap_tier_ticks_after_each_layer(models):
+    """``FileExpertStore(tick=)`` (a pipeline's ``Pace.tick``): once after each layer's
+    tier fill and once after its adoption; none where the store reads the files."""
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    for cfg, want in ((StreamConfig(swap_tier=True), 2), (StreamConfig(), 0)):
+        ticks = []
+        tick = functools.partial(ticks.append, 1)
+        store = FileExpertStore(ed, meta.top_k, config=cfg, tick=tick)
+        store.close()
+        assert len(ticks) == want * len(meta.moe_layers), cfg
+
+
 def test_the_memory_plan_and_the_expert_line_count_the_swap_tier(models):
     """The swap tier's host memory is in the memory plan's total and in ``generate``'s
     expert line, whose bytes say they include the trades, and the store counts the files'
