@@ -90,8 +90,11 @@ def load(
             layers); default: even.
         pipeline_watch: The group's ``parallel.PeerWatch`` (the commands make it as they
             join the group): the load's exchanges with the other ranks run under it
-            (``parallel.Pace``: a rank slower to load is waited for, a silent one ends
-            this one), and every layer call of the store beats it. None: no time limit.
+            (``parallel.Pace``: the ranks exchange a word between pieces of their own
+            work: a layer's split, a layer's swap-tier fill or file mapping, a kernel
+            check case, a block of the trunk; so a rank slower to load is waited for,
+            and a silent one ends this one), and every layer call of the store beats
+            it. None: no time limit.
         tokenizer_config: Passed to mlx-lm's tokenizer (e.g. ``{"chat_template": t}``).
         **options: Overrides of ``config``'s fields, e.g. ``load(path, slots=32)`` or
             ``load(path, budget_gb=16, policy="lru")``.
@@ -125,16 +128,17 @@ def load(
     capacity, layer_caps = store_slots(
         meta, cfg.slots, cfg.budget_gb, caps, runtime.zero_slot, whole
     )
-    store = FileExpertStore(meta, capacity, layer_caps, config=cfg, runtime=runtime)
+    tick = pace.tick if pace else None  # between pieces of work: a round with the peers
+    store = FileExpertStore(meta, capacity, layer_caps, config=cfg, runtime=runtime, tick=tick)
     if pipeline_watch is not None:
         store.watch(pipeline_watch.beat)  # a step's progress
     try:  # a failure from here on releases the store (threads, files, page-locked maps)
         if cfg.kernel_check_file is None:
             cfg = cfg.replace(kernel_check_file=env.settings().kernel_check_file)
-        patch_model_filebacked(model, store, config=cfg, model_fingerprint=model_fp)
+        patch_model_filebacked(model, store, config=cfg, model_fingerprint=model_fp, tick=tick)
         mx.set_cache_limit(memory_plan(model, store, cfg.cache_limit_gb).cache_limit_bytes)
         print(store.runtime.line(), file=sys.stderr, flush=True)
-        load_trunk(model, progress, pace.tick if pace else None)
+        load_trunk(model, progress, tick)
         if pace is not None:
             pace.done()  # every rank loaded
     except BaseException:
