@@ -499,6 +499,40 @@ def test_a_rank_slower_to_load_is_waited_for(models, tmp_path):
     assert text.strip() == _stock_text(ck, PROMPT, 12, chat=True).strip()
 
 
+@pytest.mark.parametrize(
+    "where,each,pieces,flags",
+    [
+        ("mlx_streaming.core.io.tier:SwapTier._load", 4.5, 2,
+         ["--swap-tier", "--pipeline-split", "1,3"]),  # rank 1: MoE layers 1 and 2
+        ("mlx_streaming.core.selftest:check_case", 3, 3, ["--kernel-check"]),
+    ],
+    ids=["tier", "kernel"],
+)  # fmt: skip
+def test_a_rank_slower_to_open_its_store_is_waited_for(
+    models, tmp_path, monkeypatch, where, each, pieces, flags
+):
+    """Rank 1 takes EACH s longer per layer of its swap tier's fill (2 layers), or per case
+    of its kernel check (3: gate, up, down), 9 s in all but less than --pipeline-timeout 6
+    per piece: rank 0 waits for it (the store's opening and the kernel check tick after
+    each piece) and the text is stock's (before: these steps did not tick, and rank 0's
+    watch ended it as "rank 1 stopped answering")."""
+    monkeypatch.setenv("MLX_STREAMING_HOME", str(tmp_path / "home"))  # no kernel verdicts
+    ck = models.checkpoint("tiny-qwen3_moe")
+    argv = ["generate", "--model", str(ck), "--expert-dir", str(tmp_path / "ed"), "--slots"]
+    argv += ["5", "--pipeline", "--pipeline-timeout", "6", "--prompt", PROMPT]
+    argv += ["--max-tokens", "12", "--no-verbose"]
+    held = ["--in", where, "--each", str(each)]
+    procs = _start_ranks(2, tmp_path, held + argv + flags, STOP_SCRIPT)
+    try:
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        _kill(procs)
+    assert codes == [0, 0], (tmp_path / "rank0.err").read_text()[-2000:]
+    assert (tmp_path / "rank1.err").read_text().count(f"{where} held") == pieces
+    text = (tmp_path / "rank0.out").read_text()
+    assert text.strip() == _stock_text(ck, PROMPT, 12, chat=True).strip()
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_stopped_rank_fails_the_request_in_flight(models, tmp_path, stream):
     """serve under a pipeline: SIGSTOP the other rank while a completion is running; the
