@@ -15,7 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from . import config as env
-from . import parallel
+from . import parallel, peers
 from .core.cache.expert_store import FileExpertStore
 from .core.discovery import find_expert_sites, fingerprint
 from .core.options import StreamConfig
@@ -65,7 +65,7 @@ def load(
     progress: bool | None = None,
     pipeline_group=None,
     pipeline_split: list[int] | None = None,
-    pipeline_watch: parallel.PeerWatch | None = None,
+    pipeline_watch: peers.PeerWatch | None = None,
     tokenizer_config: dict | None = None,
     **options,
 ):
@@ -88,9 +88,9 @@ def load(
             rank's. Every rank must call ``load`` with the same model and arguments.
         pipeline_split: Decoder layers per rank, in rank order (rank 0 runs the last
             layers); default: even.
-        pipeline_watch: The group's ``parallel.PeerWatch`` (the commands make it as they
+        pipeline_watch: The group's ``peers.PeerWatch`` (the commands make it as they
             join the group): the load's exchanges with the other ranks run under it
-            (``parallel.Pace``: the ranks exchange a word between pieces of their own
+            (``peers.Pace``: the ranks exchange a word between pieces of their own
             work: a layer's split, a layer's swap-tier fill or file mapping, a kernel
             check case, a block of the trunk; so a rank slower to load is waited for,
             and a silent one ends this one), and every layer call of the store beats
@@ -115,7 +115,7 @@ def load(
     if pipeline_group is None:
         meta = ensure_split(model_dir, expert_dir, progress=progress)
     else:
-        pace = parallel.Pace(pipeline_group, pipeline_watch)
+        pace = peers.Pace(pipeline_group, pipeline_watch)
         meta, model_fp = pipeline_share(
             model, model_dir, expert_dir, pace, pipeline_split, progress
         )
@@ -169,7 +169,7 @@ def auto_budget_for(model, context: int, machine: tuple[int, int] | None = None)
     return plan
 
 
-def pipeline_share(model, model_dir, expert_dir, pace: parallel.Pace, split, progress=None):
+def pipeline_share(model, model_dir, expert_dir, pace: peers.Pace, split, progress=None):
     """Pipeline the lazily loaded ``model`` over ``pace.group`` and split this rank's
     experts; returns ``(meta of this rank's layers, the whole model's fingerprint)``.
 

@@ -651,7 +651,7 @@ def test_the_watch_tells_a_stuck_rank_from_one_that_waits():
     """``PeerWatch.stuck_at``: the thread that beat, blocked on an event of its own process, is
     named (function, file:line), and the message blames this rank; blocked in a call that
     may wait on a peer (here a sleep in C), it is None and the message names the peer."""
-    from mlx_streaming.parallel import PeerWatch
+    from mlx_streaming.peers import PeerWatch
 
     watch = PeerWatch(mx.distributed.init(), timeout_s=3600)
     go, armed = threading.Event(), threading.Event()

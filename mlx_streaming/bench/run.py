@@ -184,7 +184,7 @@ def run_bench(cfg: BenchConfig, group=None, watch=None) -> dict:
 
     With a pipeline ``group`` every rank runs it in step; each rank's result describes
     its own layers, and ``pipeline.per_rank`` holds every rank's main figures. ``watch``
-    (the group's ``parallel.PeerWatch``) ends this rank if a peer stops answering: the
+    (the group's ``peers.PeerWatch``) ends this rank if a peer stops answering: the
     load arms it around its exchanges, and it is armed from the load's end on.
     """
     if cfg.cold and not hasattr(os, "posix_fadvise"):

@@ -136,7 +136,8 @@ def pipeline_kwargs(a: argparse.Namespace, on_silence=None) -> dict:
     and makes the one ``PeerWatch`` (``pipeline_watch``) that bounds every exchange with
     the other ranks from then on, the load's and each step's (``on_silence``: see
     ``PeerWatch``); with --rank-budget-gb, this rank's ``budget_gb``."""
-    from ..parallel import PeerWatch, init_pipeline, parse_split
+    from ..parallel import init_pipeline, parse_split
+    from ..peers import PeerWatch
 
     if not a.pipeline:
         if a.pipeline_split or a.rank_budget_gb:

@@ -300,9 +300,9 @@ def serve(host: str, port: int, cli_args, load_kwargs: dict) -> None:
     is the standard library's threading server with mlx-lm's handler, extended. In a
     pipeline (``cli_args.pipeline`` under ``mlx.launch``) only rank 0 serves HTTP; the
     generator shares each request with the other ranks, which run their layers. There,
-    with ``load_kwargs["pipeline_watch"]`` (a ``parallel.PeerWatch`` of the group), every
+    with ``load_kwargs["pipeline_watch"]`` (a ``peers.PeerWatch`` of the group), every
     rank is bounded from its load's exchanges until its generation thread ends: one whose
-    peer stops answering for the watch's time exits (code ``parallel.EXIT_PEER_SILENT``),
+    peer stops answering for the watch's time exits (code ``peers.EXIT_PEER_SILENT``),
     naming it, rank 0 after answering the requests in flight with an HTTP 503 (the
     watch's ``on_silence``).
 
