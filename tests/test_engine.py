@@ -427,14 +427,18 @@ def test_file_maps_map_verify_and_close(models, tmp_path):
 
 
 def test_file_maps_page_lock_with_cuda_and_release_on_failure(models):
-    """With cuda every mapping is page-locked and unlocked on close; one that cannot be
-    names its file and what to do, and the maps made before it are released."""
+    """With cuda every mapping is page-locked and unlocked on close, ``tick()`` after each
+    (a pipeline's ``Pace.tick``); one that cannot be names its file and what to do, and
+    the maps made before it are released."""
     _, ed = models.experts("tiny-qwen3_moe")
     meta = load_meta(ed)
     layers = sorted(meta.layers)
-    cuda = FakeCuda()
-    with FileMaps(meta, layers, cuda=cuda) as maps:
+    cuda, locked = FakeCuda(), []
+    with FileMaps(
+        meta, layers, cuda=cuda, tick=lambda: locked.append(len(cuda.registered))
+    ) as maps:
         assert cuda.registered == {maps.sources[x]: meta.file(x).stat().st_size for x in layers}
+    assert locked == list(range(1, len(layers) + 1))
     assert cuda.registered == {}
     cuda = FakeCuda(fail=1)
     where = re.escape(str(meta.file(layers[1])))
