@@ -132,6 +132,8 @@
 # trace beside it) whose stage2.sh installs; three calls within 30 s of each other. Build
 # the compiled extensions in the same call (`python3 setup.py -q build_ext --inplace`).
 set -u
+# the package from this tree (its extensions built in place), for scripts and subprocesses
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error TOKENIZERS_PARALLELISM=false
 out=${OUT:-/tmp/mlxs-out}
 mkdir -p "$out"
