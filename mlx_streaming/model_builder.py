@@ -17,6 +17,7 @@ import mlx.core as mx
 from . import config as env
 from . import parallel, peers
 from .core.cache.expert_store import FileExpertStore
+from .core.cache.pool import capacities
 from .core.discovery import find_expert_sites, fingerprint
 from .core.options import StreamConfig
 from .core.prefetch.patch import patch_model_filebacked
@@ -124,10 +125,9 @@ def load(
     caps, whole = (None, []) if path is None else read_profile(path)
     if cfg.budget_gb == "auto":
         cfg = cfg.replace(budget_gb=auto_budget_for(model, cfg.context).budget_bytes / 1e9)
-    runtime = resolve(cfg, meta)
-    capacity, layer_caps = store_slots(
-        meta, cfg.slots, cfg.budget_gb, caps, runtime.zero_slot, whole
-    )
+    zero_slot = resolve(cfg, meta).zero_slot  # the pools' size, then the rest by it
+    capacity, layer_caps = store_slots(meta, cfg.slots, cfg.budget_gb, caps, zero_slot, whole)
+    runtime = resolve(cfg, meta, slots=capacities(meta, capacity, layer_caps))
     tick = pace.tick if pace else None  # between pieces of work: a round with the peers
     store = FileExpertStore(meta, capacity, layer_caps, config=cfg, runtime=runtime, tick=tick)
     if pipeline_watch is not None:

@@ -32,7 +32,6 @@ def test_cuda_maps_the_files_that_fit_and_says_why(meta):
     small = cuda(StreamConfig(), meta, memory=(1 << 20, 1 << 20))  # too little memory
     assert (small.mapped, small.reader, small.decode_path) == (False, "native", "host")
     assert "do not fit in half" in small.reason("decode_path")
-    assert "--swap-tier keeps the device path" in small.line()  # what to try instead
     ahead = cuda(StreamConfig(prefetch=True), meta)
     assert ahead.decode_path == "host" and ahead.reason("decode_path") == "read-ahead is on"
     direct = cuda(StreamConfig(direct_io=True), meta)
@@ -58,6 +57,39 @@ def test_a_swap_tier_takes_the_device_path_on_cuda_whatever_the_memory(meta):
     assert (bounded.reader, bounded.decode_path, bounded.direct_io) == ("tier", "host", True)
     assert "read from the files" in bounded.reason("decode_path")
     assert "at most 1 GB: the rest read by the native reader" in bounded.reason("reader")
+
+
+def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(meta, monkeypatch):
+    """Beyond half of memory, CUDA's default is the swap tier where the experts the
+    pools do not hold fit (the device path trades with it: 2.3x the page cache's host
+    path at 50% in a 6 GB cgroup); where they do not, the page cache, saying why."""
+    from mlx_streaming.core.io import tier
+    from mlx_streaming.core.runtime import files_bytes
+
+    monkeypatch.setattr(tier, "MARGIN", 1000)
+    slots = {li: 4 for li in meta.layers}
+    need = sum((meta.layers[li].num_experts - 4) * meta.layers[li].stride for li in slots)
+    files = files_bytes(meta)
+    assert need < files
+    room = files + files // 2  # the files do not fit in half of it
+    fits = resolve(StreamConfig(), meta, backend="cuda", memory=(room, room),
+                   cuda_available=True, engine_available=True, slots=slots)  # fmt: skip
+    assert (fits.mapped, fits.reader, fits.decode_path) == (False, "tier", "device")
+    assert "the swap tier fits" in fits.line() and "--no-swap-tier" in fits.line()
+    tight = (need + 999, need + 999)  # the tier and its margin do not fit
+    short = resolve(StreamConfig(), meta, backend="cuda", memory=tight, cuda_available=True,
+                    engine_available=True, slots=slots)  # fmt: skip
+    assert (short.reader, short.decode_path) == ("native", "host")
+    assert "nor does a swap tier" in short.line() and "--swap-tier-gb" in short.line()
+    for cfg in (StreamConfig(swap_tier=False), StreamConfig(prefetch=True)):  # not asked for
+        rt = resolve(cfg, meta, backend="cuda", memory=(room, room), cuda_available=True,
+                     engine_available=True, slots=slots)  # fmt: skip
+        assert rt.reader == "native" and "swap tier" not in rt.line()
+    no_slots = cuda(StreamConfig(), meta, memory=(room, room))  # pools unknown: not weighed
+    assert no_slots.reader == "native"
+    cpu = resolve(StreamConfig(), meta, backend="cpu", memory=(room, room),
+                  engine_available=True, slots=slots)  # fmt: skip
+    assert cpu.reader == "native"  # unified memory: a bigger pool does better
 
 
 @pytest.mark.parametrize(

@@ -186,6 +186,8 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
                              f"token's experts at least; give --slots {k} or more")  # fmt: skip
         splits = [(s, int(a.host_gb * 1e9)) for s in sorted({min(s, E) for s in slots})[::-1]]
         rows = split_rows(test, pol, splits, slot, record, *rates, zero_slot=True, **sim)
+        for r in rows:  # CUDA's default takes a whole swap tier where it fits
+            r["flags"] += " --no-swap-tier" if r["tier"] == "page cache" else ""
         what = f"pools on the device, {a.host_gb} GB of host memory beneath them"
     if a.json:
         print(json.dumps(rows, indent=1))

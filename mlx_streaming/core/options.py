@@ -84,13 +84,13 @@ class StreamConfig:
         "from them itself, on every path; they stay in host memory (default: when they fit "
         "in half the available memory, and not with --direct-io)",
     )  # fmt: skip
-    swap_tier: bool = option(
-        False, "keep the experts the pools do not hold in a swap tier in host memory "
+    swap_tier: bool | None = option(
+        None, "keep the experts the pools do not hold in a swap tier in host memory "
         "(page-locked on CUDA), read from the files once at load: each miss trades places "
         "with its victim, so pools and tier hold the model once and no miss reads the disk; "
-        "host memory needed: the experts less the pools. For CUDA where the files do not fit "
-        "in half of memory (on unified memory a bigger pool does better); opt-in until "
-        "measured on a GPU",
+        "host memory needed: the experts less the pools (default: on CUDA where the files "
+        "do not fit in half of memory and the tier fits; on unified memory a bigger pool "
+        "does better)",
     )  # fmt: skip
     swap_tier_gb: float | None = option(
         None, "with --swap-tier: at most this many GB of host memory for the tier; the "

@@ -10,9 +10,10 @@ The choices, per backend (``docs/ARCHITECTURE.md`` has the table, checked by a t
 * reader: ``native`` (the compiled engine: ``pread`` into staging, copied into the slots),
   ``python`` (``preadv`` straight into host slots; Metal, where the engine is untested,
   and the tests' oracle), ``device`` (CUDA with the files mapped: the GPU copies each
-  record from the page-locked mapping itself, on both paths) or ``tier`` (asked for: the
-  experts the pools do not hold, in host memory; each miss trades places with its victim,
-  on CUDA by the GPU).
+  record from the page-locked mapping itself, on both paths) or ``tier`` (the experts the
+  pools do not hold, in host memory; each miss trades places with its victim, on CUDA by
+  the GPU: asked for, or CUDA's default where the files do not fit in half of memory and
+  the tier fits).
 * decode path: ``device`` (CUDA, files mapped or a swap tier: a decode step's misses are
   planned and copied on the GPU, no host synchronisation) or ``host`` (the routing read on
   the host each MoE layer call).
@@ -119,10 +120,13 @@ def resolve(
     memory: tuple[int, int] | None = None,
     cuda_available: bool | None = None,
     engine_available: bool | None = None,
+    slots: dict[int, int] | None = None,
 ) -> Runtime:
     """The ``Runtime`` for ``cfg`` on ``backend`` (default: MLX's default device's), with
-    the expert directory's ``meta`` (its files' size decides the mapping on CUDA) and the
-    machine's ``(total, available)`` memory (default: measured).
+    the expert directory's ``meta`` (its files' size decides the mapping on CUDA), the
+    machine's ``(total, available)`` memory (default: measured) and the pools' ``slots``
+    per layer (where the files do not fit, whether a whole swap tier does: without them,
+    it is not considered).
 
     Raises:
         RuntimeChoiceError: an option forced to a value that cannot run here.
@@ -173,7 +177,8 @@ def resolve(
                 refuse(f"swap_tier and {name} exclude each other ({why_not}): drop one")
     if cfg.swap_tier_gb is not None and not cfg.swap_tier:
         refuse("swap_tier_gb bounds the swap tier: add --swap-tier")
-    if pool_mode != "cuda" or cfg.swap_tier:
+    swap_tier = bool(cfg.swap_tier)  # None: CUDA's default where the files do not fit
+    if pool_mode != "cuda" or swap_tier:
         mapped = False
     elif cfg.map_files is not None:
         mapped = cfg.map_files
@@ -187,8 +192,9 @@ def resolve(
         why["mapped"] = (
             f"expert files {files / GB:.1f} GB {'fit' if mapped else 'do not fit'} in half "
             f"of {avail / GB:.0f} GB available"
-        ) + ("" if mapped or cfg.prefetch else "; --swap-tier keeps the device path, in "
-             "host memory for only the experts the pools do not hold")  # fmt: skip
+        )
+        if not mapped and cfg.swap_tier is None and not (cfg.prefetch or cfg.reader):
+            swap_tier, why["mapped"] = _tier_fits(meta, slots, avail, why["mapped"])
 
     # the reader
     want = cfg.reader.value if cfg.reader is not None else None
@@ -229,6 +235,8 @@ def resolve(
         reader, why["reader"] = "tier", "swap_tier asked for" + (
             f", at most {cfg.swap_tier_gb:g} GB: the rest read by the {files_reader} reader"
             if cfg.swap_tier_gb is not None else "")  # fmt: skip
+    elif swap_tier:
+        reader, why["reader"] = "tier", "the files do not fit in half of memory, the tier does"
 
     # the decode path: the GPU copies from the mappings or trades with the tier
     gpu_source = pool_mode == "cuda" and (mapped or reader == "tier")
@@ -236,7 +244,7 @@ def resolve(
         if cfg.swap_tier_gb is not None:
             refuse("device_reads: a bounded swap tier reads the misses beyond it from the "
                    "files, on the host path: drop --device-reads or --swap-tier-gb")  # fmt: skip
-        if cfg.swap_tier and not gpu_source:
+        if swap_tier and not gpu_source:
             refuse(f"device_reads: the GPU trades with the swap tier on CUDA only (this is {b})"
                    ": drop --device-reads")  # fmt: skip
         if not gpu_source:
@@ -281,7 +289,7 @@ def resolve(
     size += f"{INLINE_BYTES // 1024} KiB"
     if cfg.overlap is not None:
         overlap = cfg.overlap
-    elif cfg.swap_tier:  # a trade is done when start returns: nothing to overlap
+    elif swap_tier:  # a trade is done when start returns: nothing to overlap
         overlap = False
     else:  # the split's second launch pays only where a record's read outlasts it
         overlap = b == "cpu" and not small
@@ -317,6 +325,27 @@ def resolve(
         kernel_check=bool(kernel_check),
         files_reader=files_reader,
         why=tuple(sorted((k, v) for k, v in why.items() if v)),
+    )
+
+
+def _tier_fits(meta, slots, avail: int, why: str) -> tuple[bool, str]:
+    """Whether CUDA's default takes a whole swap tier (the experts the pools do not hold,
+    page-locked) where the files do not fit, and the load line's reason."""
+    from .io.tier import MARGIN
+
+    if not slots:
+        return False, why
+    need = sum(
+        max(0, meta.layers[li].num_experts - s) * meta.layers[li].stride for li, s in slots.items()
+    )
+    if need + MARGIN <= avail:
+        return True, why + (
+            f"; the swap tier fits ({need / GB:.1f} GB of experts the pools do not hold): the "
+            "GPU trades with it (--no-swap-tier: read through the page cache)"
+        )
+    return False, why + (
+        f"; nor does a swap tier ({need / GB:.1f} GB and {MARGIN / GB:.1f} GB beside it): "
+        "misses read through the page cache (--swap-tier --swap-tier-gb G: a bounded tier)"
     )
 
 

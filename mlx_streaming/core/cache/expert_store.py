@@ -82,11 +82,11 @@ class FileExpertStore:
         cfg = (config or StreamConfig()).replace(**options)
         meta = expert_dir if isinstance(expert_dir, ExpertMeta) else load_meta(expert_dir)
         self.meta, self.config = meta, cfg
-        rt = self.runtime = runtime or resolve(cfg, meta)
-        self.expert_dir, self.top_k, self.policy_name = meta.root, meta.top_k, rt.policy
         if capacity is None:
             capacity = default_slots(meta) if cfg.slots is None else cfg.slots
         caps = capacities(meta, capacity, layer_caps)
+        rt = self.runtime = runtime or resolve(cfg, meta, slots=caps)
+        self.expert_dir, self.top_k, self.policy_name = meta.root, meta.top_k, rt.policy
         n = {li: meta.layers[li].num_experts for li in caps}
         self.caches = {
             li: SlotCache(n[li], c, make_policy(rt.policy, n[li])) for li, c in caps.items()
@@ -97,13 +97,14 @@ class FileExpertStore:
         self.pool_mode = rt.pool_mode
         try:
             self.reader = make_reader(rt, meta, self.pools, cfg.swap_tier_gb, tick)
-        except OSError as e:  # the files could not be mapped and page-locked
-            if not rt.mapped or cfg.map_files or cfg.device_reads:
-                raise  # asked for (the device path needs the mappings): the error is the answer
+        except (OSError, MemoryError) as e:  # the default's page-locked mappings or tier
+            tier = rt.reader == "tier" and cfg.swap_tier is None
+            if not (rt.mapped or tier) or cfg.map_files or cfg.device_reads:
+                raise  # asked for (the device path needs them): the error is the answer
             warnings.warn(f"{e}; the store reads with pread instead", RuntimeWarning, stacklevel=2)
-            rt = resolve(cfg.replace(map_files=False), meta)
-            why = f"the files could not be page-locked ({e})"
-            rt = self.runtime = rt.revised({"mapped": why, "decode_path": why})
+            rt = resolve(cfg.replace(map_files=False, swap_tier=False), meta)
+            why = f"the {'swap tier' if tier else 'files'} could not be page-locked ({e})"
+            rt = self.runtime = rt.revised({"mapped": why, "decode_path": why, "reader": why})
             self.reader = make_reader(rt, meta, self.pools, tick=tick)
         self.loads = Loader(
             meta, self.caches, self.pools, self.reader, self.stats, cfg.clear_on_evict
@@ -116,8 +117,7 @@ class FileExpertStore:
         except BaseException:
             self.reader.close()
             raise
-        self.routing = RoutingCounts(n)
-        self.routing.on = cfg.record
+        self.routing = RoutingCounts(n, on=cfg.record)
         self.observers: list[Callable] = []  # callables(layer, host_ids) seeing the routing
         self._watches: list[Callable[[], None]] = []  # called at each layer call
         self._driver = Driver()  # one thread drives the store

@@ -20,8 +20,8 @@ def hottest(counts: np.ndarray, n: int) -> np.ndarray:
 class RoutingCounts:
     """Per-layer routing counts, gathered while ``on``."""
 
-    def __init__(self, num_experts: dict[int, int]):
-        self.on = False
+    def __init__(self, num_experts: dict[int, int], on: bool = False):
+        self.on = on
         self._counts = {li: np.zeros(e, np.int64) for li, e in num_experts.items()}
 
     def add(self, layer: int, experts: np.ndarray, counts: np.ndarray) -> None:
