@@ -295,6 +295,54 @@ def test_serve_under_launch(models, tmp_path):
         _killpg(proc)
 
 
+def test_ctrl_c_stops_every_rank_of_a_pipelined_server(models, tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the launcher and every rank) stops the server:
+    rank 0 tells its peers, which wait for its word, and every rank exits 0 (before:
+    rank 1, left waiting in mlx-lm's share of the next request, aborted with -6)."""
+    import urllib.request
+
+    ck = models.checkpoint("tiny-qwen3_moe")
+    port, codes = free_ports(1), tmp_path / "codes"
+    cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "-p", str(free_ports(2)), "--"]
+    cmd += [sys.executable, str(Path(__file__).with_name("rank_code.py")), "--codes", str(codes)]
+    cmd += ["serve", "--model", str(ck), "--expert-dir", str(tmp_path / "ed"), "--slots", "5"]
+    cmd += ["--pipeline", "--pipeline-timeout", "10", "--port", str(port)]
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen(
+        cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 6, "temperature": 0}).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    got = json.loads(resp.read())["choices"][0]["text"]
+                break
+            except OSError as e:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise AssertionError(f"no server ({e}): {log.read_text()[-3000:]}") from e
+                time.sleep(0.5)
+        assert got == _stock_text(ck, PROMPT, 6, chat=False)
+        os.killpg(proc.pid, signal.SIGINT)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            lines = codes.read_text().splitlines() if codes.exists() else []
+            if len(lines) == 2:
+                break
+            time.sleep(0.5)
+        text = log.read_text()
+        assert sorted(lines) == ["rank 0 rc 0", "rank 1 rc 0"], text[-3000:]
+        assert "no answer within" not in text
+    finally:
+        _killpg(proc)
+
+
 def test_plan_suggests_a_split(models):
     from mlx_lm import load as mlx_load
 

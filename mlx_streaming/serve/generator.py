@@ -12,6 +12,8 @@ import threading
 
 from mlx_lm import server as mlx_server
 
+_STOP = "mlx_streaming: the server stops"  # rank 0's last share: its peers stop too
+
 
 class Abandoned(Exception):
     """A request stopped during its prompt (its client gone, or the server stopping)."""
@@ -83,8 +85,18 @@ class StreamingResponseGenerator(mlx_server.ResponseGenerator):
     def _generate(self):
         try:
             super()._generate()
+            if self._is_distributed and self._rank == 0:  # the server stops (not a failure):
+                with self.model_provider.watch or contextlib.nullcontext():  # its peers too
+                    super()._share_object(_STOP)
         finally:  # the server stops, or the load failed
             self.model_provider.unwatch()
+
+    def _share_object(self, obj):
+        got = super()._share_object(obj)
+        if self._rank != 0 and got == _STOP:  # rank 0 stopped serving: so does this rank
+            self._stop = True
+            return None
+        return got
 
     def _share_request(self, request):
         # a pipeline's rank 0, idle, shares "no request" with its peers every 0.1 s: a

@@ -292,6 +292,20 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         self.wfile.flush()
 
 
+def _follow(generator) -> None:
+    """A follower's main thread: wait for the generation thread, which ends when rank 0
+    stops serving (its last share says so) or its peer watch ends the process. Ctrl-C
+    reaches every rank of a terminal's ``mlx.launch``: here it waits for rank 0's word
+    (stopping alone would leave the ranks out of step); a second one exits at once."""
+    try:
+        generator.join()
+    except KeyboardInterrupt:
+        try:
+            generator.join()
+        except KeyboardInterrupt:
+            os._exit(130)
+
+
 def serve(host: str, port: int, cli_args, load_kwargs: dict) -> None:
     """Run mlx-lm's server with the streamed model until interrupted.
 
@@ -348,8 +362,8 @@ def serve(host: str, port: int, cli_args, load_kwargs: dict) -> None:
             httpd.shutdown()
             httpd.server_close()
         raise
-    if follower:
-        generator.join()  # a follower: runs rank 0's requests on its own layers
+    if follower:  # runs rank 0's requests on its own layers until rank 0 stops serving
+        _follow(generator)
         return
     try:  # the generator's thread loads the model, then serves: if it dies, so do we
         while generator.generation_available() and http.is_alive():
