@@ -195,12 +195,15 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
     print(f"policy {pol}; {what} (the page cache, or the store's swap tier, each less "
           f"{MARGIN / 1e9:.2f} GB left to the process); best first")  # fmt: skip
     print(f"{'slots':>5} {'beneath':<10} {'pool GB':>8} {'tier GB':>8} {'pool':>6} {'tier':>6} "
-          f"{'disk':>6} {'disk MB/tok':>11} {'tok/s':>8}  flags")  # fmt: skip
+          f"{'disk':>6} {'disk MB/tok':>11} {'tok/s':>8} {'serial':>8}  flags")  # fmt: skip
     for r in rows:
         print(f"{r['slots']:>5} {r['tier']:<10} {r['pool_gb']:>8.2f} {r['tier_gb']:>8.2f} "
               f"{r['pool_share']:6.3f} {r['tier_share']:6.3f} {r['disk_share']:6.3f} "
-              f"{r['disk_mb_per_token']:>11.2f} {r['predicted_tok_per_s']:>8.2f}  "
+              f"{r['disk_mb_per_token']:>11.2f} {r['predicted_tok_per_s']:>8.2f} "
+              f"{r['serial_tok_per_s']:>8.2f}  "
               f"{r['flags']}")  # fmt: skip
+    print("(tok/s: the reads and copies hidden under compute; serial: after it, as a "
+          "layer's misses wait for its routing without read-ahead)")  # fmt: skip
     if a.host_gb and any("--swap-tier-gb" in r["flags"] for r in rows):
         print("(on CUDA a bounded swap tier runs the host path, whose per-token cost these "
               "tok/s leave out: the device path takes a whole tier only)")  # fmt: skip

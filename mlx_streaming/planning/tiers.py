@@ -305,6 +305,7 @@ def _row(trace, policy, s, slot_bytes, record_bytes, host, tier, rates, sim, zer
         "disk_mb_per_token": round(r.disk_bytes_per_token / 1e6, 3),
         "tier_mb_per_token": round(r.page_cache_bytes_per_token / 1e6, 3),
         "predicted_tok_per_s": round(1 / r.time_per_token(*rates), 3),
+        "serial_tok_per_s": round(1 / r.time_per_token(*rates, overlap=False), 3),
         "flags": flags,
     }
 
