@@ -218,7 +218,8 @@ def child(job: dict) -> dict:
     model, tok, store, routing = streamed(ck, ed, trace, start, slots=slots, config=cfg)
     follow(cfg, routing)
     load_s = time.perf_counter() - t0
-    tier_bytes = store.reader.mapped_bytes if rt.reader == "tier" else 0  # --swap-tier
+    rt = store.runtime  # as the store weighed it (with its pools: CUDA's default tier)
+    tier_bytes = store.reader.mapped_bytes if rt.reader == "tier" else 0  # a swap tier
     bounded = bool(tier_bytes) and store.reader.tier.partial  # --swap-tier-gb: the rest read
     cursor = routing.cursor if routing is not None else start
     t1 = time.perf_counter()

@@ -50,7 +50,10 @@
 #                                           50/25/12.5%) cold with O_DIRECT and within a
 #                                           MEMLIMIT-GB cgroup (default 10), or METHOD (direct,
 #                                           memlimit) alone; each row's host time split by
-#                                           phase and one decode step's timeline
+#                                           phase and one decode step's timeline; in the
+#                                           cgroup CUDA's default takes a whole swap tier
+#                                           where it fits (2026-12-05): PAGECACHE=1 adds
+#                                           --no-swap-tier, the page cache's host path
 #   bash benchmarks/gpu_suite.sh beyondahead  larger than RAM with O_DIRECT at 50% and 25%,
 #                                           read-ahead off, then by the trace's transitions
 #                                           (2026-12-04g: 50% only within LIMIT=170; the
@@ -190,7 +193,7 @@ case "$suite" in
            --timeline "$out/timeline-gpu-dsv2-final.json" ;;
   beyond) speed gpu-dsv2-beyond --residency "${RESIDENCY:-0.5,0.25,0.125}" --repeat 3 \
             --beyond-ram "${METHOD:-both}" --memory-limit-gb "${MEMLIMIT:-10}" \
-            --timeline "$out/timeline-beyond.json" ;;
+            ${PAGECACHE:+--no-swap-tier} --timeline "$out/timeline-beyond.json" ;;
   beyondtier) speed gpu-dsv2-beyond-tier${TIERGB:+-$TIERGB} --residency "${RESIDENCY:-0.5}" \
                 --repeat 3 --beyond-ram "${METHOD:-memlimit}" --memory-limit-gb "${MEMLIMIT:-6}" \
                 --swap-tier ${TIERGB:+--swap-tier-gb $TIERGB} \

@@ -21,7 +21,7 @@ from .core.cache.pool import capacities
 from .core.discovery import find_expert_sites, fingerprint
 from .core.options import StreamConfig
 from .core.prefetch.patch import patch_model_filebacked
-from .core.runtime import resolve
+from .core.runtime import pool_zero_slot, resolve
 from .planning.budget import MemoryPlan, default_cache_limit, store_slots
 from .planning.profiles import PROFILE_NAME, read_pool_profile, read_profile
 from .prep.hub import resolve_model_path
@@ -125,7 +125,7 @@ def load(
     caps, whole = (None, []) if path is None else read_profile(path)
     if cfg.budget_gb == "auto":
         cfg = cfg.replace(budget_gb=auto_budget_for(model, cfg.context).budget_bytes / 1e9)
-    zero_slot = resolve(cfg, meta).zero_slot  # the pools' size, then the rest by it
+    zero_slot = pool_zero_slot(cfg)  # the pools' size, then the rest by it
     capacity, layer_caps = store_slots(meta, cfg.slots, cfg.budget_gb, caps, zero_slot, whole)
     runtime = resolve(cfg, meta, slots=capacities(meta, capacity, layer_caps))
     tick = pace.tick if pace else None  # between pieces of work: a round with the peers

@@ -61,8 +61,8 @@ def test_a_swap_tier_takes_the_device_path_on_cuda_whatever_the_memory(meta):
 
 def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(meta, monkeypatch):
     """Beyond half of memory, CUDA's default is the swap tier where the experts the
-    pools do not hold fit (the device path trades with it: 2.3x the page cache's host
-    path at 50% in a 6 GB cgroup); where they do not, the page cache, saying why."""
+    pools do not hold fit (the device path trades with it: 0.86 of stock at 50% in
+    a 6 GB cgroup, against the page cache's host path's 0.16); where they do not, the page cache, saying why."""
     from mlx_streaming.core.io import tier
     from mlx_streaming.core.runtime import files_bytes
 
@@ -76,6 +76,9 @@ def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(met
                    cuda_available=True, engine_available=True, slots=slots)  # fmt: skip
     assert (fits.mapped, fits.reader, fits.decode_path) == (False, "tier", "device")
     assert "the swap tier fits" in fits.line() and "--no-swap-tier" in fits.line()
+    reads = resolve(StreamConfig(device_reads=True), meta, backend="cuda", memory=(room, room),
+                    cuda_available=True, engine_available=True, slots=slots)  # fmt: skip
+    assert (reads.reader, reads.decode_path) == ("tier", "device")  # not refused
     tight = (need + 999, need + 999)  # the tier and its margin do not fit
     short = resolve(StreamConfig(), meta, backend="cuda", memory=tight, cuda_available=True,
                     engine_available=True, slots=slots)  # fmt: skip

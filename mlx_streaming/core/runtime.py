@@ -274,12 +274,8 @@ def resolve(
         )
 
     # rows and the zero slot they need
-    rows = (
-        cfg.rows.value
-        if cfg.rows is not None
-        else {"cpu": "subset", "metal": "masked"}.get(b, "mixed")
-    )
-    zero_slot = cfg.zero_slot if cfg.zero_slot is not None else rows != "subset"
+    rows = _rows(cfg, b)
+    zero_slot = pool_zero_slot(cfg, b)
     if rows != "subset" and not zero_slot:
         refuse(f"rows={rows!r} points skipped rows at a zero slot: drop zero_slot=False")
 
@@ -326,6 +322,21 @@ def resolve(
         files_reader=files_reader,
         why=tuple(sorted((k, v) for k, v in why.items() if v)),
     )
+
+
+def _rows(cfg: StreamConfig, b: str) -> str:
+    return (
+        cfg.rows.value
+        if cfg.rows is not None
+        else {"cpu": "subset", "metal": "masked"}.get(b, "mixed")
+    )
+
+
+def pool_zero_slot(cfg: StreamConfig, backend: str | None = None) -> bool:
+    """Whether the pools keep a zero slot (rows other than ``subset`` point skipped rows
+    at it): the one choice sizing the pools needs before ``resolve`` weighs the rest."""
+    b = backend or backend_name()
+    return cfg.zero_slot if cfg.zero_slot is not None else _rows(cfg, b) != "subset"
 
 
 def _tier_fits(meta, slots, avail: int, why: str) -> tuple[bool, str]:

@@ -38,9 +38,9 @@ def default_zero_slot() -> bool:
     """Whether pools get a zero slot here by default (``Runtime.zero_slot``: on GPU
     backends, where rows are masked)."""
     from ..core.options import StreamConfig
-    from ..core.runtime import resolve
+    from ..core.runtime import pool_zero_slot
 
-    return resolve(StreamConfig()).zero_slot
+    return pool_zero_slot(StreamConfig())
 
 
 @dataclass

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
+import signal
+import sys
 import threading
 
 from mlx_lm import server as mlx_server
@@ -66,6 +69,32 @@ class StreamingResponseGenerator(mlx_server.ResponseGenerator):
         with self._contexts_lock:
             self._contexts.append(ctx)
         return ctx, tokens
+
+    def follow(self) -> bool:
+        """A pipeline follower's main thread: wait for the generation thread, which ends
+        when rank 0 stops serving (its last share says so) or the peer watch ends the
+        process; returns whether it ended so. Ctrl-C reaches every rank of a terminal's
+        ``mlx.launch``: here it waits for rank 0's word (stopping alone would leave the
+        ranks out of step); a second one exits at once. A handler, not
+        ``KeyboardInterrupt``: an interrupted ``join`` may return while the thread runs."""
+        pressed = []
+
+        def on_sigint(signum, frame):
+            if pressed:
+                os._exit(130)
+            pressed.append(signum)
+            with contextlib.suppress(OSError):  # mlx.launch, gone on Ctrl-C, held stderr
+                print("mlx_streaming serve: waiting for rank 0 to stop (Ctrl-C again: now)",
+                      file=sys.stderr, flush=True)  # fmt: skip
+
+        main = threading.current_thread() is threading.main_thread()  # where handlers go
+        previous = signal.signal(signal.SIGINT, on_sigint) if main else None
+        try:
+            self.join()
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+        return self._stop
 
     def stop_and_join(self, timeout: float | None = None) -> bool:
         """Stop serving: requests in flight end at their next token (off a pipeline,

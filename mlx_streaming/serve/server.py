@@ -292,20 +292,6 @@ class StreamingAPIHandler(mlx_server.APIHandler):
         self.wfile.flush()
 
 
-def _follow(generator) -> None:
-    """A follower's main thread: wait for the generation thread, which ends when rank 0
-    stops serving (its last share says so) or its peer watch ends the process. Ctrl-C
-    reaches every rank of a terminal's ``mlx.launch``: here it waits for rank 0's word
-    (stopping alone would leave the ranks out of step); a second one exits at once."""
-    try:
-        generator.join()
-    except KeyboardInterrupt:
-        try:
-            generator.join()
-        except KeyboardInterrupt:
-            os._exit(130)
-
-
 def serve(host: str, port: int, cli_args, load_kwargs: dict) -> None:
     """Run mlx-lm's server with the streamed model until interrupted.
 
@@ -363,7 +349,8 @@ def serve(host: str, port: int, cli_args, load_kwargs: dict) -> None:
             httpd.server_close()
         raise
     if follower:  # runs rank 0's requests on its own layers until rank 0 stops serving
-        _follow(generator)
+        if not generator.follow():  # its thread ended otherwise: the load failed, or it died
+            raise ServerStopped("this rank's generation thread stopped: see the log above")
         return
     try:  # the generator's thread loads the model, then serves: if it dies, so do we
         while generator.generation_available() and http.is_alive():
@@ -382,6 +369,6 @@ def serve(host: str, port: int, cli_args, load_kwargs: dict) -> None:
         if not generator.stop_and_join(timeout=STOP_S):  # a load under way: no waiting
             print(  # for it (mlx-lm's thread is no daemon: the interpreter would)
                 f"mlx_streaming serve: the generation thread did not stop within {STOP_S} "
-                "s (a model load under way); exiting", file=sys.stderr, flush=True,
+                "s (a model load, or a pipeline's request, under way); exiting", file=sys.stderr, flush=True,
             )  # fmt: skip
             os._exit(130)

@@ -58,9 +58,8 @@ class FileExpertStore:
             passes ``clear_on_evict`` and ``record``).
 
     ``clear_on_evict``: after a call that evicted experts, release MLX's buffer cache.
-    ``record``: count how often each expert is routed to (for ``hot``). Each record's
-    checksum is checked the first time the store reads it (``checksums``), so a corrupt
-    file is caught on first use.
+    ``record``: count how often each expert is routed to (for ``hot``). A record's
+    checksum is checked when first read (``checksums``): a corrupt file fails on first use.
 
     Raises:
         ExpertDirError: missing or invalid directory, or a capacity below top-k.
@@ -98,9 +97,10 @@ class FileExpertStore:
         try:
             self.reader = make_reader(rt, meta, self.pools, cfg.swap_tier_gb, tick)
         except (OSError, MemoryError) as e:  # the default's page-locked mappings or tier
-            tier = rt.reader == "tier" and cfg.swap_tier is None
-            if not (rt.mapped or tier) or cfg.map_files or cfg.device_reads:
-                raise  # asked for (the device path needs them): the error is the answer
+            tier = rt.reader == "tier" and cfg.swap_tier is None  # the default's tier
+            failed = isinstance(e, MemoryError) if tier else rt.mapped and isinstance(e, OSError)
+            if not failed or cfg.map_files or cfg.device_reads:
+                raise  # asked for (the device path needs them), or a file's own error
             warnings.warn(f"{e}; the store reads with pread instead", RuntimeWarning, stacklevel=2)
             rt = resolve(cfg.replace(map_files=False, swap_tier=False), meta)
             why = f"the {'swap tier' if tier else 'files'} could not be page-locked ({e})"

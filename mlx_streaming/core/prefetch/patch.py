@@ -233,6 +233,8 @@ def patch_model_filebacked(
         # the mapping as the store chose it: measured again, after the store page-locked
         # its files, the memory could say otherwise (and refuse device_reads here)
         options = options.replace(map_files=rt.mapped if rt.pool_mode == "cuda" else None)
+    if config is not None and options.swap_tier is None and rt.pool_mode == "cuda":
+        options = options.replace(swap_tier=rt.reader == "tier")  # as the store weighed it
     mine = resolve(options, store.meta, rt.backend) if config is not None else rt
     differ = [f for f in RUNTIME_FIELDS if getattr(mine, f) != getattr(rt, f)]
     if differ:
