@@ -104,7 +104,7 @@ class SwapTier:
             f"the swap tier needs {need / 1e9:.2f} GB of host memory (the experts the pools "
             f"do not hold) and {MARGIN / 1e9:.2f} GB left to the process beside it, and "
             f"{available / 1e9:.2f} GB are available: give the pools more (--slots, "
-            "--budget-gb) or drop --swap-tier"
+            "--budget-gb), bound the tier (--swap-tier-gb) or go without it (--no-swap-tier)"
         )
         if need + MARGIN > available:
             raise MemoryError(self._short)
