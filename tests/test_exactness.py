@@ -513,6 +513,44 @@ def test_a_swap_tier_that_does_not_fit_is_refused_before_it_allocates(models):
     assert SwapTier(meta, pools, available=need + MARGIN).nbytes == need
 
 
+def test_the_default_s_swap_tier_falls_back_to_the_page_cache(models, monkeypatch):
+    """The tier CUDA's default chose (``swap_tier`` left None) but that cannot be
+    page-locked: the store warns and reads through the page cache, saying why, and
+    streams exactly; a tier asked for, or a file's own error, is the answer instead."""
+    from mlx_streaming.core.io import tier
+    from mlx_streaming.core.runtime import resolve
+
+    ck, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    chosen = resolve(StreamConfig(swap_tier=True), meta)  # as the default resolves it
+
+    def refuse(*a, **kw):
+        raise MemoryError("page-locked memory is short")
+
+    monkeypatch.setattr(tier.SwapTier, "__init__", refuse)
+    with pytest.warns(RuntimeWarning, match="page-locked memory is short"):
+        store = FileExpertStore(ed, meta.top_k, config=StreamConfig(), runtime=chosen)
+    try:
+        assert store.runtime.reader != "tier"
+        assert "the swap tier could not be page-locked" in store.runtime.reason("reader")
+        model, _ = load(str(ck))
+        patch_model_filebacked(model, store)
+        ids = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+        stock, _ = load(str(ck))
+        assert mx.array_equal(model(ids), stock(ids))
+    finally:
+        store.close()
+    with pytest.raises(MemoryError, match="short"):  # asked for: the error is the answer
+        FileExpertStore(ed, meta.top_k, config=StreamConfig(swap_tier=True), runtime=chosen)
+
+    def cut(*a, **kw):
+        raise OSError("a file is cut short")
+
+    monkeypatch.setattr(tier.SwapTier, "__init__", cut)
+    with pytest.raises(OSError, match="cut short"):  # not a page-lock failure
+        FileExpertStore(ed, meta.top_k, config=StreamConfig(), runtime=chosen)
+
+
 def test_a_store_with_a_swap_tier_ticks_after_each_layer(models):
     """``FileExpertStore(tick=)`` (a pipeline's ``Pace.tick``): once after each layer's
     tier fill and once after its adoption; none where the store reads the files."""
