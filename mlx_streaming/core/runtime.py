@@ -342,13 +342,11 @@ def pool_zero_slot(cfg: StreamConfig, backend: str | None = None) -> bool:
 def _tier_fits(meta, slots, avail: int, why: str) -> tuple[bool, str]:
     """Whether CUDA's default takes a whole swap tier (the experts the pools do not hold,
     page-locked) where the files do not fit, and the load line's reason."""
-    from .io.tier import MARGIN
+    from .io.tier import MARGIN, rows_bytes, tier_rows
 
     if not slots:
         return False, why
-    need = sum(
-        max(0, meta.layers[li].num_experts - s) * meta.layers[li].stride for li, s in slots.items()
-    )
+    need = rows_bytes(meta, tier_rows(meta, slots))
     if need + MARGIN <= avail:
         return True, why + (
             f"; the swap tier fits ({need / GB:.1f} GB of experts the pools do not hold): the "

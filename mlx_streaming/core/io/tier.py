@@ -90,12 +90,12 @@ class SwapTier:
         tick: Callable[[], None] | None = None,
     ):
         self.meta, self.pools, self._cuda = meta, pools, cuda
-        rest = {li: max(0, meta.layers[li].num_experts - p.slots) for li, p in pools.items()}
-        full = sum(n * meta.layers[li].stride for li, n in rest.items())
+        rest = tier_rows(meta, {li: p.slots for li, p in pools.items()})
+        full = rows_bytes(meta, rest)
         share = 1.0 if limit is None or limit >= full else max(0.0, limit / max(1, full))
         self.rows = {li: int(n * share) for li, n in rest.items()}  # per layer
         self.partial = any(self.rows[li] < n for li, n in rest.items())
-        need = sum(n * meta.layers[li].stride for li, n in self.rows.items())
+        need = rows_bytes(meta, self.rows)
         if available is None:
             from ..mem import machine_memory
 
@@ -313,6 +313,16 @@ class SwapTier:
     def close(self) -> None:
         """Let go of the slabs (freed with their arrays; idempotent)."""
         self.slabs, self.sources, self.nbytes = {}, {}, 0
+
+
+def tier_rows(meta, slots: dict[int, int]) -> dict[int, int]:
+    """Each layer's rows in a whole tier: every expert its pool of ``slots`` does not hold."""
+    return {li: max(0, meta.layers[li].num_experts - s) for li, s in slots.items()}
+
+
+def rows_bytes(meta, rows: dict[int, int]) -> int:
+    """Host bytes of ``rows`` tier rows per layer (each a record's stride)."""
+    return sum(n * meta.layers[li].stride for li, n in rows.items())
 
 
 def tier_totals(reader, bytes_read: int) -> dict:

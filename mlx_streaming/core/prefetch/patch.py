@@ -229,12 +229,14 @@ def patch_model_filebacked(
         model_fingerprint,
     )
     rt = store.runtime
-    if config is not None and options.map_files is None and not options.direct_io:
-        # the mapping as the store chose it: measured again, after the store page-locked
-        # its files, the memory could say otherwise (and refuse device_reads here)
-        options = options.replace(map_files=rt.mapped if rt.pool_mode == "cuda" else None)
-    if config is not None and options.swap_tier is None and rt.pool_mode == "cuda":
-        options = options.replace(swap_tier=rt.reader == "tier")  # as the store weighed it
+    if config is not None and rt.pool_mode == "cuda":
+        # the choices memory made (mapping, swap tier), as the store made them: measured
+        # again after it page-locked its files or tier, memory could say otherwise (and
+        # refuse device_reads here)
+        pinned = {"swap_tier": rt.reader == "tier"} if options.swap_tier is None else {}
+        if options.map_files is None and not options.direct_io:
+            pinned["map_files"] = rt.mapped
+        options = options.replace(**pinned)
     mine = resolve(options, store.meta, rt.backend) if config is not None else rt
     differ = [f for f in RUNTIME_FIELDS if getattr(mine, f) != getattr(rt, f)]
     if differ:
