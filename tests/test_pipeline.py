@@ -246,6 +246,29 @@ def test_generate_command_under_launch(models, tmp_path):
     assert r.stdout.strip() == _stock_text(ck, PROMPT, 12, chat=True).strip(), r.stderr
 
 
+def _first_completion(port: int, tokens: int, proc, log: Path):
+    """``(request, text)``: a greedy completion of ``PROMPT`` from the pipelined server on
+    ``port``, asked again until it answers (it loads first); fails with its log if it
+    does not within 120 s or its launcher exits."""
+    import urllib.request
+
+    body = json.dumps({"prompt": PROMPT, "max_tokens": tokens, "temperature": 0}).encode()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    deadline = time.time() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return req, json.loads(resp.read())["choices"][0]["text"]
+        except OSError as e:
+            if time.time() > deadline or proc.poll() is not None:
+                raise AssertionError(f"no server ({e}): {log.read_text()[-3000:]}") from e
+            time.sleep(0.5)
+
+
 def test_serve_under_launch(models, tmp_path):
     """Rank 0 serves HTTP; rank 1 runs its layers of every request."""
     import urllib.request
@@ -261,22 +284,7 @@ def test_serve_under_launch(models, tmp_path):
         cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
-        body = json.dumps({"prompt": PROMPT, "max_tokens": 12, "temperature": 0}).encode()
-        deadline = time.time() + 120
-        while True:
-            try:
-                req = urllib.request.Request(
-                    f"http://127.0.0.1:{port}/v1/completions",
-                    data=body,
-                    headers={"Content-Type": "application/json"},
-                )
-                with urllib.request.urlopen(req, timeout=60) as resp:
-                    got = json.loads(resp.read())["choices"][0]["text"]
-                break
-            except OSError as e:
-                if time.time() > deadline or proc.poll() is not None:
-                    raise AssertionError(f"no server ({e}): {log.read_text()[-3000:]}") from e
-                time.sleep(0.5)
+        req, got = _first_completion(port, 12, proc, log)
         assert got == _stock_text(ck, PROMPT, 12, chat=False)
         # a streamed request whose client hangs up: the ranks finish it in step, and the
         # server serves on (before: mlx-lm's stop raised on rank 0, which ended the server)
@@ -299,7 +307,6 @@ def test_ctrl_c_stops_every_rank_of_a_pipelined_server(models, tmp_path):
     """A terminal's Ctrl-C (SIGINT to the launcher and every rank) stops the server:
     rank 0 tells its peers, which wait for its word, and every rank exits 0 (before:
     rank 1, left waiting in mlx-lm's share of the next request, aborted with -6)."""
-    import urllib.request
 
     ck = models.checkpoint("tiny-qwen3_moe")
     port, codes = free_ports(1), tmp_path / "codes"
@@ -312,22 +319,7 @@ def test_ctrl_c_stops_every_rank_of_a_pipelined_server(models, tmp_path):
         cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
-        body = json.dumps({"prompt": PROMPT, "max_tokens": 6, "temperature": 0}).encode()
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions",
-            data=body,
-            headers={"Content-Type": "application/json"},
-        )
-        deadline = time.time() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(req, timeout=60) as resp:
-                    got = json.loads(resp.read())["choices"][0]["text"]
-                break
-            except OSError as e:
-                if time.time() > deadline or proc.poll() is not None:
-                    raise AssertionError(f"no server ({e}): {log.read_text()[-3000:]}") from e
-                time.sleep(0.5)
+        _, got = _first_completion(port, 6, proc, log)
         assert got == _stock_text(ck, PROMPT, 6, chat=False)
         os.killpg(proc.pid, signal.SIGINT)
         deadline = time.time() + 60
