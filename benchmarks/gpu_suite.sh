@@ -98,6 +98,8 @@
 #   bash benchmarks/gpu_suite.sh hmm        whether a kernel can read a plain (unlocked) file mapping
 #                                           (HMM); without it the process ends on an illegal
 #                                           address (2026-12-04o: so on our H200)
+#   bash benchmarks/gpu_suite.sh streams    a swap copy's rate by block count, and whether a second
+#                                           MLX stream runs it beside compute (a read-ahead's room)
 #   bash benchmarks/gpu_suite.sh kernelcost  the host's cost of a custom-kernel call by source size
 #                                           and template arguments (the plan kernel's shape)
 #   bash benchmarks/gpu_suite.sh stall      the probe of why the removed kernel transport stalled
@@ -183,6 +185,8 @@ case "$suite" in
           done ;;
   tests) timeout "$limit" python3 -m pytest -v --durations=0 -m cuda tests/test_cuda.py ${K:+-k "$K"} 2>&1 \
            | tee "$out/tests-cuda.log" | tail -15 ;;
+  streams) timeout "$limit" python3 benchmarks/probes/stream_overlap.py \
+             --json "$out/stream-overlap.json" 2>&1 | tee "$out/stream-overlap.log" | tail -6 ;;
   quick) speed gpu-dsv2-quick --residency 0.5 --cold warm --repeat 3 --prefill-tokens 0 \
            --timeline "$out/timeline-gpu-dsv2-quick.json" ;;
   mapab) speed gpu-dsv2-pread --residency 0.5,0.25 --cold warm --repeat 3 --prefill-tokens 0 \
