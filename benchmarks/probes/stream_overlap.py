@@ -10,10 +10,13 @@ in its plan kernel, in series with the layer's matmuls (2026-12-05: 164 MB per t
 
 * ``copy``: ``--mb`` MB swapped between mapped host memory and a device buffer, alone, by
   blocks of 256 threads (the plan kernel uses 128 blocks);
-* ``compute``: a chain of float16 matmuls sized to about a decode step's compute;
+* ``compute``: ``gemm``, a chain of float16 4096x4096 matmuls (cuBLAS's kernels may hold
+  every SM), or ``qmv``, a decode step's kind of work: a chain of 4-bit matrix-vector
+  products (DS2-Lite's expert shapes), each a small kernel;
 * ``same stream`` / ``two streams``: both, queued on one stream, or the copy on a second
-  stream; ``overlap`` is the share of the shorter one hidden (1: fully beside, 0: in
-  series).
+  MLX stream; ``dma``: the same bytes in and out by ``cudaMemcpyAsync`` on a stream of
+  our own (the copy engines, not the SMs) while MLX computes; ``overlap`` is the share of
+  the shorter one hidden (1: fully beside, 0: in series).
 
     python benchmarks/probes/stream_overlap.py --json out.json
 """
@@ -32,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from mlx_streaming.core.cache.pool import device_address  # noqa: E402
 from mlx_streaming.core.io import cuda  # noqa: E402
 
 SWAP = """
@@ -64,8 +68,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mb", type=int, default=164, help="MB swapped per copy (default 164)")
     p.add_argument("--blocks", default="128,512,1024,2048", help="block counts to try")
-    p.add_argument("--matmuls", type=int, default=24, help="matmuls in the compute chain")
-    p.add_argument("--dim", type=int, default=4096, help="square matmul size")
+    p.add_argument("--compute", default="gemm,qmv", help="compute kinds to try")
+    p.add_argument("--matmuls", type=int, default=24, help="gemm: matmuls in the chain")
+    p.add_argument("--dim", type=int, default=4096, help="gemm: square matmul size")
+    p.add_argument("--qmvs", type=int, default=600, help="qmv: products in the chain")
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--json", help="write the figures here")
     a = p.parse_args()
@@ -94,37 +100,81 @@ def main() -> None:
 
     x = mx.random.normal((a.dim, a.dim)).astype(mx.float16)
     w = (mx.random.normal((a.dim, a.dim)) / a.dim**0.5).astype(mx.float16)
-    mx.eval(x, w, buf)
+    v = mx.random.normal((1, 2048)).astype(mx.float16)
+    # a layer's expert pair each, 26 layers: 76 MB, more than the L2 cache holds
+    pairs = [
+        (
+            mx.quantize((mx.random.normal((1408, 2048)) / 45).astype(mx.float16), 64, 4),
+            mx.quantize((mx.random.normal((2048, 1408)) / 38).astype(mx.float16), 64, 4),
+        )
+        for _ in range(26)
+    ]
+    mx.eval(x, w, v, pairs, buf)
 
-    def compute():
+    def gemm():
         y = x
         for _ in range(a.matmuls):
             y = y @ w
         return y
 
+    def qmv():
+        y = v
+        for i in range(a.qmvs // 2):
+            up, down = pairs[i % len(pairs)]
+            h = mx.quantized_matmul(y, *up, transpose=True, group_size=64, bits=4)
+            y = mx.quantized_matmul(h, *down, transpose=True, group_size=64, bits=4)
+        return y
+
+    dst = device_address(buf)
+    back, _ = cuda.shared_host(nbytes)
+
+    def dma() -> None:  # in and out, on our own stream (waited for by cuda.synchronize)
+        half = nbytes // 2
+        cuda.copy_to_device(dst, host.ctypes.data, half)
+        cuda.copy_to_device(back.ctypes.data, dst + half, half, cuda.D2H)
+
+    def dma_with(compute):
+        dma()
+        y = compute()
+        mx.eval(y)
+        cuda.synchronize()
+        return y
+
     side = mx.new_stream(mx.gpu)
-    res: dict = {"mb": a.mb, "blocks_of": 256}
-    res["compute_ms"] = 1e3 * timed(compute, a.repeat)
-    res["copy"] = {}
+    res: dict = {"mb": a.mb, "blocks_of": 256, "copy": {}, "compute": {}}
     for blocks in [int(b) for b in a.blocks.split(",")]:
         t = timed(lambda b=blocks: copy(b), a.repeat)
-        same = timed(lambda b=blocks: [compute(), copy(b)], a.repeat)
-        two = timed(lambda b=blocks: [compute(), copy(b, side)], a.repeat)
-        short = min(t, res["compute_ms"] / 1e3)
-        total = t + res["compute_ms"] / 1e3
-        res["copy"][blocks] = row = {
-            "copy_ms": 1e3 * t,
-            "gbps_each_way": nbytes / t / 1e9,
+        res["copy"][blocks] = {"copy_ms": 1e3 * t, "gbps_each_way": nbytes / t / 1e9}
+        print(f"{blocks:5d} blocks: copy {1e3 * t:.2f} ms ({nbytes / t / 1e9:.1f} GB/s each way)")
+    t_dma = timed(lambda: (dma(), cuda.synchronize(), mx.array(0))[-1], a.repeat)
+    res["dma_ms"] = 1e3 * t_dma
+    print(f"  dma: {1e3 * t_dma:.2f} ms ({nbytes / t_dma / 1e9:.1f} GB/s, half each way)")
+    blocks = int(a.blocks.split(",")[0])
+    t = res["copy"][blocks]["copy_ms"] / 1e3
+    for kind in a.compute.split(","):
+        compute = {"gemm": gemm, "qmv": qmv}[kind]
+        c = timed(compute, a.repeat)
+        same = timed(lambda f=compute: [f(), copy(blocks)], a.repeat)
+        two = timed(lambda f=compute: [f(), copy(blocks, side)], a.repeat)
+        with_dma = timed(lambda f=compute: dma_with(f), a.repeat)
+
+        def hid(total: float, t_copy: float, c: float = c) -> float:
+            return (c + t_copy - total) / min(c, t_copy)
+
+        res["compute"][kind] = row = {
+            "compute_ms": 1e3 * c,
             "same_stream_ms": 1e3 * same,
             "two_streams_ms": 1e3 * two,
-            "overlap_same": (total - same) / short,
-            "overlap_two": (total - two) / short,
+            "dma_ms": 1e3 * with_dma,
+            "overlap_same": hid(same, t),
+            "overlap_two": hid(two, t),
+            "overlap_dma": hid(with_dma, t_dma),
         }
         print(
-            f"{blocks:5d} blocks: copy {row['copy_ms']:.2f} ms ({row['gbps_each_way']:.1f} "
-            f"GB/s each way), compute {res['compute_ms']:.2f} ms, one stream "
-            f"{row['same_stream_ms']:.2f} ms (overlap {row['overlap_same']:.2f}), two "
-            f"streams {row['two_streams_ms']:.2f} ms (overlap {row['overlap_two']:.2f})",
+            f"{kind}: compute {row['compute_ms']:.2f} ms; with the {blocks}-block copy: one "
+            f"stream {row['same_stream_ms']:.2f} ms (overlap {row['overlap_same']:.2f}), two "
+            f"streams {row['two_streams_ms']:.2f} ms (overlap {row['overlap_two']:.2f}); with "
+            f"dma {row['dma_ms']:.2f} ms (overlap {row['overlap_dma']:.2f})",
             flush=True,
         )
     if a.json:

@@ -196,11 +196,12 @@ def _stream():
     return s
 
 
-def copy_to_device(dst: int, src: int, nbytes: int) -> None:
-    """Queue a host-to-device copy on this thread's stream."""
+def copy_to_device(dst: int, src: int, nbytes: int, kind: int = H2D) -> None:
+    """Queue a host-to-device copy (``kind`` D2H: device-to-host) on this thread's
+    stream."""
     _check(
         lib().cudaMemcpyAsync(
-            ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes), H2D, _stream()
+            ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes), kind, _stream()
         ),
         "cudaMemcpyAsync",
     )
