@@ -21,7 +21,7 @@ from .core.cache.pool import capacities
 from .core.discovery import find_expert_sites, fingerprint
 from .core.options import StreamConfig
 from .core.prefetch.patch import patch_model_filebacked
-from .core.runtime import pool_zero_slot, resolve
+from .core.runtime import backend_name, pool_zero_slot, resolve
 from .planning.budget import MemoryPlan, default_cache_limit, store_slots
 from .planning.profiles import PROFILE_NAME, read_pool_profile, read_profile
 from .prep.hub import resolve_model_path
@@ -127,9 +127,12 @@ def load(
         cfg = cfg.replace(budget_gb=auto_budget_for(model, cfg.context).budget_bytes / 1e9)
     zero_slot = pool_zero_slot(cfg)  # the pools' size, then the rest by it
     capacity, layer_caps = store_slots(meta, cfg.slots, cfg.budget_gb, caps, zero_slot, whole)
-    runtime = resolve(cfg, meta, slots=capacities(meta, capacity, layer_caps))
+    reserve = trunk_host_bytes(model)  # what loading the trunk takes beside a swap tier
+    runtime = resolve(cfg, meta, slots=capacities(meta, capacity, layer_caps), reserve=reserve)
     tick = pace.tick if pace else None  # between pieces of work: a round with the peers
-    store = FileExpertStore(meta, capacity, layer_caps, config=cfg, runtime=runtime, tick=tick)
+    store = FileExpertStore(
+        meta, capacity, layer_caps, config=cfg, runtime=runtime, tick=tick, reserve=reserve
+    )
     if pipeline_watch is not None:
         store.watch(pipeline_watch.beat)  # a step's progress
     try:  # a failure from here on releases the store (threads, files, page-locked maps)
@@ -202,20 +205,42 @@ def pipeline_share(model, model_dir, expert_dir, pace: peers.Pace, split, progre
     return meta.subset(mine), model_fp
 
 
-def load_trunk(model, progress: bool | None = None, tick=None) -> None:
-    """Read the (lazily loaded) trunk weights now, one block at a time, with a progress
-    bar on a terminal, so the first token does not pay for them; ``tick()`` after each
-    block (a pipeline's ``Pace.tick``)."""
+def trunk_blocks(model) -> list[list[mx.array]]:
+    """The model's arrays outside its experts, in the blocks ``load_trunk`` reads at
+    once: a decoder layer each, and each top-level module (embeddings, final norm, head)."""
     from mlx.utils import tree_flatten
-    from tqdm import tqdm
 
+    sites = find_expert_sites(model)
+    experts = {id(v) for s in sites for _, v in tree_flatten(s.module.parameters())}
     groups: dict[str, list] = {}
     for name, v in tree_flatten(model.parameters()):
+        if id(v) in experts:
+            continue
         parts = name.split(".")
         key = ".".join(parts[:3]) if len(parts) > 3 and parts[2].isdigit() else parts[0]
         groups.setdefault(key, []).append(v)
+    return list(groups.values())
+
+
+def trunk_host_bytes(model, backend: str | None = None) -> int:
+    """Host memory the (lazily loaded) trunk of ``model`` takes beside a swap tier: on
+    CUDA its largest block (MLX reads each array into a host buffer that it frees once
+    the copy to the GPU is done; ``load_trunk`` reads a block at a time), elsewhere all of
+    it (it stays in the memory the tier takes from)."""
+    sizes = [sum(v.nbytes for v in block) for block in trunk_blocks(model)]
+    if (backend or backend_name()) == "cuda":
+        return max(sizes, default=0)
+    return sum(sizes)
+
+
+def load_trunk(model, progress: bool | None = None, tick=None) -> None:
+    """Read the (lazily loaded) trunk weights now, one block at a time (``trunk_blocks``),
+    with a progress bar on a terminal, so the first token does not pay for them;
+    ``tick()`` after each block (a pipeline's ``Pace.tick``)."""
+    from tqdm import tqdm
+
     for arrays in tqdm(
-        groups.values(),
+        trunk_blocks(model),
         desc="load trunk",
         unit="block",
         disable=None if progress is None else not progress,

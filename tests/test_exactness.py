@@ -511,6 +511,10 @@ def test_a_swap_tier_that_does_not_fit_is_refused_before_it_allocates(models):
     with pytest.raises(MemoryError, match=rf"needs {need / 1e9:.2f} GB .*--swap-tier"):
         SwapTier(meta, pools, available=need + MARGIN - 1)
     assert SwapTier(meta, pools, available=need + MARGIN).nbytes == need
+    trunk = 30 << 20  # what the trunk's load still takes beside the tier
+    with pytest.raises(MemoryError, match=r"0\.03 GB of them for the trunk as it loads"):
+        SwapTier(meta, pools, available=need + MARGIN + trunk - 1, reserve=trunk)
+    assert SwapTier(meta, pools, available=need + MARGIN + trunk, reserve=trunk).nbytes == need
 
 
 def test_the_default_s_swap_tier_falls_back_to_the_page_cache(models, monkeypatch):

@@ -106,6 +106,35 @@ def test_auto_budget_fits_a_simulated_small_machine(model, capsys):
         auto_budget_for(lazy, 4096, machine=(300 << 20, 300 << 20))
 
 
+def test_what_the_trunk_takes_beside_a_swap_tier(model):
+    """``trunk_host_bytes`` of a lazily loaded model, which it leaves unread: off CUDA
+    the whole trunk (it stays in the memory a swap tier takes from; ``auto_budget``'s
+    count), on CUDA the largest block ``load_trunk`` reads at once (MLX stages each array
+    in a host buffer it frees once copied to the GPU): no less than the embeddings or any
+    decoder layer outside its experts, and less than the whole."""
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+
+    from mlx_streaming.core.discovery import find_expert_sites
+    from mlx_streaming.model_builder import auto_budget_for, trunk_blocks, trunk_host_bytes
+
+    ck, _ = model
+    lazy, _ = load(str(ck), lazy=True)
+    whole = trunk_host_bytes(lazy, "cpu")
+    assert whole == auto_budget_for(lazy, 16, machine=(64 << 30, 48 << 30)).trunk
+    largest = trunk_host_bytes(lazy, "cuda")
+    experts = {
+        id(v) for s in find_expert_sites(lazy) for _, v in tree_flatten(s.module.parameters())
+    }
+    for layer in lazy.model.layers:
+        own = sum(v.nbytes for _, v in tree_flatten(layer.parameters()) if id(v) not in experts)
+        assert 0 < own <= largest
+    assert lazy.model.embed_tokens.weight.nbytes <= largest < whole
+    arrays = [v for b in trunk_blocks(lazy) for v in b]
+    assert len(arrays) == len(tree_flatten(lazy.parameters())) - len(experts)
+    assert not any(id(v) in experts for v in arrays)
+
+
 @pytest.mark.parametrize("preset", ["tiny-deepseek_v3", "tiny-deepseek_v2", "tiny-qwen3_next",
                                     "tiny-gpt_oss", "tiny-mixtral"])  # fmt: skip
 def test_kv_bytes_per_token_as_a_real_prompt_grows_the_cache(models, preset):

@@ -61,8 +61,9 @@ def test_a_swap_tier_takes_the_device_path_on_cuda_whatever_the_memory(meta):
 
 def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(meta, monkeypatch):
     """Beyond half of memory, CUDA's default is the swap tier where the experts the
-    pools do not hold fit (the device path trades with it: 0.86 of stock at 50% in
-    a 6 GB cgroup, against the page cache's host path's 0.16); where they do not, the page cache, saying why."""
+    pools do not hold fit beside what the trunk's load takes (the device path trades
+    with it: 0.86 of stock at 50% in a 6 GB cgroup, against the page cache's host
+    path's 0.16); where they do not, the page cache, saying why."""
     from mlx_streaming.core.io import tier
     from mlx_streaming.core.runtime import files_bytes
 
@@ -84,6 +85,13 @@ def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(met
                     engine_available=True, slots=slots)  # fmt: skip
     assert (short.reader, short.decode_path) == ("native", "host")
     assert "nor does a swap tier" in short.line() and "--swap-tier-gb" in short.line()
+    trunk = room - need - 1000  # the trunk's load takes what is left beside the tier
+    at = resolve(StreamConfig(), meta, backend="cuda", memory=(room, room), cuda_available=True,
+                 engine_available=True, slots=slots, reserve=trunk)  # fmt: skip
+    assert at.reader == "tier"
+    over = resolve(StreamConfig(), meta, backend="cuda", memory=(room, room), cuda_available=True,
+                   engine_available=True, slots=slots, reserve=trunk + 1)  # fmt: skip
+    assert over.reader == "native" and "for the trunk as it loads" in over.line(), over.line()
     for cfg in (StreamConfig(swap_tier=False), StreamConfig(prefetch=True)):  # not asked for
         rt = resolve(cfg, meta, backend="cuda", memory=(room, room), cuda_available=True,
                      engine_available=True, slots=slots)  # fmt: skip

@@ -45,8 +45,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--host-gb",
         type=positive_float,
         help="with --slots or --budget-gb, pools in a GPU's own memory (CUDA): this much "
-        "host memory beneath them, as the page cache or as the store's swap tier; each "
-        "row's hits per tier, disk bytes, predicted tok/s and flags, best first",
+        "host memory beneath them, as the page cache or as the store's swap tier (less, at "
+        "load, the trunk's largest block, which MLX stages in host memory as it loads); "
+        "each row's hits per tier, disk bytes, predicted tok/s and flags, best first",
     )
     p.add_argument(
         "--mem-gbps",

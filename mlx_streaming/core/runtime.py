@@ -121,12 +121,13 @@ def resolve(
     cuda_available: bool | None = None,
     engine_available: bool | None = None,
     slots: dict[int, int] | None = None,
+    reserve: int = 0,
 ) -> Runtime:
     """The ``Runtime`` for ``cfg`` on ``backend`` (default: MLX's default device's), with
     the expert directory's ``meta`` (its files' size decides the mapping on CUDA), the
     machine's ``(total, available)`` memory (default: measured) and the pools' ``slots``
-    per layer (where the files do not fit, whether a whole swap tier does: without them,
-    it is not considered).
+    per layer (where the files do not fit, whether a whole swap tier does, leaving
+    ``reserve`` bytes to the rest of the load: without slots, it is not considered).
 
     Raises:
         RuntimeChoiceError: an option forced to a value that cannot run here.
@@ -194,7 +195,7 @@ def resolve(
             f"of {avail / GB:.0f} GB available"
         )
         if not mapped and cfg.swap_tier is None and not (cfg.prefetch or cfg.reader):
-            swap_tier, why["mapped"] = _tier_fits(meta, slots, avail, why["mapped"])
+            swap_tier, why["mapped"] = _tier_fits(meta, slots, avail, why["mapped"], reserve)
 
     # the reader
     want = cfg.reader.value if cfg.reader is not None else None
@@ -339,21 +340,24 @@ def pool_zero_slot(cfg: StreamConfig, backend: str | None = None) -> bool:
     return cfg.zero_slot if cfg.zero_slot is not None else _rows(cfg, b) != "subset"
 
 
-def _tier_fits(meta, slots, avail: int, why: str) -> tuple[bool, str]:
+def _tier_fits(meta, slots, avail: int, why: str, reserve: int = 0) -> tuple[bool, str]:
     """Whether CUDA's default takes a whole swap tier (the experts the pools do not hold,
-    page-locked) where the files do not fit, and the load line's reason."""
+    page-locked) where the files do not fit, leaving ``MARGIN`` and ``reserve`` (the
+    trunk's load) beside it, and the load line's reason."""
     from .io.tier import MARGIN, rows_bytes, tier_rows
 
     if not slots:
         return False, why
     need = rows_bytes(meta, tier_rows(meta, slots))
-    if need + MARGIN <= avail:
+    beside = MARGIN + reserve
+    if need + beside <= avail:
         return True, why + (
             f"; the swap tier fits ({need / GB:.1f} GB of experts the pools do not hold): the "
             "GPU trades with it (--no-swap-tier: read through the page cache)"
         )
+    trunk = f", {reserve / GB:.1f} GB of them for the trunk as it loads" if reserve else ""
     return False, why + (
-        f"; nor does a swap tier ({need / GB:.1f} GB and {MARGIN / GB:.1f} GB beside it): "
+        f"; nor does a swap tier ({need / GB:.1f} GB and {beside / GB:.1f} GB beside it{trunk}): "
         "misses read through the page cache (--swap-tier --swap-tier-gb G: a bounded tier)"
     )
 

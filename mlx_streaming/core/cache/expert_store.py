@@ -54,6 +54,8 @@ class FileExpertStore:
             path...); the store also reads ``record`` and ``clear_on_evict``.
         runtime: An already resolved ``Runtime`` (``load`` passes the one it printed).
         tick: Called after each layer's work as the store opens (a pipeline's ``Pace.tick``).
+        reserve: Bytes of host memory the model's load still takes after the store opens
+            (``model_builder.trunk_host_bytes``), left beside a swap tier.
         **options: Overrides of ``config``'s fields (e.g. ``policy="lru"``; the seed
             passes ``clear_on_evict`` and ``record``).
 
@@ -75,6 +77,7 @@ class FileExpertStore:
         config: StreamConfig | None = None,
         runtime: Runtime | None = None,
         tick: Callable[[], None] | None = None,
+        reserve: int = 0,
         **options,
     ):
         refuse_load_only(options, config, capacity)
@@ -84,7 +87,7 @@ class FileExpertStore:
         if capacity is None:
             capacity = default_slots(meta) if cfg.slots is None else cfg.slots
         caps = capacities(meta, capacity, layer_caps)
-        rt = self.runtime = runtime or resolve(cfg, meta, slots=caps)
+        rt = self.runtime = runtime or resolve(cfg, meta, slots=caps, reserve=reserve)
         self.expert_dir, self.top_k, self.policy_name = meta.root, meta.top_k, rt.policy
         n = {li: meta.layers[li].num_experts for li in caps}
         self.caches = {
@@ -95,7 +98,7 @@ class FileExpertStore:
         self.pools = make_pools(meta, caps, rt.pool_mode, rt.zero_slot)
         self.pool_mode = rt.pool_mode
         try:
-            self.reader = make_reader(rt, meta, self.pools, cfg.swap_tier_gb, tick)
+            self.reader = make_reader(rt, meta, self.pools, cfg.swap_tier_gb, tick, reserve)
         except (OSError, MemoryError) as e:  # the default's page-locked mappings or tier
             tier = rt.reader == "tier" and cfg.swap_tier is None  # the default's tier
             failed = isinstance(e, MemoryError) if tier else rt.mapped and isinstance(e, OSError)

@@ -17,11 +17,13 @@ def make_reader(
     pools: dict,
     tier_gb=None,
     tick: Callable[[], None] | None = None,
+    reserve: int = 0,
 ):
     """The reader ``runtime`` names, over ``pools``; a swap tier of at most ``tier_gb``
     (default: all the pools do not hold), the rest read by the file reader the runtime
-    would have had (``runtime.files_reader``). ``tick()`` after each layer's long work
-    (a tier's fill, a file's mapping and check; e.g. a pipeline's ``Pace.tick``).
+    would have had (``runtime.files_reader``), leaving ``reserve`` bytes of host memory
+    to the load beside it (``SwapTier``). ``tick()`` after each layer's long work (a
+    tier's fill, a file's mapping and check; e.g. a pipeline's ``Pace.tick``).
 
     Raises:
         OSError: the native reader is not installed, or the files could not be mapped.
@@ -34,7 +36,13 @@ def make_reader(
         on_gpu = runtime.pool_mode == "cuda"
         limit = None if tier_gb is None else int(tier_gb * 1e9)
         tier = SwapTier(
-            meta, pools, cuda if on_gpu else None, runtime.checksums, limit=limit, tick=tick
+            meta,
+            pools,
+            cuda if on_gpu else None,
+            runtime.checksums,
+            limit=limit,
+            tick=tick,
+            reserve=reserve,
         )
         files = None
         try:

@@ -67,6 +67,8 @@ class SwapTier:
         available: Bytes of host memory the tier may take (default: the machine's
             available memory, ``mem.machine_memory``).
         limit: Bytes the tier may hold (default: every record the pools do not).
+        reserve: Bytes of host memory the load still takes after the tier, beside the
+            ``MARGIN`` (the trunk as it loads: ``model_builder.trunk_host_bytes``).
         tick: Called after each layer's records are read (e.g. a pipeline's
             ``Pace.tick``: a layer's fill is the longest stretch without one).
 
@@ -88,6 +90,7 @@ class SwapTier:
         available=None,
         limit=None,
         tick: Callable[[], None] | None = None,
+        reserve: int = 0,
     ):
         self.meta, self.pools, self._cuda = meta, pools, cuda
         rest = tier_rows(meta, {li: p.slots for li, p in pools.items()})
@@ -100,13 +103,15 @@ class SwapTier:
             from ..mem import machine_memory
 
             available = machine_memory()[1]
+        trunk = f", {reserve / 1e9:.2f} GB of them for the trunk as it loads" if reserve else ""
         self._short = (
             f"the swap tier needs {need / 1e9:.2f} GB of host memory (the experts the pools "
-            f"do not hold) and {MARGIN / 1e9:.2f} GB left to the process beside it, and "
-            f"{available / 1e9:.2f} GB are available: give the pools more (--slots, "
-            "--budget-gb), bound the tier (--swap-tier-gb) or go without it (--no-swap-tier)"
+            f"do not hold) and {(MARGIN + reserve) / 1e9:.2f} GB left to the process beside "
+            f"it{trunk}, and {available / 1e9:.2f} GB are available: give the pools more "
+            "(--slots, --budget-gb), bound the tier (--swap-tier-gb) or go without it "
+            "(--no-swap-tier)"
         )
-        if need + MARGIN > available:
+        if need + MARGIN + reserve > available:
             raise MemoryError(self._short)
         self.broken: str | None = None
         self.moves = 0  # moves begun (``moving``)
