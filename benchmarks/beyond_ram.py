@@ -201,7 +201,8 @@ def child(job: dict) -> dict:
     ck, ed, ids, start = Path(job["checkpoint"]), job["expert_dir"], job["ids"], job["start"]
     meta = load_meta(ed)
     trace = None if job["trace"] in (None, "none") else RoutingTrace.load(job["trace"])
-    cfg = StreamConfig(**job["stream"]).replace(direct_io=job["method"] == "direct")
+    cfg = StreamConfig(**job["stream"])  # memlimit with --direct-io: both at once
+    cfg = cfg.replace(direct_io=job["method"] == "direct" or cfg.direct_io)
     # read-ahead by a simulated oracle (a what-if), or as asked: by the trace's transitions
     how = job["oracle"] or ("transition" if cfg.prefetch and trace is not None else None)
     if how is not None:

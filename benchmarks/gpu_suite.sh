@@ -70,7 +70,8 @@
 #                                           with its victim; against the host path's 17.5 tok/s
 #                                           there (2026-12-04p-cgroup50). With TIERGB, a tier
 #                                           of that many GB (--swap-tier-gb), the rest read
-#                                           (METHOD, default memlimit; direct: O_DIRECT)
+#                                           (METHOD, default memlimit; direct: O_DIRECT;
+#                                           DIRECT=1: O_DIRECT within the cgroup)
 #   bash benchmarks/gpu_suite.sh policies   decode at 50/25/12.5% on the device path under lru, then
 #                                           the host path under predictive: miss rates per path
 #   (mapab, lruab and compare measure the host path: they pass --no-device-reads)
@@ -198,9 +199,10 @@ case "$suite" in
   beyond) speed gpu-dsv2-beyond --residency "${RESIDENCY:-0.5,0.25,0.125}" --repeat 3 \
             --beyond-ram "${METHOD:-both}" --memory-limit-gb "${MEMLIMIT:-10}" \
             ${PAGECACHE:+--no-swap-tier} --timeline "$out/timeline-beyond.json" ;;
-  beyondtier) speed gpu-dsv2-beyond-tier${TIERGB:+-$TIERGB} --residency "${RESIDENCY:-0.5}" \
-                --repeat 3 --beyond-ram "${METHOD:-memlimit}" --memory-limit-gb "${MEMLIMIT:-6}" \
-                --swap-tier ${TIERGB:+--swap-tier-gb $TIERGB} \
+  beyondtier) speed gpu-dsv2-beyond-tier${TIERGB:+-$TIERGB}${DIRECT:+-direct} \
+                --residency "${RESIDENCY:-0.5}" --repeat 3 --beyond-ram "${METHOD:-memlimit}" \
+                --memory-limit-gb "${MEMLIMIT:-6}" --swap-tier ${TIERGB:+--swap-tier-gb $TIERGB} \
+                ${DIRECT:+--direct-io} \
                 --timeline "$out/timeline-beyond-tier.json" ;;
   beyondahead) for ahead in "" --prefetch; do  # larger than RAM (O_DIRECT): read-ahead off, on
                 speed gpu-dsv2-beyond${ahead:+-ahead} --residency 0.5,0.25 --repeat 3 \
