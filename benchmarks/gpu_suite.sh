@@ -71,7 +71,8 @@
 #                                           there (2026-12-04p-cgroup50). With TIERGB, a tier
 #                                           of that many GB (--swap-tier-gb), the rest read
 #                                           (METHOD, default memlimit; direct: O_DIRECT;
-#                                           DIRECT=1: O_DIRECT within the cgroup)
+#                                           DIRECT=1: O_DIRECT within the cgroup); TIERGB=auto:
+#                                           what memory holds (--swap-tier-gb auto)
 #   bash benchmarks/gpu_suite.sh policies   decode at 50/25/12.5% on the device path under lru, then
 #                                           the host path under predictive: miss rates per path
 #   (mapab, lruab and compare measure the host path: they pass --no-device-reads)

@@ -517,6 +517,51 @@ def test_a_swap_tier_that_does_not_fit_is_refused_before_it_allocates(models):
     assert SwapTier(meta, pools, available=need + MARGIN + trunk, reserve=trunk).nbytes == need
 
 
+def test_an_auto_swap_tier_takes_what_memory_holds_and_streams_exactly(models, monkeypatch):
+    """``swap_tier_gb="auto"``: the tier takes what the available memory holds beside the
+    ``MARGIN`` and the trunk's load: whole where that is enough, else the records the
+    pools gave up last, the rest read from the files (a model loaded so streams exactly,
+    saying so); where nothing is left, it says so."""
+    from mlx_streaming import load as stream_load
+    from mlx_streaming.core import mem
+    from mlx_streaming.core.cache.pool import make_pools
+    from mlx_streaming.core.io.tier import MARGIN, SwapTier
+
+    ck, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    pools = make_pools(meta, {li: meta.top_k for li in meta.moe_layers}, "host", False)
+    need = sum((meta.layers[li].num_experts - meta.top_k) * meta.layers[li].stride
+               for li in meta.moe_layers)  # fmt: skip
+    trunk = 30 << 20
+
+    def auto(room: int) -> SwapTier:
+        return SwapTier(meta, pools, available=room + MARGIN + trunk, limit="auto", reserve=trunk)
+
+    whole = auto(need)
+    assert not whole.partial and whole.nbytes == need
+    whole.close()
+    half = auto(need // 2)
+    assert half.partial and need // 3 < half.nbytes <= need // 2
+    half.close()
+    with pytest.raises(MemoryError, match="no room for a swap tier.*--no-swap-tier"):
+        auto(0)
+
+    total, _ = mem.machine_memory()
+    lazy, _ = load(str(ck), lazy=True)
+    from mlx_streaming.model_builder import trunk_host_bytes
+
+    held = trunk_host_bytes(lazy) + MARGIN + need // 2  # half the tier beside the rest
+    monkeypatch.setattr(mem, "machine_memory", lambda: (total, held))
+    cfg = StreamConfig(slots=meta.top_k, swap_tier=True, swap_tier_gb="auto")
+    model, _, store = stream_load(ck, ed, cfg, progress=False)
+    try:
+        assert store.reader.tier.partial and store.reader.tier.nbytes <= need // 2
+        assert "at most what memory holds" in store.runtime.reason("reader")
+        assert_exact(model, ck)
+    finally:
+        store.close()
+
+
 def test_the_default_s_swap_tier_falls_back_to_the_page_cache(models, monkeypatch):
     """The tier CUDA's default chose (``swap_tier`` left None) but that cannot be
     page-locked: the store warns and reads through the page cache, saying why, and

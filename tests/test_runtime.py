@@ -3,6 +3,7 @@ choice forced where it cannot run is refused, saying why and what to do."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import pytest
@@ -57,6 +58,41 @@ def test_a_swap_tier_takes_the_device_path_on_cuda_whatever_the_memory(meta):
     assert (bounded.reader, bounded.decode_path, bounded.direct_io) == ("tier", "host", True)
     assert "read from the files" in bounded.reason("decode_path")
     assert "at most 1 GB: the rest read by the native reader" in bounded.reason("reader")
+
+
+def test_an_auto_swap_tier_is_whole_where_memory_holds_it_and_bounded_where_not(meta, monkeypatch):
+    """``--swap-tier-gb auto``: on CUDA the device path trades with a tier that fits whole
+    beside the margin and the trunk's load; where it does not, the tier is bounded and
+    the host path reads the rest (the device path refused); without the pools' slots it
+    cannot be weighed and is bounded. ``auto`` or a positive number, nothing else."""
+    from mlx_streaming.commands._args import add_store_args
+    from mlx_streaming.core.io import tier
+
+    monkeypatch.setattr(tier, "MARGIN", 1000)
+    slots = {li: 4 for li in meta.layers}
+    need = sum((meta.layers[li].num_experts - 4) * meta.layers[li].stride for li in slots)
+    cfg = StreamConfig(swap_tier=True, swap_tier_gb="auto")
+
+    def at(room: int, reserve: int = 0, config=cfg, with_slots=True):
+        return resolve(config, meta, backend="cuda", memory=(room, room), cuda_available=True,
+                       engine_available=True, slots=slots if with_slots else None,
+                       reserve=reserve)  # fmt: skip
+
+    whole = at(need + 1000 + 7, reserve=7)
+    assert (whole.reader, whole.decode_path) == ("tier", "device")
+    assert "as large as memory holds: whole" in whole.reason("reader")
+    part = at(need + 1000 + 7, reserve=8)
+    assert (part.reader, part.decode_path) == ("tier", "host")
+    assert "at most what memory holds: the rest read by the native reader" in part.line()
+    assert at(10 * need, with_slots=False).decode_path == "host"
+    with pytest.raises(RuntimeChoiceError, match="a bounded swap tier"):
+        at(need, config=cfg.replace(device_reads=True))
+    with pytest.raises(ValueError, match="'auto'"):
+        StreamConfig(swap_tier_gb="most")
+    p = argparse.ArgumentParser()
+    add_store_args(p)
+    assert p.parse_args(["--swap-tier", "--swap-tier-gb", "auto"]).swap_tier_gb == "auto"
+    assert p.parse_args(["--swap-tier", "--swap-tier-gb", "1.5"]).swap_tier_gb == 1.5
 
 
 def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(meta, monkeypatch):

@@ -91,7 +91,7 @@ def add_store_args(p: argparse.ArgumentParser, several: bool = False, sizes: boo
             kw.update(action=argparse.BooleanOptionalAction, default=None)
         elif "choices" not in kw:
             kw["type"] = {"int": positive_int, "float": nonneg_float}.get(f.type.split(" ")[0], str)
-            if f.name == "budget_gb":
+            if f.name in ("budget_gb", "swap_tier_gb"):
                 kw["type"] = budget_value
             if f.name == "threads":  # 0: read inline
                 kw["type"] = nonneg_int

@@ -92,10 +92,12 @@ class StreamConfig:
         "do not fit in half of memory and the tier fits; on unified memory a bigger pool "
         "does better)",
     )  # fmt: skip
-    swap_tier_gb: float | None = option(
-        None, "with --swap-tier: at most this many GB of host memory for the tier; the "
-        "records the pools gave up last stay in it, the rest are read from the files "
-        "(with --direct-io around the page cache), on the host path",
+    swap_tier_gb: float | str | None = option(
+        None, "with --swap-tier: at most this many GB of host memory for the tier, or auto: "
+        "as much as the available memory holds beside the process's margin and the trunk's "
+        "load (whole where the experts the pools do not hold fit); the records the pools "
+        "gave up last stay in a bounded tier, the rest are read from the files (with "
+        "--direct-io around the page cache), on the host path",
     )  # fmt: skip
     device_reads: bool | None = option(
         None, "CUDA: a decode step's misses are planned and copied by the GPU itself, "
@@ -146,10 +148,9 @@ class StreamConfig:
     def __post_init__(self):
         if isinstance(self.budget_gb, str) and self.budget_gb != "auto":
             raise ValueError(f"budget_gb must be a number of GB or 'auto', got {self.budget_gb!r}")
-        if self.swap_tier_gb is not None and not self.swap_tier_gb > 0:
-            raise ValueError(
-                f"swap_tier_gb must be a positive number of GB, got {self.swap_tier_gb!r}"
-            )
+        g = self.swap_tier_gb
+        if g is not None and g != "auto" and (isinstance(g, str) or not g > 0):
+            raise ValueError(f"swap_tier_gb must be a positive number of GB or 'auto', got {g!r}")
         if self.policy not in POLICIES:
             raise ValueError(
                 f"unknown cache policy {self.policy!r}; choose one of {sorted(POLICIES)}"

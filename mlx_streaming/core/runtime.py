@@ -178,6 +178,10 @@ def resolve(
                 refuse(f"swap_tier and {name} exclude each other ({why_not}): drop one")
     if cfg.swap_tier_gb is not None and not cfg.swap_tier:
         refuse("swap_tier_gb bounds the swap tier: add --swap-tier")
+    bounded = cfg.swap_tier_gb is not None  # the host path reads the records beyond it
+    if cfg.swap_tier and cfg.swap_tier_gb == "auto":  # whole where it fits
+        avail = (memory if memory is not None else _memory())[1]
+        bounded = not (slots and _tier_fits(meta, slots, avail, "", reserve)[0])
     swap_tier = bool(cfg.swap_tier)  # None: CUDA's default where the files do not fit
     if pool_mode != "cuda" or swap_tier:
         mapped = False
@@ -233,16 +237,18 @@ def resolve(
             reader, why["reader"] = "python", f"the native reader is not installed ({missing})"
     files_reader = reader  # a partial swap tier's reader of the rest
     if cfg.swap_tier:
+        auto = cfg.swap_tier_gb == "auto"
+        most = "what memory holds" if auto else f"{cfg.swap_tier_gb or 0:g} GB"
         reader, why["reader"] = "tier", "swap_tier asked for" + (
-            f", at most {cfg.swap_tier_gb:g} GB: the rest read by the {files_reader} reader"
-            if cfg.swap_tier_gb is not None else "")  # fmt: skip
+            f", at most {most}: the rest read by the {files_reader} reader" if bounded
+            else ", as large as memory holds: whole" if auto else "")  # fmt: skip
     elif swap_tier:
         reader, why["reader"] = "tier", "the files do not fit in half of memory, the tier does"
 
     # the decode path: the GPU copies from the mappings or trades with the tier
     gpu_source = pool_mode == "cuda" and (mapped or reader == "tier")
     if cfg.device_reads:
-        if cfg.swap_tier_gb is not None:
+        if bounded:
             refuse("device_reads: a bounded swap tier reads the misses beyond it from the "
                    "files, on the host path: drop --device-reads or --swap-tier-gb")  # fmt: skip
         if swap_tier and not gpu_source:
@@ -258,7 +264,7 @@ def resolve(
                    "host, the device path reads nothing there): drop one")  # fmt: skip
     if cfg.device_reads is False:
         decode_path, why["decode_path"] = "host", "device_reads turned off"
-    elif cfg.swap_tier_gb is not None and reader == "tier":
+    elif bounded and reader == "tier":
         decode_path = "host"  # the device path cannot read the files
         why["decode_path"] = "a bounded swap tier: misses beyond it are read from the files"
     elif gpu_source and not cfg.prefetch:

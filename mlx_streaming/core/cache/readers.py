@@ -20,7 +20,7 @@ def make_reader(
     reserve: int = 0,
 ):
     """The reader ``runtime`` names, over ``pools``; a swap tier of at most ``tier_gb``
-    (default: all the pools do not hold), the rest read by the file reader the runtime
+    (default: all the pools do not hold; ``"auto"``: what memory holds), the rest read by the file reader the runtime
     would have had (``runtime.files_reader``), leaving ``reserve`` bytes of host memory
     to the load beside it (``SwapTier``). ``tick()`` after each layer's long work (a
     tier's fill, a file's mapping and check; e.g. a pipeline's ``Pace.tick``).
@@ -34,7 +34,10 @@ def make_reader(
         from ..io.tier import SwapTier, TierReader
 
         on_gpu = runtime.pool_mode == "cuda"
-        limit = None if tier_gb is None else int(tier_gb * 1e9)
+        if tier_gb == "auto":  # whole where the runtime chose the device path for it
+            limit = None if runtime.decode_path == "device" else "auto"
+        else:
+            limit = None if tier_gb is None else int(tier_gb * 1e9)
         tier = SwapTier(
             meta,
             pools,

@@ -66,7 +66,8 @@ class SwapTier:
         checksums: Check each record as it is read.
         available: Bytes of host memory the tier may take (default: the machine's
             available memory, ``mem.machine_memory``).
-        limit: Bytes the tier may hold (default: every record the pools do not).
+        limit: Bytes the tier may hold (default: every record the pools do not), or
+            ``"auto"``: as many as ``available`` holds beside ``MARGIN`` and ``reserve``.
         reserve: Bytes of host memory the load still takes after the tier, beside the
             ``MARGIN`` (the trunk as it loads: ``model_builder.trunk_host_bytes``).
         tick: Called after each layer's records are read (e.g. a pipeline's
@@ -95,14 +96,17 @@ class SwapTier:
         self.meta, self.pools, self._cuda = meta, pools, cuda
         rest = tier_rows(meta, {li: p.slots for li, p in pools.items()})
         full = rows_bytes(meta, rest)
-        share = 1.0 if limit is None or limit >= full else max(0.0, limit / max(1, full))
-        self.rows = {li: int(n * share) for li, n in rest.items()}  # per layer
-        self.partial = any(self.rows[li] < n for li, n in rest.items())
-        need = rows_bytes(meta, self.rows)
         if available is None:
             from ..mem import machine_memory
 
             available = machine_memory()[1]
+        auto = isinstance(limit, str)  # "auto": what the available memory holds
+        if auto:
+            limit = max(0, available - MARGIN - reserve)
+        share = 1.0 if limit is None or limit >= full else max(0.0, limit / max(1, full))
+        self.rows = {li: int(n * share) for li, n in rest.items()}  # per layer
+        self.partial = any(self.rows[li] < n for li, n in rest.items())
+        need = rows_bytes(meta, self.rows)
         trunk = f", {reserve / 1e9:.2f} GB of them for the trunk as it loads" if reserve else ""
         self._short = (
             f"the swap tier needs {need / 1e9:.2f} GB of host memory (the experts the pools "
@@ -111,6 +115,12 @@ class SwapTier:
             "(--slots, --budget-gb), bound the tier (--swap-tier-gb) or go without it "
             "(--no-swap-tier)"
         )
+        if auto and full and not need:
+            raise MemoryError(
+                f"no room for a swap tier: {available / 1e9:.2f} GB available, and "
+                f"{(MARGIN + reserve) / 1e9:.2f} GB left to the process{trunk}: give it more "
+                "memory or go without it (--no-swap-tier)"
+            )
         if need + MARGIN + reserve > available:
             raise MemoryError(self._short)
         self.broken: str | None = None
