@@ -20,10 +20,11 @@ def make_reader(
     reserve: int = 0,
 ):
     """The reader ``runtime`` names, over ``pools``; a swap tier of at most ``tier_gb``
-    (default: all the pools do not hold; ``"auto"``: what memory holds), the rest read by the file reader the runtime
-    would have had (``runtime.files_reader``), leaving ``reserve`` bytes of host memory
-    to the load beside it (``SwapTier``). ``tick()`` after each layer's long work (a
-    tier's fill, a file's mapping and check; e.g. a pipeline's ``Pace.tick``).
+    (default: all the pools do not hold; ``"auto"``: what memory holds), the rest read by
+    the file reader the runtime would have had (``runtime.files_reader``), leaving
+    ``reserve`` bytes of host memory to the load beside it (``SwapTier``). ``tick()``
+    after each layer's long work (a tier's fill, a file's mapping and check; e.g. a
+    pipeline's ``Pace.tick``).
 
     Raises:
         OSError: the native reader is not installed, or the files could not be mapped.
