@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -34,7 +33,7 @@ from .host_path import HostPath
 from .loads import Loader
 from .policy import make_policy
 from .pool import LayerPool, capacities, default_slots, make_pools
-from .readers import make_reader
+from .readers import open_reader
 from .recording import RoutingCounts
 from .slots import SlotCache
 from .stats import LayerStats, Timeline, stat_names, summarize
@@ -97,18 +96,8 @@ class FileExpertStore:
         self.zero_slot = rt.zero_slot
         self.pools = make_pools(meta, caps, rt.pool_mode, rt.zero_slot)
         self.pool_mode = rt.pool_mode
-        try:
-            self.reader = make_reader(rt, meta, self.pools, cfg.swap_tier_gb, tick, reserve)
-        except (OSError, MemoryError) as e:  # the default's page-locked mappings or tier
-            tier = rt.reader == "tier" and cfg.swap_tier is None  # the default's tier
-            failed = isinstance(e, MemoryError) if tier else rt.mapped and isinstance(e, OSError)
-            if not failed or cfg.map_files or cfg.device_reads:
-                raise  # asked for (the device path needs them), or a file's own error
-            warnings.warn(f"{e}; the store reads with pread instead", RuntimeWarning, stacklevel=2)
-            rt = resolve(cfg.replace(map_files=False, swap_tier=False), meta)
-            why = f"the {'swap tier' if tier else 'files'} could not be page-locked ({e})"
-            rt = self.runtime = rt.revised({"mapped": why, "decode_path": why, "reader": why})
-            self.reader = make_reader(rt, meta, self.pools, tick=tick)
+        self.reader, rt = open_reader(rt, cfg, meta, self.pools, tick, reserve)
+        self.runtime = rt
         self.loads = Loader(
             meta, self.caches, self.pools, self.reader, self.stats, cfg.clear_on_evict
         )

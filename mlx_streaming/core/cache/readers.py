@@ -5,10 +5,37 @@ engine, the Python reader, the GPU copying from page-locked mappings, or a swap 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 from ..format import ExpertMeta
-from ..runtime import Runtime
+from ..options import StreamConfig
+from ..runtime import Runtime, resolve
+
+
+def open_reader(
+    runtime: Runtime,
+    cfg: StreamConfig,
+    meta: ExpertMeta,
+    pools: dict,
+    tick: Callable[[], None] | None = None,
+    reserve: int = 0,
+):
+    """``(reader, runtime)``: ``make_reader``'s, or where the default's page-locked
+    mappings or swap tier cannot be had, a warning and the page cache's reader, with the
+    runtime saying why. What was asked for, or a file's own error, is raised."""
+    try:
+        return make_reader(runtime, meta, pools, cfg.swap_tier_gb, tick, reserve), runtime
+    except (OSError, MemoryError) as e:
+        tier = runtime.reader == "tier" and cfg.swap_tier is None  # the default's tier
+        failed = isinstance(e, MemoryError) if tier else runtime.mapped and isinstance(e, OSError)
+        if not failed or cfg.map_files or cfg.device_reads:
+            raise  # asked for (the device path needs them), or a file's own error
+        warnings.warn(f"{e}; the store reads with pread instead", RuntimeWarning, stacklevel=3)
+        rt = resolve(cfg.replace(map_files=False, swap_tier=False), meta)
+        why = f"the {'swap tier' if tier else 'files'} could not be page-locked ({e})"
+        rt = rt.revised({"mapped": why, "decode_path": why, "reader": why})
+        return make_reader(rt, meta, pools, tick=tick), rt
 
 
 def make_reader(
@@ -32,7 +59,8 @@ def make_reader(
     """
     if runtime.reader == "tier":
         from ..io import cuda
-        from ..io.tier import SwapTier, TierReader
+        from ..io.tier import SwapTier
+        from ..io.tier_reader import TierReader
 
         on_gpu = runtime.pool_mode == "cuda"
         if tier_gb == "auto":  # whole where the runtime chose the device path for it

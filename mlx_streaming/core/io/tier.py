@@ -7,9 +7,10 @@ a trade: the miss's record comes into the victim's slot and the victim's goes ou
 tier slot the miss leaves, its new home. Pools and tier hold the model once; no miss reads
 the disk after load. The tier knows where records are, not why they move (the slot tables
 and the policy decide). On CUDA the GPU moves the bytes (``DeviceReader`` over the tier:
-the ``SWAP`` variant of ``mlxs_copy``, on both paths); elsewhere ``TierReader`` moves them
-on the host. On unified memory a bigger pool does better for the same memory; the host
-variant exists so that the tier's bookkeeping runs, and is tested, on any machine.
+the ``SWAP`` variant of ``mlxs_copy``, on both paths); elsewhere ``TierReader``
+(``tier_reader``) moves them on the host. On unified memory a bigger pool does better for
+the same memory; the host variant exists so that the tier's bookkeeping runs, and is
+tested, on any machine.
 
 A tier given fewer bytes than the rest (``rows``) holds the records the pools gave up
 last: a miss outside it is read from its file (the store's own reader, ``TierReader``'s
@@ -367,42 +368,3 @@ class _Reads:
             self.landed()
             self.landed = None
         return n + self.traded
-
-
-class TierReader:
-    """The store's reader over a ``SwapTier`` of host pools: each miss trades places with
-    its victim on the calling thread; with a partial tier, a miss outside it is then read
-    by ``files`` (the store's file reader)."""
-
-    wave = None  # any number of records per start
-
-    def __init__(self, tier: SwapTier, files=None):
-        self.tier, self.files = tier, files
-
-    @property
-    def mapped_bytes(self) -> int:
-        return self.tier.nbytes
-
-    def start(self, layer: int, experts, slots):
-        """Trade ``experts`` into ``slots`` now, then start the reads of those outside
-        the tier; the result is the bytes brought in.
-
-        Raises:
-            TierError: see ``SwapTier.plan`` (nothing moved).
-        """
-        return self.tier.take(layer, experts, slots, self.tier.trade_on_host, self.files)
-
-    def read_gbps(self) -> float:
-        return self.files.read_gbps() if self.files is not None else 0.0
-
-    def reset_counters(self) -> None:
-        self.tier.traded_bytes = 0
-        if self.files is not None:
-            self.files.reset_counters()
-
-    def close(self) -> None:
-        try:
-            if self.files is not None:
-                self.files.close()
-        finally:
-            self.tier.close()
