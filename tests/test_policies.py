@@ -657,6 +657,39 @@ def test_plan_the_host_tier_beneath_device_pools(tmp_path, capsys):
         cmd.main([*base, "--slots", "2", "--host-gb", "1"])
 
 
+def test_plan_leaves_the_trunk_s_load_beside_the_host_tier(models, tmp_path, capsys):
+    """``plan --host-gb`` with ``--model``: the rows are those of the host memory less what
+    loading the trunk takes beside the tier on CUDA (its largest block), and the header
+    says so: a whole tier that fits only without that room is planned bounded."""
+    from mlx_streaming.commands import plan as cmd
+    from mlx_streaming.core.io.tier import MARGIN
+    from mlx_streaming.core.meta import load_meta
+    from mlx_streaming.model_builder import trunk_host_bytes
+    from mlx_streaming.prep.hub import load_lazy
+
+    ck, ed = models.experts("tiny-qwen3_moe")  # 3 MoE layers, 16 experts, top-4
+    meta = load_meta(ed)
+    reserve = trunk_host_bytes(load_lazy(ck)[0], "cuda")
+    rest = sum((lay.num_experts - 6) * lay.stride for lay in meta.layers.values())
+    local_trace(T=400, E=16).save(tmp_path / "t.npz")
+    base = ["--trace", str(tmp_path / "t.npz"), "--slots", "6", "--tokens", "100",
+            "--t-compute-ms", "1", "--read-gbps", "1", "--json"]  # fmt: skip
+    host = MARGIN + rest + reserve // 2  # the whole tier fits only without the trunk's room
+
+    def swap_row(*args) -> dict:
+        cmd.main([*base, *args])
+        return next(r for r in json.loads(capsys.readouterr().out) if r["tier"] == "swap")
+
+    with_trunk = swap_row("--model", str(ck), "--host-gb", str(host / 1e9))
+    assert "--swap-tier-gb" in with_trunk["flags"]  # bounded
+    assert swap_row("--expert-dir", str(ed), "--host-gb", str((host - reserve) / 1e9)) == with_trunk
+    assert swap_row("--expert-dir", str(ed), "--host-gb", str(host / 1e9))["flags"] == (
+        "--slots 6 --swap-tier"  # whole, where nothing is left for the trunk
+    )
+    cmd.main([*base[:-1], "--model", str(ck), "--host-gb", str(host / 1e9)])
+    assert f"less {reserve / 1e9:.2f} GB for the trunk as it loads" in capsys.readouterr().out
+
+
 def test_a_planned_swap_tier_is_one_the_store_takes(models, tmp_path, capsys):
     """Each swap-tier row ``plan --memory-gb`` prints for an expert directory: the store's
     ``SwapTier``, given that row's slots and flags and the memory the pools leave, takes

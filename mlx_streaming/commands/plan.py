@@ -45,9 +45,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--host-gb",
         type=positive_float,
         help="with --slots or --budget-gb, pools in a GPU's own memory (CUDA): this much "
-        "host memory beneath them, as the page cache or as the store's swap tier (less, at "
-        "load, the trunk's largest block, which MLX stages in host memory as it loads); "
-        "each row's hits per tier, disk bytes, predicted tok/s and flags, best first",
+        "host memory beneath them, as the page cache or as the store's swap tier (with "
+        "--model, less the trunk's largest block, which MLX stages in host memory as it "
+        "loads); each row's hits per tier, disk bytes, predicted tok/s and flags, best first",
     )
     p.add_argument(
         "--mem-gbps",
@@ -185,11 +185,19 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
         if min(slots) < k:
             raise ValueError(f"--slots {min(slots)} is below top_k={k}: a pool holds one "
                              f"token's experts at least; give --slots {k} or more")  # fmt: skip
-        splits = [(s, int(a.host_gb * 1e9)) for s in sorted({min(s, E) for s in slots})[::-1]]
+        host, what = int(a.host_gb * 1e9), f"{a.host_gb} GB of host memory"
+        if a.model:  # what loading its trunk takes beside the tier (load's reserve)
+            from ..model_builder import trunk_host_bytes
+            from ..prep.hub import load_lazy, resolve_model_path
+
+            reserve = trunk_host_bytes(load_lazy(resolve_model_path(a.model))[0], "cuda")
+            host = max(0, host - reserve)
+            what += f" less {reserve / 1e9:.2f} GB for the trunk as it loads"
+        splits = [(s, host) for s in sorted({min(s, E) for s in slots})[::-1]]
         rows = split_rows(test, pol, splits, slot, record, *rates, zero_slot=True, **sim)
         for r in rows:  # CUDA's default takes a whole swap tier where it fits
             r["flags"] += " --no-swap-tier" if r["tier"] == "page cache" else ""
-        what = f"pools on the device, {a.host_gb} GB of host memory beneath them"
+        what = f"pools on the device, {what} beneath them"
     if a.json:
         print(json.dumps(rows, indent=1))
         return
