@@ -237,7 +237,7 @@ def test_the_timeline_marks_every_path(models):
     meta = load_meta(ed)
     for capacity, path, phases in (
         (meta.num_experts, "resident", ["request", "planned", "built"]),
-        (meta.top_k, "host", ["request", "routed", "planned", "built"]),
+        (meta.top_k, "host", ["request", "routed", "grouped", "planned", "built"]),
     ):
         store = FileExpertStore(ed, capacity=capacity)
         li = store.layers[0]

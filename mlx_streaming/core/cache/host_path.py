@@ -140,6 +140,7 @@ class HostPath:
             self.routing.add(layer, experts, counts)
         self.loads.finish_read_aheads(layer, experts)
         groups = cache.groups(experts, counts)
+        self.timeline.mark(layer, "grouped")  # then the loads begin: policy, trades, reads
         call.host_ids, call.routed_at = host, t0
         if also is not None:
             call.also = np.array(also) if guess is None else transfers.read(also, 1)

@@ -87,8 +87,9 @@ def summarize(report: dict[int, dict]) -> dict:
 
 class Timeline:
     """Host timestamps of layer-call phases (``request``; ``ahead``: the routing
-    launched and the work done while the device computes it; ``routed``, ``read``,
-    ``planned``, ``built``) and the call's path (``host``, ``device``, ``resident``),
+    launched and the work done while the device computes it; ``routed``; ``grouped``:
+    the routing counted and grouped, before the loads begin; ``planned``: the loads
+    begun; ``read``; ``built``) and the call's path (``host``, ``device``, ``resident``),
     kept while ``on``: one decode step's timeline, for ``bench`` and
     ``benchmarks/speed.py``."""
 
