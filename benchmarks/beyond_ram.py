@@ -249,10 +249,12 @@ def child(job: dict) -> dict:
         for k in ("ahead_s", "sync_s", "host_s", "read_s", "graph_s", "gap_s", "demand_s")
     }
     split["wall_s"] = round(1e3 * wall / tokens_run, 3)
+    phases = None
     if job.get("timeline"):  # one decode step's phases, beside the rows
-        from speed import decode_timeline
+        from speed import decode_timeline, step_phases
 
         steps = decode_timeline(model, tok, ids, store)
+        phases = step_phases(steps)
         row = f"{job['method']}-{job['residency']}-{job['oracle'] or 'as-run'}"
         name = f"{Path(job['timeline']).with_suffix('')}-{row}.json"
         Path(name).write_text(json.dumps(steps, indent=0) + "\n")
@@ -307,6 +309,7 @@ def child(job: dict) -> dict:
         # the rest, the storage idles unless read-ahead fills it
         "demand_reads_share": round(demand / wall, 4) if wall else None,
         "host_ms_per_token": split,
+        "step_phases_ms": phases,  # one decode step's timeline, by phase (--timeline)
         **bounds(1 / stock_tps, disk_tok, gbps, tps),  # the disk's bound: its bytes
         "ttft_cold_s": round(ttft, 3),
         "prompt_tps_cold": round(first[1], 2),

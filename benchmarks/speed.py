@@ -372,6 +372,23 @@ def decode_timeline(model, tok, ids, store) -> list[dict]:
     return out
 
 
+def step_phases(events: list[dict]) -> dict:
+    """Milliseconds of one decode step's timeline (``decode_timeline``) between each
+    pair of consecutive phases of a layer call, summed over the step's calls
+    (``"routed>grouped"``...), and ``"step"``, from the first mark to the last."""
+    calls: dict[int, list[dict]] = {}
+    for e in events:
+        calls.setdefault(e["layer"], []).append(e)
+    out: dict[str, float] = {}
+    for marks in calls.values():
+        for a, b in zip(marks, marks[1:]):
+            key = f"{a['phase']}>{b['phase']}"
+            out[key] = out.get(key, 0.0) + (b["t_us"] - a["t_us"]) / 1e3
+    out = {k: round(v, 3) for k, v in out.items()}
+    out["step"] = round((events[-1]["t_us"] - events[0]["t_us"]) / 1e3, 3) if events else 0.0
+    return out
+
+
 def memory_limited(a, ck, ed, meta, trace, start, tok, ids, ref, load_kw) -> dict:
     """Streamed alone, with MLX's memory capped below the whole model: the pool fits, the
     model would not."""
