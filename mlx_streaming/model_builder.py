@@ -19,6 +19,7 @@ from . import parallel, peers
 from .core.cache.expert_store import FileExpertStore
 from .core.cache.pool import capacities
 from .core.discovery import find_expert_sites, fingerprint
+from .core.mem import HostShare
 from .core.options import StreamConfig
 from .core.prefetch.patch import patch_model_filebacked
 from .core.runtime import backend_name, pool_zero_slot, resolve
@@ -112,26 +113,27 @@ def load(
     model_dir = resolve_model_path(path_or_repo)
     expert_dir = expert_dir_for(path_or_repo, expert_dir)
     model, tokenizer = mlx_load(str(model_dir), tokenizer_config=tokenizer_config or {}, lazy=True)
-    model_fp, pace = None, None
+    model_fp, pace, ranks = None, None, 1
     if pipeline_group is None:
         meta = ensure_split(model_dir, expert_dir, progress=progress)
     else:
         pace = peers.Pace(pipeline_group, pipeline_watch)
-        meta, model_fp = pipeline_share(
+        meta, model_fp, ranks = pipeline_share(
             model, model_dir, expert_dir, pace, pipeline_split, progress
         )
     p = cfg.pool_profile
     path = pool_profile_path(expert_dir) if p == "auto" else None if p == "none" else p
     caps, whole = (None, []) if path is None else read_profile(path)
     if cfg.budget_gb == "auto":
-        cfg = cfg.replace(budget_gb=auto_budget_for(model, cfg.context).budget_bytes / 1e9)
+        plan = auto_budget_for(model, cfg.context, ranks=ranks)
+        cfg = cfg.replace(budget_gb=plan.budget_bytes / 1e9)
     zero_slot = pool_zero_slot(cfg)  # the pools' size, then the rest by it
     capacity, layer_caps = store_slots(meta, cfg.slots, cfg.budget_gb, caps, zero_slot, whole)
-    reserve = trunk_host_bytes(model)  # what loading the trunk takes beside a swap tier
-    runtime = resolve(cfg, meta, slots=capacities(meta, capacity, layer_caps), reserve=reserve)
+    host = HostShare(ranks, trunk_host_bytes(model))  # beside a swap tier: the trunk's load
+    runtime = resolve(cfg, meta, slots=capacities(meta, capacity, layer_caps), host=host)
     tick = pace.tick if pace else None  # between pieces of work: a round with the peers
     store = FileExpertStore(
-        meta, capacity, layer_caps, config=cfg, runtime=runtime, tick=tick, reserve=reserve
+        meta, capacity, layer_caps, config=cfg, runtime=runtime, tick=tick, host=host
     )
     if pipeline_watch is not None:
         store.watch(pipeline_watch.beat)  # a step's progress
@@ -150,11 +152,12 @@ def load(
     return model, tokenizer, store
 
 
-def auto_budget_for(model, context: int, machine: tuple[int, int] | None = None):
+def auto_budget_for(model, context: int, machine: tuple[int, int] | None = None, ranks: int = 1):
     """``budget_gb="auto"`` for a lazily loaded ``model`` (its trunk: every parameter
     outside the experts) on this machine, in the memory the pools live in (on CUDA the
-    GPU's; ``machine``: ``(total, available)`` bytes, to simulate another); prints what
-    it chose and why."""
+    GPU's; ``machine``: ``(total, available)`` bytes, to simulate another), of which a
+    pipeline's ``ranks`` on this host each plan with their share (a GPU's is its own);
+    prints what it chose and why."""
     from mlx.utils import tree_flatten
 
     from .core.mem import pool_memory
@@ -167,6 +170,10 @@ def auto_budget_for(model, context: int, machine: tuple[int, int] | None = None)
     trunk = sum(v.nbytes for _, v in params) - experts
     kv = sum(kv_bytes(model))
     total, available, whose = (*machine, "machine") if machine else pool_memory()
+    if ranks > 1 and whose == "machine":  # the ranks on this host split its memory
+        share = HostShare(ranks)
+        total, available = total // ranks, share.available(available)
+        whose += share.said()
     plan = auto_budget(trunk, kv, context, total, available, whose)
     print(plan.why(), file=sys.stderr, flush=True)
     return plan
@@ -174,11 +181,13 @@ def auto_budget_for(model, context: int, machine: tuple[int, int] | None = None)
 
 def pipeline_share(model, model_dir, expert_dir, pace: peers.Pace, split, progress=None):
     """Pipeline the lazily loaded ``model`` over ``pace.group`` and split this rank's
-    experts; returns ``(meta of this rank's layers, the whole model's fingerprint)``.
+    experts; returns ``(meta of this rank's layers, the whole model's fingerprint, the
+    ranks on this host)``.
 
     Every rank checks with the others that they loaded the same model and the same
     expert directory contents before any of them goes on (``pace``: they hear from one
-    another between the split's layers, and the check runs under its watch).
+    another between the split's layers, and the check runs under its watch); they also
+    count the ranks on each host, which split its memory.
     """
     group = pace.group
     sites = find_expert_sites(model)
@@ -202,7 +211,8 @@ def pipeline_share(model, model_dir, expert_dir, pace: peers.Pace, split, progre
                 "split this model into each host's directory again",
             },
         )
-    return meta.subset(mine), model_fp
+        ranks = parallel.ranks_on_this_host(group)
+    return meta.subset(mine), model_fp, ranks
 
 
 def trunk_blocks(model) -> list[list[mx.array]]:

@@ -152,6 +152,15 @@ def check_same_everywhere(group, values: dict[str, str], what: dict[str, str]) -
         raise PipelineError("; ".join(bad))
 
 
+def ranks_on_this_host(group) -> int:
+    """How many of ``group``'s ranks run on this host (this one included): they split
+    its memory (``mem.HostShare``)."""
+    from .core.mem import host_key
+
+    key = host_key()
+    return sum(line == key for line in gather_lines(group, key))
+
+
 def collective(fn):
     """Run and evaluate a collective; a lost peer becomes a ``PipelineError``.
 

@@ -17,6 +17,7 @@ def main() -> None:
     p.add_argument("--model", required=True, help="{rank} becomes the rank")
     p.add_argument("--expert-dir", required=True, help="{rank} becomes the rank")
     p.add_argument("--slots", type=int)
+    p.add_argument("--budget-gb", help="GB of pools, or auto")
     p.add_argument("--split")
     p.add_argument("--prompt", required=True, help="comma-separated token ids")
     p.add_argument("--tokens", type=int, default=8)
@@ -38,6 +39,7 @@ def main() -> None:
             a.model.format(rank=rank),
             a.expert_dir.format(rank=rank),
             slots=a.slots,
+            budget_gb=a.budget_gb if a.budget_gb in (None, "auto") else float(a.budget_gb),
             pool_profile=False,
             progress=False,
             pipeline_group=group,

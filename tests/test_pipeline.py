@@ -155,6 +155,29 @@ def test_pipelined_stream_equals_stock(models, tmp_path, preset, ranks, split):
     assert not list(ed.glob("*.partial")) and not list(ed.glob("layer_*.json"))
 
 
+def test_ranks_on_one_host_split_its_memory(models, tmp_path):
+    """Two ranks on this host with ``--budget-gb auto``: each plans its pools with half of
+    the memory available (they count each other at load: ``parallel.ranks_on_this_host``),
+    says so, and the pipeline streams exactly as stock."""
+    import re
+
+    from mlx_streaming.core.mem import machine_memory
+
+    ck = models.checkpoint("tiny-qwen3_moe")
+    ids, ref = reference(ck)
+    alone = machine_memory()[1]
+    args = ["--model", str(ck), "--expert-dir", str(tmp_path / "ed"), "--budget-gb", "auto"]
+    launch(2, tmp_path / "out", *args, "--prompt", ",".join(map(str, ids)), "--tokens", "4")
+    log = (tmp_path / "out" / "launch.log").read_text()
+    lines = [x for x in log.splitlines() if "--budget-gb auto:" in x]
+    assert len(lines) == 2 and all("(a share: 2 ranks on this host)" in x for x in lines), log
+    for x in lines:
+        available = float(re.search(r"= ([0-9.]+) GB available", x)[1]) * 1e9
+        assert available < 0.6 * alone, (x, alone)
+    for r in range(2):
+        assert np.load(tmp_path / "out" / f"rank{r}.npz")["tokens"].tolist() == ref.tokens[:4]
+
+
 def _args(ck, ed, ids):
     return ["--model", str(ck), "--expert-dir", str(ed), "--slots", "5"] + [
         "--prompt",

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from mlx_streaming.core.mem import HostShare
 from mlx_streaming.core.meta import load_meta
 from mlx_streaming.core.options import StreamConfig
 from mlx_streaming.core.runtime import RuntimeChoiceError, resolve
@@ -76,7 +77,7 @@ def test_an_auto_swap_tier_is_whole_where_memory_holds_it_and_bounded_where_not(
     def at(room: int, reserve: int = 0, config=cfg, with_slots=True):
         return resolve(config, meta, backend="cuda", memory=(room, room), cuda_available=True,
                        engine_available=True, slots=slots if with_slots else None,
-                       reserve=reserve)  # fmt: skip
+                       host=HostShare(reserve=reserve))  # fmt: skip
 
     whole = at(need + 1000 + 7, reserve=7)
     assert (whole.reader, whole.decode_path) == ("tier", "device")
@@ -123,11 +124,20 @@ def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(met
     assert "nor does a swap tier" in short.line() and "--swap-tier-gb" in short.line()
     trunk = room - need - 1000  # the trunk's load takes what is left beside the tier
     at = resolve(StreamConfig(), meta, backend="cuda", memory=(room, room), cuda_available=True,
-                 engine_available=True, slots=slots, reserve=trunk)  # fmt: skip
+                 engine_available=True, slots=slots, host=HostShare(reserve=trunk))  # fmt: skip
     assert at.reader == "tier"
     over = resolve(StreamConfig(), meta, backend="cuda", memory=(room, room), cuda_available=True,
-                   engine_available=True, slots=slots, reserve=trunk + 1)  # fmt: skip
+                   engine_available=True, slots=slots, host=HostShare(reserve=trunk + 1))  # fmt: skip
     assert over.reader == "native" and "for the trunk as it loads" in over.line(), over.line()
+    # two ranks of a pipeline on this host: each plans with half of what is available
+    halves = resolve(StreamConfig(), meta, backend="cuda", memory=(room, room),
+                     cuda_available=True, engine_available=True, slots=slots,
+                     host=HostShare(ranks=2))  # fmt: skip
+    assert halves.reader == "native" and "(a share: 2 ranks on this host)" in halves.line()
+    both = resolve(StreamConfig(), meta, backend="cuda", memory=(2 * room, 2 * room),
+                   cuda_available=True, engine_available=True, slots=slots,
+                   host=HostShare(ranks=2))  # fmt: skip
+    assert both.reader == "tier"
     for cfg in (StreamConfig(swap_tier=False), StreamConfig(prefetch=True)):  # not asked for
         rt = resolve(cfg, meta, backend="cuda", memory=(room, room), cuda_available=True,
                      engine_available=True, slots=slots)  # fmt: skip

@@ -230,3 +230,33 @@ def cgroup_memory() -> tuple[int, int, int] | None:
                 continue
             return int(raw), used, int(stat.get(names[2], 0))
     return None
+
+
+def host_key() -> str:
+    """This host among a pipeline's ranks: its name and, on Linux, its boot's id."""
+    import socket
+
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()} {boot}"
+
+
+@dataclass(frozen=True)
+class HostShare:
+    """What a store may plan with of this host's memory: its share of what is available
+    (``ranks`` of one pipeline on this host split it), and beside it ``reserve`` bytes
+    that the rest of its load takes (the trunk as it loads:
+    ``model_builder.trunk_host_bytes``)."""
+
+    ranks: int = 1
+    reserve: int = 0
+
+    def available(self, measured: int | None = None) -> int:
+        """This rank's share of ``measured`` (default: ``machine_memory``'s available)."""
+        return (machine_memory()[1] if measured is None else measured) // max(1, self.ranks)
+
+    def said(self) -> str:
+        """How the share reads in a message ("" for a process alone on its host)."""
+        return f" (a share: {self.ranks} ranks on this host)" if self.ranks > 1 else ""

@@ -27,6 +27,7 @@ import os
 from dataclasses import dataclass
 
 from .io.reader import INLINE_BYTES
+from .mem import HostShare
 from .options import StreamConfig
 
 GB = 1e9
@@ -121,19 +122,21 @@ def resolve(
     cuda_available: bool | None = None,
     engine_available: bool | None = None,
     slots: dict[int, int] | None = None,
-    reserve: int = 0,
+    host=None,
 ) -> Runtime:
     """The ``Runtime`` for ``cfg`` on ``backend`` (default: MLX's default device's), with
     the expert directory's ``meta`` (its files' size decides the mapping on CUDA), the
-    machine's ``(total, available)`` memory (default: measured) and the pools' ``slots``
-    per layer (where the files do not fit, whether a whole swap tier does, leaving
-    ``reserve`` bytes to the rest of the load: without slots, it is not considered).
+    machine's ``(total, available)`` memory (default: measured; of it, ``host``'s share:
+    ``mem.HostShare``) and the pools' ``slots`` per layer (where the files do not fit,
+    whether a whole swap tier does, beside the ``host.reserve`` the rest of the load
+    takes: without slots, it is not considered).
 
     Raises:
         RuntimeChoiceError: an option forced to a value that cannot run here.
     """
     b = backend or backend_name()
     why: dict[str, str] = {}
+    share = host or HostShare()
 
     def refuse(msg: str):
         raise RuntimeChoiceError(msg)
@@ -180,8 +183,8 @@ def resolve(
         refuse("swap_tier_gb bounds the swap tier: add --swap-tier")
     bounded = cfg.swap_tier_gb is not None  # the host path reads the records beyond it
     if cfg.swap_tier and cfg.swap_tier_gb == "auto":  # whole where it fits
-        avail = (memory if memory is not None else _memory())[1]
-        bounded = not (slots and _tier_fits(meta, slots, avail, "", reserve)[0])
+        avail = share.available((memory if memory is not None else _memory())[1])
+        bounded = not (slots and _tier_fits(meta, slots, avail, "", share.reserve)[0])
     swap_tier = bool(cfg.swap_tier)  # None: CUDA's default where the files do not fit
     if pool_mode != "cuda" or swap_tier:
         mapped = False
@@ -192,14 +195,14 @@ def resolve(
         mapped, why["mapped"] = False, "direct_io reads around the page cache"
     else:
         files = files_bytes(meta)
-        total, avail = memory if memory is not None else _memory()
+        avail = share.available((memory if memory is not None else _memory())[1])
         mapped = files <= avail // 2
         why["mapped"] = (
             f"expert files {files / GB:.1f} GB {'fit' if mapped else 'do not fit'} in half "
-            f"of {avail / GB:.0f} GB available"
+            f"of {avail / GB:.0f} GB available{share.said()}"
         )
         if not mapped and cfg.swap_tier is None and not (cfg.prefetch or cfg.reader):
-            swap_tier, why["mapped"] = _tier_fits(meta, slots, avail, why["mapped"], reserve)
+            swap_tier, why["mapped"] = _tier_fits(meta, slots, avail, why["mapped"], share.reserve)
 
     # the reader
     want = cfg.reader.value if cfg.reader is not None else None

@@ -22,6 +22,7 @@ from ..format import ExpertMeta
 from ..ids import SLOT_IDS_NP
 from ..io.tier import tier_totals
 from ..io.transfers import id_transfers
+from ..mem import HostShare
 from ..meta import load_meta
 from ..options import StreamConfig, refuse_load_only
 from ..runtime import Runtime, resolve
@@ -53,8 +54,8 @@ class FileExpertStore:
             path...); the store also reads ``record`` and ``clear_on_evict``.
         runtime: An already resolved ``Runtime`` (``load`` passes the one it printed).
         tick: Called after each layer's work as the store opens (a pipeline's ``Pace.tick``).
-        reserve: Bytes of host memory the model's load still takes after the store opens
-            (``model_builder.trunk_host_bytes``), left beside a swap tier.
+        host: This store's share of the host's memory (``mem.HostShare``: a pipeline's
+            ranks on one host split it; the trunk's load beside a swap tier).
         **options: Overrides of ``config``'s fields (e.g. ``policy="lru"``; the seed
             passes ``clear_on_evict`` and ``record``).
 
@@ -76,7 +77,7 @@ class FileExpertStore:
         config: StreamConfig | None = None,
         runtime: Runtime | None = None,
         tick: Callable[[], None] | None = None,
-        reserve: int = 0,
+        host: HostShare | None = None,
         **options,
     ):
         refuse_load_only(options, config, capacity)
@@ -86,7 +87,7 @@ class FileExpertStore:
         if capacity is None:
             capacity = default_slots(meta) if cfg.slots is None else cfg.slots
         caps = capacities(meta, capacity, layer_caps)
-        rt = self.runtime = runtime or resolve(cfg, meta, slots=caps, reserve=reserve)
+        rt = self.runtime = runtime or resolve(cfg, meta, slots=caps, host=host)
         self.expert_dir, self.top_k, self.policy_name = meta.root, meta.top_k, rt.policy
         n = {li: meta.layers[li].num_experts for li in caps}
         self.caches = {
@@ -96,7 +97,7 @@ class FileExpertStore:
         self.zero_slot = rt.zero_slot
         self.pools = make_pools(meta, caps, rt.pool_mode, rt.zero_slot)
         self.pool_mode = rt.pool_mode
-        self.reader, rt = open_reader(rt, cfg, meta, self.pools, tick, reserve)
+        self.reader, rt = open_reader(rt, cfg, meta, self.pools, tick, host)
         self.runtime = rt
         self.loads = Loader(
             meta, self.caches, self.pools, self.reader, self.stats, cfg.clear_on_evict

@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Callable
 
 from ..format import ExpertMeta
+from ..mem import HostShare
 from ..options import StreamConfig
 from ..runtime import Runtime, resolve
 
@@ -19,13 +20,13 @@ def open_reader(
     meta: ExpertMeta,
     pools: dict,
     tick: Callable[[], None] | None = None,
-    reserve: int = 0,
+    host: HostShare | None = None,
 ):
     """``(reader, runtime)``: ``make_reader``'s, or where the default's page-locked
     mappings or swap tier cannot be had, a warning and the page cache's reader, with the
     runtime saying why. What was asked for, or a file's own error, is raised."""
     try:
-        return make_reader(runtime, meta, pools, cfg.swap_tier_gb, tick, reserve), runtime
+        return make_reader(runtime, meta, pools, cfg.swap_tier_gb, tick, host), runtime
     except (OSError, MemoryError) as e:
         tier = runtime.reader == "tier" and cfg.swap_tier is None  # the default's tier
         failed = isinstance(e, MemoryError) if tier else runtime.mapped and isinstance(e, OSError)
@@ -44,14 +45,14 @@ def make_reader(
     pools: dict,
     tier_gb=None,
     tick: Callable[[], None] | None = None,
-    reserve: int = 0,
+    host: HostShare | None = None,
 ):
     """The reader ``runtime`` names, over ``pools``; a swap tier of at most ``tier_gb``
-    (default: all the pools do not hold; ``"auto"``: what memory holds), the rest read by
-    the file reader the runtime would have had (``runtime.files_reader``), leaving
-    ``reserve`` bytes of host memory to the load beside it (``SwapTier``). ``tick()``
-    after each layer's long work (a tier's fill, a file's mapping and check; e.g. a
-    pipeline's ``Pace.tick``).
+    (default: all the pools do not hold; ``"auto"``: what memory holds) within ``host``'s
+    share of memory (``mem.HostShare``, its ``reserve`` beside it), the rest read by the
+    file reader the runtime would have had (``runtime.files_reader``). ``tick()`` after
+    each layer's long work (a tier's fill, a file's mapping and check; e.g. a pipeline's
+    ``Pace.tick``).
 
     Raises:
         OSError: the native reader is not installed, or the files could not be mapped.
@@ -74,7 +75,8 @@ def make_reader(
             runtime.checksums,
             limit=limit,
             tick=tick,
-            reserve=reserve,
+            available=(host or HostShare()).available(),
+            reserve=(host or HostShare()).reserve,
         )
         files = None
         try:
