@@ -19,7 +19,7 @@ from . import parallel, peers
 from .core.cache.expert_store import FileExpertStore
 from .core.cache.pool import capacities
 from .core.discovery import find_expert_sites, fingerprint
-from .core.mem import HostShare
+from .core.mem import HostShare, machine_memory
 from .core.options import StreamConfig
 from .core.prefetch.patch import patch_model_filebacked
 from .core.runtime import backend_name, pool_zero_slot, resolve
@@ -113,7 +113,7 @@ def load(
     model_dir = resolve_model_path(path_or_repo)
     expert_dir = expert_dir_for(path_or_repo, expert_dir)
     model, tokenizer = mlx_load(str(model_dir), tokenizer_config=tokenizer_config or {}, lazy=True)
-    model_fp, pace, ranks = None, None, 1
+    model_fp, pace, ranks, base = None, None, 1, None
     if pipeline_group is None:
         meta = ensure_split(model_dir, expert_dir, progress=progress)
     else:
@@ -121,15 +121,16 @@ def load(
         meta, model_fp, ranks = pipeline_share(
             model, model_dir, expert_dir, pace, pipeline_split, progress
         )
+        base = machine_memory()[1]  # as the ranks meet, before any takes its share
     p = cfg.pool_profile
     path = pool_profile_path(expert_dir) if p == "auto" else None if p == "none" else p
     caps, whole = (None, []) if path is None else read_profile(path)
     if cfg.budget_gb == "auto":
-        plan = auto_budget_for(model, cfg.context, ranks=ranks)
+        plan = auto_budget_for(model, cfg.context, ranks=ranks, base=base)
         cfg = cfg.replace(budget_gb=plan.budget_bytes / 1e9)
     zero_slot = pool_zero_slot(cfg)  # the pools' size, then the rest by it
     capacity, layer_caps = store_slots(meta, cfg.slots, cfg.budget_gb, caps, zero_slot, whole)
-    host = HostShare(ranks, trunk_host_bytes(model))  # beside a swap tier: the trunk's load
+    host = HostShare(ranks, trunk_host_bytes(model), base)  # beside a tier: the trunk's load
     runtime = resolve(cfg, meta, slots=capacities(meta, capacity, layer_caps), host=host)
     tick = pace.tick if pace else None  # between pieces of work: a round with the peers
     store = FileExpertStore(
@@ -152,12 +153,18 @@ def load(
     return model, tokenizer, store
 
 
-def auto_budget_for(model, context: int, machine: tuple[int, int] | None = None, ranks: int = 1):
+def auto_budget_for(
+    model,
+    context: int,
+    machine: tuple[int, int] | None = None,
+    ranks: int = 1,
+    base: int | None = None,
+):
     """``budget_gb="auto"`` for a lazily loaded ``model`` (its trunk: every parameter
     outside the experts) on this machine, in the memory the pools live in (on CUDA the
     GPU's; ``machine``: ``(total, available)`` bytes, to simulate another), of which a
-    pipeline's ``ranks`` on this host each plan with their share (a GPU's is its own);
-    prints what it chose and why."""
+    pipeline's ``ranks`` on this host each plan with their share of ``base`` (what was
+    available as they met; a GPU's memory is its own); prints what it chose and why."""
     from mlx.utils import tree_flatten
 
     from .core.mem import pool_memory
@@ -171,7 +178,7 @@ def auto_budget_for(model, context: int, machine: tuple[int, int] | None = None,
     kv = sum(kv_bytes(model))
     total, available, whose = (*machine, "machine") if machine else pool_memory()
     if ranks > 1 and whose == "machine":  # the ranks on this host split its memory
-        share = HostShare(ranks)
+        share = HostShare(ranks, base=base)
         total, available = total // ranks, share.available(available)
         whose += share.said()
     plan = auto_budget(trunk, kv, context, total, available, whose)
@@ -217,7 +224,8 @@ def pipeline_share(model, model_dir, expert_dir, pace: peers.Pace, split, progre
 
 def trunk_blocks(model) -> list[list[mx.array]]:
     """The model's arrays outside its experts, in the blocks ``load_trunk`` reads at
-    once: a decoder layer each, and each top-level module (embeddings, final norm, head)."""
+    once: a decoder layer each (``model.layers.N``), the rest by top-level attribute
+    (``model``: the embeddings and the final norm; ``lm_head``)."""
     from mlx.utils import tree_flatten
 
     sites = find_expert_sites(model)

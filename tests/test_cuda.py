@@ -115,13 +115,14 @@ def test_streamed_equals_stock_on_cuda(models, tmp_path, preset, mode):
         store.close()
 
 
-@pytest.mark.parametrize("bounded", [False, True])
-def test_a_swap_tier_streams_exactly_on_cuda(models, bounded):
+@pytest.mark.parametrize("size", ["whole", "bounded", "auto"])
+def test_a_swap_tier_streams_exactly_on_cuda(models, size):
     """The swap tier (opt-in): the experts outside the pools in page-locked host memory,
     each miss trading places with its victim on the GPU, decode steps on the device path
     and prompt chunks on the host path, the tier's tables handed between them; bounded
     (``swap_tier_gb``, a third of the rest), the host path, the records outside the tier
-    read by the native engine once their victims have gone out. Greedy tokens and logits
+    read by the native engine once their victims have gone out; ``auto`` (what memory
+    holds: whole here, as the patch must agree). Greedy tokens and logits
     equal stock's at top-k and half the slots; then every record is held at most once,
     where the tables say (the tier's rows and a few slots checked byte for byte against
     the files)."""
@@ -132,14 +133,15 @@ def test_a_swap_tier_streams_exactly_on_cuda(models, bounded):
     meta = load_meta(ed)
     for slots in (meta.top_k, meta.num_experts // 2):
         rest = sum((lay.num_experts - slots) * lay.stride for lay in meta.layers.values())
-        cfg = mlx_streaming.StreamConfig(
-            swap_tier=True, swap_tier_gb=rest / 3e9 if bounded else None
-        )
+        gb = {"whole": None, "bounded": rest / 3e9, "auto": "auto"}[size]
+        cfg = mlx_streaming.StreamConfig(swap_tier=True, swap_tier_gb=gb)
+        bounded = size == "bounded"
         model, _, store = mlx_streaming.load(ck, ed, slots=slots, config=cfg)
         rt, tier = store.runtime, store.reader.tier
         path = "host" if bounded else "device"
         assert (rt.mapped, rt.reader, rt.decode_path) == (False, "tier", path)
         assert (store.device is None) == bounded and tier.partial == bounded
+        assert size != "auto" or "as large as memory holds: whole" in rt.reason("reader")
         for chunk, ref_trace in want.items():
             cmp = compare_traces(ref_trace, greedy_trace(model, ids, 12, chunk))
             assert cmp.exact, (slots, chunk, cmp.to_json())

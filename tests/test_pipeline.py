@@ -155,6 +155,7 @@ def test_pipelined_stream_equals_stock(models, tmp_path, preset, ranks, split):
     assert not list(ed.glob("*.partial")) and not list(ed.glob("layer_*.json"))
 
 
+@pytest.mark.skipif(mx.cuda.is_available(), reason="on CUDA the pools live in the GPU's own memory")
 def test_ranks_on_one_host_split_its_memory(models, tmp_path):
     """Two ranks on this host with ``--budget-gb auto``: each plans its pools with half of
     the memory available (they count each other at load: ``parallel.ranks_on_this_host``),

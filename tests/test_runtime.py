@@ -138,6 +138,9 @@ def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(met
                    cuda_available=True, engine_available=True, slots=slots,
                    host=HostShare(ranks=2))  # fmt: skip
     assert both.reader == "tier"
+    # a share is of what was available as the ranks met, never more than is left now
+    assert HostShare(2, base=10).available(8) == 5 and HostShare(2, base=10).available(3) == 3
+    assert HostShare(2).available(8) == 4 and HostShare().available(7) == 7
     for cfg in (StreamConfig(swap_tier=False), StreamConfig(prefetch=True)):  # not asked for
         rt = resolve(cfg, meta, backend="cuda", memory=(room, room), cuda_available=True,
                      engine_available=True, slots=slots)  # fmt: skip

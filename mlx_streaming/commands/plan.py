@@ -185,16 +185,19 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
         if min(slots) < k:
             raise ValueError(f"--slots {min(slots)} is below top_k={k}: a pool holds one "
                              f"token's experts at least; give --slots {k} or more")  # fmt: skip
-        host, what = int(a.host_gb * 1e9), f"{a.host_gb} GB of host memory"
-        if a.model:  # what loading its trunk takes beside the tier (load's reserve)
+        host, what, reserve = int(a.host_gb * 1e9), f"{a.host_gb} GB of host memory", 0
+        if a.model:  # what loading its trunk takes beside a swap tier (load's reserve)
             from ..model_builder import trunk_host_bytes
             from ..prep.hub import load_lazy, resolve_model_path
 
             reserve = trunk_host_bytes(load_lazy(resolve_model_path(a.model))[0], "cuda")
-            host = max(0, host - reserve)
-            what += f" less {reserve / 1e9:.2f} GB for the trunk as it loads"
-        splits = [(s, host) for s in sorted({min(s, E) for s in slots})[::-1]]
-        rows = split_rows(test, pol, splits, slot, record, *rates, zero_slot=True, **sim)
+            what += f" (less {reserve / 1e9:.2f} GB for the trunk as it loads, beside a swap tier)"
+        sizes = sorted({min(s, E) for s in slots})[::-1]
+        rows = []
+        for tier, room in (("page cache", host), ("swap", max(0, host - reserve))):
+            rows += split_rows(test, pol, [(s, room) for s in sizes], slot, record, *rates,
+                               beneath=(tier,), zero_slot=True, **sim)  # fmt: skip
+        rows.sort(key=lambda r: -r["predicted_tok_per_s"])
         for r in rows:  # CUDA's default takes a whole swap tier where it fits
             r["flags"] += " --no-swap-tier" if r["tier"] == "page cache" else ""
         what = f"pools on the device, {what} beneath them"

@@ -162,11 +162,12 @@ class MemorySampler(Sampler):
 
 def machine_memory() -> tuple[int, int]:
     """``(total, available)`` bytes of memory for this process's model: on Apple GPUs
-    MLX's recommended working set (for both); elsewhere the system's total and available
-    memory, capped by a cgroup limit if one is set."""
+    MLX's recommended working set, less what MLX holds already (pools, a loaded trunk);
+    elsewhere the system's total and available memory, capped by a cgroup limit if one
+    is set."""
     if mx.metal.is_available():
         ws = int(mx.device_info()["max_recommended_working_set_size"])
-        return ws, ws
+        return ws, max(0, ws - mx.get_active_memory())
     if not sys.platform.startswith("linux"):
         import psutil
 
@@ -233,29 +234,35 @@ def cgroup_memory() -> tuple[int, int, int] | None:
 
 
 def host_key() -> str:
-    """This host among a pipeline's ranks: its name and, on Linux, its boot's id."""
+    """This host among a pipeline's ranks: on Linux its kernel's boot id (containers of
+    one machine share its memory whatever their names), elsewhere its name."""
     import socket
 
     try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
-        boot = ""
-    return f"{socket.gethostname()} {boot}"
+        return socket.gethostname()
 
 
 @dataclass(frozen=True)
 class HostShare:
     """What a store may plan with of this host's memory: its share of what is available
-    (``ranks`` of one pipeline on this host split it), and beside it ``reserve`` bytes
-    that the rest of its load takes (the trunk as it loads:
+    (``ranks`` of one pipeline on this host split ``base``, what was available when they
+    counted each other, before any of them took its share), and beside it ``reserve``
+    bytes that the rest of its load takes (the trunk as it loads:
     ``model_builder.trunk_host_bytes``)."""
 
     ranks: int = 1
     reserve: int = 0
+    base: int | None = None
 
     def available(self, measured: int | None = None) -> int:
-        """This rank's share of ``measured`` (default: ``machine_memory``'s available)."""
-        return (machine_memory()[1] if measured is None else measured) // max(1, self.ranks)
+        """This rank's share: of ``base`` where the ranks measured it, never more than
+        ``measured`` (default: ``machine_memory``'s available) holds."""
+        now = machine_memory()[1] if measured is None else measured
+        if self.ranks <= 1:
+            return now
+        return min(now, (now if self.base is None else self.base) // self.ranks)
 
     def said(self) -> str:
         """How the share reads in a message ("" for a process alone on its host)."""

@@ -122,7 +122,7 @@ def resolve(
     cuda_available: bool | None = None,
     engine_available: bool | None = None,
     slots: dict[int, int] | None = None,
-    host=None,
+    host: HostShare | None = None,
 ) -> Runtime:
     """The ``Runtime`` for ``cfg`` on ``backend`` (default: MLX's default device's), with
     the expert directory's ``meta`` (its files' size decides the mapping on CUDA), the
@@ -367,7 +367,7 @@ def _tier_fits(meta, slots, avail: int, why: str, reserve: int = 0) -> tuple[boo
     trunk = f", {reserve / GB:.1f} GB of them for the trunk as it loads" if reserve else ""
     return False, why + (
         f"; nor does a swap tier ({need / GB:.1f} GB and {beside / GB:.1f} GB beside it{trunk}): "
-        "misses read through the page cache (--swap-tier --swap-tier-gb G: a bounded tier)"
+        "misses read through the page cache (--swap-tier --swap-tier-gb auto, or G: a bounded tier)"
     )
 
 

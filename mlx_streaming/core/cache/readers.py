@@ -21,22 +21,46 @@ def open_reader(
     pools: dict,
     tick: Callable[[], None] | None = None,
     host: HostShare | None = None,
-):
-    """``(reader, runtime)``: ``make_reader``'s, or where the default's page-locked
-    mappings or swap tier cannot be had, a warning and the page cache's reader, with the
-    runtime saying why. What was asked for, or a file's own error, is raised."""
+) -> tuple[object, Runtime]:
+    """``(reader, runtime)``: ``make_reader``'s, with an ``auto`` swap tier's size on the
+    runtime's line. Where the default's page-locked mappings or swap tier cannot be had,
+    a warning and the page cache's reader, the runtime saying why; where an ``auto``
+    tier no longer fits whole, a warning and a bounded one (the host path). What was
+    asked for, or a file's own error, is raised."""
+    auto = cfg.swap_tier_gb == "auto"
     try:
-        return make_reader(runtime, meta, pools, cfg.swap_tier_gb, tick, host), runtime
-    except (OSError, MemoryError) as e:
-        tier = runtime.reader == "tier" and cfg.swap_tier is None  # the default's tier
-        failed = isinstance(e, MemoryError) if tier else runtime.mapped and isinstance(e, OSError)
-        if not failed or cfg.map_files or cfg.device_reads:
-            raise  # asked for (the device path needs them), or a file's own error
-        warnings.warn(f"{e}; the store reads with pread instead", RuntimeWarning, stacklevel=3)
-        rt = resolve(cfg.replace(map_files=False, swap_tier=False), meta)
-        why = f"the {'swap tier' if tier else 'files'} could not be page-locked ({e})"
-        rt = rt.revised({"mapped": why, "decode_path": why, "reader": why})
-        return make_reader(rt, meta, pools, tick=tick), rt
+        reader = make_reader(runtime, meta, pools, cfg.swap_tier_gb, tick, host)
+    except MemoryError as e:
+        if not (auto and runtime.decode_path == "device"):
+            return _without(runtime, cfg, meta, pools, tick, e)
+        warnings.warn(f"{e}; the swap tier is bounded instead", RuntimeWarning, stacklevel=3)
+        runtime = resolve(cfg, meta, runtime.backend, host=host)  # no slots: bounded
+        reader = make_reader(runtime, meta, pools, cfg.swap_tier_gb, tick, host)
+    except OSError as e:
+        return _without(runtime, cfg, meta, pools, tick, e)
+    if auto and runtime.reader == "tier":  # the size memory gave it
+        t, gb = reader.tier, f"{reader.tier.nbytes / 1e9:.2f} GB"
+        if t.partial:
+            how = f"bounded to {gb}, the rest read by the {runtime.files_reader} reader"
+        else:
+            how = f"whole, {gb}"
+        why = f"swap_tier asked for, as large as memory holds: {how}"
+        runtime = runtime.revised({"reader": why})
+    return reader, runtime
+
+
+def _without(runtime: Runtime, cfg: StreamConfig, meta, pools, tick, e: Exception):
+    """``open_reader``'s answer to ``e``, raised making the reader: the page cache's
+    reader where the default's mappings or tier failed to page-lock, else ``e``."""
+    tier = runtime.reader == "tier" and cfg.swap_tier is None  # the default's tier
+    failed = isinstance(e, MemoryError) if tier else runtime.mapped and isinstance(e, OSError)
+    if not failed or cfg.map_files or cfg.device_reads:
+        raise e  # asked for (the device path needs them), or a file's own error
+    warnings.warn(f"{e}; the store reads with pread instead", RuntimeWarning, stacklevel=4)
+    rt = resolve(cfg.replace(map_files=False, swap_tier=False), meta)
+    why = f"the {'swap tier' if tier else 'files'} could not be page-locked ({e})"
+    rt = rt.revised({"mapped": why, "decode_path": why, "reader": why})
+    return make_reader(rt, meta, pools, tick=tick), rt
 
 
 def make_reader(

@@ -116,13 +116,15 @@ class SwapTier:
             "(--slots, --budget-gb), bound the tier (--swap-tier-gb) or go without it "
             "(--no-swap-tier)"
         )
-        if auto and full and not need:
+        if auto and full and not need:  # less room than a record for each layer
+            one = rows_bytes(meta, {li: min(1, n) for li, n in rest.items()})
             raise MemoryError(
-                f"no room for a swap tier: {available / 1e9:.2f} GB available, and "
-                f"{(MARGIN + reserve) / 1e9:.2f} GB left to the process{trunk}: give it more "
-                "memory or go without it (--no-swap-tier)"
+                f"no room for a swap tier: {available / 1e9:.2f} GB available, "
+                f"{(MARGIN + reserve) / 1e9:.2f} GB of them left to the process{trunk}, and "
+                f"a record for each layer takes {one / 1e9:.2f} GB: give it more memory or "
+                "go without it (--no-swap-tier)"
             )
-        if need + MARGIN + reserve > available:
+        if full and need + MARGIN + reserve > available:  # (the pools may hold them all)
             raise MemoryError(self._short)
         self.broken: str | None = None
         self.moves = 0  # moves begun (``moving``)
