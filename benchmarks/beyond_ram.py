@@ -265,7 +265,8 @@ def child(job: dict) -> dict:
     if trace is not None and how is None:  # (the simulator has no read-ahead)
         calls, counted = run_calls(len(ids), job["tokens"], job["repeat"])
         moe = len(meta.moe_layers)
-        beneath = tier_bytes if bounded else page_cache  # the tier, exclusive (the page
+        cache = 0 if rt.direct_io else page_cache  # O_DIRECT reads around the page cache
+        beneath = tier_bytes if bounded else cache  # the tier, exclusive (the page
         predicted = simulate_tiers(  # cache beneath it left out), or the page cache
             trace, rt.policy, slots, beneath, meta.layers[meta.moe_layers[0]].stride,
             layers=range(min(moe, trace.layers)), model_layers=moe, start=cursor,
