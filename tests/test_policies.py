@@ -657,6 +657,36 @@ def test_plan_the_host_tier_beneath_device_pools(tmp_path, capsys):
         cmd.main([*base, "--slots", "2", "--host-gb", "1"])
 
 
+def test_plan_adds_the_host_path_s_own_work(tmp_path, capsys):
+    """``plan --host-gb --host-ms-per-call``: each row the host path serves (the page
+    cache, a bounded swap tier) takes that much longer per MoE layer call, in series, on
+    both its figures; a whole swap tier (the device path) takes none. Without the flag the
+    table says what it leaves out."""
+    from mlx_streaming.commands import plan as cmd
+    from mlx_streaming.core.io.tier import MARGIN
+
+    local_trace(T=400).save(tmp_path / "t.npz")
+    rec = 4096 * 1000
+    base = ["--trace", str(tmp_path / "t.npz"), "--expert-bytes", str(rec), "--tokens", "200",
+            "--t-compute-ms", "1", "--read-gbps", "1", "--slots", "16", "8"]  # fmt: skip
+    host = (MARGIN + (32 - 12) * 3 * rec) / 1e9  # whole at 16 slots, bounded at 8
+
+    def rows(*extra) -> dict:
+        cmd.main([*base, "--host-gb", str(host), "--json", *extra])
+        return {(r["slots"], r["tier"]): r for r in json.loads(capsys.readouterr().out)}
+
+    alone, busy = rows(), rows("--host-ms-per-call", "2")
+    assert alone.keys() == busy.keys() and "--swap-tier-gb" in alone[8, "swap"]["flags"]
+    for key, r in busy.items():
+        device = key == (16, "swap")
+        extra = 0.0 if device else 2e-3 * 3  # 3 MoE layers, a call each per token
+        assert r["host_ms_per_token"] == round(1e3 * extra, 3)
+        for f in ("predicted_tok_per_s", "serial_tok_per_s"):
+            assert 1 / r[f] == pytest.approx(1 / alone[key][f] + extra, rel=2e-3), (key, f)
+    cmd.main([*base, "--host-gb", str(host)])
+    assert "give --host-ms-per-call" in capsys.readouterr().out
+
+
 def test_plan_leaves_the_trunk_s_load_beside_the_host_tier(models, tmp_path, capsys):
     """``plan --host-gb`` with ``--model``: the rows are those of the host memory less what
     loading the trunk takes beside the tier on CUDA (its largest block), and the header

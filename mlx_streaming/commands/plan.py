@@ -12,7 +12,7 @@ from ..core.options import StreamConfig
 from ..planning.budget import PoolShape, default_zero_slot, plan_budget
 from ..planning.planner import PlanRow, plan, resolve_policies, sample_layers, shared_layers
 from ..planning.trace import RoutingTrace
-from ._args import nonneg_int, positive_float, positive_int
+from ._args import nonneg_float, nonneg_int, positive_float, positive_int
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -48,6 +48,16 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "host memory beneath them, as the page cache or as the store's swap tier (with "
         "--model, less the trunk's largest block, which MLX stages in host memory as it "
         "loads); each row's hits per tier, disk bytes, predicted tok/s and flags, best first",
+    )
+    p.add_argument(
+        "--host-ms-per-call",
+        type=nonneg_float,
+        default=0.0,
+        help="with --memory-gb or --host-gb: the host path's own work per MoE layer call "
+        "(routing read, planning, launches: 1.35 on an H100, 2026-12-05b; bench reports "
+        "it), added in series to each row the host path serves (every row with "
+        "--memory-gb; with --host-gb all but a whole swap tier, which the device path "
+        "serves); default 0: left out",
     )
     p.add_argument(
         "--mem-gbps",
@@ -170,12 +180,13 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
     _, test = trace.split(0.5)
     slot, record = int(np.mean(shape.slot_bytes[:L])), int(np.mean(shape.strides[:L]))
     rates = (t, a.mem_gbps, b)
+    host_s = a.host_ms_per_call / 1e3 * len(shape.slot_bytes)  # per token: a call a layer
     if a.memory_gb:  # pools in this machine's memory: its zero slot rule (GPUs: one each)
         zero = default_zero_slot()
         try:
             rows = best_split(test, pol, int(a.memory_gb * 1e9), slot, record, shape.top_k,
                               *rates, beneath=("page cache", "swap"), zero_slot=zero,
-                              **sim)  # fmt: skip
+                              host_s=host_s, **sim)  # fmt: skip
         except ValueError as e:
             raise ValueError(f"--memory-gb {a.memory_gb}: {e}; raise it") from None
         what = f"{a.memory_gb} GB for pools and the tier beneath them"
@@ -196,7 +207,8 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
         rows = []
         for tier, room in (("page cache", host), ("swap", max(0, host - reserve))):
             rows += split_rows(test, pol, [(s, room) for s in sizes], slot, record, *rates,
-                               beneath=(tier,), zero_slot=True, **sim)  # fmt: skip
+                               beneath=(tier,), zero_slot=True, host_s=host_s,
+                               device_whole=True, **sim)  # fmt: skip
         rows.sort(key=lambda r: -r["predicted_tok_per_s"])
         for r in rows:  # CUDA's default takes a whole swap tier where it fits
             r["flags"] += " --no-swap-tier" if r["tier"] == "page cache" else ""
@@ -216,9 +228,10 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
               f"{r['flags']}")  # fmt: skip
     print("(tok/s: the reads and copies hidden under compute; serial: after it, as a "
           "layer's misses wait for its routing without read-ahead)")  # fmt: skip
-    if a.host_gb and any("--swap-tier-gb" in r["flags"] for r in rows):
-        print("(on CUDA a bounded swap tier runs the host path, whose per-token cost these "
-              "tok/s leave out: the device path takes a whole tier only)")  # fmt: skip
+    if a.host_gb and not a.host_ms_per_call:
+        print("(on CUDA the page cache and a bounded swap tier run the host path, whose own "
+              "work per layer call these tok/s leave out: give --host-ms-per-call; the "
+              "device path takes a whole tier only)")  # fmt: skip
 
 
 def _bounds(a) -> tuple[float | None, float | None]:

@@ -211,11 +211,14 @@ def best_split(
     steps: int = 8,
     beneath: tuple[str, ...] = ("page cache",),
     zero_slot: bool = False,
+    host_s: float = 0.0,
 ) -> list[dict]:
     """The memory ``memory_bytes`` left after the trunk, less ``MARGIN`` (the process's
     own), split between pools (with a zero slot each where ``zero_slot``) and the tier
     beneath them, ``steps`` ways from all pools downwards: each split's slots per layer,
-    tier size, hits per tier and predicted tok/s (overlap bound), best first. ``beneath``: the tiers to model under the pools,
+    tier size, hits per tier and predicted tok/s (overlap bound, plus ``host_s`` seconds
+    per token of the host path's own work), best first. ``beneath``: the tiers to model
+    under the pools,
     "page cache" (the OS's, holding what the pools hold too) and "swap" (the store's
     exclusive host tier, ``--swap-tier``; whole where it has room for every record the
     pools do not hold).
@@ -242,7 +245,8 @@ def best_split(
         for s in sorted({int(x) for x in np.linspace(top_k, most, steps)}, reverse=True)
     ]
     return split_rows(trace, policy, splits, slot_bytes, record_bytes, t_compute, mem_gbps,
-                      disk_gbps, layers, model_layers, tokens, beneath, zero_slot)  # fmt: skip
+                      disk_gbps, layers, model_layers, tokens, beneath, zero_slot,
+                      host_s)  # fmt: skip
 
 
 def split_rows(
@@ -259,10 +263,14 @@ def split_rows(
     tokens: int | None = 4000,
     beneath: tuple[str, ...] = ("page cache", "swap"),
     zero_slot: bool = False,
+    host_s: float = 0.0,
+    device_whole: bool = False,
 ) -> list[dict]:
     """Each ``(slots per layer, host bytes beneath)`` split, with each tier of
     ``beneath`` under the pools: hits per tier, disk bytes and predicted tok/s, best
-    first. ``best_split`` makes the splits of one memory; pools in a GPU's own memory
+    first. A row served on the host path adds ``host_s`` seconds per token of its own
+    work (routing reads, planning, launches), in series; with ``device_whole`` (CUDA) a
+    whole swap tier runs the device path, which adds none. ``best_split`` makes the splits of one memory; pools in a GPU's own memory
     (``plan --host-gb``) have the same host bytes beneath each pool size. Either tier gets
     the host bytes less ``MARGIN``, which the process takes after load; a swap tier of no
     row per layer is left out."""
@@ -272,23 +280,40 @@ def split_rows(
     sim = dict(layers=layers, model_layers=model_layers or trace.layers, tokens=tokens)
     rates = (t_compute, mem_gbps, disk_gbps)
     rows = [
-        _row(trace, policy, s, slot_bytes, record_bytes, host, tier, rates, sim, zero_slot)
+        _row(
+            trace,
+            policy,
+            s,
+            slot_bytes,
+            record_bytes,
+            host,
+            tier,
+            rates,
+            sim,
+            zero_slot,
+            (host_s, device_whole),
+        )  # fmt: skip
         for s, host in splits
         for tier in beneath
     ]
     return sorted([r for r in rows if r], key=lambda r: -r["predicted_tok_per_s"])
 
 
-def _row(trace, policy, s, slot_bytes, record_bytes, host, tier, rates, sim, zero) -> dict | None:
+def _row(
+    trace, policy, s, slot_bytes, record_bytes, host, tier, rates, sim, zero, path=(0.0, False)
+) -> dict | None:
     """One split's simulated hits per tier, bytes and predicted tok/s (overlap bound),
-    with the flags that run it; None for a swap tier of no row per layer."""
+    with the flags that run it; None for a swap tier of no row per layer. ``path``: the
+    host path's seconds per token, and whether a whole swap tier runs the device path."""
     E, L = trace.num_experts, sim["model_layers"]
     room = size = max(0, host - MARGIN)
     flags = f"--slots {s}"
+    host_s = path[0]
     if tier == "swap":  # whole where the room holds every record the pools do not
         room, flags = (E - s) * record_bytes * L, f"{flags} --swap-tier"
         if not size:
             return None
+        host_s = 0.0 if path[1] and size >= room else host_s
         if size < room:  # bounded: the flag's GB, as the store reads it
             gb = _floor_gb(size)
             room, flags = int(float(gb) * 1e9), f"{flags} --swap-tier-gb {gb}"
@@ -304,8 +329,9 @@ def _row(trace, policy, s, slot_bytes, record_bytes, host, tier, rates, sim, zer
         **{f"{k}_share": round(v, 4) for k, v in r.shares().items()},
         "disk_mb_per_token": round(r.disk_bytes_per_token / 1e6, 3),
         "tier_mb_per_token": round(r.page_cache_bytes_per_token / 1e6, 3),
-        "predicted_tok_per_s": round(1 / r.time_per_token(*rates), 3),
-        "serial_tok_per_s": round(1 / r.time_per_token(*rates, overlap=False), 3),
+        "host_ms_per_token": round(1e3 * host_s, 3),
+        "predicted_tok_per_s": round(1 / (r.time_per_token(*rates) + host_s), 3),
+        "serial_tok_per_s": round(1 / (r.time_per_token(*rates, overlap=False) + host_s), 3),
         "flags": flags,
     }
 
