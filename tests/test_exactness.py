@@ -550,6 +550,14 @@ def test_an_auto_swap_tier_takes_what_memory_holds_and_streams_exactly(models, m
     assert none.nbytes == 0 and not none.partial
     none.close()
 
+    room = FileExpertStore(ed, meta.top_k, swap_tier=True, swap_tier_gb="auto", direct_io=True)
+    try:  # this machine holds the whole tier: nothing is read from the files after load
+        assert not room.reader.tier.partial
+        assert (
+            "whole" in room.runtime.reason("reader") and "--direct-io unused" in room.runtime.line()
+        )
+    finally:
+        room.close()
     total, _ = mem.machine_memory()
     lazy, _ = load(str(ck), lazy=True)
     from mlx_streaming.model_builder import trunk_host_bytes

@@ -42,8 +42,8 @@ def open_reader(
         t, gb = reader.tier, f"{reader.tier.nbytes / 1e9:.2f} GB"
         if t.partial:
             how = f"bounded to {gb}, the rest read by the {runtime.files_reader} reader"
-        else:
-            how = f"whole, {gb}"
+        else:  # nothing is read from the files after load
+            how = f"whole, {gb}" + (" (--direct-io unused: no file reads)" if cfg.direct_io else "")
         why = f"swap_tier asked for, as large as memory holds: {how}"
         runtime = runtime.revised({"reader": why})
     return reader, runtime
