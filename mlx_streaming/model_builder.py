@@ -165,16 +165,10 @@ def auto_budget_for(
     GPU's; ``machine``: ``(total, available)`` bytes, to simulate another), of which a
     pipeline's ``ranks`` on this host each plan with their share of ``base`` (what was
     available as they met; a GPU's memory is its own); prints what it chose and why."""
-    from mlx.utils import tree_flatten
-
     from .core.mem import pool_memory
     from .planning.budget import auto_budget, kv_bytes
 
-    params = tree_flatten(model.parameters())
-    experts = sum(
-        v.nbytes for s in find_expert_sites(model) for _, v in tree_flatten(s.module.parameters())
-    )
-    trunk = sum(v.nbytes for _, v in params) - experts
+    trunk = sum(v.nbytes for block in trunk_blocks(model) for v in block)
     kv = sum(kv_bytes(model))
     total, available, whose = (*machine, "machine") if machine else pool_memory()
     if ranks > 1 and whose == "machine":  # the ranks on this host split its memory

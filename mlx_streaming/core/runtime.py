@@ -138,6 +138,9 @@ def resolve(
     why: dict[str, str] = {}
     share = host or HostShare()
 
+    def available() -> int:  # this process's share of the memory available
+        return share.available((memory if memory is not None else _memory())[1])
+
     def refuse(msg: str):
         raise RuntimeChoiceError(msg)
 
@@ -183,7 +186,7 @@ def resolve(
         refuse("swap_tier_gb bounds the swap tier: add --swap-tier")
     bounded = cfg.swap_tier_gb is not None  # the host path reads the records beyond it
     if cfg.swap_tier and cfg.swap_tier_gb == "auto":  # whole where it fits
-        avail = share.available((memory if memory is not None else _memory())[1])
+        avail = available()
         bounded = not (slots and _tier_fits(meta, slots, avail, "", share.reserve)[0])
     swap_tier = bool(cfg.swap_tier)  # None: CUDA's default where the files do not fit
     if pool_mode != "cuda" or swap_tier:
@@ -195,7 +198,7 @@ def resolve(
         mapped, why["mapped"] = False, "direct_io reads around the page cache"
     else:
         files = files_bytes(meta)
-        avail = share.available((memory if memory is not None else _memory())[1])
+        avail = available()
         mapped = files <= avail // 2
         why["mapped"] = (
             f"expert files {files / GB:.1f} GB {'fit' if mapped else 'do not fit'} in half "
