@@ -293,20 +293,24 @@ def _first_completion(port: int, tokens: int, proc, log: Path):
             time.sleep(0.5)
 
 
+def _pipelined_server(ck, tmp_path, port: int, log: Path, rank: list[str], *extra: str):
+    """``mlx.launch`` of 2 ranks of ``rank serve`` (``rank``: the command before
+    ``serve``) on ``ck``, serving on ``port``, writing ``log``; in its own session."""
+    cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "-p", str(free_ports(2)), "--", *rank]
+    cmd += ["serve", "--model", str(ck), "--expert-dir", str(tmp_path / "ed"), "--slots", "5"]
+    cmd += ["--pipeline", *extra, "--port", str(port)]
+    return subprocess.Popen(
+        cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
 def test_serve_under_launch(models, tmp_path):
     """Rank 0 serves HTTP; rank 1 runs its layers of every request."""
     import urllib.request
 
     ck = models.checkpoint("tiny-qwen3_moe")
-    port = free_ports(1)
-    cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "-p", str(free_ports(2)), "--"]
-    cmd += [sys.executable, "-m", "mlx_streaming", "serve", "--model", str(ck)]
-    cmd += ["--expert-dir", str(tmp_path / "ed"), "--slots", "5", "--pipeline"]
-    cmd += ["--port", str(port)]
-    log = tmp_path / "serve.log"
-    proc = subprocess.Popen(
-        cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
-    )
+    port, log = free_ports(1), tmp_path / "serve.log"
+    proc = _pipelined_server(ck, tmp_path, port, log, [sys.executable, "-m", "mlx_streaming"])
     try:
         req, got = _first_completion(port, 12, proc, log)
         assert got == _stock_text(ck, PROMPT, 12, chat=False)
@@ -333,15 +337,9 @@ def test_ctrl_c_stops_every_rank_of_a_pipelined_server(models, tmp_path):
     rank 1, left waiting in mlx-lm's share of the next request, aborted with -6)."""
 
     ck = models.checkpoint("tiny-qwen3_moe")
-    port, codes = free_ports(1), tmp_path / "codes"
-    cmd = [str(LAUNCH), "--backend", "ring", "-n", "2", "-p", str(free_ports(2)), "--"]
-    cmd += [sys.executable, str(Path(__file__).with_name("rank_code.py")), "--codes", str(codes)]
-    cmd += ["serve", "--model", str(ck), "--expert-dir", str(tmp_path / "ed"), "--slots", "5"]
-    cmd += ["--pipeline", "--pipeline-timeout", "10", "--port", str(port)]
-    log = tmp_path / "serve.log"
-    proc = subprocess.Popen(
-        cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
-    )
+    port, codes, log = free_ports(1), tmp_path / "codes", tmp_path / "serve.log"
+    rank = [sys.executable, str(Path(__file__).with_name("rank_code.py")), "--codes", str(codes)]
+    proc = _pipelined_server(ck, tmp_path, port, log, rank, "--pipeline-timeout", "10")
     try:
         _, got = _first_completion(port, 6, proc, log)
         assert got == _stock_text(ck, PROMPT, 6, chat=False)
