@@ -334,7 +334,9 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
                --formats "${FORMATS:-4-bit,3-bit}" --json "$out/precision-beyond-gpu.json" 2>&1 \
                | grep -v "PyTorch was not found" | tee "$out/precision-beyond-gpu.log" | tail -4 ;;
   hostprof) timeout "$limit" python3 benchmarks/probes/host_profile.py --workdir $work \
-              --trace "$trace" --json "$out/host-profile.json" 2>&1 | tail -3 ;;
+              --trace "$trace" --residency "${RESIDENCY:-0.5,0.25}" ${TIERGB:+--swap-tier-gb $TIERGB} \
+              ${DIRECT:+--direct-io} --json "$out/host-profile${TIERGB:+-tier$TIERGB}.json" 2>&1 \
+              | tail -3 ;;
   hmm) timeout "$limit" python3 benchmarks/probes/hmm_read.py --mb 512 \
          --json "$out/hmm-read.json" 2>&1 | tee "$out/hmm-read.log" | tail -4 ;;
   kernelcost) timeout "$limit" python3 benchmarks/probes/kernel_call_cost.py \

@@ -8,6 +8,9 @@ for it. Profiled from the first decoded token on (the prompt's calls take the ho
 path). Each row: total µs per decoded token, and per MoE layer call.
 
     python benchmarks/probes/host_profile.py --preset dsv2-lite --residency 0.5,0.25
+
+``--swap-tier-gb G`` (with ``--direct-io``) profiles a bounded swap tier: on CUDA the
+host path with the tier, the files read by the native reader.
 """
 
 from __future__ import annotations
@@ -87,7 +90,12 @@ def main():
     p.add_argument("--residency", default="0.5,0.25")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--swap-tier-gb", type=float, help="a swap tier of at most this many GB")
+    p.add_argument("--direct-io", action="store_true", help="read the files with O_DIRECT")
     a = p.parse_args()
+    load_kw = {"direct_io": a.direct_io}
+    if a.swap_tier_gb:
+        load_kw.update(swap_tier=True, swap_tier_gb=a.swap_tier_gb)
     ck, ed, meta = build(a)
     trace, start = routing_trace(a)
     layers = len(meta.layers)
@@ -101,10 +109,11 @@ def main():
     del model
     for r in [float(x) for x in a.residency.split(",")]:
         slots = slots_at(meta, r)
-        model, tok, store, routing = streamed(ck, ed, trace, start, slots=slots)
+        model, tok, store, routing = streamed(ck, ed, trace, start, slots=slots, **load_kw)
         rewind(start, routing)
         res = _profile(model, tok, ids, a.tokens, layers, a.top)
         res["slots"], res["hit_rate"] = slots, round(store.totals()["hit_rate"], 4)
+        res["options"] = load_kw
         out[f"streamed_{r}"] = res
         log(f"streamed {r}", res["tok_per_s"], res["top"][:8])
         store.close()
