@@ -213,10 +213,10 @@ case "$suite" in
                 --timeline "$out/timeline-beyond-tier.json" ;;
   beyondpair) for r in ${RESIDENCY:-0.25 0.125}; do  # one machine, one call: the pair
                 speed gpu-dsv2-pair-$r-default --residency "$r" --repeat 3 --beyond-ram memlimit \
-                  --memory-limit-gb "${MEMLIMIT:-6}" --timeline "$out/timeline-pair-default.json"
+                  --memory-limit-gb "${MEMLIMIT:-6}" --timeline "$out/timeline-pair-$r-default.json"
                 speed gpu-dsv2-pair-$r-auto --residency "$r" --repeat 3 --beyond-ram memlimit \
                   --memory-limit-gb "${MEMLIMIT:-6}" --swap-tier --swap-tier-gb auto --direct-io \
-                  --timeline "$out/timeline-pair-auto.json"
+                  --timeline "$out/timeline-pair-$r-auto.json"
               done ;;
   beyondahead) for ahead in "" --prefetch; do  # larger than RAM (O_DIRECT): read-ahead off, on
                 speed gpu-dsv2-beyond${ahead:+-ahead} --residency 0.5,0.25 --repeat 3 \
