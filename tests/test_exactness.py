@@ -4,6 +4,7 @@ difference 0) for every supported architecture and every pool configuration."""
 from __future__ import annotations
 
 import functools
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -663,16 +664,74 @@ def _interrupt_after_trades(monkeypatch, model, ck, nth: int) -> None:
 
     rest, calls = SwapTier.read_rest, []
 
-    def interrupted(self, *a):
+    def interrupted(self, *a, **kw):
         calls.append(1)
         if len(calls) == nth:
             raise KeyboardInterrupt
-        return rest(self, *a)
+        return rest(self, *a, **kw)
 
     monkeypatch.setattr(SwapTier, "read_rest", interrupted)
     with pytest.raises(KeyboardInterrupt):
         assert_exact(model, ck)
     monkeypatch.setattr(SwapTier, "read_rest", rest)
+
+
+class _Deferred:
+    """A load's future with no reads whose result first runs the trades still pending (as
+    the GPU runs queued trades before the expert work queued after them); a load with
+    reads leaves them to its reader."""
+
+    def __init__(self, future, pending):
+        self.future, self.pending = future, pending
+
+    def done(self):
+        return self.future.done()
+
+    def result(self, timeout=None):
+        from mlx_streaming.core.io.futures import Done
+
+        while isinstance(self.future, Done) and self.pending:
+            self.pending[0]()
+        return self.future.result()
+
+
+def test_a_bounded_tier_s_reads_land_after_trades_that_move_late(models, monkeypatch):
+    """Trades whose bytes move only when waited for (as the GPU's do, queued on its
+    stream): the files' records are read at once, but land in their slots only after the
+    victims have moved out, so the output stays stock's and every record is where the
+    tables say (before, the host waited for the trades before it started any read)."""
+    ck, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    slots = meta.top_k + 1
+    # reader threads: the tiny records would be read inline, where no read can be gated
+    cfg = StreamConfig(swap_tier=True, swap_tier_gb=_rest_gb(meta, slots) / 3, threads=2)
+    model, store = patched(ck, ed, config=cfg, capacity=slots)
+    reader, tier = store.reader, store.reader.tier
+    assert reader.files.threads == 2
+    pending, late = [], []
+
+    def move(layer, trades):
+        def wait():
+            if wait in pending:
+                pending.remove(wait)
+                tier.trade_on_host(layer, trades)
+
+        pending.append(wait)
+        return wait
+
+    def start(layer, experts, slots_):
+        fut = tier.take(layer, experts, slots_, move, reader.files)
+        late.append(bool(pending) and not fut.done())
+        time.sleep(0.002)  # reads that were not held back would land now
+        return _Deferred(fut, pending)
+
+    monkeypatch.setattr(reader, "start", start)
+    assert_exact(model, ck)
+    assert_exact(model, ck)
+    assert any(late), "no read started while its trades were still to move"
+    assert not pending
+    assert_each_record_once(store, meta)
+    store.close()
 
 
 def test_a_trade_cut_short_is_refused_after_and_a_failed_start_heals(models, monkeypatch):
@@ -746,10 +805,10 @@ def test_a_bounded_tier_survives_a_failed_read_and_an_interrupt(models, monkeypa
     files, start = store.reader.files, store.reader.files.start
     calls = []
 
-    def garbage(layer, experts, slots_):  # the 3rd read: garbage in its slots, an error
+    def garbage(layer, experts, slots_, after=None):  # the 3rd read: garbage, an error
         calls.append(layer)
         if len(calls) != 3:
-            return start(layer, experts, slots_)
+            return start(layer, experts, slots_, after=after)
         pool = store.pool(layer)
         for s in slots_:
             for p, (addr, row) in zip(pool.layout.parts, pool.row_pointers()):

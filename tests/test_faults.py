@@ -164,11 +164,11 @@ def test_read_error_mid_generation_then_recovery(models, reader):
     real = getattr(owner, name)
     fails = {"n": 0}
 
-    def flaky(*a):
+    def flaky(*a, **kw):
         if fails["n"] < 3:
             fails["n"] += 1
             raise OSError(5, "Input/output error (injected)")
-        return real(*a)
+        return real(*a, **kw)
 
     setattr(owner, name, flaky)
     with pytest.raises(OSError, match="injected"):

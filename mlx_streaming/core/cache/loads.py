@@ -217,7 +217,8 @@ class Loader:
                 )  # fmt: skip
             except Exception as e:  # noqa: BLE001 - raised by Ticket.wait, after the abort
                 fut, restore = Done(error=e), tier is not None and tier.moves == moves
-        except BaseException:  # e.g. an interrupt: the reader has let go of the slots
+        except BaseException:  # e.g. an interrupt (a read the files' reader still holds
+            # lands before the tier's next trades: SwapTier.take)
             self._abort(layer, placed, restore=tier is not None and tier.moves == moves)
             raise
         t = Ticket(self, layer, experts, misses, placed, fut, prefetch)

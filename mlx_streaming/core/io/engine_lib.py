@@ -11,8 +11,8 @@ from ..extensions import extension_path
 
 HERE = Path(__file__).parent
 # mlxs_finish's statuses that the reader words itself (engine.h: ST_CHECKSUM, ST_ARGS,
-# ST_COPY)
-CHECKSUM, REFUSED, COPY = 2, 4, 5
+# ST_COPY, ST_GATE)
+CHECKSUM, REFUSED, COPY, GATE = 2, 4, 5, 6
 # calls, records, bytes, read ns (pread + copy calls), busy ns (wall), pread ns, copy-call ns,
 # sync ns, copy calls: the threads' times are summed over threads
 COUNTERS = ("calls", "records", "bytes", "read_ns", "busy_ns", "pread_ns", "copy_ns", "sync_ns",
@@ -48,6 +48,8 @@ def library() -> ctypes.CDLL | None:
                 _lib = lib
             except OSError as e:
                 _lib, _why = False, str(e)
+            except AttributeError as e:  # a library built from older sources
+                _lib, _why = False, f"{path} is out of date ({e}): pip install the package again"
         return _lib or None
 
 
@@ -75,7 +77,9 @@ def _declare(lib) -> None:
     lib.mlxs_layer.restype = Int
     lib.mlxs_layer.argtypes = [P, Int, Int, L, L, Int, Int, Int, P, P, P, P, P, P, S, Int]
     lib.mlxs_start.restype = Int
-    lib.mlxs_start.argtypes = [P, Int, Int, P, P, Int, S, Int]
+    lib.mlxs_start.argtypes = [P, Int, Int, P, P, Int, Int, S, Int]
+    lib.mlxs_open.restype = Int
+    lib.mlxs_open.argtypes = [P, Int]
     lib.mlxs_finish.restype = Int
     lib.mlxs_finish.argtypes = [P, P, P, S, Int]
     lib.mlxs_idle.restype = Int
@@ -99,3 +103,26 @@ def hash_function() -> int | None:
         return ctypes.cast(ctypes.CDLL(ext.__file__).XXH3_64bits, ctypes.c_void_p).value
     except (ImportError, OSError, AttributeError):
         return None
+
+
+def status_error(rc: int, why: str, path, layer: int, bad: int | None = None) -> Exception:
+    """The error a failed read's status ``rc`` stands for (``why``: the engine's message;
+    ``bad``: the expert that failed its checksum), naming the file and the layer."""
+    from ..format import ExpertChecksumError
+    from .reader import RecordReadError
+
+    if rc == REFUSED:
+        return ValueError(f"the native reader refused a request: {why} (layer {layer})")
+    if rc == CHECKSUM:  # worded as the Python reader words it
+        return ExpertChecksumError(
+            f"expert {bad} of layer {layer} in {path} fails its checksum: the file is corrupt; "
+            "split the model again"
+        )
+    if rc == GATE:  # its slots' users were not done (the read's caller says why), or a defect
+        return RecordReadError(f"{path}: {why} (layer {layer}); the file is not at fault")
+    if rc == COPY:  # the file read well: the device refused the copy
+        return RecordReadError(
+            f"{path}: {why} (layer {layer}): the GPU did not take the copy (out of memory, or "
+            "a failed device); the file is not at fault"
+        )
+    return RecordReadError(f"{path}: {why} (layer {layer}); split the model again")

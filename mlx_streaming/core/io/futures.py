@@ -1,10 +1,17 @@
-"""The futures of reads: a finished one (``Done``), and one over several parts
-(``Gather``) that never reports while a part still writes."""
+"""The futures of reads: a finished one (``Done``), one over several parts (``Gather``)
+that never reports while a part still writes, and a native reader's started read
+(``Started``)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 from concurrent.futures import Future, wait
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .native import NativeReader
 
 
 class Done:
@@ -63,3 +70,25 @@ class Gather(Future):
             except Exception as e:  # noqa: BLE001
                 self.set_exception(e)
         return super().result(timeout)
+
+
+class Started:
+    """A read a native reader (``native.NativeReader.start``) began: ``result()`` waits for it (bytes read, or the
+    read's error), ``done()`` says whether it has landed."""
+
+    def __init__(self, reader: NativeReader, layer: int, experts: np.ndarray):
+        self.reader, self.layer, self.experts = reader, layer, experts
+        self.outcome: int | BaseException | None = None  # set when the read is finished
+
+    def done(self) -> bool:
+        """Whether the read has landed (``result()`` then does not wait); a gated read
+        lands only once waited for."""
+        return self.outcome is not None or self.reader.idle()
+
+    def result(self) -> int:
+        """The bytes read; raises the read's error (the same one on every call)."""
+        if self.outcome is None:
+            self.reader.wait_started()  # this read: every other one was collected
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome

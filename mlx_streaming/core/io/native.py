@@ -23,21 +23,18 @@ import threading
 
 import numpy as np
 
-from ..format import ExpertChecksumError
 from .engine_lib import (
     CHECKSUM,
-    COPY,
     COUNTERS,
     ERR_BYTES,
     N_COUNTERS,
-    REFUSED,
     error_buffer,
     hash_function,
     library,
+    status_error,
     why_unavailable,
 )
-from .futures import Done
-from .reader import RecordReadError
+from .futures import Done, Started
 
 
 def _ptr(a) -> int | None:
@@ -88,6 +85,7 @@ class NativeReader:
         self.handle, self._fds, self._streams = None, [], []  # what close() releases
         self._lock = threading.Lock()  # one start..finish at a time
         self._pending: Started | None = None  # started, not yet finished
+        self._after = None  # a gated read's condition: run, then its copies go (start)
         self._cuda = cuda
         if cuda is not None:
             self._staging = cuda.page_locked(wave * stride)
@@ -198,7 +196,7 @@ class NativeReader:
         """The most records ``start`` takes."""
         return self._wave
 
-    def start(self, layer: int, experts, slots) -> Started | Done:
+    def start(self, layer: int, experts, slots, after=None) -> Started | Done:
         """Start reading records ``experts`` of ``layer`` into ``slots`` (reserved by the
         caller) on the engine's threads and return at once; ``result()`` waits and returns
         the bytes read. A read started and not yet finished is finished first (its
@@ -206,11 +204,23 @@ class NativeReader:
         before ``start`` returns, wave by wave, and a bad request among them comes back as
         ``Done(error)``. The reader's one way to read (``Loader`` calls it).
 
+        ``after``: a wait for the slots' last users (a swap tier's trades on the GPU); the
+        records are read at once, but copied into the slots only once ``after()`` has
+        returned, which whoever first waits for the read calls (``after`` is called first
+        where the read cannot be gated: more than a wave, or no worker threads). An error
+        it raises is the read's.
+
         Raises:
             ValueError: a bad request of at most a wave (refused, nothing read).
             ExpertChecksumError, RecordReadError (from ``result()``): naming the file and
                 the expert; the slots written may hold partial data and must not be used.
         """
+        if after is not None and (len(experts) > self._wave or not self.threads):
+            try:
+                after()
+            except Exception as e:  # noqa: BLE001 - raised by result(), as a started read's
+                return Done(error=e)
+            after = None
         if len(experts) > self._wave:
             try:
                 return Done(self._read_waves(layer, experts, slots))
@@ -220,14 +230,36 @@ class NativeReader:
         with self._lock:
             self._wait_started()  # one its caller lost (interrupted): its Started keeps it
             try:
-                self._begin(pos, layer, experts, slots)
+                self._after = after
+                self._begin(pos, layer, experts, slots, gated=after is not None)
                 self._pending = Started(self, layer, np.array(experts, np.int32))
             except Exception:
+                self._after = None  # refused: nothing started, its slots' users still wait
+                if after is not None:
+                    with contextlib.suppress(Exception):  # the refusal is the error
+                        after()
                 raise
             except BaseException:  # an interrupt once the engine may have started: no
                 self._drain()  # thread writes the caller's slots once this returns
                 raise
             return self._pending
+
+    def _open(self) -> BaseException | None:
+        """A gated read's ``after()``, then its copies go (under the lock); if ``after``
+        raised (returned here; an interrupt propagates), they are cancelled instead and
+        its records fail: the slots' last users may not be done with them."""
+        after, go = self._after, False
+        if after is None:
+            return None
+        try:
+            after()
+            go = True
+        except Exception as e:  # noqa: BLE001 - the read's outcome
+            return e
+        finally:
+            self._after = None
+            self.lib.mlxs_open(self.handle, go)
+        return None
 
     def _drain(self) -> None:
         """Finish whatever read the engine holds (under the lock): an interrupt came
@@ -237,7 +269,10 @@ class NativeReader:
             self._wait_started()
             return
         status, counts = np.zeros(self._wave, np.int32), np.zeros(N_COUNTERS, np.int64)
-        self.lib.mlxs_finish(self.handle, _ptr(status), _ptr(counts), self._err, ERR_BYTES)
+        try:
+            self._open()
+        finally:
+            self.lib.mlxs_finish(self.handle, _ptr(status), _ptr(counts), self._err, ERR_BYTES)
 
     @staticmethod
     def _check_waves(layer: int, e: np.ndarray, s: np.ndarray) -> None:
@@ -252,8 +287,11 @@ class NativeReader:
             why = f"bad request: slot {seen[count > 1][0]} named twice"
         raise ValueError(f"the native reader refused a request: {why} (layer {layer})")
 
-    def _begin(self, pos: int, layer: int, experts, slots, now: bool = False) -> None:
-        """mlxs_start (under the lock); ``now``: read before returning, on this thread too."""
+    def _begin(
+        self, pos: int, layer: int, experts, slots, now: bool = False, gated: bool = False
+    ) -> None:
+        """mlxs_start (under the lock); ``now``: read before returning, on this thread too;
+        ``gated``: copy into the slots only after ``mlxs_open`` (``_open``)."""
         n = len(experts)
         if len(slots) != n:
             raise ValueError(
@@ -265,7 +303,7 @@ class NativeReader:
             buf[0, :n], buf[1, :n] = experts, slots
         else:  # the engine refuses it, saying why
             pe, ps = (_ptr(np.ascontiguousarray(a, np.int32)) for a in (experts, slots))
-        if self.lib.mlxs_start(self.handle, pos, n, pe, ps, now, self._err, ERR_BYTES):
+        if self.lib.mlxs_start(self.handle, pos, n, pe, ps, now, gated, self._err, ERR_BYTES):
             raise ValueError(f"the native reader refused a request: {self._why()} (layer {layer})")
 
     def _end(self, pos: int, layer: int, e: np.ndarray) -> int:
@@ -283,10 +321,13 @@ class NativeReader:
         if t is None:
             return
         if t.outcome is None:  # cleared only once finished: an interrupt retries it
+            failed = self._open()
             try:
                 t.outcome = self._end(self.pos[t.layer], t.layer, t.experts)
             except Exception as e:  # noqa: BLE001 - raised again on each result()
                 t.outcome = e
+            if failed is not None:
+                t.outcome = failed
         self._pending = None
 
     def wait_started(self) -> None:
@@ -302,23 +343,8 @@ class NativeReader:
     def _outcome(self, rc: int, layer: int, e: np.ndarray, st: np.ndarray) -> int:
         """Bytes read, or the error that ``rc`` (a call's status) stands for."""
         if rc:
-            why = self._why()
-            if rc == REFUSED:
-                raise ValueError(f"the native reader refused a request: {why} (layer {layer})")
-            if rc == CHECKSUM:  # worded as the Python reader words it
-                bad = int(e[np.flatnonzero(st == CHECKSUM)[0]])
-                raise ExpertChecksumError(
-                    f"expert {bad} of layer {layer} in {self.meta.file(layer)} fails its "
-                    "checksum: the file is corrupt; split the model again"
-                )
-            if rc == COPY:  # the file read well: the device refused the copy
-                raise RecordReadError(
-                    f"{self.meta.file(layer)}: {why} (layer {layer}): the GPU did not take "
-                    "the copy (out of memory, or a failed device); the file is not at fault"
-                )
-            raise RecordReadError(
-                f"{self.meta.file(layer)}: {why} (layer {layer}); split the model again"
-            )
+            bad = int(e[np.flatnonzero(st == CHECKSUM)[0]]) if rc == CHECKSUM else None
+            raise status_error(rc, self._why(), self.meta.file(layer), layer, bad)
         return len(e) * self.meta.layers[layer].record_bytes
 
     def _why(self) -> str:
@@ -357,24 +383,3 @@ class NativeReader:
     def __del__(self):  # a store dropped without close(): threads, files, streams
         with contextlib.suppress(Exception):
             self.close()
-
-
-class Started:
-    """A read ``NativeReader.start`` began: ``result()`` waits for it (bytes read, or the
-    read's error), ``done()`` says whether it has landed."""
-
-    def __init__(self, reader: NativeReader, layer: int, experts: np.ndarray):
-        self.reader, self.layer, self.experts = reader, layer, experts
-        self.outcome: int | BaseException | None = None  # set when the read is finished
-
-    def done(self) -> bool:
-        """Whether the read has landed (``result()`` then does not wait)."""
-        return self.outcome is not None or self.reader.idle()
-
-    def result(self) -> int:
-        """The bytes read; raises the read's error (the same one on every call)."""
-        if self.outcome is None:
-            self.reader.wait_started()  # this read: every other one was collected
-        if isinstance(self.outcome, BaseException):
-            raise self.outcome
-        return self.outcome

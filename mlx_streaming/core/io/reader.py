@@ -317,15 +317,25 @@ class PythonReader:
             raise
         self.checked = {li: np.zeros(meta.layers[li].num_experts, np.uint8) for li in pools}
 
-    def start(self, layer: int, experts, slots) -> Future | Done:
+    def start(self, layer: int, experts, slots, after=None) -> Future | Done:
         """Start reading records ``experts`` of ``layer`` into ``slots``; ``result()``
-        waits (bytes read) and raises ``RecordReadError`` or ``ExpertChecksumError``."""
+        waits (bytes read) and raises ``RecordReadError`` or ``ExpertChecksumError``.
+        ``after``: a wait for the slots' last users, called first (an error it raises is
+        the read's)."""
+        if after is not None:
+            try:
+                after()
+            except Exception as e:  # noqa: BLE001 - raised by result()
+                return Done(error=e)
         pool = self.pools[layer]
         jobs = []
         for e, s in zip(experts, slots):
             bufs = pool.record_bufs(int(s))
             jobs.append(RecordJob(int(e), bufs, self._check(layer, int(e), bufs)))
         return self.files.submit(layer, jobs)
+
+    def wait_started(self) -> None:
+        """Nothing to finish: each read is waited for through its future."""
 
     def _check(self, layer: int, expert: int, bufs):
         lay = self.meta.layers[layer]

@@ -269,28 +269,30 @@ class SwapTier:
     def take(self, layer: int, experts, slots, move, files):
         """Bring ``experts`` into ``slots``: ``plan``, ``move(layer, trades)`` the trades'
         bytes (it returns a wait for them, or None when they have moved), ``moved``,
-        then the reads of the rest (``read_rest``, once the trades have moved). The
-        one sequence of every reader over the tier.
+        then the reads of the rest (``read_rest``): read from the disk at once, copied
+        into their slots once the trades have moved (the victims are out first). The one
+        sequence of every reader over the tier.
 
         Raises:
             TierError: see ``plan`` (nothing moved).
         """
         moves, wait = self.plan(layer, experts, slots), None
+        if files is not None:  # a read it still holds (its caller interrupted) lands first
+            files.wait_started()
         with self.moving():
             if moves.trades:
                 wait = move(layer, moves.trades)
             self.moved(layer, moves)
-        if moves.reads and wait is not None:
-            wait()  # the victims are out before the files' records land in their slots
         traded = moves.brought * self.meta.layers[layer].record_bytes
         self.traded_bytes += traded
-        return self.read_rest(layer, moves, files, traded)
+        return self.read_rest(layer, moves, files, traded, after=wait)
 
-    def read_rest(self, layer: int, moves: Moves, files, traded: int):
-        """Start ``moves``' reads from the files (after its trades have moved) with
-        ``files``, the store's file reader: a future of their bytes plus ``traded``. The
-        read slots' records are known to the tables only once the reads have landed
-        (until then, and after a failure or an interrupt, -1: unknown)."""
+    def read_rest(self, layer: int, moves: Moves, files, traded: int, after=None):
+        """Start ``moves``' reads from the files with ``files``, the store's file reader,
+        their bytes copied into the slots only after ``after()`` (the trades' wait; see
+        the reader's ``start``): a future of their bytes plus ``traded``. The read slots'
+        records are known to the tables only once the reads have landed (until then, and
+        after a failure or an interrupt, -1: unknown)."""
         if not moves.reads:
             return Done(traded)
         experts, slots = (list(x) for x in zip(*moves.reads))
@@ -298,7 +300,7 @@ class SwapTier:
         def landed():
             self.held[layer][slots] = experts
 
-        return _Reads(files.start(layer, experts, slots), traded, landed)
+        return _Reads(files.start(layer, experts, slots, after=after), traded, landed)
 
     @contextlib.contextmanager
     def moving(self):
