@@ -114,6 +114,8 @@
 #   bash benchmarks/gpu_suite.sh oracle     50%: read-ahead by the trace's transitions and by a
 #                                           simulated predictor right 0/50/70/90/100% of the time
 #   bash benchmarks/gpu_suite.sh exact      where streaming stops being bit-exact, per preset
+#   bash benchmarks/gpu_suite.sh gated      a bounded tier's reads beside its trades against after
+#                                           them (probes/gated_read.py; DIRECT=1: from the disk)
 #   bash benchmarks/gpu_suite.sh probe      the primitives and the host-time profile
 #   bash benchmarks/gpu_suite.sh nan        where stock Qwen3-Next first gives a non-finite value
 #   bash benchmarks/gpu_suite.sh train      train-tiny at the committed model's shape: a timed
@@ -337,6 +339,8 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
               --trace "$trace" --residency "${RESIDENCY:-0.5,0.25}" ${TIERGB:+--swap-tier-gb $TIERGB} \
               ${DIRECT:+--direct-io} --json "$out/host-profile${TIERGB:+-tier$TIERGB}.json" 2>&1 \
               | tail -3 ;;
+  gated) timeout "$limit" python3 benchmarks/probes/gated_read.py --preset dsv2-lite --workdir $work \
+           ${DIRECT:+--direct} --json "$out/gated-read${DIRECT:+-direct}.json" 2>&1 | tail -3 ;;
   hmm) timeout "$limit" python3 benchmarks/probes/hmm_read.py --mb 512 \
          --json "$out/hmm-read.json" 2>&1 | tee "$out/hmm-read.log" | tail -4 ;;
   kernelcost) timeout "$limit" python3 benchmarks/probes/kernel_call_cost.py \
