@@ -378,6 +378,9 @@ def test_a_gated_read_lands_in_its_slots_only_after_its_wait(models):
     def untouched(slots):
         return lambda: seen.append(all(not r[slots].any() for r in rows))
 
+    def rows_at(slot):
+        return [r[slot] for r in rows]
+
     r = reader.start(li, [3, 9, 4], [0, 1, 2], after=untouched([0, 1, 2]))
     time.sleep(0.05)  # long enough for the reads; their copies wait for after()
     assert not r.done() and seen == []
@@ -400,8 +403,18 @@ def test_a_gated_read_lands_in_its_slots_only_after_its_wait(models):
     assert all(not r[5].any() for r in rows)  # cancelled: its slot's users were not done
     assert reader.start(li, [8], [6]).result() == rb
     assert_slot_holds(meta, pools, li, 6, 8)
-    big = reader.start(li, [1, 10, 11, 12, 13], [0, 1, 2, 3, 4], after=untouched([7]))
-    assert big.done() and seen == [True, True, True] and big.result() == 5 * rb
+    before = [r[0].copy() for r in rows]  # slot 0 holds record 3: after() sees it still
+    big = reader.start(
+        li,
+        [1, 10, 11, 12, 13],
+        [0, 1, 2, 3, 4],
+        after=lambda: seen.append(all(map(np.array_equal, rows_at(0), before))),
+    )
+    assert big.done() and seen == [True, True, True] and big.result() == 5 * rb  # fmt: skip
+    with pytest.raises(ValueError, match="refused"):  # after() still runs: its trades end
+        reader.start(li, [meta.num_experts], [5], after=lambda: seen.append("refused"))
+    assert seen[-1] == "refused"
+    seen.pop()
     reader.start(li, [2], [7], after=untouched([7]))
     time.sleep(0.05)
     reader.close()  # the gated read in flight: after(), then its copies, then the stop

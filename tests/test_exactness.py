@@ -708,9 +708,14 @@ def test_a_bounded_tier_s_reads_land_after_trades_that_move_late(models, monkeyp
     model, store = patched(ck, ed, config=cfg, capacity=slots)
     reader, tier = store.reader, store.reader.tier
     assert reader.files.threads == 2
-    pending, late = [], []
+    pending, late, events = [], [], []
+    held = reader.files.wait_started
+    monkeypatch.setattr(reader.files, "wait_started", lambda: (events.append("held"), held()))
 
     def move(layer, trades):
+        events.append("move")  # after any read still held has landed (its trades first)
+        assert events[-2:] == ["held", "move"], events[-3:]
+
         def wait():
             if wait in pending:
                 pending.remove(wait)

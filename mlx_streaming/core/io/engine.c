@@ -33,7 +33,8 @@ int mlxs_say(char *err, int err_len, const char *fmt, ...) {
 static void describe(char *err, int err_len, int st, int errnum, int expert, int layer) {
   const char *what = st == ST_CHECKSUM ? "checksum mismatch (the expert file is corrupt)"
                      : st == ST_COPY   ? "copy to the device failed"
-                     : st == ST_GATE   ? "the copy was cancelled (its gate never opened)"
+                     : st == ST_GATE   ? "the copy was cancelled (its gate was not let go, or not "
+                                         "within " MLXS_STR(GATE_WAIT_S) " s)"
                      : st == ST_SHORT
                          ? "the file ends inside the record (it shrank or is truncated)"
                          : "read failed";
@@ -133,7 +134,7 @@ int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_
     mlxs_plan_wave(e, layer, n, experts, slots);
     pthread_mutex_lock(&e->m); /* before pending: idle() never sees the last wave's count */
     e->workers_done = 0;
-    e->gate = gated ? GATE_SHUT : GATE_OPEN;
+    __atomic_store_n(&e->gate, gated ? GATE_SHUT : GATE_OPEN, __ATOMIC_RELEASE);
     e->gate_until = mlxs_now_ns() + (int64_t)GATE_WAIT_S * 1000000000;
     pthread_mutex_unlock(&e->m);
     __atomic_store_n(&e->pending, 1, __ATOMIC_RELEASE);

@@ -19,6 +19,8 @@
 #define MAX_WAVE 256
 #define MAX_PIECES 32 /* per record */
 #define EAGAIN_TRIES 1000
+#define MLXS_STR_(x) #x
+#define MLXS_STR(x) MLXS_STR_(x)
 #ifndef GATE_WAIT_S /* a gated read's copies wait at most this long for mlxs_open */
 #define GATE_WAIT_S 60
 #endif

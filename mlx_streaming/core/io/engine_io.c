@@ -54,7 +54,7 @@ static int copy_range(Engine *e, int w, const Layer *L, int slot, const char *re
 
 void mlxs_set_gate(Engine *e, int gate) {
   pthread_mutex_lock(&e->m);
-  if (e->gate == GATE_SHUT) e->gate = gate;
+  if (e->gate == GATE_SHUT) __atomic_store_n(&e->gate, gate, __ATOMIC_RELEASE);
   pthread_cond_broadcast(&e->gate_cv);
   pthread_mutex_unlock(&e->m);
 }
@@ -67,7 +67,7 @@ static int pass_gate(Engine *e) {
   while (e->gate == GATE_SHUT && !e->stop) {
     int64_t left = e->gate_until - mlxs_now_ns();
     if (left <= 0) {
-      e->gate = GATE_CANCELLED;
+      __atomic_store_n(&e->gate, GATE_CANCELLED, __ATOMIC_RELEASE);
       break;
     }
     if (left > 100000000) left = 100000000;
