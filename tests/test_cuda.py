@@ -121,7 +121,8 @@ def test_a_swap_tier_streams_exactly_on_cuda(models, size):
     each miss trading places with its victim on the GPU, decode steps on the device path
     and prompt chunks on the host path, the tier's tables handed between them; bounded
     (``swap_tier_gb``, a third of the rest), the host path, the records outside the tier
-    read by the native engine once their victims have gone out; ``auto`` (what memory
+    read by the native engine while the GPU trades (gated reads), copied into their
+    slots once their victims have gone out; ``auto`` (what memory
     holds: whole here, as the patch must agree). Greedy tokens and logits
     equal stock's at top-k and half the slots; then every record is held at most once,
     where the tables say (the tier's rows and a few slots checked byte for byte against
