@@ -21,9 +21,10 @@ def meta(models):
     return load_meta(models.experts("tiny-qwen3_moe")[1])
 
 
-def cuda(cfg: StreamConfig, meta, memory=BIG, engine=True):
+def cuda(cfg: StreamConfig, meta, memory=BIG, engine=True, **kw):
+    """``resolve`` on CUDA (``kw``: its ``slots``, ``host``)."""
     return resolve(cfg, meta, backend="cuda", memory=memory, cuda_available=True,
-                   engine_available=engine)  # fmt: skip
+                   engine_available=engine, **kw)  # fmt: skip
 
 
 def test_cuda_maps_the_files_that_fit_and_says_why(meta):
@@ -75,9 +76,8 @@ def test_an_auto_swap_tier_is_whole_where_memory_holds_it_and_bounded_where_not(
     cfg = StreamConfig(swap_tier=True, swap_tier_gb="auto")
 
     def at(room: int, reserve: int = 0, config=cfg, with_slots=True):
-        return resolve(config, meta, backend="cuda", memory=(room, room), cuda_available=True,
-                       engine_available=True, slots=slots if with_slots else None,
-                       host=HostShare(reserve=reserve))  # fmt: skip
+        return cuda(config, meta, (room, room), slots=slots if with_slots else None,
+                    host=HostShare(reserve=reserve))  # fmt: skip
 
     whole = at(need + 1000 + 7, reserve=7)
     assert (whole.reader, whole.decode_path) == ("tier", "device")
@@ -110,40 +110,31 @@ def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(met
     files = files_bytes(meta)
     assert need < files
     room = files + files // 2  # the files do not fit in half of it
-    fits = resolve(StreamConfig(), meta, backend="cuda", memory=(room, room),
-                   cuda_available=True, engine_available=True, slots=slots)  # fmt: skip
+    mem = (room, room)
+    fits = cuda(StreamConfig(), meta, mem, slots=slots)
     assert (fits.mapped, fits.reader, fits.decode_path) == (False, "tier", "device")
     assert "the swap tier fits" in fits.line() and "--no-swap-tier" in fits.line()
-    reads = resolve(StreamConfig(device_reads=True), meta, backend="cuda", memory=(room, room),
-                    cuda_available=True, engine_available=True, slots=slots)  # fmt: skip
+    reads = cuda(StreamConfig(device_reads=True), meta, mem, slots=slots)
     assert (reads.reader, reads.decode_path) == ("tier", "device")  # not refused
     tight = (need + 999, need + 999)  # the tier and its margin do not fit
-    short = resolve(StreamConfig(), meta, backend="cuda", memory=tight, cuda_available=True,
-                    engine_available=True, slots=slots)  # fmt: skip
+    short = cuda(StreamConfig(), meta, tight, slots=slots)
     assert (short.reader, short.decode_path) == ("native", "host")
     assert "nor does a swap tier" in short.line() and "--swap-tier-gb" in short.line()
     trunk = room - need - 1000  # the trunk's load takes what is left beside the tier
-    at = resolve(StreamConfig(), meta, backend="cuda", memory=(room, room), cuda_available=True,
-                 engine_available=True, slots=slots, host=HostShare(reserve=trunk))  # fmt: skip
+    at = cuda(StreamConfig(), meta, mem, slots=slots, host=HostShare(reserve=trunk))
     assert at.reader == "tier"
-    over = resolve(StreamConfig(), meta, backend="cuda", memory=(room, room), cuda_available=True,
-                   engine_available=True, slots=slots, host=HostShare(reserve=trunk + 1))  # fmt: skip
+    over = cuda(StreamConfig(), meta, mem, slots=slots, host=HostShare(reserve=trunk + 1))
     assert over.reader == "native" and "for the trunk as it loads" in over.line(), over.line()
     # two ranks of a pipeline on this host: each plans with half of what is available
-    halves = resolve(StreamConfig(), meta, backend="cuda", memory=(room, room),
-                     cuda_available=True, engine_available=True, slots=slots,
-                     host=HostShare(ranks=2))  # fmt: skip
+    halves = cuda(StreamConfig(), meta, mem, slots=slots, host=HostShare(ranks=2))
     assert halves.reader == "native" and "(a share: 2 ranks on this host)" in halves.line()
-    both = resolve(StreamConfig(), meta, backend="cuda", memory=(2 * room, 2 * room),
-                   cuda_available=True, engine_available=True, slots=slots,
-                   host=HostShare(ranks=2))  # fmt: skip
+    both = cuda(StreamConfig(), meta, (2 * room, 2 * room), slots=slots, host=HostShare(ranks=2))
     assert both.reader == "tier"
     # a share is of what was available as the ranks met, never more than is left now
     assert HostShare(2, base=10).available(8) == 5 and HostShare(2, base=10).available(3) == 3
     assert HostShare(2).available(8) == 4 and HostShare().available(7) == 7
     for cfg in (StreamConfig(swap_tier=False), StreamConfig(prefetch=True)):  # not asked for
-        rt = resolve(cfg, meta, backend="cuda", memory=(room, room), cuda_available=True,
-                     engine_available=True, slots=slots)  # fmt: skip
+        rt = cuda(cfg, meta, mem, slots=slots)
         assert rt.reader == "native" and "swap tier" not in rt.line()
     no_slots = cuda(StreamConfig(), meta, memory=(room, room))  # pools unknown: not weighed
     assert no_slots.reader == "native"

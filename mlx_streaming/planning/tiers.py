@@ -279,20 +279,9 @@ def split_rows(
         raise ValueError(f"unknown tier {sorted(unknown)}; known: 'page cache', 'swap'")
     sim = dict(layers=layers, model_layers=model_layers or trace.layers, tokens=tokens)
     rates = (t_compute, mem_gbps, disk_gbps)
+    rest = (rates, sim, zero_slot, host_s, device_whole)
     rows = [
-        _row(
-            trace,
-            policy,
-            s,
-            slot_bytes,
-            record_bytes,
-            host,
-            tier,
-            rates,
-            sim,
-            zero_slot,
-            (host_s, device_whole),
-        )  # fmt: skip
+        _row(trace, policy, s, slot_bytes, record_bytes, host, tier, *rest)
         for s, host in splits
         for tier in beneath
     ]
@@ -300,20 +289,21 @@ def split_rows(
 
 
 def _row(
-    trace, policy, s, slot_bytes, record_bytes, host, tier, rates, sim, zero, path=(0.0, False)
+    trace, policy, s, slot_bytes, record_bytes, host, tier, rates, sim, zero, host_s, device_whole
 ) -> dict | None:
     """One split's simulated hits per tier, bytes and predicted tok/s (overlap bound),
-    with the flags that run it; None for a swap tier of no row per layer. ``path``: the
-    host path's seconds per token, and whether a whole swap tier runs the device path."""
+    with the flags that run it; None for a swap tier of no row per layer. ``host_s``: the
+    host path's seconds per token, none where ``device_whole`` and the swap tier is
+    whole (the device path serves it)."""
     E, L = trace.num_experts, sim["model_layers"]
     room = size = max(0, host - MARGIN)
     flags = f"--slots {s}"
-    host_s = path[0]
     if tier == "swap":  # whole where the room holds every record the pools do not
         room, flags = (E - s) * record_bytes * L, f"{flags} --swap-tier"
         if not size:
             return None
-        host_s = 0.0 if path[1] and size >= room else host_s
+        if device_whole and size >= room:
+            host_s = 0.0
         if size < room:  # bounded: the flag's GB, as the store reads it
             gb = _floor_gb(size)
             room, flags = int(float(gb) * 1e9), f"{flags} --swap-tier-gb {gb}"

@@ -87,7 +87,7 @@ def make_reader(
         from ..io.tier import SwapTier
         from ..io.tier_reader import TierReader
 
-        on_gpu = runtime.pool_mode == "cuda"
+        on_gpu, share = runtime.pool_mode == "cuda", host or HostShare()
         if tier_gb == "auto":  # whole where the runtime chose the device path for it
             limit = None if runtime.decode_path == "device" else "auto"
         else:
@@ -99,8 +99,8 @@ def make_reader(
             runtime.checksums,
             limit=limit,
             tick=tick,
-            available=(host or HostShare()).available(),
-            reserve=(host or HostShare()).reserve,
+            available=share.available(),
+            reserve=share.reserve,
         )
         files = None
         try:

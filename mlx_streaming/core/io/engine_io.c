@@ -134,9 +134,10 @@ static void work(Engine *e, int w) {
     if (i >= e->n_jobs) break;
     read_piece(e, &e->jobs[i]);
     if (gated)
-      mine[n++] = i;
+      mine[n] = i; /* copied once the gate opens */
     else
-      land_piece(e, w, &e->jobs[i], 1), n++;
+      land_piece(e, w, &e->jobs[i], 1);
+    n++;
   }
   int open = gated && n ? pass_gate(e) : 1;
   for (int k = 0; gated && k < n; k++) land_piece(e, w, &e->jobs[mine[k]], open);

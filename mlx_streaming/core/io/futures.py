@@ -29,6 +29,16 @@ class Done:
         return self._value
 
 
+def waited_first(after) -> Done | None:
+    """Run ``after`` (a read's wait for its slots' last users) before a read that cannot
+    wait for it itself: None, or its error as the read's (a finished ``Done``)."""
+    try:
+        after()
+    except Exception as e:  # noqa: BLE001 - raised by the read's result()
+        return Done(error=e)
+    return None
+
+
 def _wait_all(parts: list[Future]) -> None:
     """Wait until every part has stopped, through further interrupts (reads are bounded)."""
     while not all(p.done() for p in parts):
@@ -73,8 +83,8 @@ class Gather(Future):
 
 
 class Started:
-    """A read a native reader (``native.NativeReader.start``) began: ``result()`` waits for it (bytes read, or the
-    read's error), ``done()`` says whether it has landed."""
+    """A read a native reader began (``native.NativeReader.start``): ``result()`` waits
+    for it (bytes read, or the read's error), ``done()`` says whether it has landed."""
 
     def __init__(self, reader: NativeReader, layer: int, experts: np.ndarray):
         self.reader, self.layer, self.experts = reader, layer, experts

@@ -34,7 +34,7 @@ from .engine_lib import (
     status_error,
     why_unavailable,
 )
-from .futures import Done, Started
+from .futures import Done, Started, waited_first
 
 
 def _ptr(a) -> int | None:
@@ -216,11 +216,9 @@ class NativeReader:
                 the expert; the slots written may hold partial data and must not be used.
         """
         if after is not None and (len(experts) > self._wave or not self.threads):
-            try:
-                after()
-            except Exception as e:  # noqa: BLE001 - raised by result(), as a started read's
-                return Done(error=e)
-            after = None
+            failed, after = waited_first(after), None  # it cannot be gated
+            if failed is not None:
+                return failed
         if len(experts) > self._wave:
             try:
                 return Done(self._read_waves(layer, experts, slots))

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .futures import Done, Gather
+from .futures import Done, Gather, waited_first
 
 MAX_RUN_BYTES = 8 << 20  # adjacent records are merged into one run up to this size
 PIECE_BYTES = 16 << 20  # runs larger than twice this are read as pieces on several threads
@@ -322,11 +322,9 @@ class PythonReader:
         waits (bytes read) and raises ``RecordReadError`` or ``ExpertChecksumError``.
         ``after``: a wait for the slots' last users, called first (an error it raises is
         the read's)."""
-        if after is not None:
-            try:
-                after()
-            except Exception as e:  # noqa: BLE001 - raised by result()
-                return Done(error=e)
+        failed = waited_first(after) if after is not None else None
+        if failed is not None:
+            return failed
         pool = self.pools[layer]
         jobs = []
         for e, s in zip(experts, slots):
