@@ -68,6 +68,11 @@ class LayerPool:
                 mx.eval(arr)
                 self._rows[p.name] = _host_view(base)
             self.arrays[p.name] = arr
+        rows = self._dev if self.mode == "cuda" else None
+        self._pointers = [  # fixed for the pool's life: computed once
+            rows[p.name] if rows else (self._rows[p.name].ctypes.data, self._rows[p.name].shape[1])
+            for p in layout.parts
+        ]
         self._lut_dev, self._lut_stale = 0, False
         if self.mode == "cuda":  # a page-locked host copy, copied over after each change
             self.lut = mx.zeros((layout.num_experts,), dtype=SLOT_IDS)
@@ -95,11 +100,7 @@ class LayerPool:
     def row_pointers(self) -> list[tuple[int, int]]:
         """``(address, bytes per slot)`` of each part's slot rows, in layout order: the
         arrays' own memory, written behind MLX's back (device addresses in cuda mode)."""
-        if self.mode == "cuda":
-            return [self._dev[p.name] for p in self.layout.parts]
-        return [
-            (self._rows[p.name].ctypes.data, self._rows[p.name].shape[1]) for p in self.layout.parts
-        ]
+        return self._pointers
 
     def device_lut(self) -> mx.array:
         """The lookup table as a device array, for remapping routed ids on the device (in

@@ -232,13 +232,15 @@ class SwapTier:
             home[e], held[s], owner[h], stamp[h] = -1, e, v, clock
             if v >= 0:
                 home[v] = h
-        used, brought = {h for h, _ in trades}, len(trades)
+        used, brought, order = {h for h, _ in trades}, len(trades), None
         for e, s, v in later:
             held[s] = -1  # its content unknown until the read lands (``_Reads``)
             reads.append((e, s))
             if v < 0 or not len(owner):
                 continue  # no victim, or no tier: the victim is dropped
-            free = [h for h in np.argsort(stamp, kind="stable").tolist() if h not in used]
+            if order is None:  # rows oldest first; a row taken below joins ``used``
+                order = np.argsort(stamp, kind="stable").tolist()
+            free = [h for h in order if h not in used]
             h = next((h for h in free if owner[h] < 0), free[0] if free else -1)
             if h < 0:
                 continue
