@@ -383,7 +383,8 @@ def test_a_gated_read_lands_in_its_slots_only_after_its_wait(models):
 
     r = reader.start(li, [3, 9, 4], [0, 1, 2], after=untouched([0, 1, 2]))
     time.sleep(0.05)  # long enough for the reads; their copies wait for after()
-    assert not r.done() and seen == []
+    assert seen == [] and all(not r[[0, 1, 2]].any() for r in rows)
+    assert r.done()  # nothing left to read from the file: staged, copies held at the gate
     assert r.result() == 3 * rb and seen == [True]
     for e, s in [(3, 0), (9, 1), (4, 2)]:
         assert_slot_holds(meta, pools, li, s, e)
@@ -452,6 +453,28 @@ def test_a_gated_read_never_let_go_fails_and_frees_at_once(models):
         reader.close()  # frees the engine (a read still gated: cancelled, not waited for)
         assert time.perf_counter() - t0 < (10 if wait else 5)
         assert all(not r.any() for r in pools[li].parts)
+
+
+@needs_library
+@pytest.mark.skipif(
+    os.environ.get("MLX_STREAMING_TEST_GATE_S") != "1",
+    reason="needs the sanitizer's build of a 1 s gate (.ci/sanitize)",
+)
+def test_a_gate_outwaited_by_a_slow_wait_reads_its_records_again(models):
+    """A gated read whose ``after()`` returns, but past the gate's time (a stopped
+    process, a debugger): its copies were cancelled, so once the wait is over its records
+    are read again, ungated, and land in their slots; the reader goes on."""
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta, pools, reader = reader_over(ed, 4, threads=2, wave=4)
+    li = sorted(meta.layers)[0]
+    rb = meta.layers[li].record_bytes
+    r = reader.start(li, [3, 9], [0, 1], after=lambda: time.sleep(1.5))
+    assert r.result() == 2 * rb
+    assert_slot_holds(meta, pools, li, 0, 3)
+    assert_slot_holds(meta, pools, li, 1, 9)
+    assert reader.start(li, [5], [2]).result() == rb
+    assert_slot_holds(meta, pools, li, 2, 5)
+    reader.close()
 
 
 @needs_library

@@ -298,7 +298,8 @@ def resolve(
     size += f"{INLINE_BYTES // 1024} KiB"
     if cfg.overlap is not None:
         overlap = cfg.overlap
-    elif swap_tier:  # a trade is done when start returns: nothing to overlap
+    elif swap_tier:  # trades precede the layer's kernels; a bounded tier's file reads
+        # land beside them (gated): a second launch there is not measured yet
         overlap = False
     else:  # the split's second launch pays only where a record's read outlasts it
         overlap = b == "cpu" and not small

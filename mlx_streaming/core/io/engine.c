@@ -13,10 +13,10 @@
  * Every call that can fail writes why into the caller's ``err`` (``err_len`` bytes, under
  * the engine's lock: no message outlives its call or is shared between callers).
  *
- * This file is the reading API (mlxs_start, mlxs_open, mlxs_finish, mlxs_idle); an engine's set-up
- * and teardown (mlxs_new, mlxs_layer, mlxs_free) are in engine_setup.c, the threads that read and
- * copy in engine_io.c, the shared definitions in engine.h. Built by pip install as a plain
- * shared library and driven through ctypes (io/native.py).
+ * This file is the reading API (mlxs_start, mlxs_open, mlxs_finish, mlxs_staged); an
+ * engine's set-up and teardown (mlxs_new, mlxs_layer, mlxs_free) are in engine_setup.c, the threads
+ * that read and copy in engine_io.c, the shared definitions in engine.h. Built by pip install as a
+ * plain shared library and driven through ctypes (io/native.py).
  */
 #include "engine.h"
 #include <stdarg.h>
@@ -132,8 +132,8 @@ int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_
     e->held_n = n, e->held_layer = layer, e->held_t0 = mlxs_now_ns();
     for (int i = 0; i < n; i++) e->held_experts[i] = experts[i];
     mlxs_plan_wave(e, layer, n, experts, slots);
-    pthread_mutex_lock(&e->m); /* before pending: idle() never sees the last wave's count */
-    e->workers_done = 0;
+    pthread_mutex_lock(&e->m); /* before pending: staged() never sees the last wave's count */
+    e->workers_done = 0, e->jobs_read = 0;
     __atomic_store_n(&e->gate, gated ? GATE_SHUT : GATE_OPEN, __ATOMIC_RELEASE);
     e->gate_until = mlxs_now_ns() + (int64_t)GATE_WAIT_S * 1000000000;
     pthread_mutex_unlock(&e->m);
@@ -187,11 +187,15 @@ int mlxs_open(Engine *e, int go) {
   return 0;
 }
 
-/* 1 when no started read is still on the workers. */
-int mlxs_idle(Engine *e) {
+/* 1 when nothing of a started read is left to read from its files: none on the workers,
+ * or a gated read whose every piece is in staging (its copies wait only for mlxs_open). */
+int mlxs_staged(Engine *e) {
   if (!e) return 1;
   pthread_mutex_lock(&e->m);
-  int idle = __atomic_load_n(&e->pending, __ATOMIC_ACQUIRE) != 1 || e->workers_done >= e->n_started;
+  int staged = __atomic_load_n(&e->pending, __ATOMIC_ACQUIRE) != 1 ||
+               e->workers_done >= e->n_started ||
+               (__atomic_load_n(&e->gate, __ATOMIC_ACQUIRE) == GATE_SHUT &&
+                __atomic_load_n(&e->jobs_read, __ATOMIC_ACQUIRE) >= e->n_jobs);
   pthread_mutex_unlock(&e->m);
-  return idle;
+  return staged;
 }

@@ -81,7 +81,7 @@ typedef struct Engine {
   int64_t max_stride, piece_bytes;
   Job jobs[MAX_WAVE * MAX_PIECES];
   int n_jobs;
-  int next_job, workers_done;
+  int next_job, workers_done, jobs_read; /* jobs_read: pieces read into staging */
   int pieces_left[MAX_WAVE], rec_status[MAX_WAVE], rec_errno[MAX_WAVE];
   int64_t read_ns, pread_ns, copy_ns, sync_ns, copies;
   /* a started read (mlxs_start): 1 on the workers, 2 landed and held for mlxs_finish */
@@ -115,7 +115,7 @@ int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_
                int gated, char *err, int err_len);
 int mlxs_open(Engine *e, int go);
 int mlxs_finish(Engine *e, int32_t *status, int64_t *counters, char *err, int err_len);
-int mlxs_idle(Engine *e);
+int mlxs_staged(Engine *e);
 void mlxs_free(Engine *e);
 int mlxs_threads(const Engine *e);
 

@@ -98,6 +98,7 @@ static void read_piece(Engine *e, const Job *j) {
   __atomic_fetch_add(&e->pread_ns, dt, __ATOMIC_RELAXED);
   __atomic_fetch_add(&e->read_ns, dt, __ATOMIC_RELAXED);
   if (rc) fail(e, j->rec, rc < 0 ? ST_SHORT : ST_READ, rc);
+  __atomic_fetch_add(&e->jobs_read, 1, __ATOMIC_ACQ_REL);
 }
 
 /* Copy a piece read into its slot (``open``: its gate let it go); the record's last piece

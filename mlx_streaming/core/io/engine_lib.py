@@ -82,8 +82,8 @@ def _declare(lib) -> None:
     lib.mlxs_open.argtypes = [P, Int]
     lib.mlxs_finish.restype = Int
     lib.mlxs_finish.argtypes = [P, P, P, S, Int]
-    lib.mlxs_idle.restype = Int
-    lib.mlxs_idle.argtypes = [P]
+    lib.mlxs_staged.restype = Int
+    lib.mlxs_staged.argtypes = [P]
     lib.mlxs_free.argtypes = [P]
     lib.mlxs_threads.restype = Int
     lib.mlxs_threads.argtypes = [P]

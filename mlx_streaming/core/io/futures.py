@@ -91,9 +91,10 @@ class Started:
         self.outcome: int | BaseException | None = None  # set when the read is finished
 
     def done(self) -> bool:
-        """Whether the read has landed (``result()`` then does not wait); a gated read
-        lands only once waited for."""
-        return self.outcome is not None or self.reader.idle()
+        """Whether nothing is left to read from the files: the read has landed, or (a
+        gated read, which lands only once waited for) every piece is in staging, its
+        copies waiting only for its gate."""
+        return self.outcome is not None or self.reader.staged()
 
     def result(self) -> int:
         """The bytes read; raises the read's error (the same one on every call)."""

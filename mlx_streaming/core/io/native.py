@@ -27,6 +27,7 @@ from .engine_lib import (
     CHECKSUM,
     COUNTERS,
     ERR_BYTES,
+    GATE,
     N_COUNTERS,
     error_buffer,
     hash_function,
@@ -216,6 +217,7 @@ class NativeReader:
                 the expert; the slots written may hold partial data and must not be used.
         """
         if after is not None and (len(experts) > self._wave or not self.threads):
+            self.wait_started()  # a read still held lands before the wait (its trades')
             failed, after = waited_first(after), None  # it cannot be gated
             if failed is not None:
                 return failed
@@ -227,10 +229,11 @@ class NativeReader:
         pos = self.pos[layer]
         with self._lock:
             self._wait_started()  # one its caller lost (interrupted): its Started keeps it
+            started = Started(self, layer, np.array(experts, np.int32))
             try:
                 self._after = after
                 self._begin(pos, layer, experts, slots, gated=after is not None)
-                self._pending = Started(self, layer, np.array(experts, np.int32))
+                self._pending = started  # nothing raises once the engine has started
             except Exception:
                 self._after = None  # refused: nothing started, its slots' users still wait
                 if after is not None:
@@ -326,7 +329,21 @@ class NativeReader:
                 t.outcome = e
             if failed is not None:
                 t.outcome = failed
+            elif (self._started[2, : len(t.experts)] == GATE).any():
+                t.outcome = self._read_again(t)
         self._pending = None
+
+    def _read_again(self, t: Started) -> int | Exception:
+        """A gated read whose ``after()`` returned only past the gate's deadline (the
+        process stopped, a debugger): its copies were cancelled, nothing written; its
+        slots are free now, so its records are read again, ungated (under the lock)."""
+        n, pos = len(t.experts), self.pos[t.layer]
+        slots = self._started[1, :n].copy()  # the request's slots, still in its buffer
+        try:
+            self._begin(pos, t.layer, t.experts.copy(), slots, now=True)
+            return self._end(pos, t.layer, t.experts)
+        except Exception as e:  # noqa: BLE001 - raised again on each result()
+            return e
 
     def wait_started(self) -> None:
         """Finish the started read, if one is not yet finished (its ``Started`` keeps
@@ -334,9 +351,10 @@ class NativeReader:
         with self._lock:
             self._wait_started()
 
-    def idle(self) -> bool:
-        """Whether no started read is still on the engine's threads."""
-        return bool(self.lib.mlxs_idle(self.handle))
+    def staged(self) -> bool:
+        """Whether no started read has pieces left to read from its files (idle, or a
+        gated read's pieces all in staging)."""
+        return bool(self.lib.mlxs_staged(self.handle))
 
     def _outcome(self, rc: int, layer: int, e: np.ndarray, st: np.ndarray) -> int:
         """Bytes read, or the error that ``rc`` (a call's status) stands for."""

@@ -16,6 +16,7 @@ which the native reader does.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import sys
@@ -316,6 +317,7 @@ class PythonReader:
             self.files.close()
             raise
         self.checked = {li: np.zeros(meta.layers[li].num_experts, np.uint8) for li in pools}
+        self._last: Future | None = None  # the latest read started, until waited here
 
     def start(self, layer: int, experts, slots, after=None) -> Future | Done:
         """Start reading records ``experts`` of ``layer`` into ``slots``; ``result()``
@@ -330,10 +332,17 @@ class PythonReader:
         for e, s in zip(experts, slots):
             bufs = pool.record_bufs(int(s))
             jobs.append(RecordJob(int(e), bufs, self._check(layer, int(e), bufs)))
-        return self.files.submit(layer, jobs)
+        self._last = self.files.submit(layer, jobs)
+        return self._last
 
     def wait_started(self) -> None:
-        """Nothing to finish: each read is waited for through its future."""
+        """Wait until the latest read started has stopped writing (its future keeps the
+        outcome): one its caller lost to an interrupt must not land in slots the next
+        trades reuse."""
+        last, self._last = self._last, None
+        if last is not None:
+            with contextlib.suppress(Exception):  # its future keeps it for its caller
+                last.result()
 
     def _check(self, layer: int, expert: int, bufs):
         lay = self.meta.layers[layer]
