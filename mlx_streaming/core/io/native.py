@@ -334,9 +334,8 @@ class NativeReader:
         self._pending = None
 
     def _read_again(self, t: Started) -> int | Exception:
-        """A gated read whose ``after()`` returned only past the gate's deadline (the
-        process stopped, a debugger): its copies were cancelled, nothing written; its
-        slots are free now, so its records are read again, ungated (under the lock)."""
+        """A gated read whose ``after()`` returned past the gate's deadline (a stopped
+        process): its copies were cancelled; read again, ungated (under the lock)."""
         n, pos = len(t.experts), self.pos[t.layer]
         slots = self._started[1, :n].copy()  # the request's slots, still in its buffer
         try:
