@@ -432,6 +432,31 @@ def test_a_gated_read_lands_in_its_slots_only_after_its_wait(models):
 
 
 @needs_library
+def test_a_gated_read_whose_wait_is_interrupted_writes_nothing(models):
+    """Ctrl-C inside a gated read's ``after()`` (the trades' wait): the interrupt
+    propagates, the copies are cancelled, and asking again gives the cancelled read's
+    error, never a late copy into slots whose users may not be done; the reader goes on."""
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta, pools, reader = reader_over(ed, 8, threads=2, wave=4)
+    li = sorted(meta.layers)[0]
+    rows, rb = pools[li].parts, meta.layers[li].record_bytes
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    r = reader.start(li, [3, 9], [0, 1], after=interrupted)
+    time.sleep(0.05)
+    with pytest.raises(KeyboardInterrupt):
+        r.result()
+    with pytest.raises(RecordReadError, match="cancelled"):
+        r.result()
+    assert all(not x[[0, 1]].any() for x in rows)
+    assert reader.start(li, [5], [2]).result() == rb
+    assert_slot_holds(meta, pools, li, 2, 5)
+    reader.close()
+
+
+@needs_library
 def test_a_gated_read_never_let_go_fails_and_frees_at_once(models):
     """A gated read whose gate never opens: freeing the engine cancels it at once (nothing
     written); with the sanitizer's build of a 1 s gate (``.ci/sanitize``), waiting for it

@@ -86,7 +86,7 @@ class NativeReader:
         self.handle, self._fds, self._streams = None, [], []  # what close() releases
         self._lock = threading.Lock()  # one start..finish at a time
         self._pending: Started | None = None  # started, not yet finished
-        self._after = None  # a gated read's condition: run, then its copies go (start)
+        self._after, self._let_go = None, False  # a gated read's condition; it returned
         self._cuda = cuda
         if cuda is not None:
             self._staging = cuda.page_locked(wave * stride)
@@ -231,7 +231,7 @@ class NativeReader:
             self._wait_started()  # one its caller lost (interrupted): its Started keeps it
             started = Started(self, layer, np.array(experts, np.int32))
             try:
-                self._after = after
+                self._after, self._let_go = after, False
                 self._begin(pos, layer, experts, slots, gated=after is not None)
                 self._pending = started  # nothing raises once the engine has started
             except Exception:
@@ -258,7 +258,7 @@ class NativeReader:
         except Exception as e:  # noqa: BLE001 - the read's outcome
             return e
         finally:
-            self._after = None
+            self._after, self._let_go = None, go
             self.lib.mlxs_open(self.handle, go)
         return None
 
@@ -329,7 +329,7 @@ class NativeReader:
                 t.outcome = e
             if failed is not None:
                 t.outcome = failed
-            elif (self._started[2, : len(t.experts)] == GATE).any():
+            elif self._let_go and (self._started[2, : len(t.experts)] == GATE).any():
                 t.outcome = self._read_again(t)
         self._pending = None
 
