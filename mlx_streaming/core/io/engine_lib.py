@@ -119,7 +119,11 @@ def status_error(rc: int, why: str, path, layer: int, bad: int | None = None) ->
             "split the model again"
         )
     if rc == GATE:  # its slots' users were not done (the read's caller says why), or a defect
-        return RecordReadError(f"{path}: {why} (layer {layer}); the file is not at fault")
+        return RecordReadError(
+            f"{path}: {why} (layer {layer}); the file is not at fault: the wait before the "
+            "copy (the swap tier's trades) failed or was interrupted; the experts are read "
+            "again when next needed"
+        )
     if rc == COPY:  # the file read well: the device refused the copy
         return RecordReadError(
             f"{path}: {why} (layer {layer}): the GPU did not take the copy (out of memory, or "
