@@ -382,9 +382,10 @@ def test_a_gated_read_lands_in_its_slots_only_after_its_wait(models):
         return [r[slot] for r in rows]
 
     r = reader.start(li, [3, 9, 4], [0, 1, 2], after=untouched([0, 1, 2]))
-    time.sleep(0.05)  # long enough for the reads; their copies wait for after()
-    assert seen == [] and all(not r[[0, 1, 2]].any() for r in rows)
-    assert r.done()  # nothing left to read from the file: staged, copies held at the gate
+    until = time.perf_counter() + 10
+    while not r.done() and time.perf_counter() < until:  # read into staging, not copied
+        time.sleep(0.005)
+    assert r.done() and seen == [] and all(not x[[0, 1, 2]].any() for x in rows)
     assert r.result() == 3 * rb and seen == [True]
     for e, s in [(3, 0), (9, 1), (4, 2)]:
         assert_slot_holds(meta, pools, li, s, e)
@@ -492,9 +493,10 @@ def test_a_gate_outwaited_by_a_slow_wait_reads_its_records_again(models):
     _, ed = models.experts("tiny-qwen3_moe")
     meta, pools, reader = reader_over(ed, 4, threads=2, wave=4)
     li = sorted(meta.layers)[0]
-    rb = meta.layers[li].record_bytes
+    rb, calls = meta.layers[li].record_bytes, reader.counters[reader.pos[li], 0]
     r = reader.start(li, [3, 9], [0, 1], after=lambda: time.sleep(1.5))
     assert r.result() == 2 * rb
+    assert reader.counters[reader.pos[li], 0] == calls + 2  # gated, then read again
     assert_slot_holds(meta, pools, li, 0, 3)
     assert_slot_holds(meta, pools, li, 1, 9)
     assert reader.start(li, [5], [2]).result() == rb

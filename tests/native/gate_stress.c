@@ -1,7 +1,8 @@
 /* The native reader's gate under ThreadSanitizer (.ci/sanitize): gated reads opened or
- * cancelled from another thread at random moments while the caller finishes them; then an
- * engine freed while a read is still gated. Each record lands in its slot only once its
- * gate opens, and never once cancelled. Exit status 1 on any wrong outcome. */
+ * cancelled from another thread at random moments while the caller finishes them (and
+ * polls mlxs_staged); then an engine freed while a read is still gated. Each read is staged
+ * before its gate opens; each record lands in its slot only once its gate opens, and never
+ * once cancelled. Exit status 1 on any wrong outcome. */
 #include <assert.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -32,6 +33,7 @@ static void pause_us(int us) {
 static void *open_later(void *arg) {
   Opener *o = arg;
   pause_us(o->delay_us);
+  for (int k = 0; k < 20; k++) mlxs_staged(o->e); /* beside the workers: ThreadSanitizer */
   mlxs_open(o->e, o->go);
   return NULL;
 }
@@ -66,6 +68,10 @@ static int round_trip(Engine *e, char *dst, int it) {
   }
   pause_us(rand() % 100);
   int bad = 0;
+  /* every other round: staged (every piece read, copies held) within 10 s, then opened;
+   * else opened or cancelled while the workers may still read */
+  for (int k = 0; it % 2 && !mlxs_staged(e) && k < 1000000; k++) pause_us(10);
+  bad += it % 2 && !mlxs_staged(e);
   for (int s = 0; s < SLOTS; s++) bad += !holds(dst, s, 0); /* nothing copied yet */
   pthread_t t;
   pthread_create(&t, NULL, open_later, &o);

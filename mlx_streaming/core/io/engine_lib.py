@@ -1,11 +1,13 @@
 """The native engine's library (``engine*.c``, built by ``pip install``): found, loaded
-and declared for ctypes once per process; its statuses and counters."""
+and declared for ctypes once per process; its statuses, counters and request checks."""
 
 from __future__ import annotations
 
 import ctypes
 import threading
 from pathlib import Path
+
+import numpy as np
 
 from ..extensions import extension_path
 
@@ -130,3 +132,16 @@ def status_error(rc: int, why: str, path, layer: int, bad: int | None = None) ->
             "a failed device); the file is not at fault"
         )
     return RecordReadError(f"{path}: {why} (layer {layer}); split the model again")
+
+
+def check_waves(layer: int, e: np.ndarray, s: np.ndarray) -> None:
+    """Refuse, before any wave is read, a request of several waves that no one wave's
+    check would: lengths that differ, a slot named in two waves."""
+    if len(e) != len(s):
+        why = f"{len(e)} experts for {len(s)} slots"
+    else:
+        seen, count = np.unique(s, return_counts=True)
+        if not (count > 1).any():
+            return
+        why = f"bad request: slot {seen[count > 1][0]} named twice"
+    raise ValueError(f"the native reader refused a request: {why} (layer {layer})")

@@ -93,7 +93,7 @@ class Started:
     def done(self) -> bool:
         """Whether nothing is left to read from the files: the read has landed, or (a
         gated read, which lands only once waited for) every piece is in staging, its
-        copies waiting only for its gate."""
+        copies waiting only for its gate (``result()`` may still wait for them)."""
         return self.outcome is not None or self.reader.staged()
 
     def result(self) -> int:

@@ -29,6 +29,7 @@ from .engine_lib import (
     ERR_BYTES,
     GATE,
     N_COUNTERS,
+    check_waves,
     error_buffer,
     hash_function,
     library,
@@ -176,7 +177,7 @@ class NativeReader:
             if len(e) > w or len(e) != len(s):  # what no one wave's check sees (a wave of
                 # a request one slot longer than a wave has as many of each): the engine
                 # checks the rest
-                self._check_waves(layer, e, s)
+                check_waves(layer, e, s)
             calls = 0
             try:
                 for a in range(0, max(len(e), 1), w):
@@ -229,8 +230,8 @@ class NativeReader:
         pos = self.pos[layer]
         with self._lock:
             self._wait_started()  # one its caller lost (interrupted): its Started keeps it
-            started = Started(self, layer, np.array(experts, np.int32))
             try:
+                started = Started(self, layer, np.array(experts, np.int32))
                 self._after, self._let_go = after, False
                 self._begin(pos, layer, experts, slots, gated=after is not None)
                 self._pending = started  # nothing raises once the engine has started
@@ -269,24 +270,15 @@ class NativeReader:
         if self._pending is not None:
             self._wait_started()
             return
-        status, counts = np.zeros(self._wave, np.int32), np.zeros(N_COUNTERS, np.int64)
         try:
             self._open()
         finally:
-            self.lib.mlxs_finish(self.handle, _ptr(status), _ptr(counts), self._err, ERR_BYTES)
+            self._drop()
 
-    @staticmethod
-    def _check_waves(layer: int, e: np.ndarray, s: np.ndarray) -> None:
-        """Refuse, before any wave is read, a request of several waves that no one wave's
-        check would: lengths that differ, a slot named in two waves."""
-        if len(e) != len(s):
-            why = f"{len(e)} experts for {len(s)} slots"
-        else:
-            seen, count = np.unique(s, return_counts=True)
-            if not (count > 1).any():
-                return
-            why = f"bad request: slot {seen[count > 1][0]} named twice"
-        raise ValueError(f"the native reader refused a request: {why} (layer {layer})")
+    def _drop(self) -> None:
+        """mlxs_finish of the read the engine holds, its outcome dropped (under the lock)."""
+        status, counts = np.zeros(self._wave, np.int32), np.zeros(N_COUNTERS, np.int64)
+        self.lib.mlxs_finish(self.handle, _ptr(status), _ptr(counts), self._err, ERR_BYTES)
 
     def _begin(
         self, pos: int, layer: int, experts, slots, now: bool = False, gated: bool = False
@@ -343,6 +335,9 @@ class NativeReader:
             return self._end(pos, t.layer, t.experts)
         except Exception as e:  # noqa: BLE001 - raised again on each result()
             return e
+        except BaseException:  # an interrupt before its finish: the engine lets it go
+            self._drop()
+            raise
 
     def wait_started(self) -> None:
         """Finish the started read, if one is not yet finished (its ``Started`` keeps
