@@ -739,6 +739,55 @@ def test_a_bounded_tier_s_reads_land_after_trades_that_move_late(models, monkeyp
     store.close()
 
 
+def test_a_read_still_held_lands_before_the_tier_s_next_trades(models):
+    """A gated read whose caller lost it (an interrupt before its load was waited for):
+    the tier's next ``take`` finishes it first (its trades' wait, then its copies), so the
+    next trades never move bytes from a slot the held read has yet to fill."""
+    ck, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    slots = meta.top_k + 1
+    cfg = StreamConfig(swap_tier=True, swap_tier_gb=_rest_gb(meta, slots) / 3, threads=2)
+    model, store = patched(ck, ed, config=cfg, capacity=slots)
+    assert_exact(model, ck)  # the pools full: every slot has a victim
+    tier, files = store.reader.tier, store.reader.files
+
+    def outside(li):  # a slot, its expert, and an expert in neither pool nor tier
+        cache = store.caches[li]
+        e = next(
+            e for e in range(meta.num_experts) if cache.slot_of[e] < 0 and tier.home[li][e] < 0
+        )
+        return 0, int(cache.expert_in[0]), e
+
+    def holds(li, s, e):
+        raw = np.fromfile(meta.file(li), np.uint8)[e * meta.layers[li].stride :]
+        pool = store.pool(li)
+        return all(
+            np.array_equal(np.array(pool.arrays[p.name][s]).reshape(-1).view(np.uint8),
+                           raw[p.offset : p.offset + p.nbytes])
+            for p in meta.layers[li].parts
+        )  # fmt: skip
+
+    (la, lb), waited = store.layers[:2], []
+    sa, va, ea = outside(la)
+    sb, _, eb = outside(lb)
+    assert holds(la, sa, va)
+
+    def move_late(layer, trades):  # as the GPU's: the bytes move when waited for
+        return lambda: (waited.append(layer), tier.trade_on_host(layer, trades))
+
+    held = tier.take(la, [ea], [sa], move_late, files)  # its caller never waits for it
+
+    def move_now(layer, trades):
+        assert waited == [la] and holds(la, sa, ea), "the held read had not landed"
+        tier.trade_on_host(layer, trades)
+
+    later = tier.take(lb, [eb], [sb], move_now, files)
+    rb = meta.layers[la].record_bytes
+    assert held.result() == rb and later.result() == rb  # a read each (victims out: free)
+    assert holds(la, sa, ea) and holds(lb, sb, eb) and tier.home[la][va] >= 0
+    store.close()
+
+
 def test_a_trade_cut_short_is_refused_after_and_a_failed_start_heals(models, monkeypatch):
     """A trade interrupted part way (bytes moved, tables not) leaves the tier refusing
     every later load with a clear error, rather than serving wrong bytes (before: the
