@@ -225,3 +225,33 @@ def finish(a, name: str, result: dict, t0: float | None = None, quiet=()) -> dic
     )
     save(a, out)
     return out
+
+
+def held_out_gap(trace, tokens: int, others) -> dict:
+    """Demand misses per token over six layers across the model, on the trace's held-out
+    second half (``tokens`` of it), at 8, 16 and 32 slots: ``lru``, ``predictive`` and
+    Belady beside ``others(slots, layers, start, n)`` ({name: misses per token}), each
+    with the share of the LRU-to-Belady gap it closes."""
+    import numpy as np
+
+    from mlx_streaming.planning.simulate import simulate
+
+    half = trace.tokens // 2
+    n = min(trace.tokens - half, tokens)
+    layers = [int(x) for x in np.linspace(1, trace.layers - 1, 6)]
+    rows = []
+    for slots in (8, 16, 32):
+        per = {
+            pol: sum(
+                simulate(trace, pol, slots, layers=layers, start=half, tokens=n).misses.values()
+            )
+            / n
+            for pol in ("lru", "predictive", "belady")
+        }
+        per.update(others(slots, layers, half, n))
+        lru, bel = per["lru"], per["belady"]
+        row = {"slots": slots, "misses_per_token": {k: round(v, 3) for k, v in per.items()}}
+        row["gap_closed"] = {k: round((lru - v) / (lru - bel), 3) for k, v in per.items()}
+        rows.append(row)
+        log(row)
+    return {"layers": layers, "tokens": n, "rows": rows}

@@ -22,12 +22,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
-from harness import TRACE, finish, log, parser  # noqa: E402
+from harness import TRACE, finish, held_out_gap, parser  # noqa: E402
 
 from mlx_streaming.core.cache.base_policy import Policy  # noqa: E402
 from mlx_streaming.core.cache.policy import Belady, make_policy  # noqa: E402
 from mlx_streaming.core.cache.slots import SlotCache  # noqa: E402
-from mlx_streaming.planning.simulate import layer_lookups, simulate  # noqa: E402
+from mlx_streaming.planning.simulate import layer_lookups  # noqa: E402
 from mlx_streaming.planning.trace import RoutingTrace  # noqa: E402
 
 HORIZONS = (1, 2, 4, 8, 16, 64)
@@ -85,27 +85,17 @@ def main():
     p.add_argument("--tokens", type=int, default=4000, help="held-out tokens replayed")
     a = p.parse_args()
     tr = RoutingTrace.load(a.trace or TRACE)
-    half, E = tr.tokens // 2, tr.num_experts
-    n = min(tr.tokens - half, a.tokens)
-    layers = [int(x) for x in np.linspace(1, tr.layers - 1, 6)]
-    seqs = {li: layer_lookups(tr, li, half, n) for li in layers}
-    rows = []
-    for slots in (8, 16, 32):
-        per = {
-            pol: sum(simulate(tr, pol, slots, layers=layers, start=half, tokens=n).misses.values())
+
+    def horizons(slots, layers, start, n):
+        seqs = {li: layer_lookups(tr, li, start, n) for li in layers}
+        return {
+            f"h{h}+{base}": sum(misses(seqs[li], tr.num_experts, slots, h, base) for li in layers)
             / n
-            for pol in ("lru", "predictive", "belady")
+            for base in ("lru", "predictive")
+            for h in HORIZONS
         }
-        for base in ("lru", "predictive"):
-            for h in HORIZONS:
-                m = sum(misses(seqs[li], E, slots, h, base) for li in layers)
-                per[f"h{h}+{base}"] = m / n
-        lru, bel = per["lru"], per["belady"]
-        row = {"slots": slots, "misses_per_token": {k: round(v, 3) for k, v in per.items()}}
-        row["gap_closed"] = {k: round((lru - v) / (lru - bel), 3) for k, v in per.items()}
-        rows.append(row)
-        log(row)
-    finish(a, "horizon_eviction", {"layers": layers, "tokens": n, "rows": rows})
+
+    finish(a, "horizon_eviction", held_out_gap(tr, a.tokens, horizons))
 
 
 if __name__ == "__main__":

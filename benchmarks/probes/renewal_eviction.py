@@ -21,9 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
-from harness import TRACE, finish, log, parser  # noqa: E402
+from harness import TRACE, finish, held_out_gap, parser  # noqa: E402
 
-from mlx_streaming.planning.simulate import layer_lookups, simulate  # noqa: E402
+from mlx_streaming.planning.simulate import layer_lookups  # noqa: E402
 from mlx_streaming.planning.trace import RoutingTrace  # noqa: E402
 
 WARM = 2000
@@ -69,30 +69,24 @@ def main():
     p.add_argument("--prior", type=float, default=4.0)
     a = p.parse_args()
     tr = RoutingTrace.load(a.trace or TRACE)
-    half, E = tr.tokens // 2, tr.num_experts
-    n = min(tr.tokens - half, a.tokens)
-    layers = [int(x) for x in np.linspace(1, tr.layers - 1, 6)]
-    rows = []
-    for slots in (8, 16, 32):
-        per = {
-            pol: sum(simulate(tr, pol, slots, layers=layers, start=half, tokens=n).misses.values())
-            / n
-            for pol in ("lru", "predictive", "belady")
-        }
-        for name, surv in (("renewal", False), ("renewal+survival", True)):
-            m = sum(
+
+    def renewals(slots, layers, start, n):
+        return {
+            name: sum(
                 renewal_misses(
-                    layer_lookups(tr, li, half - WARM, n + WARM), E, slots, a.prior, surv
-                )
+                    layer_lookups(tr, li, start - WARM, n + WARM),
+                    tr.num_experts,
+                    slots,
+                    a.prior,
+                    surv,
+                )  # fmt: skip
                 for li in layers
             )
-            per[name] = m / n
-        lru, bel = per["lru"], per["belady"]
-        row = {"slots": slots, "misses_per_token": {k: round(v, 3) for k, v in per.items()}}
-        row["gap_closed"] = {k: round((lru - v) / (lru - bel), 3) for k, v in per.items()}
-        rows.append(row)
-        log(row)
-    finish(a, "renewal_eviction", {"layers": layers, "tokens": n, "rows": rows})
+            / n
+            for name, surv in (("renewal", False), ("renewal+survival", True))
+        }
+
+    finish(a, "renewal_eviction", held_out_gap(tr, a.tokens, renewals))
 
 
 if __name__ == "__main__":
