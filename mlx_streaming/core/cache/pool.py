@@ -68,9 +68,10 @@ class LayerPool:
                 mx.eval(arr)
                 self._rows[p.name] = _host_view(base)
             self.arrays[p.name] = arr
-        rows = self._dev if self.mode == "cuda" else None
         self._pointers = [  # fixed for the pool's life: computed once
-            rows[p.name] if rows else (self._rows[p.name].ctypes.data, self._rows[p.name].shape[1])
+            self._dev[p.name]
+            if self.mode == "cuda"
+            else (self._rows[p.name].ctypes.data, self._rows[p.name].shape[1])
             for p in layout.parts
         ]
         self._lut_dev, self._lut_stale = 0, False

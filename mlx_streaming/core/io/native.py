@@ -331,7 +331,7 @@ class NativeReader:
         n, pos = len(t.experts), self.pos[t.layer]
         slots = self._started[1, :n].copy()  # the request's slots, still in its buffer
         try:
-            self._begin(pos, t.layer, t.experts.copy(), slots, now=True)
+            self._begin(pos, t.layer, t.experts, slots, now=True)
             return self._end(pos, t.layer, t.experts)
         except Exception as e:  # noqa: BLE001 - raised again on each result()
             return e
