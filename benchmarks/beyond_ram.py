@@ -119,7 +119,10 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
                     cwd=str(Path(__file__).parent),
                 )  # fmt: skip
                 if out.returncode != 0:
-                    raise RuntimeError(f"{method} at {r} (oracle {oracle}): {out.stderr[-3000:]}")
+                    why = f"rc {out.returncode}{killed_note()}"
+                    raise RuntimeError(
+                        f"{method} at {r} (oracle {oracle}), {why}: {out.stderr[-3000:]}"
+                    )
                 row = json.loads(out.stdout.strip().splitlines()[-1])
                 log(row)
                 rows.append(row)
@@ -170,6 +173,26 @@ def disk_read_bytes() -> int:
         return int(next(x for x in f if x.startswith("read_bytes:")).split()[1])
 
 
+def killed_note() -> str:
+    """What a dead child's memory cgroup says (its group outlives a process killed
+    outright): the OOM kills and the peak, or "" where there is none."""
+    notes = []
+    for g in Path("/sys/fs/cgroup").glob("mlxs-beyond-ram-*"):
+        events = (g / "memory.events").read_text() if (g / "memory.events").exists() else ""
+        kills = next((x.split()[1] for x in events.splitlines() if x.startswith("oom_kill ")), "?")
+        peak = (g / "memory.peak").read_text().strip() if (g / "memory.peak").exists() else "0"
+        notes.append(f"{g.name}: oom_kill {kills}, peak {int(peak) / 1e9:.2f} GB")
+    return "; " + "; ".join(notes) if notes else ""
+
+
+def in_use(job: dict, when: str) -> None:
+    """Under a memory limit, what the process holds beside the page cache, on stderr (a
+    process the limit kills says how far it got)."""
+    if job["limit"]:
+        held = (job["limit"] - page_cache_room()) / 1e9
+        print(f"{when}: {held:.2f} GB in use beside the page cache", file=sys.stderr, flush=True)
+
+
 def page_cache_room() -> int:
     """What the memory cgroup leaves the page cache: its limit less what else it holds."""
     from mlx_streaming.core.mem import cgroup_memory
@@ -215,10 +238,12 @@ def child(job: dict) -> dict:
         meta, rt.threads, rt.direct_io, cold=True, engine=rt.reader != "python"
     )
     drop_page_cache([*files, *ck.glob("*.safetensors")])
+    in_use(job, "before load")
     t0 = time.perf_counter()
     model, tok, store, routing = streamed(ck, ed, trace, start, slots=slots, config=cfg)
     follow(cfg, routing)
     load_s = time.perf_counter() - t0
+    in_use(job, "loaded")
     rt = store.runtime  # as the store weighed it (with its pools: CUDA's default tier)
     tier_bytes = store.reader.mapped_bytes if rt.reader == "tier" else 0  # a swap tier
     bounded = bool(tier_bytes) and store.reader.tier.partial  # --swap-tier-gb: the rest read
@@ -226,6 +251,7 @@ def child(job: dict) -> dict:
     t1 = time.perf_counter()
     first = decode_run(model, tok, ids, 1, first_only=True)  # cold: prompt, first token
     ttft = time.perf_counter() - t1
+    in_use(job, "first token")
     runs, per_run, wall, disk = [], [], 0.0, 0
     room = Sampler(lambda: (page_cache_room(),), 0.05) if job["limit"] else nullcontext()
     with room:
@@ -234,6 +260,7 @@ def child(job: dict) -> dict:
             runs.append(run["tps"])
             per_run.append((run["totals"], run["steps"]))
             wall, disk = wall + run["wall_s"], disk + run["disk_bytes"]
+            in_use(job, "a run")
     tokens_run = sum(n for _, n in per_run)  # decode steps, the prompts left out
     disk_tok = disk / tokens_run
     bytes_tok = sum(t["bytes_read"] for t, _ in per_run) / tokens_run

@@ -196,6 +196,9 @@ drop_page_cache([path])
 with open(path, "rb") as f:
     while f.read(8 << 20):
         pass
+import mmap
+shared = mmap.mmap(-1, 64 << 20)  # shared memory (as CUDA's page-locked): not page cache
+shared.write(b"x" * (64 << 20))
 limit, used, cache = cgroup_memory()
 print("LIMIT", limit, used, cache, machine_memory()[0])
 """
@@ -204,7 +207,8 @@ print("LIMIT", limit, used, cache, machine_memory()[0])
 def test_a_memory_limit_keeps_the_page_cache_within_it(tmp_path):
     """``enter_memory_limit`` (bench --memory-limit-gb, speed.py --beyond-ram memlimit):
     reading a file larger than the limit leaves at most the limit charged, and the
-    process sees the limit as its machine's memory. Skipped without a writable memory
+    process sees the limit as its machine's memory, shared memory (CUDA's page-locked
+    swap tier) not counted as reclaimable page cache. Skipped without a writable memory
     cgroup (it needs root)."""
     path = tmp_path / "big.bin"
     with open(path, "wb") as f:
@@ -217,6 +221,7 @@ def test_a_memory_limit_keeps_the_page_cache_within_it(tmp_path):
         pytest.skip(r.stdout.strip())
     limit, used, cache, total = map(int, r.stdout.split("LIMIT")[1].split())
     assert limit == 256 << 20 and used <= limit and 0 < cache <= limit and total == limit
+    assert cache + (64 << 20) <= used  # the shared mapping is in use, not reclaimable
 
 
 KILLED_CHILD = """

@@ -203,7 +203,9 @@ def pool_memory() -> tuple[int, int, str]:
 
 def cgroup_memory() -> tuple[int, int, int] | None:
     """``(limit, used, page cache)`` bytes of this process's memory cgroup (v2 or v1),
-    or None where it has no limit (or no cgroup can be read)."""
+    or None where it has no limit (or no cgroup can be read). The page cache is what the
+    kernel may reclaim, its file lists: not shared memory (CUDA's page-locked host memory,
+    a swap tier's, is charged as such) nor locked pages, which the group's ``file`` holds."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
@@ -212,10 +214,10 @@ def cgroup_memory() -> tuple[int, int, int] | None:
         _, ctrls, path = line.split(":", 2)
         path = path.lstrip("/")
         if ctrls == "":  # v2
-            names = ("memory.max", "memory.current", "file")
+            names = ("memory.max", "memory.current", "")  # (memory.stat's key prefix)
             roots = [Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")]
         elif "memory" in ctrls.split(","):  # v1
-            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_")
             roots = [Path("/sys/fs/cgroup/memory")]
         else:
             continue
@@ -229,7 +231,8 @@ def cgroup_memory() -> tuple[int, int, int] | None:
                 continue
             if raw == "max" or int(raw) >= 1 << 60:  # v1 writes "no limit" as ~2**63
                 continue
-            return int(raw), used, int(stat.get(names[2], 0))
+            lists = (f"{names[2]}{k}_file" for k in ("active", "inactive"))
+            return int(raw), used, sum(int(stat.get(k, 0)) for k in lists)
     return None
 
 

@@ -31,10 +31,10 @@ import numpy as np
 from ..format import ExpertChecksumError, record_checksum
 from .futures import Done
 
-# host memory the tier leaves to what the process allocates after load (on CUDA its pools
-# and KV cache live on the GPU; DS2-Lite at 50% in a 6 GB cgroup: 4.05 GB of tier beside
-# 0.94 GB in use, which 1 GB refused)
-MARGIN = 512 << 20
+# host memory the tier leaves to what the process allocates after it is sized (on CUDA
+# the pools and KV cache live on the GPU; DS2-Lite at 25% in a 6 GB cgroup held 0.30 GB
+# as an auto tier was sized, 0.56 GB loaded and 0.97 GB decoding: 512 MiB was OOM-killed)
+MARGIN = 1 << 30
 
 
 @dataclass
