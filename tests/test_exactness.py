@@ -576,6 +576,17 @@ def test_an_auto_swap_tier_takes_what_memory_holds_and_streams_exactly(models, m
         assert_exact(model, ck)
     finally:
         store.close()
+    from mlx_streaming.core.runtime import resolve
+
+    chosen = resolve(cfg, meta)  # bounded: as CUDA's default resolves it in that memory
+    default = FileExpertStore(ed, meta.top_k, config=StreamConfig(), runtime=chosen)
+    try:  # the default's tier (swap_tier left None) takes what memory holds, as auto does
+        assert default.reader.tier.partial and default.reader.files is not None
+        said = default.runtime.reason("reader")
+        assert said.startswith("the files do not fit in half of memory, as large as memory")
+        assert f"bounded to {default.reader.tier.nbytes / 1e9:.2f} GB" in said
+    finally:
+        default.close()
 
 
 def test_the_default_s_swap_tier_falls_back_to_the_page_cache(models, monkeypatch):

@@ -413,7 +413,7 @@ def test_plan_splits_memory_between_pools_and_the_page_cache(tmp_path, capsys):
     with pytest.raises(ValueError, match="--memory-gb needs a compute time"):
         cmd.main(args)
     with pytest.raises(
-        ValueError, match=r"--memory-gb 0.01: .*beside the 0.54 GB .*takes 0.586 GB; raise it"
+        ValueError, match=r"--memory-gb 0.01: .*beside the 1.07 GB .*takes 1.123 GB; raise it"
     ):
         cmd.main([*args[:-3], "0.01", *args[-2:], "--t-compute-ms", "1", "--read-gbps", "1"])
     with pytest.raises(ValueError, match="give --memory-gb .* or --host-gb .* not both"):

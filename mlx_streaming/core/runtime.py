@@ -12,9 +12,9 @@ The choices, per backend (``docs/ARCHITECTURE.md`` has the table, checked by a t
   and the tests' oracle), ``device`` (CUDA with the files mapped: the GPU copies each
   record from the page-locked mapping itself, on both paths) or ``tier`` (the experts the
   pools do not hold, in host memory; each miss trades places with its victim, on CUDA by
-  the GPU: asked for, or CUDA's default where the files do not fit in half of memory and
-  the tier fits).
-* decode path: ``device`` (CUDA, files mapped or a swap tier: a decode step's misses are
+  the GPU: asked for, or CUDA's default where the files do not fit in half of memory:
+  whole where it fits, else bounded to what memory holds, the rest read from the files).
+* decode path: ``device`` (CUDA, files mapped or a whole swap tier: a step's misses are
   planned and copied on the GPU, no host synchronisation) or ``host`` (the routing read on
   the host each MoE layer call).
 * rows, overlap, zero slot, threads, kernel check.
@@ -26,20 +26,18 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from . import mem
 from .io.reader import INLINE_BYTES
 from .mem import HostShare
 from .options import StreamConfig
 
 GB = 1e9
-# On the CPU, records of at most INLINE_BYTES (the reader's own threshold for reading on the
-# calling thread) are read inline and without the overlap split.
-# The split costs a second launch per call with misses (an ``async_eval``, which blocks on
-# MLX's CPU backend: ~100 µs on two cores) and waking the reader's threads ~40 µs more
-# than reading such a record on the calling thread; both pay only for records whose read
-# takes longer. The trained demo model (31 KiB records): 0.85 of stock without the split,
-# 0.77-0.79 with it (benchmarks/demo_gap.py, 2026-12-02); then 0.903/0.912 reading inline
-# against 0.889/0.880 on 4 threads (15 alternating pairs each, 2026-12-03). DeepSeek-V2-
-# Lite's 4-bit shape (0.55 MB records): 0.854 with the split, 0.811 without at 12.5%.
+# On the CPU, records of at most INLINE_BYTES (the reader's own threshold) are read inline,
+# without the overlap split: its second launch (an ``async_eval``, ~100 µs on two cores)
+# and waking the reader's threads (~40 µs) pay only for longer reads. The trained demo
+# model (31 KiB records): 0.85 of stock without the split, 0.77-0.79 with it; 0.903/0.912
+# inline against 0.889/0.880 on 4 threads (benchmarks/demo_gap.py, 2026-12-02/03).
+# DeepSeek-V2-Lite's 4-bit shape (0.55 MB records): 0.854 with the split, 0.811 without.
 
 
 class RuntimeChoiceError(ValueError):
@@ -139,7 +137,7 @@ def resolve(
     share = host or HostShare()
 
     def available() -> int:  # this process's share of the memory available
-        return share.available((memory if memory is not None else _memory())[1])
+        return share.available((memory if memory is not None else mem.machine_memory())[1])
 
     def refuse(msg: str):
         raise RuntimeChoiceError(msg)
@@ -205,7 +203,10 @@ def resolve(
             f"of {avail / GB:.0f} GB available{share.said()}"
         )
         if not mapped and cfg.swap_tier is None and not (cfg.prefetch or cfg.reader):
-            swap_tier, why["mapped"] = _tier_fits(meta, slots, avail, why["mapped"], share.reserve)
+            whole, bounded, why["mapped"] = _tier_fits(
+                meta, slots, avail, why["mapped"], share.reserve
+            )
+            swap_tier = whole or bounded
 
     # the reader
     want = cfg.reader.value if cfg.reader is not None else None
@@ -242,14 +243,13 @@ def resolve(
         if not engine_available:
             reader, why["reader"] = "python", f"the native reader is not installed ({missing})"
     files_reader = reader  # a partial swap tier's reader of the rest
-    if cfg.swap_tier:
-        auto = cfg.swap_tier_gb == "auto"
-        most = "what memory holds" if auto else f"{cfg.swap_tier_gb or 0:g} GB"
-        reader, why["reader"] = "tier", "swap_tier asked for" + (
+    if swap_tier:  # asked for, or CUDA's default
+        auto, gb = cfg.swap_tier_gb == "auto", cfg.swap_tier_gb
+        most = "what memory holds" if auto or gb is None else f"{gb:g} GB"
+        asked = "swap_tier asked for" if cfg.swap_tier else "the files do not fit in half of memory"
+        reader, why["reader"] = "tier", asked + (
             f", at most {most}: the rest read by the {files_reader} reader" if bounded
             else ", as large as memory holds: whole" if auto else "")  # fmt: skip
-    elif swap_tier:
-        reader, why["reader"] = "tier", "the files do not fit in half of memory, the tier does"
 
     # the decode path: the GPU copies from the mappings or trades with the tier
     gpu_source = pool_mode == "cuda" and (mapped or reader == "tier")
@@ -272,7 +272,8 @@ def resolve(
         decode_path, why["decode_path"] = "host", "device_reads turned off"
     elif bounded and reader == "tier":
         decode_path = "host"  # the device path cannot read the files
-        why["decode_path"] = "a bounded swap tier: misses beyond it are read from the files"
+        why["decode_path"] = why["mapped"] if not cfg.swap_tier else (
+            "a bounded swap tier: misses beyond it are read from the files")  # fmt: skip
     elif gpu_source and not cfg.prefetch:
         decode_path = "device"
         why["decode_path"] = why.get("mapped", "") or "the swap tier"
@@ -353,26 +354,28 @@ def pool_zero_slot(cfg: StreamConfig, backend: str | None = None) -> bool:
     return cfg.zero_slot if cfg.zero_slot is not None else _rows(cfg, b) != "subset"
 
 
-def _tier_fits(meta, slots, avail: int, why: str, reserve: int = 0) -> tuple[bool, str]:
+def _tier_fits(meta, slots, avail: int, why: str, reserve: int = 0) -> tuple[bool, bool, str]:
     """Whether CUDA's default takes a whole swap tier (the experts the pools do not hold,
     page-locked) where the files do not fit, leaving ``MARGIN`` and ``reserve`` (the
-    trunk's load) beside it, and the load line's reason."""
+    trunk's load) beside it; else whether a bounded one has room (a record a layer); and
+    the load line's reason."""
     from .io.tier import MARGIN, rows_bytes, tier_rows
 
     if not slots:
-        return False, why
-    need = rows_bytes(meta, tier_rows(meta, slots))
-    beside = MARGIN + reserve
+        return False, False, why
+    rest = tier_rows(meta, slots)
+    need, beside = rows_bytes(meta, rest), MARGIN + reserve
     if need + beside <= avail:
-        return True, why + (
-            f"; the swap tier fits ({need / GB:.1f} GB of experts the pools do not hold): the "
-            "GPU trades with it (--no-swap-tier: read through the page cache)"
-        )
+        why += f"; the swap tier fits ({need / GB:.1f} GB of experts the pools do not hold): "
+        return True, False, why + "the GPU trades with it (--no-swap-tier: the page cache)"
+    room = avail - beside >= rows_bytes(meta, {li: min(1, n) for li, n in rest.items()}) > 0
     trunk = f", {reserve / GB:.1f} GB of them for the trunk as it loads" if reserve else ""
-    return False, why + (
-        f"; nor does a swap tier ({need / GB:.1f} GB and {beside / GB:.1f} GB beside it{trunk}): "
-        "misses read through the page cache (--swap-tier --swap-tier-gb auto, or G: a bounded tier)"
-    )
+    why += f"; nor does a whole swap tier ({need / GB:.1f} GB and {beside / GB:.1f} GB beside it{trunk}): "
+    if not room:
+        return False, False, why + "misses read through the page cache"
+    why += f"a bounded one ({(avail - beside) / GB:.1f} GB) holds the experts the pools gave up "
+    why += "last, misses beyond it read from the files (--swap-tier-gb G: another bound; "
+    return False, True, why + "--no-swap-tier: the page cache alone)"
 
 
 def files_bytes(meta) -> int:
@@ -380,12 +383,6 @@ def files_bytes(meta) -> int:
     if meta is None:
         return 0
     return sum(meta.file(li).stat().st_size for li in meta.layers)
-
-
-def _memory() -> tuple[int, int]:
-    from .mem import machine_memory
-
-    return machine_memory()
 
 
 def _linux() -> bool:

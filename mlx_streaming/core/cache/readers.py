@@ -27,15 +27,18 @@ def open_reader(
     a warning and the page cache's reader, the runtime saying why; where an ``auto``
     tier no longer fits whole, a warning and a bounded one (the host path). What was
     asked for, or a file's own error, is raised."""
-    auto = cfg.swap_tier_gb == "auto"
+    default = runtime.reader == "tier" and cfg.swap_tier is None  # CUDA's default's tier
+    auto = cfg.swap_tier_gb == "auto" or default  # (whole where the device path has it)
+    tier_gb = "auto" if default else cfg.swap_tier_gb
     try:
-        reader = make_reader(runtime, meta, pools, cfg.swap_tier_gb, tick, host)
+        reader = make_reader(runtime, meta, pools, tier_gb, tick, host)
     except MemoryError as e:
         if not (auto and runtime.decode_path == "device"):
             return _without(runtime, cfg, meta, pools, tick, e)
         warnings.warn(f"{e}; the swap tier is bounded instead", RuntimeWarning, stacklevel=3)
-        runtime = resolve(cfg, meta, runtime.backend, host=host)  # no slots: bounded
-        reader = make_reader(runtime, meta, pools, cfg.swap_tier_gb, tick, host)
+        bound = cfg.replace(swap_tier=True, swap_tier_gb="auto") if default else cfg
+        runtime = resolve(bound, meta, runtime.backend, host=host)  # no slots: bounded
+        reader = make_reader(runtime, meta, pools, tier_gb, tick, host)
     except OSError as e:
         return _without(runtime, cfg, meta, pools, tick, e)
     if auto and runtime.reader == "tier":  # the size memory gave it
@@ -44,8 +47,8 @@ def open_reader(
             how = f"bounded to {gb}, the rest read by the {runtime.files_reader} reader"
         else:  # nothing is read from the files after load
             how = f"whole, {gb}" + (" (--direct-io unused: no file reads)" if cfg.direct_io else "")
-        why = f"swap_tier asked for, as large as memory holds: {how}"
-        runtime = runtime.revised({"reader": why})
+        asked = "swap_tier asked for" if not default else "the files do not fit in half of memory"
+        runtime = runtime.revised({"reader": f"{asked}, as large as memory holds: {how}"})
     return reader, runtime
 
 
