@@ -177,11 +177,14 @@ def killed_note() -> str:
     """What a dead child's memory cgroup says (its group outlives a process killed
     outright): the OOM kills and the peak, or "" where there is none."""
     notes = []
-    for g in Path("/sys/fs/cgroup").glob("mlxs-beyond-ram-*"):
-        events = (g / "memory.events").read_text() if (g / "memory.events").exists() else ""
-        kills = next((x.split()[1] for x in events.splitlines() if x.startswith("oom_kill ")), "?")
-        peak = (g / "memory.peak").read_text().strip() if (g / "memory.peak").exists() else "0"
-        notes.append(f"{g.name}: oom_kill {kills}, peak {int(peak) / 1e9:.2f} GB")
+    for g in Path("/sys/fs/cgroup").glob("mlxs-beyond-ram-*"):  # (cgroup v2)
+        try:
+            events = (g / "memory.events").read_text().splitlines()
+            kills = next((x.split()[1] for x in events if x.startswith("oom_kill ")), "?")
+            peak = int((g / "memory.peak").read_text())
+        except (OSError, ValueError):
+            continue  # the child's own error stands
+        notes.append(f"{g.name}: oom_kill {kills}, peak {peak / 1e9:.2f} GB")
     return "; " + "; ".join(notes) if notes else ""
 
 
@@ -226,6 +229,8 @@ def child(job: dict) -> dict:
     trace = None if job["trace"] in (None, "none") else RoutingTrace.load(job["trace"])
     cfg = StreamConfig(**job["stream"])  # memlimit with --direct-io: both at once
     cfg = cfg.replace(direct_io=job["method"] == "direct" or cfg.direct_io)
+    if job["method"] == "direct" and cfg.swap_tier is None:  # every miss from the disk,
+        cfg = cfg.replace(swap_tier=False)  # not CUDA's default tier where memory is short
     # read-ahead by a simulated oracle (a what-if), or as asked: by the trace's transitions
     how = job["oracle"] or ("transition" if cfg.prefetch and trace is not None else None)
     if how is not None:

@@ -618,6 +618,17 @@ def test_the_default_s_swap_tier_falls_back_to_the_page_cache(models, monkeypatc
         store.close()
     with pytest.raises(MemoryError, match="short"):  # asked for: the error is the answer
         FileExpertStore(ed, meta.top_k, config=StreamConfig(swap_tier=True), runtime=chosen)
+    whole = chosen.replace(decode_path="device")  # the default's whole tier, as on CUDA
+    with pytest.warns(RuntimeWarning) as said:  # bounded instead, and that short too
+        store = FileExpertStore(ed, meta.top_k, config=StreamConfig(), runtime=whole)
+    try:
+        assert [str(w.message).endswith(end) for w, end in zip(said, ("bounded instead",
+                "pread instead"))] == [True, True], [str(w.message) for w in said]  # fmt: skip
+        assert store.runtime.reader != "tier" and store.runtime.decode_path == "host"
+    finally:
+        store.close()
+    with pytest.raises(MemoryError, match="short"):  # the device path's reads: the answer
+        FileExpertStore(ed, meta.top_k, config=StreamConfig(device_reads=True), runtime=whole)
 
     def cut(*a, **kw):
         raise OSError("a file is cut short")

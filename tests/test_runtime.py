@@ -100,9 +100,10 @@ def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(met
     """Beyond half of memory, CUDA's default is the swap tier where the experts the
     pools do not hold fit beside what the trunk's load takes (the device path trades
     with it: 0.86 of stock at 50% in a 6 GB cgroup, against the page cache's host
-    path's 0.16); where they do not, a tier bounded to what memory holds (the host path:
-    28.8 tok/s at 25% in 6 GB on an H100 against the page cache's 12.9), and the page
-    cache only where not even a record a layer fits; each saying why."""
+    path's 0.16); where they do not, a tier bounded to what memory holds (the host path;
+    a 4.43 GB bounded tier with --direct-io: 28.8 tok/s at 25% in 6 GB on an H100 against
+    the page cache's 12.9), and the files alone only where not even a record a layer
+    fits; each saying why."""
     from mlx_streaming.core.io import tier
     from mlx_streaming.core.runtime import files_bytes
 
@@ -126,8 +127,20 @@ def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(met
     one = sum(meta.layers[li].stride for li in slots)  # a record a layer: the least tier
     none = cuda(StreamConfig(), meta, (one + 999, one + 999), slots=slots)
     assert (none.reader, none.decode_path) == ("native", "host")
-    assert "misses read through the page cache" in none.line()
+    assert "misses read from the files" in none.line()
     assert cuda(StreamConfig(), meta, (one + 1000,) * 2, slots=slots).reader == "tier"
+    # direct_io: the files beyond a bounded tier read around the page cache; where the
+    # files fit in half of memory, no tier and no mapping
+    direct = cuda(StreamConfig(direct_io=True), meta, tight, slots=slots)
+    assert (direct.reader, direct.decode_path, direct.direct_io) == ("tier", "host", True)
+    assert cuda(StreamConfig(direct_io=True), meta, mem, slots=slots).decode_path == "device"
+    alone = cuda(StreamConfig(direct_io=True), meta, (4 * files,) * 2, slots=slots)
+    assert (alone.reader, alone.mapped) == ("native", False)
+    assert "direct_io reads around the page cache" in alone.line()
+    # the device path's reads cannot have a bounded tier: refused, naming what is short
+    with pytest.raises(RuntimeChoiceError, match="nor does a whole swap tier") as e:
+        cuda(StreamConfig(device_reads=True), meta, tight, slots=slots)
+    assert "--swap-tier-gb" not in str(e.value) and "a bounded one" not in str(e.value)
     trunk = room - need - 1000  # the trunk's load takes what is left beside the tier
     at = cuda(StreamConfig(), meta, mem, slots=slots, host=HostShare(reserve=trunk))
     assert (at.reader, at.decode_path) == ("tier", "device")

@@ -96,8 +96,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--memory-limit-gb",
         type=positive_float,
         help="run within a memory cgroup of this size (needs root): larger than RAM, the "
-        "page cache holds only what the trunk and pools leave of it (with --direct-io, "
-        "none); not with --compare-stock",
+        "page cache (or on CUDA the default's swap tier) holds only what the trunk and pools "
+        "leave of it; not with --compare-stock",
     )
     s.add_argument(
         "--t-compute-ms",

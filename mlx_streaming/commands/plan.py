@@ -210,7 +210,7 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
                                beneath=(tier,), zero_slot=True, host_s=host_s,
                                device_whole=True, **sim)  # fmt: skip
         rows.sort(key=lambda r: -r["predicted_tok_per_s"])
-        for r in rows:  # CUDA's default takes a whole swap tier where it fits
+        for r in rows:  # CUDA's default takes a swap tier (whole where it fits)
             r["flags"] += " --no-swap-tier" if r["tier"] == "page cache" else ""
         what = f"pools on the device, {what} beneath them"
     if a.json:

@@ -89,8 +89,8 @@ class StreamConfig:
         "(page-locked on CUDA), read from the files once at load: each miss trades places "
         "with its victim, so pools and tier hold the model once and no miss reads the disk; "
         "host memory needed: the experts less the pools (default: on CUDA where the files "
-        "do not fit in half of memory and the tier fits; on unified memory a bigger pool "
-        "does better)",
+        "do not fit in half of memory, whole where it fits, else bounded to what memory "
+        "holds; on unified memory a bigger pool does better)",
     )  # fmt: skip
     swap_tier_gb: float | str | None = option(
         None, "with --swap-tier: at most this many GB of host memory for the tier, or auto: "

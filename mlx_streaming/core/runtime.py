@@ -192,21 +192,20 @@ def resolve(
     elif cfg.map_files is not None:
         mapped = cfg.map_files
         why["mapped"] = "asked for" if mapped else "turned off"
-    elif cfg.direct_io:
-        mapped, why["mapped"] = False, "direct_io reads around the page cache"
     else:
-        files = files_bytes(meta)
-        avail = available()
-        mapped = files <= avail // 2
+        files, avail = files_bytes(meta), available()
+        fit = files <= avail // 2
+        mapped = fit and not cfg.direct_io
         why["mapped"] = (
-            f"expert files {files / GB:.1f} GB {'fit' if mapped else 'do not fit'} in half "
+            f"expert files {files / GB:.1f} GB {'fit' if fit else 'do not fit'} in half "
             f"of {avail / GB:.0f} GB available{share.said()}"
+            + ("; direct_io reads around the page cache" if cfg.direct_io else "")
         )
-        if not mapped and cfg.swap_tier is None and not (cfg.prefetch or cfg.reader):
+        if not fit and cfg.swap_tier is None and not (cfg.prefetch or cfg.reader):
             whole, bounded, why["mapped"] = _tier_fits(
-                meta, slots, avail, why["mapped"], share.reserve
+                meta, slots, avail, why["mapped"], share.reserve, not cfg.device_reads
             )
-            swap_tier = whole or bounded
+            swap_tier = whole or bounded  # (with direct_io: the files beyond a bounded one)
 
     # the reader
     want = cfg.reader.value if cfg.reader is not None else None
@@ -354,11 +353,11 @@ def pool_zero_slot(cfg: StreamConfig, backend: str | None = None) -> bool:
     return cfg.zero_slot if cfg.zero_slot is not None else _rows(cfg, b) != "subset"
 
 
-def _tier_fits(meta, slots, avail: int, why: str, reserve: int = 0) -> tuple[bool, bool, str]:
+def _tier_fits(meta, slots, avail: int, why: str, reserve=0, bound=True) -> tuple[bool, bool, str]:
     """Whether CUDA's default takes a whole swap tier (the experts the pools do not hold,
     page-locked) where the files do not fit, leaving ``MARGIN`` and ``reserve`` (the
-    trunk's load) beside it; else whether a bounded one has room (a record a layer); and
-    the load line's reason."""
+    trunk's load) beside it; else, where it may ``bound`` one (not for the device path's
+    reads), whether a bounded one has room (a record a layer); and the load line's reason."""
     from .io.tier import MARGIN, rows_bytes, tier_rows
 
     if not slots:
@@ -368,14 +367,16 @@ def _tier_fits(meta, slots, avail: int, why: str, reserve: int = 0) -> tuple[boo
     if need + beside <= avail:
         why += f"; the swap tier fits ({need / GB:.1f} GB of experts the pools do not hold): "
         return True, False, why + "the GPU trades with it (--no-swap-tier: the page cache)"
-    room = avail - beside >= rows_bytes(meta, {li: min(1, n) for li, n in rest.items()}) > 0
+    one = rows_bytes(meta, {li: min(1, n) for li, n in rest.items()})  # a record a layer
+    room = bound and avail - beside >= one > 0
     trunk = f", {reserve / GB:.1f} GB of them for the trunk as it loads" if reserve else ""
-    why += f"; nor does a whole swap tier ({need / GB:.1f} GB and {beside / GB:.1f} GB beside it{trunk}): "
+    why += f"; nor does a whole swap tier ({need / GB:.1f} GB and {beside / GB:.1f} GB "
+    why += f"beside it{trunk}): "
     if not room:
-        return False, False, why + "misses read through the page cache"
+        return False, False, why + "misses read from the files"
     why += f"a bounded one ({(avail - beside) / GB:.1f} GB) holds the experts the pools gave up "
-    why += "last, misses beyond it read from the files (--swap-tier-gb G: another bound; "
-    return False, True, why + "--no-swap-tier: the page cache alone)"
+    why += "last, misses beyond it read from the files (--swap-tier --swap-tier-gb G: another "
+    return False, True, why + "bound; --no-swap-tier: the page cache alone)"
 
 
 def files_bytes(meta) -> int:

@@ -22,23 +22,27 @@ def open_reader(
     tick: Callable[[], None] | None = None,
     host: HostShare | None = None,
 ) -> tuple[object, Runtime]:
-    """``(reader, runtime)``: ``make_reader``'s, with an ``auto`` swap tier's size on the
+    """``(reader, runtime)``: ``make_reader``'s, with the size an ``auto`` swap tier or
+    CUDA's default's took (what memory holds, whole where the device path has it) on the
     runtime's line. Where the default's page-locked mappings or swap tier cannot be had,
-    a warning and the page cache's reader, the runtime saying why; where an ``auto``
-    tier no longer fits whole, a warning and a bounded one (the host path). What was
-    asked for, or a file's own error, is raised."""
+    a warning and the page cache's reader, the runtime saying why; where such a tier no
+    longer fits whole, a warning and a bounded one (the host path). What was asked for
+    (``device_reads`` too), or a file's own error, is raised."""
     default = runtime.reader == "tier" and cfg.swap_tier is None  # CUDA's default's tier
     auto = cfg.swap_tier_gb == "auto" or default  # (whole where the device path has it)
     tier_gb = "auto" if default else cfg.swap_tier_gb
     try:
         reader = make_reader(runtime, meta, pools, tier_gb, tick, host)
     except MemoryError as e:
-        if not (auto and runtime.decode_path == "device"):
+        if cfg.device_reads or not (auto and runtime.decode_path == "device"):
             return _without(runtime, cfg, meta, pools, tick, e)
         warnings.warn(f"{e}; the swap tier is bounded instead", RuntimeWarning, stacklevel=3)
         bound = cfg.replace(swap_tier=True, swap_tier_gb="auto") if default else cfg
         runtime = resolve(bound, meta, runtime.backend, host=host)  # no slots: bounded
-        reader = make_reader(runtime, meta, pools, tier_gb, tick, host)
+        try:
+            reader = make_reader(runtime, meta, pools, tier_gb, tick, host)
+        except MemoryError as again:  # the default's: the page cache; else raised
+            return _without(runtime, cfg, meta, pools, tick, again)
     except OSError as e:
         return _without(runtime, cfg, meta, pools, tick, e)
     if auto and runtime.reader == "tier":  # the size memory gave it
