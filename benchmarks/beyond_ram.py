@@ -167,6 +167,24 @@ def decode_window(model, tok, ids, tokens: int, store) -> dict:
     }
 
 
+def run_detail(run: dict) -> dict:
+    """One timed run's own figures per decode step: pool hit rate, MB from the disk and
+    from the store, and the ms of each phase of the host's time (as ``host_ms_per_token``)."""
+    t, n = run["totals"], run["steps"]
+    looked = t["hits"] + t["misses"]
+    return {
+        "tps": round(run["tps"], 3),
+        "hit_rate": round(t["hits"] / looked, 4) if looked else None,
+        "disk_mb": round(run["disk_bytes"] / n / 1e6, 2),
+        "read_mb": round(t["bytes_read"] / n / 1e6, 2),
+        **{
+            k.replace("_s", "_ms"): round(1e3 * t[k] / n, 3)
+            for k in ("ahead_s", "sync_s", "host_s", "read_s", "graph_s", "gap_s", "demand_s")
+        },
+        "wall_ms": round(1e3 * run["wall_s"] / n, 3),
+    }
+
+
 def disk_read_bytes() -> int:
     """Bytes this process has had read from storage (not the page cache)."""
     with open("/proc/self/io") as f:
@@ -257,13 +275,14 @@ def child(job: dict) -> dict:
     first = decode_run(model, tok, ids, 1, first_only=True)  # cold: prompt, first token
     ttft = time.perf_counter() - t1
     in_use(job, "first token")
-    runs, per_run, wall, disk = [], [], 0.0, 0
+    runs, per_run, wall, disk, detail = [], [], 0.0, 0, []
     room = Sampler(lambda: (page_cache_room(),), 0.05) if job["limit"] else nullcontext()
     with room:
         for _ in range(job["repeat"]):
             run = decode_window(model, tok, ids, job["tokens"], store)
             runs.append(run["tps"])
             per_run.append((run["totals"], run["steps"]))
+            detail.append(run_detail(run))
             wall, disk = wall + run["wall_s"], disk + run["disk_bytes"]
             in_use(job, "a run")
     tokens_run = sum(n for _, n in per_run)  # decode steps, the prompts left out
@@ -317,6 +336,7 @@ def child(job: dict) -> dict:
         "predictor": ahead_label(how),
         "tok_per_s": round(tps, 3),
         "decode_runs": [round(x, 3) for x in runs],
+        "decode_runs_detail": detail,  # what each run read and waited for
         "ratio_vs_stock": round(tps / stock_tps, 4),
         "hit_rate": round(hits / max(1, lookups), 4),
         # read-ahead (--prefetch): experts read on a guess, and those a call then used
