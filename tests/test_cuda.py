@@ -115,15 +115,16 @@ def test_streamed_equals_stock_on_cuda(models, tmp_path, preset, mode):
         store.close()
 
 
-@pytest.mark.parametrize("size", ["whole", "bounded", "auto"])
-def test_a_swap_tier_streams_exactly_on_cuda(models, size):
+@pytest.mark.parametrize("size", ["whole", "bounded", "auto", "default"])
+def test_a_swap_tier_streams_exactly_on_cuda(models, size, monkeypatch):
     """The swap tier (opt-in): the experts outside the pools in page-locked host memory,
     each miss trading places with its victim on the GPU, decode steps on the device path
     and prompt chunks on the host path, the tier's tables handed between them; bounded
     (``swap_tier_gb``, a third of the rest), the host path, the records outside the tier
     read by the native engine while the GPU trades (gated reads), copied into their
     slots once their victims have gone out; ``auto`` (what memory
-    holds: whole here, as the patch must agree). Greedy tokens and logits
+    holds: whole here, as the patch must agree); ``default`` (no option, memory made
+    short of a whole tier: CUDA's default bounds one to it). Greedy tokens and logits
     equal stock's at top-k and half the slots; then every record is held at most once,
     where the tables say (the tier's rows and a few slots checked byte for byte against
     the files)."""
@@ -134,11 +135,22 @@ def test_a_swap_tier_streams_exactly_on_cuda(models, size):
     meta = load_meta(ed)
     for slots in (meta.top_k, meta.num_experts // 2):
         rest = sum((lay.num_experts - slots) * lay.stride for lay in meta.layers.values())
-        gb = {"whole": None, "bounded": rest / 3e9, "auto": "auto"}[size]
+        gb = {"whole": None, "bounded": rest / 3e9, "auto": "auto", "default": None}[size]
         cfg = mlx_streaming.StreamConfig(swap_tier=True, swap_tier_gb=gb)
-        bounded = size == "bounded"
+        if size == "default":  # a third of the rest beside a small margin and the trunk
+            from mlx_streaming.core import mem
+            from mlx_streaming.core.io import tier as swap
+            from mlx_streaming.model_builder import trunk_host_bytes
+
+            cfg, (lazy, _) = mlx_streaming.StreamConfig(), load(str(ck), lazy=True)
+            held = 4096 + trunk_host_bytes(lazy) + rest // 3  # the files: not in half of it
+            monkeypatch.setattr(swap, "MARGIN", 4096)
+            monkeypatch.setattr(mem, "machine_memory", lambda held=held: (1 << 40, held))
+        bounded = size in ("bounded", "default")
         model, _, store = mlx_streaming.load(ck, ed, slots=slots, config=cfg)
         rt, tier = store.runtime, store.reader.tier
+        said, bound = rt.reason("reader"), "do not fit in half of memory, as large as memory"
+        assert size != "default" or f"{bound} holds: bounded to" in said, said
         path = "host" if bounded else "device"
         assert (rt.mapped, rt.reader, rt.decode_path) == (False, "tier", path)
         assert (store.device is None) == bounded and tier.partial == bounded
