@@ -99,6 +99,9 @@ def make_reader(
             limit = None if runtime.decode_path == "device" else "auto"
         else:
             limit = None if tier_gb is None else int(tier_gb * 1e9)
+        staging = 0  # what the files' reader stages records in, made after the tier
+        if limit == "auto" and runtime.files_reader == "native":
+            staging = _wave(meta) * max(meta.layers[li].stride for li in pools)
         tier = SwapTier(
             meta,
             pools,
@@ -107,7 +110,7 @@ def make_reader(
             limit=limit,
             tick=tick,
             available=share.available(),
-            reserve=share.reserve,
+            reserve=share.reserve + staging,
         )
         files = None
         try:
@@ -146,5 +149,10 @@ def make_reader(
         direct=runtime.direct_io,
         checksums=runtime.checksums,
         cuda=cuda if runtime.pool_mode == "cuda" else None,
-        wave=max(8, meta.top_k),
+        wave=_wave(meta),
     )
+
+
+def _wave(meta: ExpertMeta) -> int:
+    """Records the native reader stages at once (a call's misses in one wave)."""
+    return max(8, meta.top_k)

@@ -70,7 +70,8 @@ class SwapTier:
         limit: Bytes the tier may hold (default: every record the pools do not), or
             ``"auto"``: as many as ``available`` holds beside ``MARGIN`` and ``reserve``.
         reserve: Bytes of host memory the load still takes after the tier, beside the
-            ``MARGIN`` (the trunk as it loads: ``model_builder.trunk_host_bytes``).
+            ``MARGIN`` (the trunk as it loads: ``model_builder.trunk_host_bytes``; the
+            staging of the reader of the files beyond an ``auto`` tier).
         tick: Called after each layer's records are read (e.g. a pipeline's
             ``Pace.tick``: a layer's fill is the longest stretch without one).
 
@@ -108,7 +109,7 @@ class SwapTier:
         self.rows = {li: int(n * share) for li, n in rest.items()}  # per layer
         self.partial = any(self.rows[li] < n for li, n in rest.items())
         need = rows_bytes(meta, self.rows)
-        trunk = f", {reserve / 1e9:.2f} GB of them for the trunk as it loads" if reserve else ""
+        trunk = f", {reserve / 1e9:.2f} GB of them for the rest of the load" if reserve else ""
         self._short = (
             f"the swap tier needs {need / 1e9:.2f} GB of host memory (the experts the pools "
             f"do not hold) and {(MARGIN + reserve) / 1e9:.2f} GB left to the process beside "
