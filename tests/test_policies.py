@@ -790,9 +790,7 @@ def test_an_exclusive_host_tier_holds_no_record_twice():
     load (slot ``s`` holds expert ``s``) and the pools behave as over any tier; with no
     row, every miss is read from the disk; with a row for every record the pools do not
     hold, none is (filled at load), and each miss is a trade: one record copied in, its
-    victim out. More rows never read more, and each layer's rows are its own: LRU pools
-    over an exclusive tier of ``c`` rows, oldest written out, are one LRU of ``slots + c``
-    filled at load as the store fills them."""
+    victim out. More rows never read more, and each layer's rows are its own."""
     from mlx_streaming.planning.tiers import simulate_tiers
 
     trace, slots, E = local_trace(), 8, 32
@@ -812,11 +810,36 @@ def test_an_exclusive_host_tier_holds_no_record_twice():
     assert reads == sorted(reads, reverse=True) and reads[0] > reads[2] > reads[-1] == 0
 
 
+def test_a_slot_table_s_heat_ranks_recent_lookups_first():
+    """``SlotCache.heat``: each call's lookups decayed by ``HEAT_DECAY`` a call, so the
+    order is of recent use weighted by frequency; kept in scale past any float's range."""
+    from mlx_streaming.core.cache.slots import HEAT_DECAY
+
+    cache = SlotCache(4, 2, make_policy("lru", 4))
+    for e in [0] * 5 + [1]:
+        cache.access(np.array([e]), 0)
+    h = cache.heat
+    assert h[3] == 0 < h[1] < h[0]  # never; once, after five
+    assert HEAT_DECAY**-1 * 4 < h[0] / h[1] < 5  # the five fade, a little
+    for _ in range(100):
+        cache.access(np.array([2]), 0)
+    h = cache.heat
+    assert h[1] < h[0] < h[2]  # the order of what was not looked up holds
+    for _ in range(30):
+        cache.access(np.array([1]), 0)
+    assert cache.heat[0] < cache.heat[1]  # recent use beats old
+    for _ in range(12_000):  # past 1e100 the counts are scaled back: finite, same order
+        cache.access(np.array([1, 2]), 0)
+    h = cache.heat
+    assert all(np.isfinite(h)) and max(h) < 1e101 and h[3] == 0 < h[0] < h[1] == h[2]
+
+
 def test_the_swap_tier_simulator_follows_the_store_s_tier(models):
     """``simulate_tiers(exclusive=True)`` against the store's own ``SwapTier`` tables,
     whole and bounded, driven as the store drives them (its slot tables filled at load,
-    each call's misses planned, moved, the files' records landed): the same pool hits,
-    trades and reads from the files, call for call."""
+    each call's misses planned, moved, the files' records landed, a full bounded tier
+    dropping its coldest record as the store's loader has it): the same pool hits, trades
+    and reads from the files, call for call."""
     from mlx_streaming.core.cache.pool import make_pools
     from mlx_streaming.core.io.tier import SwapTier
     from mlx_streaming.core.meta import load_meta
@@ -830,6 +853,7 @@ def test_the_swap_tier_simulator_follows_the_store_s_tier(models):
     for limit in (None, full // 3):
         pools = make_pools(meta, {li: slots for li in layers}, "host", False)
         tier, caches = SwapTier(meta, pools, limit=limit), {}
+        tier.heat = lambda li, caches=caches: caches[li].heat  # as ``Loader`` gives it
         try:
             for li in layers:  # as the store adopts the pools the tier filled
                 caches[li] = cache = SlotCache(E, slots, make_policy("lru", E))

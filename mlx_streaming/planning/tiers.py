@@ -73,7 +73,7 @@ class _PageCache:
         self.lru.move_to_end((li, e))
         return True
 
-    def keep(self, li: int, placed, found: list[bool]) -> int:
+    def keep(self, li: int, placed, found: list[bool], heat=None) -> int:
         for (e, _, _), hit in zip(placed, found):
             if not hit and self.capacity:
                 self.lru[li, int(e)] = None
@@ -86,8 +86,9 @@ class _SwapRows:
     """The store's swap tier (``core.io.tier.SwapTier``): each layer's own ``rows``,
     filled at load with the experts after the pool's. A miss found there trades places
     with its victim (which takes its row, written now); then a miss from the disk sends
-    its victim to the row written longest ago that the call has not traded into, whose
-    record is dropped (it is in its file); with none left, the victim is dropped."""
+    its victim to the row of the coldest record (the slot table's ``heat``; the oldest
+    written of equals) that the call has not traded into, whose record is dropped (it is
+    in its file); with none left, the victim is dropped."""
 
     def __init__(self, layers, slots: int, rows: int):
         self.held = {li: OrderedDict.fromkeys(range(slots, slots + rows)) for li in layers}
@@ -98,14 +99,17 @@ class _SwapRows:
         del self.held[li][e]
         return True
 
-    def keep(self, li: int, placed, found: list[bool]) -> int:
+    def keep(self, li: int, placed, found: list[bool], heat=None) -> int:
         held = self.held[li]
         traded = [int(v) for (_, _, v), hit in zip(placed, found) if hit and v >= 0]
         sent = [int(v) for (_, _, v), hit in zip(placed, found) if not hit and v >= 0]
         held.update(dict.fromkeys(traded))  # into the rows their misses left, newest
         sent = sent[: len(held) - len(traded)]  # the rows this call did not trade into
+        old = list(held)[: len(held) - len(traded)]  # the rows it may send to, oldest first
         for v in sent:
-            held.popitem(last=False)
+            e = old[0] if heat is None else min(old, key=lambda x: heat[x])
+            old.remove(e)
+            del held[e]
             held[v] = None
         return len(traded) + len(sent)
 
@@ -187,7 +191,7 @@ def simulate_tiers(
             found = [beneath.find(li, int(e)) for e, _, _ in placed]
             pc += sum(found)
             disk += len(found) - sum(found)
-            writes += beneath.keep(li, placed, found)
+            writes += beneath.keep(li, placed, found, cache.heat)
         if not counted[t]:
             hits, pc, disk, writes = before
     n_tokens = sum(c for c, on in zip(calls or [1] * T, counted[:T]) if on)

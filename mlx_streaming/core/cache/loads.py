@@ -98,6 +98,9 @@ class Loader:
         self._inflight: dict[int, list[Ticket]] = {li: [] for li in caches}  # read-aheads
         self._started: Ticket | None = None  # the latest load, maybe not yet finished
         self._warned_read_ahead = False
+        tier = getattr(reader, "tier", None)
+        if tier is not None:  # a bounded tier drops the record its layer looked up least
+            tier.heat = lambda li: caches[li].heat
 
     def begin(self, layer: int, experts: np.ndarray) -> Ticket:
         """Start making distinct ``experts`` resident (they must fit): reserve slots and
