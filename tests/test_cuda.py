@@ -139,12 +139,15 @@ def test_a_swap_tier_streams_exactly_on_cuda(models, size, monkeypatch):
         cfg = mlx_streaming.StreamConfig(swap_tier=True, swap_tier_gb=gb)
         if size == "default":  # a third of the rest beside a small margin and the trunk
             from mlx_streaming.core import mem
+            from mlx_streaming.core.io import engine_lib
             from mlx_streaming.core.io import tier as swap
             from mlx_streaming.model_builder import trunk_host_bytes
 
             cfg, (lazy, _) = mlx_streaming.StreamConfig(), load(str(ck), lazy=True)
             held = 4096 + trunk_host_bytes(lazy) + rest // 3  # the files: not in half of it
-            monkeypatch.setattr(swap, "MARGIN", 4096)
+            monkeypatch.setattr(swap, "MARGIN", 4096)  # and no staging (a third of the files)
+            wave = engine_lib.staging(meta)[0]
+            monkeypatch.setattr(engine_lib, "staging", lambda meta, wave=wave: (wave, 0))
             monkeypatch.setattr(mem, "machine_memory", lambda held=held: (1 << 40, held))
         bounded = size in ("bounded", "default")
         model, _, store = mlx_streaming.load(ck, ed, slots=slots, config=cfg)

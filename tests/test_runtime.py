@@ -124,7 +124,10 @@ def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(met
     assert (short.reader, short.decode_path, short.files_reader) == ("tier", "host", "native")
     assert "nor does a whole swap tier" in short.line() and "a bounded one" in short.line()
     assert "at most what memory holds" in short.line() and "--no-swap-tier" in short.line()
-    one = sum(meta.layers[li].stride for li in slots)  # a record a layer: the least tier
+    from mlx_streaming.core.io.engine_lib import staging
+
+    # the least tier: a record a layer, beside the margin and the files' reader's staging
+    one = sum(meta.layers[li].stride for li in slots) + staging(meta)[1]
     none = cuda(StreamConfig(), meta, (one + 999, one + 999), slots=slots)
     assert (none.reader, none.decode_path) == ("native", "host")
     assert "misses read from the files" in none.line()

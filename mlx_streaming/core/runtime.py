@@ -358,6 +358,7 @@ def _tier_fits(meta, slots, avail: int, why: str, reserve=0, bound=True) -> tupl
     page-locked) where the files do not fit, leaving ``MARGIN`` and ``reserve`` (the
     trunk's load) beside it; else, where it may ``bound`` one (not for the device path's
     reads), whether a bounded one has room (a record a layer); and the load line's reason."""
+    from .io.engine_lib import staging
     from .io.tier import MARGIN, rows_bytes, tier_rows
 
     if not slots:
@@ -368,6 +369,7 @@ def _tier_fits(meta, slots, avail: int, why: str, reserve=0, bound=True) -> tupl
         why += f"; the swap tier fits ({need / GB:.1f} GB of experts the pools do not hold): "
         return True, False, why + "the GPU trades with it (--no-swap-tier: the page cache)"
     one = rows_bytes(meta, {li: min(1, n) for li, n in rest.items()})  # a record a layer
+    beside += staging(meta)[1]  # the files' reader beside a bounded one
     room = bound and avail - beside >= one > 0
     trunk = f", {reserve / GB:.1f} GB of them for the trunk as it loads" if reserve else ""
     why += f"; nor does a whole swap tier ({need / GB:.1f} GB and {beside / GB:.1f} GB "

@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Callable
 
 from ..format import ExpertMeta
+from ..io import engine_lib
 from ..mem import HostShare
 from ..options import StreamConfig
 from ..runtime import Runtime, resolve
@@ -101,7 +102,7 @@ def make_reader(
             limit = None if tier_gb is None else int(tier_gb * 1e9)
         staging = 0  # what the files' reader stages records in, made after the tier
         if limit == "auto" and runtime.files_reader == "native":
-            staging = _wave(meta) * max(meta.layers[li].stride for li in pools)
+            staging = engine_lib.staging(meta)[1]
         tier = SwapTier(
             meta,
             pools,
@@ -149,10 +150,5 @@ def make_reader(
         direct=runtime.direct_io,
         checksums=runtime.checksums,
         cuda=cuda if runtime.pool_mode == "cuda" else None,
-        wave=_wave(meta),
+        wave=engine_lib.staging(meta)[0],
     )
-
-
-def _wave(meta: ExpertMeta) -> int:
-    """Records the native reader stages at once (a call's misses in one wave)."""
-    return max(8, meta.top_k)

@@ -21,6 +21,7 @@ at a time from Python lists, not by numpy's fancy or boolean indexing, whose cod
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -209,8 +210,9 @@ class SlotCache:
         heat = self.heat
         for e in ids:
             heat[e] += w
-        if w > 1e100:  # scaled down long before a float overflows; the order stays
-            self.heat, self._weight = [h / w for h in heat], 1.0
+        if w > 1e100:  # scaled down long before a float overflows, by a power of two
+            self.heat = [math.ldexp(h, -332) for h in heat]  # (exact: the order stays)
+            self._weight = math.ldexp(w, -332)
 
     def lookup(self, experts: np.ndarray) -> list[Placement]:
         """Simulate one call: reserve, commit and count. Returns the placements."""

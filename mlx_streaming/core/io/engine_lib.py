@@ -28,6 +28,13 @@ _lib: ctypes.CDLL | None | bool = None
 _why = ""
 
 
+def staging(meta) -> tuple[int, int]:
+    """``(wave, bytes)``: the records the native reader stages at once (a call's misses
+    in one wave) and the buffer they take (page-locked on CUDA), for ``meta``'s layers."""
+    wave = max(8, meta.top_k)
+    return wave, wave * max((lay.stride for lay in meta.layers.values()), default=0)
+
+
 def library_path() -> Path | None:
     """The compiled engine inside the installed package, if it was built."""
     return extension_path(HERE, "_engine")
