@@ -29,8 +29,9 @@ import numpy as np
 from .policy import Policy
 
 # each call's lookups weigh 1/HEAT_DECAY times the last's in ``SlotCache.heat`` (a half-
-# life of ~23 calls): a bounded swap tier drops its coldest record first, 5-8% fewer disk
-# reads a token than the oldest written on the DS2 trace (RESULTS, 2026-12-06)
+# life of ~23 calls): a bounded swap tier drops its coldest record first, 2-7% fewer disk
+# reads a token than the oldest written on held-out DS2 routing, 17-22% in a CPU run's
+# window (benchmarks/probes/tier_heat.py; RESULTS, 2026-12-06)
 HEAT_DECAY = 0.97
 
 
