@@ -4,8 +4,10 @@
 # and a device call carries at most 64 MiB, so the CUDA wheel travels in three parts:
 #   call 1: carry [".mlxcuda1"]   command: bash .mlxcuda1/stage1.sh
 #   call 2: carry [".mlxcuda1b"]  command: bash .mlxcuda1b/stage1.sh
-#   call 3: carry [".mlxcuda2", ".gpu/deepseek-v2-lite.npz"] (and ".gpu/ptx.tgz" when a
-#           former call's $OUT/ptx.tgz was kept): source .mlxcuda2/stage2.sh && ...
+#   a former call's kernel cache ($OUT/ptx.tgz, kept as .gpu/ptx.tgz) does not fit beside
+#   call 3's carry: park it first, carry [".gpu/ptx.tgz"]: cp .gpu/ptx.tgz /tmp/ptx-seed.tgz
+#   (gpu_suite.sh seeds an empty cache from it: minutes saved on a fresh machine)
+#   call 3: carry [".mlxcuda2", ".gpu/deepseek-v2-lite.npz"]: source .mlxcuda2/stage2.sh && ...
 # each within 30 s of the one before (benchmarks/gpu_suite.sh says what runs next).
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
