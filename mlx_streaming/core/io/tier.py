@@ -217,11 +217,12 @@ class SwapTier:
         """
         if self.broken:
             raise TierError(self.broken)
-        home, held = self.home[layer].copy(), self.held[layer].copy()
-        owner, stamp = self.owner[layer].copy(), self.stamp[layer].copy()
+        # as lists: a call's few ids one at a time (numpy's cold calls cost tens of µs)
+        home, held = self.home[layer].tolist(), self.held[layer].tolist()
+        owner, stamp = self.owner[layer].tolist(), self.stamp[layer].tolist()
         clock, trades, reads, later = self._clock, [], [], []
         for e, s in zip(np.asarray(experts).tolist(), np.asarray(slots).tolist()):
-            v, h = int(held[s]), int(home[e])
+            v, h = held[s], home[e]
             if h < 0 and v == e:
                 continue  # its record is in its slot
             if h < 0 and not self.partial:
@@ -242,10 +243,10 @@ class SwapTier:
         for e, s, v in later:
             held[s] = -1  # its content unknown until the read lands (``_Reads``)
             reads.append((e, s))
-            if v < 0 or not len(owner):
+            if v < 0 or not owner:
                 continue  # no victim, or no tier: the victim is dropped
             if order is None:  # rows oldest first; a row taken below joins ``used``
-                order = np.argsort(stamp, kind="stable").tolist()
+                order = sorted(range(len(stamp)), key=stamp.__getitem__)
             free = [h for h in order if h not in used]
             h = next((h for h in free if owner[h] < 0), -1)
             if h < 0 and free:  # the coldest record's row (the oldest of equals)
