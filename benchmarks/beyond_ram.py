@@ -41,6 +41,10 @@ from pathlib import Path
 
 import numpy as np
 
+# the store's per-phase host seconds (``LayerStats``), as speed.py's PHASES, and two spans:
+# gap_s (the device's idle bound) and demand_s (reads in flight), which overlap the rest
+PHASES = ("ahead_s", "sync_s", "host_s", "read_s", "graph_s", "gap_s", "demand_s")
+
 
 def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
     """The larger-than-RAM rows (see the module's text): ``a`` speed.py's arguments,
@@ -177,10 +181,7 @@ def run_detail(run: dict) -> dict:
         "hit_rate": round(t["hits"] / looked, 4) if looked else None,
         "disk_mb": round(run["disk_bytes"] / n / 1e6, 2),
         "read_mb": round(t["bytes_read"] / n / 1e6, 2),
-        **{
-            k.replace("_s", "_ms"): round(1e3 * t[k] / n, 3)
-            for k in ("ahead_s", "sync_s", "host_s", "read_s", "graph_s", "gap_s", "demand_s")
-        },
+        **{k.replace("_s", "_ms"): round(1e3 * t[k] / n, 3) for k in PHASES},
         "wall_ms": round(1e3 * run["wall_s"] / n, 3),
     }
 
@@ -292,13 +293,8 @@ def child(job: dict) -> dict:
     demand = sum(t["demand_s"] for t, _ in per_run)
     ahead, ahead_used = (sum(t[k] for t, _ in per_run) for k in ("prefetched", "prefetch_used"))
     lookups = hits + sum(t["misses"] for t, _ in per_run)
-    # where a token's host time goes: ms per token by phase (the store's own counters,
-    # ``LayerStats``); gap_s and demand_s are spans (the device's idle bound, reads in
-    # flight), not host work, and overlap the rest
-    split = {
-        k: round(1e3 * sum(t[k] for t, _ in per_run) / tokens_run, 3)
-        for k in ("ahead_s", "sync_s", "host_s", "read_s", "graph_s", "gap_s", "demand_s")
-    }
+    # where a token's host time goes: ms per token by phase (``PHASES``)
+    split = {k: round(1e3 * sum(t[k] for t, _ in per_run) / tokens_run, 3) for k in PHASES}
     split["wall_s"] = round(1e3 * wall / tokens_run, 3)
     phases = None
     if job.get("timeline"):  # one decode step's phases, beside the rows

@@ -27,10 +27,10 @@ SPLITS = ((8, 4.43), (16, 4.43), (16, 2.0), (32, 3.0))  # slots per layer, tier 
 
 
 class _Oldest(tiers._SwapRows):
-    """The tier as it was: the row written longest ago out first."""
+    """The tier as it was: the row written longest ago out first (all equally cold)."""
 
-    def keep(self, li, placed, found, heat=None):
-        return super().keep(li, placed, found, None)
+    def keep(self, li, placed, found, heat):
+        return super().keep(li, placed, found, [0.0] * len(heat))
 
 
 def disk_mb(trace, slots: int, gb: float, start: int, tokens: int, oldest: bool) -> float:

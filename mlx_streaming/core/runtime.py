@@ -203,7 +203,7 @@ def resolve(
         )
         if not fit and cfg.swap_tier is None and not (cfg.prefetch or cfg.reader):
             whole, bounded, why["mapped"] = _tier_fits(
-                meta, slots, avail, why["mapped"], share.reserve, not cfg.device_reads
+                meta, slots, avail, why["mapped"], share.reserve, bound=not cfg.device_reads
             )
             swap_tier = whole or bounded  # (with direct_io: the files beyond a bounded one)
 

@@ -73,7 +73,7 @@ class _PageCache:
         self.lru.move_to_end((li, e))
         return True
 
-    def keep(self, li: int, placed, found: list[bool], heat=None) -> int:
+    def keep(self, li: int, placed, found: list[bool], heat) -> int:  # (heat: unused)
         for (e, _, _), hit in zip(placed, found):
             if not hit and self.capacity:
                 self.lru[li, int(e)] = None
@@ -99,7 +99,7 @@ class _SwapRows:
         del self.held[li][e]
         return True
 
-    def keep(self, li: int, placed, found: list[bool], heat=None) -> int:
+    def keep(self, li: int, placed, found: list[bool], heat) -> int:
         held = self.held[li]
         traded = [int(v) for (_, _, v), hit in zip(placed, found) if hit and v >= 0]
         sent = [int(v) for (_, _, v), hit in zip(placed, found) if not hit and v >= 0]
@@ -107,7 +107,7 @@ class _SwapRows:
         sent = sent[: len(held) - len(traded)]  # the rows this call did not trade into
         old = list(held)[: len(held) - len(traded)]  # the rows it may send to, oldest first
         for v in sent:
-            e = old[0] if heat is None else min(old, key=lambda x: heat[x])
+            e = min(old, key=heat.__getitem__)  # the coldest, the oldest of equals
             old.remove(e)
             del held[e]
             held[v] = None

@@ -15,8 +15,9 @@ tested, on any machine.
 A tier given fewer bytes than the rest (``rows``) holds the records the pools gave up
 last: a miss outside it is read from its file (the store's own reader, ``TierReader``'s
 ``files``), its victim going out to the row of the tier's coldest record (the slot
-tables' ``heat``, given by the store's loader; without it, the row written longest ago),
-whose record is dropped (it is in its file). This is the exclusive host tier ``planning.tiers`` models.
+tables' ``heat``, given by the store's loader; the oldest written of equals), whose
+record is dropped (it is in its file). This is the exclusive host tier
+``planning.tiers`` models.
 """
 
 from __future__ import annotations
@@ -137,9 +138,10 @@ class SwapTier:
         self.owner: dict[int, np.ndarray] = {}  # the expert in each tier row (-1: none)
         self.stamp: dict[int, np.ndarray] = {}  # when each row was written (for eviction)
         self._clock = 0
-        # each layer's heat per expert (the slot tables': ``SlotCache.heat``): a full
-        # bounded tier drops its coldest record first; None: the one written longest ago
-        self.heat: Callable[[int], list] | None = None
+        # each layer's heat per expert (the slot tables': ``SlotCache.heat``, which the
+        # store's loader gives it): a full bounded tier drops its coldest record first,
+        # the oldest written of equals (until then all are equal: the oldest)
+        self.heat: Callable[[int], list] = lambda li: [0.0] * meta.layers[li].num_experts
         self.slabs: dict[int, np.ndarray] = {}  # [tier slots, stride] bytes per layer
         self.sources: dict[int, int] = {}  # each slab's address (the device's, on CUDA)
         self.nbytes = 0
@@ -239,7 +241,7 @@ class SwapTier:
             if v >= 0:
                 home[v] = h
         used, brought, order = {h for h, _ in trades}, len(trades), None
-        heat = self.heat(layer) if self.heat is not None and later else None
+        heat = self.heat(layer) if later else None
         for e, s, v in later:
             held[s] = -1  # its content unknown until the read lands (``_Reads``)
             reads.append((e, s))
@@ -250,7 +252,7 @@ class SwapTier:
             free = [h for h in order if h not in used]
             h = next((h for h in free if owner[h] < 0), -1)
             if h < 0 and free:  # the coldest record's row (the oldest of equals)
-                h = free[0] if heat is None else min(free, key=lambda r: heat[owner[r]])
+                h = min(free, key=lambda r: heat[owner[r]])
             if h < 0:
                 continue
             clock += 1
