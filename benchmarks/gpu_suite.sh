@@ -74,11 +74,11 @@
 #                                           DIRECT=1: O_DIRECT within the cgroup); TIERGB=auto:
 #                                           what memory holds (--swap-tier-gb auto)
 #   bash benchmarks/gpu_suite.sh beyondpair  in the MEMLIMIT-GB cgroup (default 6), at each of RESIDENCY
-#                                           (default "0.25 0.125"): the default (where the whole
-#                                           tier does not fit, the page cache), then a tier as
-#                                           large as memory holds with O_DIRECT for the rest
-#                                           (--swap-tier-gb auto --direct-io): the pair that
-#                                           decides a bounded tier as CUDA's default there
+#                                           (default "0.25 0.125"): the default (where a whole
+#                                           tier does not fit, one bounded to what memory holds,
+#                                           O_DIRECT for the rest since 2026-12-06b), then the
+#                                           same through the page cache (--no-direct-io): the
+#                                           pair that decides O_DIRECT as the default there
 #   bash benchmarks/gpu_suite.sh policies   decode at 50/25/12.5% on the device path under lru, then
 #                                           the host path under predictive: miss rates per path
 #   (mapab, lruab and compare measure the host path: they pass --no-device-reads)
@@ -217,9 +217,9 @@ case "$suite" in
   beyondpair) for r in ${RESIDENCY:-0.25 0.125}; do  # one machine, one call: the pair
                 speed gpu-dsv2-pair-$r-default --residency "$r" --repeat 3 --beyond-ram memlimit \
                   --memory-limit-gb "${MEMLIMIT:-6}" --timeline "$out/timeline-pair-$r-default.json"
-                speed gpu-dsv2-pair-$r-auto --residency "$r" --repeat 3 --beyond-ram memlimit \
-                  --memory-limit-gb "${MEMLIMIT:-6}" --swap-tier --swap-tier-gb auto --direct-io \
-                  --timeline "$out/timeline-pair-$r-auto.json"
+                speed gpu-dsv2-pair-$r-buffered --residency "$r" --repeat 3 --beyond-ram memlimit \
+                  --memory-limit-gb "${MEMLIMIT:-6}" --no-direct-io \
+                  --timeline "$out/timeline-pair-$r-buffered.json"
               done ;;
   beyondahead) for ahead in "" --prefetch; do  # larger than RAM (O_DIRECT): read-ahead off, on
                 speed gpu-dsv2-beyond${ahead:+-ahead} --residency 0.5,0.25 --repeat 3 \

@@ -873,3 +873,11 @@ def test_a_filesystem_without_o_direct_names_the_file_and_the_fix(models, monkey
         pytest.skip("no O_DIRECT here")
     with pytest.raises(OSError, match=r"refuses O_DIRECT; run without --direct-io"):
         reader_over(ed, 2, threads=1, direct=True, checksums=False)
+    # the default's own check, before any reader is made: the file and why
+    from mlx_streaming.core.io import engine_lib
+
+    file = load_meta(ed).file(next(iter(load_meta(ed).layers)))
+    assert engine_lib.direct_refused(file) == f"{file}: Invalid argument"
+    monkeypatch.undo()
+    assert engine_lib.direct_refused(file) == ""  # this disk's filesystem takes it
+    assert "No such file" in engine_lib.direct_refused(Path(ed) / "missing.bin")

@@ -554,6 +554,9 @@ def test_an_auto_swap_tier_takes_what_memory_holds_and_streams_exactly(models, m
     room = FileExpertStore(ed, meta.top_k, swap_tier=True, swap_tier_gb="auto", direct_io=True)
     try:  # this machine holds the whole tier: nothing is read from the files after load
         assert not room.reader.tier.partial
+        whole = FileExpertStore(ed, meta.top_k, swap_tier=True, swap_tier_gb="auto")
+        assert not whole.runtime.direct_io and "O_DIRECT" not in whole.runtime.line()
+        whole.close()
         assert (
             "whole" in room.runtime.reason("reader") and "--direct-io unused" in room.runtime.line()
         )
@@ -569,6 +572,8 @@ def test_an_auto_swap_tier_takes_what_memory_holds_and_streams_exactly(models, m
     model, _, store = stream_load(ck, ed, cfg, progress=False)
     try:
         assert store.reader.tier.partial and store.reader.tier.nbytes <= need // 2
+        assert store.runtime.direct_io, store.runtime.line()  # the default beneath it
+        assert "leaves the page cache no room" in store.runtime.line()
         staging = max(8, meta.top_k) * max(lay.stride for lay in meta.layers.values())
         assert store.reader.tier.nbytes <= need // 2 - staging  # the files' reader's, beside
         said = store.runtime.reason("reader")  # the size it took

@@ -71,7 +71,7 @@ def summarize(cfg, store, timed, ids, load_s, cal_s, after_patch, after_gen, sam
         "warmup_tok": cfg.max_tokens if cfg.warmup_tokens is None else cfg.warmup_tokens,
         "repeat": cfg.repeat,
         "cold": cfg.cold,
-        "direct_io": cfg.stream.direct_io,
+        "direct_io": store.runtime.direct_io,
         "threads": store.runtime.threads,
         "prefill_chunk": cfg.prefill_chunk,
         "patched_moe_layers": len(store.layers),

@@ -78,7 +78,11 @@ class StreamConfig:
         "on the CPU and CUDA) or python (the default on Metal); CUDA with the files "
         "mapped needs none: the GPU copies them", choices=[r.value for r in Reader]
     )  # fmt: skip
-    direct_io: bool = option(False, "bypass the page cache (O_DIRECT / F_NOCACHE)")
+    direct_io: bool | None = option(
+        None, "bypass the page cache (O_DIRECT / F_NOCACHE) (default: beneath a swap tier "
+        "bounded to what memory holds, which leaves the page cache no room, where the "
+        "files' filesystem takes O_DIRECT reads; else off)",
+    )  # fmt: skip
     map_files: bool | None = option(
         None, "CUDA: map the expert files, page-locked, so that the GPU copies each record "
         "from them itself, on every path; they stay in host memory (default: when they fit "

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from dataclasses import dataclass
 
 from . import mem
+from .io import engine_lib
 from .io.reader import INLINE_BYTES
 from .mem import HostShare
 from .options import StreamConfig
@@ -87,6 +89,7 @@ class Runtime:
                 else "reads inline"
             )  # fmt: skip
             + (", O_DIRECT" if self.direct_io else "")
+            + (f" ({self.reason('direct_io')})" if self.reason("direct_io") else "")
             + (", read-ahead" if self.prefetch else "")
             + (f"; {self.reason('ids')}" if self.reason("ids") else "")
         )
@@ -228,10 +231,8 @@ def resolve(
         reader = "native"
     if reader == "native":
         if engine_available is None:
-            from .io.engine_lib import library, why_unavailable
-
-            engine_available = library() is not None
-            missing = why_unavailable()
+            engine_available = engine_lib.library() is not None
+            missing = engine_lib.why_unavailable()
         else:
             missing = "not available"
         direct = cfg.direct_io and _linux()  # O_DIRECT: whole aligned records, read natively
@@ -249,6 +250,14 @@ def resolve(
         reader, why["reader"] = "tier", asked + (
             f", at most {most}: the rest read by the {files_reader} reader" if bounded
             else ", as large as memory holds: whole" if auto else "")  # fmt: skip
+    direct_io = bool(cfg.direct_io)  # default: beneath a tier bounded to what memory holds
+    if cfg.direct_io is None and bounded and swap_tier and cfg.swap_tier_gb in (None, "auto"):
+        if files_reader == "native" and _linux() and meta is not None:
+            refused = engine_lib.direct_refused(meta.file(next(iter(meta.layers))))
+            direct_io, why["direct_io"] = not refused, (
+                f"O_DIRECT refused ({refused}): through the page cache" if refused else
+                "the bounded tier leaves the page cache no room: the files beyond it read "
+                "around it (--no-direct-io: through it)")  # fmt: skip
 
     # the decode path: the GPU copies from the mappings or trades with the tier
     gpu_source = pool_mode == "cuda" and (mapped or reader == "tier")
@@ -307,10 +316,8 @@ def resolve(
             why["overlap"] = size
     if cfg.threads is not None:
         threads = cfg.threads
-        from .io.engine_lib import MAX_THREADS
-
-        if reader == "native" and threads > MAX_THREADS:
-            refuse(f"threads={threads}: the native reader runs at most {MAX_THREADS} "
+        if reader == "native" and threads > engine_lib.MAX_THREADS:
+            refuse(f"threads={threads}: the native reader runs at most {engine_lib.MAX_THREADS} "
                    "threads; give --threads a smaller number")  # fmt: skip
     elif small:  # waking the reader's threads costs more than reading a small record
         threads = 0
@@ -331,7 +338,7 @@ def resolve(
         policy=cfg.policy,
         prefetch=bool(cfg.prefetch),
         checksums=bool(cfg.checksums),
-        direct_io=bool(cfg.direct_io),
+        direct_io=direct_io,
         kernel_check=bool(kernel_check),
         files_reader=files_reader,
         why=tuple(sorted((k, v) for k, v in why.items() if v)),
@@ -358,7 +365,6 @@ def _tier_fits(meta, slots, avail: int, why: str, reserve=0, bound=True) -> tupl
     page-locked) where the files do not fit, leaving ``MARGIN`` and ``reserve`` (the
     trunk's load) beside it; else, where it may ``bound`` one (not for the device path's
     reads), whether a bounded one has room (a record a layer); and the load line's reason."""
-    from .io.engine_lib import staging
     from .io.tier import MARGIN, rows_bytes, tier_rows
 
     if not slots:
@@ -369,7 +375,7 @@ def _tier_fits(meta, slots, avail: int, why: str, reserve=0, bound=True) -> tupl
         why += f"; the swap tier fits ({need / GB:.1f} GB of experts the pools do not hold): "
         return True, False, why + "the GPU trades with it (--no-swap-tier: the page cache)"
     one = rows_bytes(meta, {li: min(1, n) for li, n in rest.items()})  # a record a layer
-    beside += staging(meta)[1]  # the files' reader beside a bounded one
+    beside += engine_lib.staging(meta)[1]  # the files' reader beside a bounded one
     room = bound and avail - beside >= one > 0
     trunk = f", {reserve / GB:.1f} GB of them for the trunk as it loads" if reserve else ""
     why += f"; nor does a whole swap tier ({need / GB:.1f} GB and {beside / GB:.1f} GB "
@@ -389,6 +395,4 @@ def files_bytes(meta) -> int:
 
 
 def _linux() -> bool:
-    import sys
-
     return sys.platform.startswith("linux")

@@ -4,6 +4,8 @@ and declared for ctypes once per process; its statuses, counters and request che
 from __future__ import annotations
 
 import ctypes
+import mmap
+import os
 import threading
 from pathlib import Path
 
@@ -33,6 +35,25 @@ def staging(meta) -> tuple[int, int]:
     in one wave) and the buffer they take (page-locked on CUDA), for ``meta``'s layers."""
     wave = max(8, meta.top_k)
     return wave, wave * max((lay.stride for lay in meta.layers.values()), default=0)
+
+
+def direct_refused(path) -> str:
+    """Why ``path``'s filesystem refuses the native reader's O_DIRECT reads ('' where it
+    takes them): tmpfs refuses the open, some filesystems the read itself."""
+    if not hasattr(os, "O_DIRECT"):
+        return "this system has no O_DIRECT"
+    page = mmap.mmap(-1, mmap.PAGESIZE)  # page-aligned, as the reader's staging
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            os.preadv(fd, [page], 0)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        return f"{path}: {e.strerror or e}"
+    finally:
+        page.close()
+    return ""
 
 
 def library_path() -> Path | None:
