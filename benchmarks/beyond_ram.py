@@ -254,10 +254,11 @@ def child(job: dict) -> dict:
     how = job["oracle"] or ("transition" if cfg.prefetch and trace is not None else None)
     if how is not None:
         cfg = read_ahead(cfg, how, trace, meta)
-    rt = resolve(cfg, meta)
     slots = slots_at(meta, job["residency"])
+    rt = resolve(cfg, meta, slots={li: slots for li in meta.layers})  # CUDA's default tier too
     files = [meta.file(li) for li in meta.layers]
     drop_page_cache(files)
+    measured_direct = rt.direct_io
     gbps = measure_read_gbps(
         meta, rt.threads, rt.direct_io, cold=True, engine=rt.reader != "python"
     )
@@ -269,6 +270,9 @@ def child(job: dict) -> dict:
     load_s = time.perf_counter() - t0
     in_use(job, "loaded")
     rt = store.runtime  # as the store weighed it (with its pools: CUDA's default tier)
+    if rt.direct_io and not measured_direct:  # the store weighed the trunk's load too: read
+        # as it reads (O_DIRECT: no page cache to drop), fewer records beside the tier
+        gbps = measure_read_gbps(meta, rt.threads, True, records=16, cold=True, engine=True)
     tier_bytes = store.reader.mapped_bytes if rt.reader == "tier" else 0  # a swap tier
     bounded = bool(tier_bytes) and store.reader.tier.partial  # --swap-tier-gb: the rest read
     cursor = routing.cursor if routing is not None else start

@@ -71,8 +71,10 @@
 #                                           there (2026-12-04p-cgroup50). With TIERGB, a tier
 #                                           of that many GB (--swap-tier-gb), the rest read
 #                                           (METHOD, default memlimit; direct: O_DIRECT;
-#                                           DIRECT=1: O_DIRECT within the cgroup); TIERGB=auto:
-#                                           what memory holds (--swap-tier-gb auto)
+#                                           DIRECT=1: O_DIRECT within the cgroup, DIRECT=0: the
+#                                           page cache); TIERGB=auto: what memory holds
+#                                           (--swap-tier-gb auto; O_DIRECT beneath it unless
+#                                           DIRECT=0, the default since 2026-12-06b)
 #   bash benchmarks/gpu_suite.sh beyondpair  in the MEMLIMIT-GB cgroup (default 6), at each of RESIDENCY
 #                                           (default "0.25 0.125"): the default (where a whole
 #                                           tier does not fit, one bounded to what memory holds,
@@ -209,10 +211,10 @@ case "$suite" in
   beyond) speed gpu-dsv2-beyond --residency "${RESIDENCY:-0.5,0.25,0.125}" --repeat 3 \
             --beyond-ram "${METHOD:-both}" --memory-limit-gb "${MEMLIMIT:-10}" \
             ${PAGECACHE:+--no-swap-tier} --timeline "$out/timeline-beyond.json" ;;
-  beyondtier) speed gpu-dsv2-beyond-tier${TIERGB:+-$TIERGB}${DIRECT:+-direct} \
+  beyondtier) speed gpu-dsv2-beyond-tier${TIERGB:+-$TIERGB}${DIRECT:+-direct$DIRECT} \
                 --residency "${RESIDENCY:-0.5}" --repeat 3 --beyond-ram "${METHOD:-memlimit}" \
                 --memory-limit-gb "${MEMLIMIT:-6}" --swap-tier ${TIERGB:+--swap-tier-gb $TIERGB} \
-                ${DIRECT:+--direct-io} \
+                $([ "${DIRECT:-}" = 1 ] && echo --direct-io) $([ "${DIRECT:-}" = 0 ] && echo --no-direct-io) \
                 --timeline "$out/timeline-beyond-tier.json" ;;
   beyondpair) for r in ${RESIDENCY:-0.25 0.125}; do  # one machine, one call: the pair
                 speed gpu-dsv2-pair-$r-default --residency "$r" --repeat 3 --beyond-ram memlimit \

@@ -143,7 +143,10 @@ def test_a_swap_tier_streams_exactly_on_cuda(models, size, monkeypatch):
             from mlx_streaming.core.io import tier as swap
             from mlx_streaming.model_builder import trunk_host_bytes
 
-            cfg, (lazy, _) = mlx_streaming.StreamConfig(), load(str(ck), lazy=True)
+            # O_DIRECT beneath it: the default, or asked for (the patch agrees with both)
+            direct = True if slots == meta.top_k else None
+            cfg = mlx_streaming.StreamConfig(direct_io=direct)
+            lazy, _ = load(str(ck), lazy=True)
             held = 4096 + trunk_host_bytes(lazy) + rest // 3  # the files: not in half of it
             monkeypatch.setattr(swap, "MARGIN", 4096)  # and no staging (a third of the files)
             wave = engine_lib.staging(meta)[0]
@@ -154,6 +157,8 @@ def test_a_swap_tier_streams_exactly_on_cuda(models, size, monkeypatch):
         rt, tier = store.runtime, store.reader.tier
         said, bound = rt.reason("reader"), "do not fit in half of memory, as large as memory"
         assert size != "default" or f"{bound} holds: bounded to" in said, said
+        refused = "O_DIRECT refused" in rt.line()  # (a filesystem without it: the page cache)
+        assert size != "default" or rt.direct_io or (refused and direct is None), rt.line()
         path = "host" if bounded else "device"
         assert (rt.mapped, rt.reader, rt.decode_path) == (False, "tier", path)
         assert (store.device is None) == bounded and tier.partial == bounded

@@ -4,6 +4,8 @@ difference 0) for every supported architecture and every pool configuration."""
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import time
 
 import mlx.core as mx
@@ -572,8 +574,12 @@ def test_an_auto_swap_tier_takes_what_memory_holds_and_streams_exactly(models, m
     model, _, store = stream_load(ck, ed, cfg, progress=False)
     try:
         assert store.reader.tier.partial and store.reader.tier.nbytes <= need // 2
-        assert store.runtime.direct_io, store.runtime.line()  # the default beneath it
-        assert "leaves the page cache no room" in store.runtime.line()
+        if sys.platform.startswith("linux"):  # the default beneath it: O_DIRECT
+            import fcntl
+
+            assert "leaves the page cache no room" in store.runtime.line()
+            fds = store.reader.files._fds  # the files' reader opened them so
+            assert fds and all(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT for fd in fds)
         staging = max(8, meta.top_k) * max(lay.stride for lay in meta.layers.values())
         assert store.reader.tier.nbytes <= need // 2 - staging  # the files' reader's, beside
         said = store.runtime.reason("reader")  # the size it took
@@ -594,6 +600,14 @@ def test_an_auto_swap_tier_takes_what_memory_holds_and_streams_exactly(models, m
         assert f"bounded to {default.reader.tier.nbytes / 1e9:.2f} GB" in said
     finally:
         default.close()
+    monkeypatch.setattr(mem, "machine_memory", lambda: (total, total))  # room again
+    whole = FileExpertStore(ed, meta.top_k, config=StreamConfig(), runtime=chosen)
+    try:  # resolved bounded, made whole: no file reads, so no O_DIRECT either
+        assert not whole.reader.tier.partial and whole.reader.files is None
+        assert not whole.runtime.direct_io and "O_DIRECT" not in whole.runtime.line()
+        assert whole.runtime.reason("direct_io") == "the tier is whole: no file reads"
+    finally:
+        whole.close()
 
 
 def test_the_default_s_swap_tier_falls_back_to_the_page_cache(models, monkeypatch):

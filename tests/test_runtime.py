@@ -104,10 +104,13 @@ def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(met
     a 4.43 GB bounded tier with --direct-io: 28.8 tok/s at 25% in 6 GB on an H100 against
     the page cache's 12.9), and the files alone only where not even a record a layer
     fits; each saying why."""
-    from mlx_streaming.core.io import tier
+    from mlx_streaming.core import runtime
+    from mlx_streaming.core.io import engine_lib, tier
     from mlx_streaming.core.runtime import files_bytes
 
     monkeypatch.setattr(tier, "MARGIN", 1000)
+    monkeypatch.setattr(runtime, "_linux", lambda: True)  # where O_DIRECT is the default
+    monkeypatch.setattr(engine_lib, "direct_refused", lambda paths: "")  # any filesystem
     slots = {li: 4 for li in meta.layers}
     need = sum((meta.layers[li].num_experts - 4) * meta.layers[li].stride for li in slots)
     files = files_bytes(meta)
@@ -143,14 +146,11 @@ def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(met
     auto = StreamConfig(swap_tier=True, swap_tier_gb="auto")
     assert cuda(auto, meta, tight, slots=slots).direct_io
     assert not fits.direct_io and not none.direct_io  # no tier, or nothing read beside it
-    from mlx_streaming.core.io import engine_lib
-
-    monkeypatch.setattr(engine_lib, "direct_refused", lambda path: f"{path}: Invalid argument")
+    monkeypatch.setattr(engine_lib, "direct_refused", lambda paths: f"{paths[0]}: Invalid argument")
     tmpfs = cuda(StreamConfig(), meta, tight, slots=slots)
     assert (tmpfs.reader, tmpfs.direct_io) == ("tier", False)
     assert "O_DIRECT refused" in tmpfs.line() and "Invalid argument" in tmpfs.line()
-    monkeypatch.undo()
-    monkeypatch.setattr(tier, "MARGIN", 1000)
+    monkeypatch.setattr(engine_lib, "direct_refused", lambda paths: "")
     direct = cuda(StreamConfig(direct_io=True), meta, tight, slots=slots)
     assert (direct.reader, direct.decode_path, direct.direct_io) == ("tier", "host", True)
     assert cuda(StreamConfig(direct_io=True), meta, mem, slots=slots).decode_path == "device"

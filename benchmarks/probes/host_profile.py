@@ -15,6 +15,7 @@ host path with the tier, the files read by the native reader.
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import io
 import pstats
@@ -91,7 +92,8 @@ def main():
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--swap-tier-gb", type=float, help="a swap tier of at most this many GB")
-    p.add_argument("--direct-io", action="store_true", help="read the files with O_DIRECT")
+    p.add_argument("--direct-io", action=argparse.BooleanOptionalAction, default=None,
+                   help="read the files with O_DIRECT (default: the package's)")  # fmt: skip
     a = p.parse_args()
     load_kw = {"direct_io": a.direct_io}
     if a.swap_tier_gb:

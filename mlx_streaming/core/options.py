@@ -79,9 +79,9 @@ class StreamConfig:
         "mapped needs none: the GPU copies them", choices=[r.value for r in Reader]
     )  # fmt: skip
     direct_io: bool | None = option(
-        None, "bypass the page cache (O_DIRECT / F_NOCACHE) (default: beneath a swap tier "
-        "bounded to what memory holds, which leaves the page cache no room, where the "
-        "files' filesystem takes O_DIRECT reads; else off)",
+        None, "bypass the page cache (O_DIRECT / F_NOCACHE) (default: on Linux with the "
+        "native reader, beneath a swap tier bounded to what memory holds, which leaves the "
+        "page cache no room, where the files' filesystem takes O_DIRECT reads; else off)",
     )  # fmt: skip
     map_files: bool | None = option(
         None, "CUDA: map the expert files, page-locked, so that the GPU copies each record "
@@ -100,8 +100,8 @@ class StreamConfig:
         None, "with --swap-tier: at most this many GB of host memory for the tier, or auto: "
         "as much as the available memory holds beside the process's margin and the trunk's "
         "load (whole where the experts the pools do not hold fit); the records the pools "
-        "gave up last stay in a bounded tier, the rest are read from the files (with "
-        "--direct-io around the page cache), on the host path",
+        "gave up last stay in a bounded tier, the rest are read from the files (around "
+        "the page cache where the tier is auto: see --direct-io), on the host path",
     )  # fmt: skip
     device_reads: bool | None = option(
         None, "CUDA: a decode step's misses are planned and copied by the GPU itself, "

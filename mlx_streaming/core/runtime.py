@@ -253,7 +253,7 @@ def resolve(
     direct_io = bool(cfg.direct_io)  # default: beneath a tier bounded to what memory holds
     if cfg.direct_io is None and bounded and swap_tier and cfg.swap_tier_gb in (None, "auto"):
         if files_reader == "native" and _linux() and meta is not None:
-            refused = engine_lib.direct_refused(meta.file(next(iter(meta.layers))))
+            refused = engine_lib.direct_refused([meta.file(li) for li in meta.layers])
             direct_io, why["direct_io"] = not refused, (
                 f"O_DIRECT refused ({refused}): through the page cache" if refused else
                 "the bounded tier leaves the page cache no room: the files beyond it read "

@@ -55,7 +55,8 @@ def open_reader(
         asked = "swap_tier asked for" if not default else "the files do not fit in half of memory"
         runtime = runtime.revised({"reader": f"{asked}, as large as memory holds: {how}"})
         if not t.partial and cfg.direct_io is None:  # the default's O_DIRECT: no file reads
-            runtime = runtime.revised({"direct_io": ""}, direct_io=False)
+            runtime = runtime.revised({"direct_io": "the tier is whole: no file reads"},
+                                      direct_io=False)  # fmt: skip
     return reader, runtime
 
 

@@ -37,20 +37,23 @@ def staging(meta) -> tuple[int, int]:
     return wave, wave * max((lay.stride for lay in meta.layers.values()), default=0)
 
 
-def direct_refused(path) -> str:
-    """Why ``path``'s filesystem refuses the native reader's O_DIRECT reads ('' where it
-    takes them): tmpfs refuses the open, some filesystems the read itself."""
+def direct_refused(paths) -> str:
+    """Why the filesystem of one of ``paths`` refuses the native reader's O_DIRECT reads
+    ('' where each takes them): some refuse the open (tmpfs before Linux 6.6), some the
+    read itself."""
     if not hasattr(os, "O_DIRECT"):
         return "this system has no O_DIRECT"
     page = mmap.mmap(-1, mmap.PAGESIZE)  # page-aligned, as the reader's staging
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        try:
-            os.preadv(fd, [page], 0)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        return f"{path}: {e.strerror or e}"
+        for path in paths:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                try:
+                    os.preadv(fd, [page], 0)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                return f"{path}: {e.strerror or e}"
     finally:
         page.close()
     return ""

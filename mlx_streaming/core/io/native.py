@@ -132,8 +132,8 @@ class NativeReader:
             if direct and e.errno == errno.EINVAL:  # e.g. tmpfs
                 raise OSError(
                     e.errno,
-                    f"{self.meta.file(li)}: its filesystem refuses O_DIRECT; run without "
-                    "--direct-io (direct_io=False), or keep the experts on a disk's filesystem",
+                    f"{self.meta.file(li)}: its filesystem refuses O_DIRECT; run with "
+                    "--no-direct-io (direct_io=False), or keep the experts on a disk's filesystem",
                 ) from e
             raise
         self._fds.append(fd)  # closed by close(), whatever happens next

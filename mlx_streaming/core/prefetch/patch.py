@@ -234,9 +234,10 @@ def patch_model_filebacked(
         # again after it page-locked its files or tier, memory could say otherwise (and
         # refuse device_reads here)
         pinned = {"swap_tier": rt.reader == "tier"} if options.swap_tier is None else {}
-        if options.swap_tier_gb == "auto" and rt.reader == "tier":  # the size it took
-            tier = store.reader.tier
+        if rt.reader == "tier" and (options.swap_tier_gb == "auto" or options.swap_tier is None):
+            tier = store.reader.tier  # the size it took; whole, it reads no files
             pinned["swap_tier_gb"] = tier.nbytes / 1e9 if tier.partial else None
+            pinned.update({} if tier.partial else {"direct_io": False})
         if options.map_files is None and not options.direct_io:
             pinned["map_files"] = rt.mapped
         options = options.replace(**pinned)
