@@ -130,7 +130,7 @@ def load(
         cfg = cfg.replace(budget_gb=plan.budget_bytes / 1e9)
     zero_slot = pool_zero_slot(cfg)  # the pools' size, then the rest by it
     capacity, layer_caps = store_slots(meta, cfg.slots, cfg.budget_gb, caps, zero_slot, whole)
-    host = HostShare(ranks, trunk_host_bytes(model), base)  # beside a tier: the trunk's load
+    host = HostShare(ranks, host_reserve(model, cfg), base)  # what a tier leaves room for
     runtime = resolve(cfg, meta, slots=capacities(meta, capacity, layer_caps), host=host)
     tick = pace.tick if pace else None  # between pieces of work: a round with the peers
     store = FileExpertStore(
@@ -243,6 +243,18 @@ def trunk_host_bytes(model, backend: str | None = None) -> int:
     if (backend or backend_name()) == "cuda":
         return max(sizes, default=0)
     return sum(sizes)
+
+
+def host_reserve(model, cfg: StreamConfig, backend: str | None = None) -> int:
+    """Host memory a swap tier sized to what memory holds leaves beside itself for the
+    (lazily loaded) ``model``: its trunk's load (``trunk_host_bytes``) and, where the KV
+    cache lives in host memory too (not on CUDA) and a tier is asked for, the cache of
+    ``cfg.context`` tokens, which grows after the tier is sized."""
+    from .planning.budget import kv_bytes
+
+    b = backend or backend_name()
+    kv = cfg.context * sum(kv_bytes(model)) if cfg.swap_tier and b != "cuda" else 0
+    return trunk_host_bytes(model, b) + kv
 
 
 def load_trunk(model, progress: bool | None = None, tick=None) -> None:

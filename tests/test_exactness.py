@@ -566,11 +566,20 @@ def test_an_auto_swap_tier_takes_what_memory_holds_and_streams_exactly(models, m
         room.close()
     total, _ = mem.machine_memory()
     lazy, _ = load(str(ck), lazy=True)
-    from mlx_streaming.model_builder import trunk_host_bytes
+    from mlx_streaming.model_builder import host_reserve, trunk_host_bytes
+    from mlx_streaming.planning.budget import kv_bytes
 
-    held = trunk_host_bytes(lazy) + MARGIN + need // 2  # half the tier beside the rest
-    monkeypatch.setattr(mem, "machine_memory", lambda: (total, held))
+    # beside it: the trunk and, off CUDA, the KV cache of --context tokens (here a
+    # record's worth), which grows after the tier is sized
+    stride = max(lay.stride for lay in meta.layers.values())
     cfg = StreamConfig(slots=meta.top_k, swap_tier=True, swap_tier_gb="auto")
+    cfg = cfg.replace(context=-(-stride // sum(kv_bytes(lazy))))
+    kv = cfg.context * sum(kv_bytes(lazy))
+    assert host_reserve(lazy, cfg, "cpu") == trunk_host_bytes(lazy, "cpu") + kv >= kv >= stride
+    assert host_reserve(lazy, cfg, "cuda") == trunk_host_bytes(lazy, "cuda")  # on the GPU
+    assert host_reserve(lazy, cfg.replace(swap_tier=None), "cpu") == trunk_host_bytes(lazy, "cpu")
+    held = trunk_host_bytes(lazy) + kv + MARGIN + need // 2  # half the tier beside the rest
+    monkeypatch.setattr(mem, "machine_memory", lambda: (total, held))
     model, _, store = stream_load(ck, ed, cfg, progress=False)
     try:
         assert store.reader.tier.partial and store.reader.tier.nbytes <= need // 2

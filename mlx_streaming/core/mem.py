@@ -252,8 +252,8 @@ class HostShare:
     """What a store may plan with of this host's memory: its share of what is available
     (``ranks`` of one pipeline on this host split ``base``, what was available when they
     counted each other, before any of them took its share), and beside it ``reserve``
-    bytes that the rest of its load takes (the trunk as it loads:
-    ``model_builder.trunk_host_bytes``)."""
+    bytes that the rest of its load and its run take (the trunk as it loads, off CUDA
+    the KV cache: ``model_builder.host_reserve``)."""
 
     ranks: int = 1
     reserve: int = 0

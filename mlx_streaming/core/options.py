@@ -60,7 +60,10 @@ class StreamConfig:
         "CUDA, the GPU) has left after the trunk, the KV cache for --context tokens and a "
         "headroom"
     )  # fmt: skip
-    context: int = option(4096, "tokens of context --budget-gb auto keeps KV cache room for")
+    context: int = option(
+        4096, "tokens of context --budget-gb auto keeps KV cache room for (and, off "
+        "CUDA, --swap-tier-gb auto)",
+    )  # fmt: skip
     pool_profile: str = option(
         "auto", "slots per layer from a profile: auto (EXPERT_DIR/pool_profile.json or "
         "EXPERT_POOL_PROFILE), none, or a path"

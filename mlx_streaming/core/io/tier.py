@@ -72,8 +72,9 @@ class SwapTier:
         limit: Bytes the tier may hold (default: every record the pools do not), or
             ``"auto"``: as many as ``available`` holds beside ``MARGIN`` and ``reserve``.
         reserve: Bytes of host memory the load still takes after the tier, beside the
-            ``MARGIN`` (the trunk as it loads: ``model_builder.trunk_host_bytes``; the
-            staging of the reader of the files beyond an ``auto`` tier).
+            ``MARGIN`` (the trunk as it loads and, off CUDA, the KV cache:
+            ``model_builder.host_reserve``; the staging of the reader of the files
+            beyond an ``auto`` tier).
         tick: Called after each layer's records are read (e.g. a pipeline's
             ``Pace.tick``: a layer's fill is the longest stretch without one).
 
