@@ -248,12 +248,14 @@ def trunk_host_bytes(model, backend: str | None = None) -> int:
 def host_reserve(model, cfg: StreamConfig, backend: str | None = None) -> int:
     """Host memory a swap tier sized to what memory holds leaves beside itself for the
     (lazily loaded) ``model``: its trunk's load (``trunk_host_bytes``) and, where the KV
-    cache lives in host memory too (not on CUDA) and a tier is asked for, the cache of
-    ``cfg.context`` tokens, which grows after the tier is sized."""
+    cache lives in host memory too (not on CUDA) and the tier takes what memory holds
+    (``swap_tier_gb="auto"``), the cache of ``cfg.context`` tokens, which grows after the
+    tier is sized."""
     from .planning.budget import kv_bytes
 
     b = backend or backend_name()
-    kv = cfg.context * sum(kv_bytes(model)) if cfg.swap_tier and b != "cuda" else 0
+    auto = cfg.swap_tier and cfg.swap_tier_gb == "auto"
+    kv = cfg.context * sum(kv_bytes(model)) if auto and b != "cuda" else 0
     return trunk_host_bytes(model, b) + kv
 
 

@@ -78,6 +78,9 @@ class Runtime:
         if self.reason("decode_path"):
             path += f" ({self.reason('decode_path')})"
         reader = self.reader + (f" ({self.reason('reader')})" if self.reason("reader") else "")
+        why = self.reason("direct_io")
+        direct = ", O_DIRECT" if self.direct_io else ", no O_DIRECT" if why else ""
+        direct += f" ({why})" if why else ""
         return (
             f"mlx_streaming: {self.backend}, {path}; reader {reader}, {self.pool_mode} "
             f"pools, rows {self.rows}, policy {self.policy}, "
@@ -88,8 +91,7 @@ class Runtime:
                 if self.threads
                 else "reads inline"
             )  # fmt: skip
-            + (", O_DIRECT" if self.direct_io else "")
-            + (f" ({self.reason('direct_io')})" if self.reason("direct_io") else "")
+            + direct
             + (", read-ahead" if self.prefetch else "")
             + (f"; {self.reason('ids')}" if self.reason("ids") else "")
         )

@@ -55,7 +55,8 @@ class FileExpertStore:
         runtime: An already resolved ``Runtime`` (``load`` passes the one it printed).
         tick: Called after each layer's work as the store opens (a pipeline's ``Pace.tick``).
         host: This store's share of the host's memory (``mem.HostShare``: a pipeline's
-            ranks on one host split it; the trunk's load beside a swap tier).
+            ranks on one host split it; the trunk's load beside a swap tier, and off
+            CUDA an auto tier's KV cache: ``model_builder.host_reserve``).
         **options: Overrides of ``config``'s fields (e.g. ``policy="lru"``; the seed
             passes ``clear_on_evict`` and ``record``).
 

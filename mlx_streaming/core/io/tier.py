@@ -112,7 +112,8 @@ class SwapTier:
         self.rows = {li: int(n * share) for li, n in rest.items()}  # per layer
         self.partial = any(self.rows[li] < n for li, n in rest.items())
         need = rows_bytes(meta, self.rows)
-        trunk = f", {reserve / 1e9:.2f} GB of them for the rest of the load" if reserve else ""
+        trunk = (f", {reserve / 1e9:.2f} GB of them for the rest of the load (the trunk; off "
+                 "CUDA, an auto tier's KV cache of --context tokens)" if reserve else "")  # fmt: skip
         self._short = (
             f"the swap tier needs {need / 1e9:.2f} GB of host memory (the experts the pools "
             f"do not hold) and {(MARGIN + reserve) / 1e9:.2f} GB left to the process beside "
