@@ -252,14 +252,14 @@ def resolve(
         reader, why["reader"] = "tier", asked + (
             f", at most {most}: the rest read by the {files_reader} reader" if bounded
             else ", as large as memory holds: whole" if auto else "")  # fmt: skip
-    direct_io = bool(cfg.direct_io)  # default: beneath a tier bounded to what memory holds
-    if cfg.direct_io is None and bounded and swap_tier and cfg.swap_tier_gb in (None, "auto"):
-        if files_reader == "native" and _linux() and meta is not None:
-            refused = engine_lib.direct_refused([meta.file(li) for li in meta.layers])
-            direct_io, why["direct_io"] = not refused, (
-                f"O_DIRECT refused ({refused}): through the page cache" if refused else
-                "the bounded tier leaves the page cache no room: the files beyond it read "
-                "around it (--no-direct-io: through it)")  # fmt: skip
+    direct_io = bool(cfg.direct_io)  # default: beneath a tier that fills memory (whole: off)
+    fills = meta is not None and (cfg.swap_tier_gb == "auto" or bounded and not cfg.swap_tier_gb)
+    if cfg.direct_io is None and swap_tier and fills and files_reader == "native" and _linux():
+        refused = engine_lib.direct_refused([meta.file(li) for li in meta.layers])
+        direct_io, why["direct_io"] = not refused, (
+            f"O_DIRECT refused ({refused}): through the page cache" if refused else
+            "the bounded tier leaves the page cache no room: the files beyond it read "
+            "around it (--no-direct-io: through it)")  # fmt: skip
 
     # the decode path: the GPU copies from the mappings or trades with the tier
     gpu_source = pool_mode == "cuda" and (mapped or reader == "tier")
