@@ -260,7 +260,7 @@ def child(job: dict) -> dict:
     drop_page_cache(files)
     measured_direct = rt.direct_io
     gbps = measure_read_gbps(
-        meta, rt.threads, rt.direct_io, cold=True, engine=rt.reader != "python"
+        meta, rt.threads, rt.direct_io, cold=True, engine=(rt.files_reader or rt.reader) != "python"
     )
     drop_page_cache([*files, *ck.glob("*.safetensors")])
     in_use(job, "before load")

@@ -151,7 +151,7 @@ def main():
 
     decode_run(ref, tok, ids, a.tokens)  # warm up stock (compiles kernels)
     h2d = measure_h2d_gbps()  # on a GPU the copy bounds the read path too
-    native = runtime.reader != "python"  # the disk, read by the engine unless Python reads
+    native = (runtime.files_reader or runtime.reader) != "python"  # the engine reads, or Python
     read = {
         t: measure_read_gbps(
             meta, runtime.threads, runtime.direct_io, cold=t == "cold", engine=native

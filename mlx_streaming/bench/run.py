@@ -294,7 +294,7 @@ def _run(cfg: BenchConfig, group=None, watch=None, armed=None) -> dict:
     rt = store.runtime  # the store's own reader, threads and direct reads
     cold = cfg.cold or bool(cfg.memory_limit_gb)  # larger than RAM: the disk's own rate
     gbps = cfg.read_gbps or measure_read_gbps(
-        meta, rt.threads, rt.direct_io, cold=cold, engine=rt.reader != "python"
+        meta, rt.threads, rt.direct_io, cold=cold, engine=(rt.files_reader or rt.reader) != "python"
     )
     out["storage_gbps"] = round(gbps, 3)
     t_compute = (

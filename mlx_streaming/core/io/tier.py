@@ -126,8 +126,8 @@ class SwapTier:
             raise MemoryError(
                 f"no room for a swap tier: {available / 1e9:.2f} GB available, "
                 f"{(MARGIN + reserve) / 1e9:.2f} GB of them left to the process{trunk}, and "
-                f"a record for each layer takes {one / 1e9:.2f} GB: give it more memory or "
-                "go without it (--no-swap-tier)"
+                f"a record for each layer takes {one / 1e9:.2f} GB: give it more memory, a "
+                "shorter --context (off CUDA), or go without it (--no-swap-tier)"
             )
         if full and need + MARGIN + reserve > available:  # (the pools may hold them all)
             raise MemoryError(self._short)
