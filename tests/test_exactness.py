@@ -253,11 +253,40 @@ def test_a_swap_tier_streams_exactly_and_holds_each_record_once(models, arch):
     assert store.misses > 0
     assert_each_record_once(store, meta)
     model2, store2 = patched(ck, ed, config=cfg, capacity=meta.top_k)
+    for li in store2.layers:  # what the fill read is not held twice: the page cache let go
+        share = page_cache_share(meta.file(li))
+        assert share is None or share < 0.5, (li, share)
     cmp = compare_traces(batch_trace, greedy_trace(model2, batch, NEW_TOKENS, PREFILL))
     assert cmp.exact, cmp.to_json()
     assert_each_record_once(store2, meta)
     store.close()
     store2.close()
+
+
+def page_cache_share(path) -> float | None:
+    """The share of ``path``'s pages in the page cache (``mincore``; None where there is
+    none, off Linux)."""
+    import ctypes
+    import mmap
+
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mincore.restype = ctypes.c_void_p, ctypes.c_int
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]  # fmt: skip
+    size, fd = os.path.getsize(path), os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)
+    pages = -(-size // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    try:
+        assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0
+    finally:
+        libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
+    return sum(v & 1 for v in vec) / pages
 
 
 def test_pinned_experts_are_never_evicted(models):
