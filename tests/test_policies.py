@@ -839,7 +839,8 @@ def test_the_swap_tier_simulator_follows_the_store_s_tier(models):
     whole and bounded, driven as the store drives them (its slot tables filled at load,
     each call's misses planned, moved, the files' records landed, a full bounded tier
     dropping its coldest record as the store's loader has it): the same pool hits, trades
-    and reads from the files, call for call."""
+    and reads from the files, call for call; prompts' calls of more experts than slots in
+    groups, each loaded before the next (``chunk`` tokens a call)."""
     from mlx_streaming.core.cache.pool import make_pools
     from mlx_streaming.core.io.tier import SwapTier
     from mlx_streaming.core.meta import load_meta
@@ -850,7 +851,7 @@ def test_the_swap_tier_simulator_follows_the_store_s_tier(models):
     layers, slots, E = meta.moe_layers, 6, 16
     trace, stride = local_trace(T=300, E=E), meta.layers[layers[0]].stride
     full = (E - slots) * stride * len(layers)
-    for limit in (None, full // 3):
+    for limit, chunk in ((None, 1), (full // 3, 1), (full // 3, 4)):
         pools = make_pools(meta, {li: slots for li in layers}, "host", False)
         tier, caches = SwapTier(meta, pools, limit=limit), {}
         tier.heat = lambda li, caches=caches: caches[li].heat  # as ``Loader`` gives it
@@ -859,23 +860,28 @@ def test_the_swap_tier_simulator_follows_the_store_s_tier(models):
                 caches[li] = cache = SlotCache(E, slots, make_policy("lru", E))
                 cache.commit(cache.reserve(range(slots), np.zeros(0, int)))
             hits = trades = reads = 0
-            for t in range(trace.tokens):
+            for t in range(0, trace.tokens - chunk + 1, chunk):
                 for i, li in enumerate(layers):
-                    experts = np.unique(trace.experts[t, i]).astype(np.int64)
+                    rows = trace.experts[t : t + chunk, i]
                     cache = caches[li]
-                    _, misses = cache.split(experts)
-                    placed = cache.reserve(misses, experts)
-                    moves = tier.plan(li, [e for e, _, _ in placed], [s for _, s, _ in placed])
-                    tier.moved(li, moves)
-                    for e, s in moves.reads:  # landed
-                        tier.held[li][s] = e
-                    cache.commit(placed)
-                    cache.access(experts, len(misses))
-                    hits += len(experts) - len(misses)
-                    trades, reads = trades + moves.brought, reads + len(moves.reads)
+                    for experts in cache.groups(np.unique(rows).astype(np.int64)):
+                        _, misses = cache.split(experts)
+                        placed = cache.reserve(misses, experts)
+                        e_s = [e for e, _, _ in placed], [s for _, s, _ in placed]
+                        moves = tier.plan(li, *e_s)
+                        tier.moved(li, moves)
+                        for e, s in moves.reads:  # landed
+                            tier.held[li][s] = e
+                        cache.commit(placed)
+                        cache.access(experts, len(misses))
+                        hits += len(experts) - len(misses)
+                        trades, reads = trades + moves.brought, reads + len(moves.reads)
         finally:
             tier.close()
-        sim = simulate_tiers(trace, "lru", slots, limit or full, stride, exclusive=True)
+        calls = [chunk] * (trace.tokens // chunk)
+        sim = simulate_tiers(
+            trace, "lru", slots, limit or full, stride, exclusive=True, calls=calls
+        )
         assert tier.partial == (limit is not None) and (reads > 0) == tier.partial
         assert (sim.pool_hits, sim.page_cache_hits, sim.disk_reads) == (hits, trades, reads)
 

@@ -24,6 +24,7 @@ import numpy as np
 from ..core.cache.policy import make_policy
 from ..core.cache.slots import SlotCache
 from ..core.io.tier import MARGIN
+from ..core.io.tier_moves import plan_moves
 from .budget import pool_slots
 from .simulate import layer_lookups
 from .trace import RoutingTrace
@@ -83,35 +84,30 @@ class _PageCache:
 
 
 class _SwapRows:
-    """The store's swap tier (``core.io.tier.SwapTier``): each layer's own ``rows``,
-    filled at load with the experts after the pool's. A miss found there trades places
-    with its victim (which takes its row, written now); then a miss from the disk sends
-    its victim to the row of the coldest record (the slot table's ``heat``; the oldest
-    written of equals) that the call has not traded into, whose record is dropped (it is
-    in its file); with none left, the victim is dropped."""
+    """The store's swap tier (``core.io.tier.SwapTier``) without its bytes: each layer's
+    own ``rows``, filled at load with the experts after the pool's, moved by the tier's
+    own rule (``tier_moves.plan_moves``); a read lands at once."""
 
-    def __init__(self, layers, slots: int, rows: int):
-        self.held = {li: OrderedDict.fromkeys(range(slots, slots + rows)) for li in layers}
+    def __init__(self, layers, slots: int, rows: int, num_experts: int):
+        self.tables, self.clock = {}, 0
+        for li in layers:
+            home = [-1] * num_experts
+            home[slots : slots + rows] = range(rows)
+            self.tables[li] = [home, list(range(slots)), list(range(slots, slots + rows)),
+                               [0] * rows]  # fmt: skip
 
-    def find(self, li: int, e: int) -> bool:  # found: it leaves its row for the trade
-        if e not in self.held[li]:
-            return False
-        del self.held[li][e]
-        return True
+    def find(self, li: int, e: int) -> bool:
+        return self.tables[li][0][e] >= 0
 
     def keep(self, li: int, placed, found: list[bool], heat) -> int:
-        held = self.held[li]
-        traded = [int(v) for (_, _, v), hit in zip(placed, found) if hit and v >= 0]
-        sent = [int(v) for (_, _, v), hit in zip(placed, found) if not hit and v >= 0]
-        held.update(dict.fromkeys(traded))  # into the rows their misses left, newest
-        sent = sent[: len(held) - len(traded)]  # the rows this call did not trade into
-        old = list(held)[: len(held) - len(traded)]  # the rows it may send to, oldest first
-        for v in sent:
-            e = min(old, key=heat.__getitem__)  # the coldest, the oldest of equals
-            old.remove(e)
-            del held[e]
-            held[v] = None
-        return len(traded) + len(sent)
+        experts, slots = [e for e, _, _ in placed], [s for _, s, _ in placed]
+        moves = plan_moves(li, self.tables[li], self.clock, experts, slots, lambda: heat, True)
+        self.clock = moves.clock
+        for e, s in moves.reads:  # landed
+            self.tables[li][1][s] = e
+        owner = self.tables[li][2]  # the records written into rows: victims, not misses
+        sent = len(moves.trades) - moves.brought
+        return sum(owner[h] >= 0 for h, _ in moves.trades[: moves.brought]) + sent
 
 
 def swap_rows(num_experts: int, slots: int, record_bytes: int, model_layers: int,
@@ -165,7 +161,7 @@ def simulate_tiers(
     caches = {li: SlotCache(E, slots, make_policy(policy, E)) for li in layers}
     if exclusive:
         n = swap_rows(E, slots, record_bytes, model_layers, page_cache_bytes)
-        beneath = _SwapRows(layers, slots, n)
+        beneath = _SwapRows(layers, slots, n, E)
         for cache in caches.values():  # as the store adopts the pools the tier filled
             cache.commit(cache.reserve(range(min(slots, E)), protect=np.zeros(0, np.int64)))
     else:
@@ -178,20 +174,19 @@ def simulate_tiers(
     for t in range(T):
         before = (hits, pc, disk, writes)
         for li in layers:
-            cache, placed = caches[li], []
-            if cache.whole and not cache.complete:  # as the store: a pool with a slot per
-                # expert loads its whole layer at its first call
+            cache = caches[li]
+            whole = cache.whole and not cache.complete  # as the store: a pool with a slot
+            if whole:  # per expert loads its whole layer at its first call
                 hits += int((cache.slot_of[seqs[li][t]] >= 0).sum())
-                placed = cache.lookup(np.arange(E))
-            for group in [] if placed else cache.groups(seqs[li][t]):  # more than fit:
-                got = cache.lookup(group)  # one at a time
-                hits += len(group) - len(got)
-                placed += got
-            # the call's misses are looked up beneath together, then kept
-            found = [beneath.find(li, int(e)) for e, _, _ in placed]
-            pc += sum(found)
-            disk += len(found) - sum(found)
-            writes += beneath.keep(li, placed, found, cache.heat)
+            # more than fit: one group at a time, each loaded before the next
+            for group in [np.arange(E)] if whole else cache.groups(seqs[li][t]):
+                placed = cache.lookup(group)
+                hits += 0 if whole else len(group) - len(placed)
+                # a group's misses are looked up beneath together, then kept
+                found = [beneath.find(li, int(e)) for e, _, _ in placed]
+                pc += sum(found)
+                disk += len(found) - sum(found)
+                writes += beneath.keep(li, placed, found, cache.heat)
         if not counted[t]:
             hits, pc, disk, writes = before
     n_tokens = sum(c for c, on in zip(calls or [1] * T, counted[:T]) if on)

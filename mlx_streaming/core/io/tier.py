@@ -26,36 +26,17 @@ import contextlib
 import ctypes
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
 from ..format import ExpertChecksumError, record_checksum
 from .futures import Done
+from .tier_moves import Moves, TierError, plan_moves
 
 # host memory the tier leaves to what the process allocates after it is sized (on CUDA
 # the pools and KV cache live on the GPU; DS2-Lite at 25% in a 6 GB cgroup held 0.30 GB
 # as an auto tier was sized, 0.56 GB loaded and 0.97 GB decoding: 512 MiB was OOM-killed)
 MARGIN = 1 << 30
-
-
-@dataclass
-class Moves:
-    """A load's moves (``SwapTier.plan``): ``trades`` (tier row, slot) exchanged first,
-    the first ``brought`` of them bringing a miss in (the rest send a victim out to a row
-    whose record is dropped), then ``reads`` (expert, slot) from the files; the tables
-    they leave, and the clock."""
-
-    trades: list[tuple[int, int]]
-    brought: int
-    reads: list[tuple[int, int]]
-    tables: tuple
-    clock: int
-
-
-class TierError(RuntimeError):
-    """The swap tier cannot say where a record is (the message says why); the model must
-    be loaded again."""
 
 
 class SwapTier:
@@ -224,48 +205,9 @@ class SwapTier:
         if self.broken:
             raise TierError(self.broken)
         # as lists: a call's few ids one at a time (numpy's cold calls cost tens of µs)
-        home, held = self.home[layer].tolist(), self.held[layer].tolist()
-        owner, stamp = self.owner[layer].tolist(), self.stamp[layer].tolist()
-        clock, trades, reads, later = self._clock, [], [], []
-        for e, s in zip(np.asarray(experts).tolist(), np.asarray(slots).tolist()):
-            v, h = held[s], home[e]
-            if h < 0 and v == e:
-                continue  # its record is in its slot
-            if h < 0 and not self.partial:
-                raise TierError(
-                    f"layer {layer}: expert {e} is in neither the swap tier nor slot {s} "
-                    "(a defect: please report it); load the model again"
-                )
-            if h < 0:
-                later.append((e, s, v))  # after the trades: rows they free are not taken
-                continue
-            clock += 1
-            trades.append((h, s))
-            home[e], held[s], owner[h], stamp[h] = -1, e, v, clock
-            if v >= 0:
-                home[v] = h
-        used, brought, order = {h for h, _ in trades}, len(trades), None
-        heat = self.heat(layer) if later else None
-        for e, s, v in later:
-            held[s] = -1  # its content unknown until the read lands (``_Reads``)
-            reads.append((e, s))
-            if v < 0 or not owner:
-                continue  # no victim, or no tier: the victim is dropped
-            if order is None:  # rows oldest first; a row taken below joins ``used``
-                order = sorted(range(len(stamp)), key=stamp.__getitem__)
-            free = [h for h in order if h not in used]
-            h = next((h for h in free if owner[h] < 0), -1)
-            if h < 0 and free:  # the coldest record's row (the oldest of equals)
-                h = min(free, key=lambda r: heat[owner[r]])
-            if h < 0:
-                continue
-            clock += 1
-            trades.append((h, s))
-            used.add(h)
-            if owner[h] >= 0:
-                home[owner[h]] = -1  # dropped: it is in its file
-            home[v], owner[h], stamp[h] = h, v, clock
-        return Moves(trades, brought, reads, (home, held, owner, stamp), clock)
+        tables = [t[layer].tolist() for t in (self.home, self.held, self.owner, self.stamp)]
+        heat = lambda: self.heat(layer)  # noqa: E731
+        return plan_moves(layer, tables, self._clock, experts, slots, heat, self.partial)
 
     def moved(self, layer: int, moves: Moves) -> None:
         """The tables once ``moves`` (``plan``'s) have moved their bytes."""

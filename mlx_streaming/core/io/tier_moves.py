@@ -1,0 +1,80 @@
+"""The swap tier's one rule (``tier.SwapTier`` moves the bytes; ``planning.tiers``
+simulates it): which tier rows and slots trade places, which misses are read from the
+files, and the tables they leave."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Moves:
+    """A load's moves (``SwapTier.plan``): ``trades`` (tier row, slot) exchanged first,
+    the first ``brought`` of them bringing a miss in (the rest send a victim out to a row
+    whose record is dropped), then ``reads`` (expert, slot) from the files; the tables
+    they leave, and the clock."""
+
+    trades: list[tuple[int, int]]
+    brought: int
+    reads: list[tuple[int, int]]
+    tables: tuple
+    clock: int
+
+
+class TierError(RuntimeError):
+    """The swap tier cannot say where a record is (the message says why); the model must
+    be loaded again."""
+
+
+def plan_moves(layer: int, tables, clock: int, experts, slots, heat, partial: bool) -> Moves:
+    """The swap tier's one rule, for the store (``SwapTier.plan``) and its simulator
+    (``planning.tiers``): ``Moves`` that bring ``experts`` into pool ``slots`` of
+    ``layer``, given its ``tables`` (lists: each expert's row or -1, each slot's expert,
+    each row's record or -1, when each row was written), which it changes. A miss in the
+    tier trades places with its victim; a miss outside it (a ``partial`` tier) is read
+    from the files, and its victim goes to the first empty row, else to the coldest
+    record's row (``heat()``: decayed lookups per expert; the oldest written of equals)
+    that the call has not traded into, whose record is dropped; with none, it is dropped."""
+    home, held, owner, stamp = tables
+    trades, reads, later = [], [], []
+    for e, s in zip(np.asarray(experts).tolist(), np.asarray(slots).tolist()):
+        v, h = held[s], home[e]
+        if h < 0 and v == e:
+            continue  # its record is in its slot
+        if h < 0 and not partial:
+            raise TierError(
+                f"layer {layer}: expert {e} is in neither the swap tier nor slot {s} "
+                "(a defect: please report it); load the model again"
+            )
+        if h < 0:
+            later.append((e, s, v))  # after the trades: rows they free are not taken
+            continue
+        clock += 1
+        trades.append((h, s))
+        home[e], held[s], owner[h], stamp[h] = -1, e, v, clock
+        if v >= 0:
+            home[v] = h
+    used, brought, order = {h for h, _ in trades}, len(trades), None
+    heat = heat() if later else None
+    for e, s, v in later:
+        held[s] = -1  # its content unknown until the read lands (``_Reads``)
+        reads.append((e, s))
+        if v < 0 or not owner:
+            continue  # no victim, or no tier: the victim is dropped
+        if order is None:  # rows oldest first; a row taken below joins ``used``
+            order = sorted(range(len(stamp)), key=stamp.__getitem__)
+        free = [h for h in order if h not in used]
+        h = next((h for h in free if owner[h] < 0), -1)
+        if h < 0 and free:  # the coldest record's row (the oldest of equals)
+            h = min(free, key=lambda r: heat[owner[r]])
+        if h < 0:
+            continue
+        clock += 1
+        trades.append((h, s))
+        used.add(h)
+        if owner[h] >= 0:
+            home[owner[h]] = -1  # dropped: it is in its file
+        home[v], owner[h], stamp[h] = h, v, clock
+    return Moves(trades, brought, reads, (home, held, owner, stamp), clock)
