@@ -177,7 +177,10 @@ class SwapTier:
                 if home[e] < 0:
                     self._into_slot(li, e, row)
             if hasattr(os, "posix_fadvise"):  # pools and tier hold them: not the page cache too
-                os.posix_fadvise(f.fileno(), 0, (slots + rows) * lay.stride, os.POSIX_FADV_DONTNEED)
+                with contextlib.suppress(OSError):  # (a hint)
+                    os.posix_fadvise(
+                        f.fileno(), 0, (slots + rows) * lay.stride, os.POSIX_FADV_DONTNEED
+                    )
 
     def _into_slot(self, li: int, slot: int, record: np.ndarray) -> None:
         """Copy ``record``'s parts into pool slot ``slot`` (at load)."""
