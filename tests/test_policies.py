@@ -864,7 +864,8 @@ def test_the_swap_tier_simulator_follows_the_store_s_tier(models):
                 for i, li in enumerate(layers):
                     rows = trace.experts[t : t + chunk, i]
                     cache = caches[li]
-                    for experts in cache.groups(np.unique(rows).astype(np.int64)):
+                    distinct, counts = np.unique(rows.astype(np.int64), return_counts=True)
+                    for experts in cache.groups(distinct, counts):  # as the store groups them
                         _, misses = cache.split(experts)
                         placed = cache.reserve(misses, experts)
                         e_s = [e for e, _, _ in placed], [s for _, s, _ in placed]

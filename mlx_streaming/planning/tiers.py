@@ -150,14 +150,16 @@ def simulate_tiers(
     layers = list(range(trace.layers)) if layers is None else list(layers)
     model_layers = model_layers or trace.layers
     E = trace.num_experts
+    counts = None  # a call's rows per expert: its groups, hottest last, as the store's
     if calls is None:
         seqs = {li: layer_lookups(trace, li, start, tokens) for li in layers}
     else:
         bounds = np.cumsum([0, *calls]) + start
         rows = trace.experts.astype(np.int64)
-        seqs = {
-            li: [np.unique(rows[a:b, li]) for a, b in zip(bounds[:-1], bounds[1:])] for li in layers
-        }
+        pairs = {li: [np.unique(rows[a:b, li], return_counts=True)
+                      for a, b in zip(bounds[:-1], bounds[1:])] for li in layers}  # fmt: skip
+        seqs = {li: [e for e, _ in p] for li, p in pairs.items()}
+        counts = {li: [c for _, c in p] for li, p in pairs.items()}
     caches = {li: SlotCache(E, slots, make_policy(policy, E)) for li in layers}
     if exclusive:
         n = swap_rows(E, slots, record_bytes, model_layers, page_cache_bytes)
@@ -179,7 +181,8 @@ def simulate_tiers(
             if whole:  # per expert loads its whole layer at its first call
                 hits += int((cache.slot_of[seqs[li][t]] >= 0).sum())
             # more than fit: one group at a time, each loaded before the next
-            for group in [np.arange(E)] if whole else cache.groups(seqs[li][t]):
+            n = None if counts is None else counts[li][t]
+            for group in [np.arange(E)] if whole else cache.groups(seqs[li][t], n):
                 placed = cache.lookup(group)
                 hits += 0 if whole else len(group) - len(placed)
                 # a group's misses are looked up beneath together, then kept
