@@ -24,7 +24,7 @@ import numpy as np
 from ..core.cache.policy import make_policy
 from ..core.cache.slots import SlotCache
 from ..core.io.tier import MARGIN
-from ..core.io.tier_moves import plan_moves
+from ..core.io.tier_moves import bounded_rows, plan_moves
 from .budget import pool_slots
 from .simulate import layer_lookups
 from .trace import RoutingTrace
@@ -114,10 +114,8 @@ def swap_rows(num_experts: int, slots: int, record_bytes: int, model_layers: int
               limit: int | None) -> int:  # fmt: skip
     """Rows per layer of a swap tier of at most ``limit`` bytes (None: whole) beneath
     pools of ``slots``, as ``SwapTier`` sizes them."""
-    rest = max(0, num_experts - slots)
-    full = rest * record_bytes * model_layers
-    share = 1.0 if limit is None or limit >= full else max(0.0, limit / max(1, full))
-    return int(rest * share)
+    rest = dict.fromkeys(range(model_layers), max(0, num_experts - slots))
+    return bounded_rows(rest, dict.fromkeys(rest, record_bytes), limit).get(0, 0)
 
 
 def simulate_tiers(

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..format import ExpertChecksumError, record_checksum
 from .futures import Done
-from .tier_moves import Moves, TierError, plan_moves
+from .tier_moves import Moves, TierError, bounded_rows, plan_moves
 
 # host memory the tier leaves to what the process allocates after it is sized (on CUDA
 # the pools and KV cache live on the GPU; DS2-Lite at 25% in a 6 GB cgroup held 0.30 GB
@@ -89,8 +89,7 @@ class SwapTier:
         auto = isinstance(limit, str)  # "auto": what the available memory holds
         if auto:
             limit = max(0, available - MARGIN - reserve)
-        share = 1.0 if limit is None or limit >= full else max(0.0, limit / max(1, full))
-        self.rows = {li: int(n * share) for li, n in rest.items()}  # per layer
+        self.rows = bounded_rows(rest, {li: lay.stride for li, lay in meta.layers.items()}, limit)
         self.partial = any(self.rows[li] < n for li, n in rest.items())
         need = rows_bytes(meta, self.rows)
         trunk = (f", {reserve / 1e9:.2f} GB of them for the rest of the load (the trunk; off "

@@ -78,3 +78,14 @@ def plan_moves(layer: int, tables, clock: int, experts, slots, heat, partial: bo
             home[owner[h]] = -1  # dropped: it is in its file
         home[v], owner[h], stamp[h] = h, v, clock
     return Moves(trades, brought, reads, (home, held, owner, stamp), clock)
+
+
+def bounded_rows(
+    rest: dict[int, int], strides: dict[int, int], limit: int | None
+) -> dict[int, int]:
+    """Each layer's rows in a tier of at most ``limit`` bytes (None: whole), for the
+    experts its pool does not hold (``rest``) and its records' ``strides``: every layer
+    the same share, rounded down, for the store and its simulator alike."""
+    full = sum(n * strides[li] for li, n in rest.items())
+    share = 1.0 if limit is None or limit >= full else max(0.0, limit / max(1, full))
+    return {li: int(n * share) for li, n in rest.items()}
