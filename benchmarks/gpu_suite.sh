@@ -142,7 +142,8 @@
 # bundled into $OUT/results.tgz (the device returns few files), beside ptx.tgz and the
 # trained checkpoint's parts. TRACE names the DeepSeek-V2-Lite trace
 # (default .gpu/deepseek-v2-lite.npz, copied from ../shared/traces). MLX compiles each
-# kernel variant on first use; .gpu/ptx.tgz (a former run's $OUT/ptx.tgz) seeds its cache.
+# kernel variant on first use; .gpu/ptx.tgz (a former run's $OUT/ptx.tgz) seeds its cache,
+# .gpu/nv.tgz.part-* (its $OUT/nv.tgz.part-*, where they fit) the driver's.
 # A call carries at most 64 MiB with the repository (22 MiB with its trained checkpoint):
 # the MLX CUDA wheel travels in three parts (2026-12-02): .mlxcuda1 and .mlxcuda1b (29 MiB
 # each, parked in /tmp by their stage1.sh), then .mlxcuda2 (30 MiB, with .gpu's 9 MiB
@@ -168,10 +169,21 @@ for seed in .gpu/ptx.tgz .gpuseed/ptx.tgz /tmp/ptx-seed.tgz; do  # an empty cach
   [ -f $seed ] && [ -z "$(ls -A $MLX_PTX_CACHE_DIR 2>/dev/null)" ] && mkdir -p $MLX_PTX_CACHE_DIR \
     && tar xzf $seed -C $MLX_PTX_CACHE_DIR --strip-components=1
 done
+for parts in .gpu /tmp; do  # the driver's cache, in parts (a former run's $OUT/nv.tgz.part-*)
+  ls $parts/nv.tgz.part-* > /dev/null 2>&1 && [ ! -d $CUDA_CACHE_PATH ] && mkdir -p $CUDA_CACHE_PATH \
+    && cat $parts/nv.tgz.part-* | tar xz -C $MLX_PTX_CACHE_DIR
+done
 bundle() {  # the device returns only a few files per call: the results go back as one
-  tar czf "$out/ptx.tgz" -C /tmp mlxs-ptx 2>/dev/null
+  # files come back at 16 MiB each, 8 a call: MLX's cache in one, the driver's in parts
+  tar czf "$out/ptx.tgz" -C /tmp --exclude mlxs-ptx/nv mlxs-ptx 2>/dev/null
+  du -sk $CUDA_CACHE_PATH $MLX_PTX_CACHE_DIR > "$out/cache-kb.txt" 2>&1
+  rm -f "$out"/nv.tgz.part-*
+  [ -d $CUDA_CACHE_PATH ] && tar czf /tmp/nv.tgz -C $MLX_PTX_CACHE_DIR nv \
+    && [ "$(stat -c %s /tmp/nv.tgz)" -le $((45 * 1024 * 1024)) ] \
+    && split -b 15m /tmp/nv.tgz "$out/nv.tgz.part-"
   local files
-  files=$(cd "$out" && ls -p | grep -v -e '^ptx.tgz$' -e '^results.*\.tgz$' -e '^trained.tgz.part-' -e '/$')
+  files=$(cd "$out" && ls -p | grep -v -e '^ptx.tgz$' -e '^results.*\.tgz$' -e '^trained.tgz.part-' \
+    -e '^nv.tgz.part-' -e '/$')
   local name=results.tgz n=1  # a later invocation in the same call keeps the earlier bundle
   while [ -e "$out/$name" ]; do n=$((n + 1)); name=results-$n.tgz; done
   [ -n "$files" ] && (cd "$out" && tar czf $name $files && rm -f $files)
