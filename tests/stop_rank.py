@@ -1,6 +1,7 @@
 """``python -m mlx_streaming ARGV`` as one rank, where rank 1's load is held up as it
 enters the function ``--in NAME``: a function of ``mlx_streaming.model_builder``, or
-``module:qualname`` elsewhere (e.g. ``mlx_streaming.core.io.tier:SwapTier._load``).
+``module:qualname`` elsewhere (e.g. ``mlx_streaming.core.cache.readers:forget_pages``,
+the end of each layer of a swap tier's fill).
 With ``--stop-file F`` it writes the time to F and stops itself there (SIGSTOP: a rank
 stopped while the ranks load); with ``--slow S`` it works on for S s first, in pieces
 of 0.25 s, each ending with the call's ``tick`` (a rank much slower to load, still

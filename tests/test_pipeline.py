@@ -564,7 +564,7 @@ def test_a_rank_slower_to_load_is_waited_for(models, tmp_path):
 @pytest.mark.parametrize(
     "where,each,pieces,flags",
     [
-        ("mlx_streaming.core.io.tier:SwapTier._load", 4.5, 2,
+        ("mlx_streaming.core.cache.readers:forget_pages", 4.5, 2,
          ["--swap-tier", "--pipeline-split", "1,3"]),  # rank 1: MoE layers 1 and 2
         ("mlx_streaming.core.selftest:check_case", 3, 3, ["--kernel-check"]),
     ],

@@ -5,8 +5,12 @@ engine, the Python reader, the GPU copying from page-locked mappings, or a swap 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import warnings
 from collections.abc import Callable
+
+import numpy as np
 
 from ..format import ExpertMeta
 from ..io import engine_lib
@@ -81,13 +85,14 @@ def make_reader(
     tier_gb=None,
     tick: Callable[[], None] | None = None,
     host: HostShare | None = None,
+    sequential: bool = False,
 ):
     """The reader ``runtime`` names, over ``pools``; a swap tier of at most ``tier_gb``
     (default: all the pools do not hold; ``"auto"``: what memory holds) within ``host``'s
     share of memory (``mem.HostShare``, its ``reserve`` beside it), the rest read by the
     file reader the runtime would have had (``runtime.files_reader``). ``tick()`` after
     each layer's long work (a tier's fill, a file's mapping and check; e.g. a pipeline's
-    ``Pace.tick``).
+    ``Pace.tick``). ``sequential``: the files are read from start to end (a fill).
 
     Raises:
         OSError: the native reader is not installed, or the files could not be mapped.
@@ -110,16 +115,17 @@ def make_reader(
             meta,
             pools,
             cuda if on_gpu else None,
-            runtime.checksums,
             limit=limit,
-            tick=tick,
             available=share.available(),
             reserve=share.reserve + staging,
         )
         files = None
         try:
-            if tier.partial:
-                files_rt = runtime.replace(reader=runtime.files_reader)
+            files_rt = runtime.replace(reader=runtime.files_reader)
+            fill_tier(tier, files_rt, tick)
+            if on_gpu:  # the pools' copies have landed, on any stream
+                cuda.device_synchronize()
+            if tier.partial:  # the rest, read from the files
                 files = make_reader(files_rt, meta, pools, tick=tick)
             if not on_gpu:
                 return TierReader(tier, files)
@@ -140,9 +146,8 @@ def make_reader(
     if runtime.reader == "python":
         from ..io.reader import PythonReader
 
-        return PythonReader(
-            meta, pools, runtime.threads, runtime.direct_io, checksums=runtime.checksums
-        )
+        return PythonReader(meta, pools, runtime.threads, runtime.direct_io,
+                            checksums=runtime.checksums, sequential=sequential)  # fmt: skip
     from ..io import cuda
     from ..io.native import NativeReader
 
@@ -154,4 +159,40 @@ def make_reader(
         checksums=runtime.checksums,
         cuda=cuda if runtime.pool_mode == "cuda" else None,
         wave=engine_lib.staging(meta)[0],
+        sequential=sequential,
     )
+
+
+def fill_tier(tier, runtime: Runtime, tick: Callable[[], None] | None = None) -> None:
+    """Fill a new swap tier from the files with ``runtime``'s reader (the one the files
+    beyond a bounded tier are read with), a layer at a time: expert ``s`` into pool slot
+    ``s``, then the records the tier holds into its rows (``tier.row_pools()``, host
+    memory); ``tick()`` after each layer. The readers read the files from start to end
+    (``sequential``), checking each record's checksum, and are closed here. The pages
+    read are let go of the page cache where the files were read through it: the pools
+    and the tier hold those records now."""
+    meta, row_pools, opened = tier.meta, tier.row_pools(), []
+    try:
+        opened.append(make_reader(runtime, meta, tier.pools, sequential=True))
+        if row_pools:  # read as host pools are
+            host = runtime.replace(pool_mode="host")
+            opened.append(make_reader(host, meta, row_pools, sequential=True))
+        for li in sorted(tier.slabs):
+            for reader, experts in zip(opened, (tier.held[li], tier.owner[li])):
+                if len(experts):
+                    reader.start(li, experts, np.arange(len(experts), dtype=np.int32)).result()
+            n = len(tier.held[li]) + len(tier.owner[li])
+            forget_pages(meta.file(li), n * meta.layers[li].stride)
+            if tick is not None:
+                tick()
+    finally:
+        for reader in opened:
+            reader.close()
+
+
+def forget_pages(path, nbytes: int) -> None:
+    """Let go of the page cache's copy of ``path``'s first ``nbytes`` (a hint: Linux)."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, nbytes, os.POSIX_FADV_DONTNEED)

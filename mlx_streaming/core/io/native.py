@@ -51,6 +51,8 @@ class NativeReader:
         pools: ``{layer: LayerPool}``; each slot's part rows are where records land.
         threads: Worker threads (the calling thread works too).
         direct: Open the files with O_DIRECT (bypass the page cache).
+        sequential: The files are read from start to end (a swap tier's fill): the
+            kernel reads ahead, where random reads (the default) tell it not to.
         checksums: Check each record's checksum the first time this reader reads it
             (``checked[layer][expert]`` says which passed).
         cuda: The CUDA runtime module (``io.cuda``) for device pools, else None.
@@ -71,6 +73,7 @@ class NativeReader:
         cuda=None,
         wave: int = 8,
         piece_bytes: int = 4 << 20,
+        sequential: bool = False,
     ):
         lib = library()
         if lib is None:
@@ -117,12 +120,12 @@ class NativeReader:
         self._started_ptrs = [_ptr(r) for r in self._started]
         try:
             for li, pos in self.pos.items():
-                self._add(li, pos, pools[li], direct, checksums)
+                self._add(li, pos, pools[li], direct, checksums, sequential)
         except BaseException:
             self.close()
             raise
 
-    def _add(self, li, pos, pool, direct, checksums) -> None:
+    def _add(self, li, pos, pool, direct, checksums, sequential) -> None:
         """Open layer ``li``'s file and register its layout with the engine."""
         lay = self.meta.layers[li]
         flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
@@ -141,8 +144,10 @@ class NativeReader:
             import fcntl
 
             fcntl.fcntl(fd, fcntl.F_NOCACHE, 1)
-        elif not direct and hasattr(os, "posix_fadvise"):  # records are read at random:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead around them
+        elif not direct and hasattr(os, "posix_fadvise"):  # at random: no read-ahead
+            os.posix_fadvise(
+                fd, 0, 0, os.POSIX_FADV_SEQUENTIAL if sequential else os.POSIX_FADV_RANDOM
+            )
         rows = pool.row_pointers()
         dst = (ctypes.c_void_p * len(rows))(*[a for a, _ in rows])
         arrays = [

@@ -112,11 +112,13 @@ def _preadv(fd: int, path, vecs, offset: int) -> int:
 
 
 class RecordReader:
-    """Reads records ``id`` at ``id * stride`` of registered files."""
+    """Reads records ``id`` at ``id * stride`` of registered files, at random (no kernel
+    read-ahead) unless ``sequential`` (start to end: a swap tier's fill)."""
 
-    def __init__(self, threads: int = 4, direct: bool = False, piece_bytes: int = PIECE_BYTES):
+    def __init__(self, threads: int = 4, direct: bool = False, piece_bytes: int = PIECE_BYTES,
+                 sequential: bool = False):  # fmt: skip
         self.threads = max(1, int(threads))
-        self.direct = bool(direct)
+        self.direct, self.sequential = bool(direct), sequential
         if self.direct and sys.platform != "darwin":
             raise ValueError(
                 "the Python reader bypasses the page cache with macOS's F_NOCACHE only; "
@@ -137,8 +139,11 @@ class RecordReader:
         except OSError as e:
             raise RecordReadError(e.errno, f"cannot open expert file {path}: {e.strerror}") from e
         try:
-            if not self.direct and hasattr(os, "posix_fadvise"):  # records are read at random:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead around them
+            if not self.direct and hasattr(os, "posix_fadvise"):  # at random: no read-ahead
+                seq = self.sequential  # (start to end, a swap tier's fill: read ahead)
+                os.posix_fadvise(
+                    fd, 0, 0, os.POSIX_FADV_SEQUENTIAL if seq else os.POSIX_FADV_RANDOM
+                )
             if self.direct:
                 import fcntl
 
@@ -299,7 +304,7 @@ class PythonReader:
     Args:
         meta: The expert directory's ``ExpertMeta``.
         pools: ``{layer: LayerPool}`` of host pools; records land in their slot rows.
-        threads, direct: As ``RecordReader``'s.
+        threads, direct, sequential: As ``RecordReader``'s.
         checksums: Check records against the meta's checksums (``checked`` says which
             passed).
     """
@@ -307,9 +312,9 @@ class PythonReader:
     wave = None  # any number of records per start
 
     def __init__(self, meta, pools: dict, threads: int = 4, direct: bool = False,
-                 checksums: bool = True):  # fmt: skip
+                 checksums: bool = True, sequential: bool = False):  # fmt: skip
         self.meta, self.pools, self.checksums = meta, pools, checksums
-        self.files = RecordReader(threads=threads, direct=direct)
+        self.files = RecordReader(threads=threads, direct=direct, sequential=sequential)
         try:
             for li in pools:
                 self.files.open(li, meta.file(li), meta.layers[li].stride)

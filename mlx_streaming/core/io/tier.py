@@ -1,5 +1,6 @@
 """A swap tier: the experts a layer's pool does not hold, in host memory (page-locked and
-mapped into the device's address space on CUDA), read from the expert files once, at load.
+mapped into the device's address space on CUDA), filled from the expert files once, at
+load, by the store's file reader (``cache.readers.fill_tier``: the tier reads nothing).
 
 Each record lives in one place: a pool slot, or a tier slot (its ``home``). The pool is
 full from load (slot ``s`` holds expert ``s``), so every miss has a victim, and a miss is
@@ -24,12 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 from collections.abc import Callable
 
 import numpy as np
 
-from ..format import ExpertChecksumError, record_checksum
 from .futures import Done
 from .tier_moves import Moves, TierError, bounded_rows, plan_moves
 
@@ -44,10 +43,9 @@ class SwapTier:
 
     Args:
         meta: The expert directory's ``ExpertMeta``.
-        pools: ``{layer: LayerPool}``, empty: the tier fills slot ``s`` with expert ``s``.
+        pools: ``{layer: LayerPool}``, empty: the fill reads expert ``s`` into slot ``s``.
         cuda: The CUDA runtime module (``io.cuda``) for page-locked, device-mapped memory
             and copies into cuda pools, or None (host pools).
-        checksums: Check each record as it is read.
         available: Bytes of host memory the tier may take (default: the machine's
             available memory, ``mem.machine_memory``).
         limit: Bytes the tier may hold (default: every record the pools do not), or
@@ -56,16 +54,12 @@ class SwapTier:
             ``MARGIN`` (the trunk as it loads and, off CUDA, the KV cache:
             ``model_builder.host_reserve``; the staging of the reader of the files
             beyond an ``auto`` tier).
-        tick: Called after each layer's records are read (e.g. a pipeline's
-            ``Pace.tick``: a layer's fill is the longest stretch without one).
 
     ``home[layer][e]``: the tier slot holding expert ``e`` (-1 while it is in a pool slot);
     ``held[layer][s]``: the expert whose record pool slot ``s`` holds.
 
     Raises:
         MemoryError: the tier would not fit in ``available`` (saying both sizes).
-        OSError: a file cannot be read, or is short (naming it).
-        ExpertChecksumError: a corrupt record (naming the file and the expert).
     """
 
     def __init__(
@@ -73,10 +67,8 @@ class SwapTier:
         meta,
         pools: dict,
         cuda=None,
-        checksums: bool = True,
         available=None,
         limit=None,
-        tick: Callable[[], None] | None = None,
         reserve: int = 0,
     ):
         self.meta, self.pools, self._cuda = meta, pools, cuda
@@ -129,16 +121,12 @@ class SwapTier:
         self.nbytes = 0
         try:
             for li in sorted(pools):
-                self._load(li, checksums)
-                if tick is not None:
-                    tick()
-            if cuda is not None:  # the pools' pageable copies have landed, on any stream
-                cuda.device_synchronize()
+                self._alloc(li)
         except BaseException:
             self.close()
             raise
 
-    def _load(self, li: int, checksums: bool) -> None:
+    def _alloc(self, li: int) -> None:
         lay, pool = self.meta.layers[li], self.pools[li]
         n, slots, rows = lay.num_experts, min(pool.slots, lay.num_experts), self.rows[li]
         nbytes = rows * lay.stride
@@ -150,46 +138,20 @@ class SwapTier:
         else:
             flat = np.zeros(nbytes, np.uint8)
             self.sources[li] = flat.ctypes.data
-        self.slabs[li] = slab = flat.reshape(rows, lay.stride)
+        self.slabs[li] = flat.reshape(rows, lay.stride)
         self.nbytes += nbytes
         self.held[li] = np.arange(slots, dtype=np.int32)
         self.home[li] = home = np.full(n, -1, np.int32)
         home[slots : slots + rows] = np.arange(rows)
         self.owner[li] = np.arange(slots, slots + rows, dtype=np.int32)
         self.stamp[li] = np.zeros(rows, np.int64)
-        path, staging = self.meta.file(li), np.empty(lay.stride, np.uint8)
-        with open(path, "rb") as f:
-            for e in range(slots + rows):
-                row = slab[home[e]] if home[e] >= 0 else staging
-                got = os.preadv(f.fileno(), [memoryview(row)], e * lay.stride)
-                if got < lay.record_bytes:
-                    raise OSError(
-                        f"{path}: expert {e} of layer {li} is cut short ({got} of "
-                        f"{lay.record_bytes} bytes): split the model again"
-                    )
-                if checksums and lay.checksums:
-                    if record_checksum(row[: lay.record_bytes]) != lay.checksums[e]:
-                        raise ExpertChecksumError(
-                            f"expert {e} of layer {li} in {path} fails its checksum: the "
-                            "file is corrupt; split the model again"
-                        )
-                if home[e] < 0:
-                    self._into_slot(li, e, row)
-            if hasattr(os, "posix_fadvise"):  # pools and tier hold them: not the page cache too
-                with contextlib.suppress(OSError):  # (a hint)
-                    os.posix_fadvise(
-                        f.fileno(), 0, (slots + rows) * lay.stride, os.POSIX_FADV_DONTNEED
-                    )
 
-    def _into_slot(self, li: int, slot: int, record: np.ndarray) -> None:
-        """Copy ``record``'s parts into pool slot ``slot`` (at load)."""
-        pool = self.pools[li]
-        for p, (addr, row) in zip(pool.layout.parts, pool.row_pointers()):
-            src = record.ctypes.data + p.offset
-            if self._cuda is not None:
-                self._cuda.copy_now(addr + slot * row, src, p.nbytes)
-            else:
-                ctypes.memmove(addr + slot * row, src, p.nbytes)
+    def row_pools(self) -> dict:
+        """Each layer's tier rows as a reader sees a pool (``TierRows``): what fills them
+        at load (``cache.readers.fill_tier``) reads ``owner[layer]`` into rows 0, 1, ...
+        Layers without rows are left out."""
+        return {li: TierRows(slab, self.meta.layers[li]) for li, slab in self.slabs.items()
+                if len(slab)}  # fmt: skip
 
     def plan(self, layer: int, experts, slots) -> Moves:
         """What brings ``experts`` into pool ``slots``, as ``Moves``: trades of tier rows
@@ -333,3 +295,20 @@ class _Reads:
             self.landed()
             self.landed = None
         return n + self.traded
+
+
+class TierRows:
+    """A layer's tier rows as the readers see a pool: ``slots`` rows a stride apart, each
+    record's parts at their offsets in the file (``row_pointers`` for the compiled reader,
+    ``record_bufs`` for the Python one)."""
+
+    def __init__(self, slab: np.ndarray, lay):
+        self.slab, self.slots, self.record_bytes = slab, slab.shape[0], lay.record_bytes
+        base = slab.ctypes.data
+        self._pointers = [(base + p.offset, lay.stride) for p in lay.parts]
+
+    def row_pointers(self) -> list[tuple[int, int]]:
+        return self._pointers
+
+    def record_bufs(self, row: int) -> list[memoryview]:
+        return [memoryview(self.slab[row])[: self.record_bytes]]
