@@ -594,6 +594,18 @@ def test_an_auto_swap_tier_takes_what_memory_holds_and_streams_exactly(models, m
         )
     finally:
         room.close()
+    real_open = os.open
+
+    def no_direct(path, flags, *a):  # a filesystem that refuses O_DIRECT (e.g. tmpfs)
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(22, "Invalid argument", str(path))
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_direct)  # a whole tier's fill reads through the
+    room = FileExpertStore(ed, meta.top_k, swap_tier=True, swap_tier_gb="auto", direct_io=True)
+    assert not room.reader.tier.partial and "--direct-io unused" in room.runtime.line()
+    room.close()  # page cache: nothing else reads the files
+    monkeypatch.setattr(os, "open", real_open)
     total, _ = mem.machine_memory()
     lazy, _ = load(str(ck), lazy=True)
     from mlx_streaming.model_builder import host_reserve, trunk_host_bytes
@@ -705,10 +717,11 @@ def test_the_default_s_swap_tier_falls_back_to_the_page_cache(models, monkeypatc
 
 def test_a_store_with_a_swap_tier_ticks_after_each_layer(models):
     """``FileExpertStore(tick=)`` (a pipeline's ``Pace.tick``): once after each layer's
-    tier fill and once after its adoption; none where the store reads the files."""
+    pool fill, once after its tier rows' and once after its adoption; none where the
+    store reads the files."""
     _, ed = models.experts("tiny-qwen3_moe")
     meta = load_meta(ed)
-    for cfg, want in ((StreamConfig(swap_tier=True), 2), (StreamConfig(), 0)):
+    for cfg, want in ((StreamConfig(swap_tier=True), 3), (StreamConfig(), 0)):
         ticks = []
         tick = functools.partial(ticks.append, 1)
         store = FileExpertStore(ed, meta.top_k, config=cfg, tick=tick)

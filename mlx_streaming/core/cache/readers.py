@@ -97,6 +97,8 @@ def make_reader(
     Raises:
         OSError: the native reader is not installed, or the files could not be mapped.
         MemoryError: the swap tier does not fit.
+        ExpertChecksumError, OSError: a record the swap tier's fill read is corrupt or
+            cannot be read (``fill_tier``).
     """
     if runtime.reader == "tier":
         from ..io import cuda
@@ -165,28 +167,42 @@ def make_reader(
 
 def fill_tier(tier, runtime: Runtime, tick: Callable[[], None] | None = None) -> None:
     """Fill a new swap tier from the files with ``runtime``'s reader (the one the files
-    beyond a bounded tier are read with), a layer at a time: expert ``s`` into pool slot
-    ``s``, then the records the tier holds into its rows (``tier.row_pools()``, host
-    memory); ``tick()`` after each layer. The readers read the files from start to end
-    (``sequential``), checking each record's checksum, and are closed here. The pages
-    read are let go of the page cache where the files were read through it: the pools
-    and the tier hold those records now."""
-    meta, row_pools, opened = tier.meta, tier.row_pools(), []
-    try:
-        opened.append(make_reader(runtime, meta, tier.pools, sequential=True))
-        if row_pools:  # read as host pools are
-            host = runtime.replace(pool_mode="host")
-            opened.append(make_reader(host, meta, row_pools, sequential=True))
-        for li in sorted(tier.slabs):
-            for reader, experts in zip(opened, (tier.held[li], tier.owner[li])):
-                if len(experts):
-                    reader.start(li, experts, np.arange(len(experts), dtype=np.int32)).result()
-            n = len(tier.held[li]) + len(tier.owner[li])
-            forget_pages(meta.file(li), n * meta.layers[li].stride)
-            if tick is not None:
-                tick()
-    finally:
-        for reader in opened:
+    beyond a bounded tier are read with; a whole tier's fill goes through the page cache,
+    as nothing else reads the files), one reader at a time: expert ``s`` into pool slot
+    ``s`` of every layer, then the records the tier holds into its rows
+    (``tier.row_pools()``, host memory); ``tick()`` after each layer of each. The readers
+    read the files from start to end (``sequential``), checking each record's checksum,
+    and are closed here. The pages read are let go of the page cache where the files
+    were read through it: the pools and the tier hold those records now.
+
+    Raises:
+        MemoryError: a reader's staging could not be page-locked (CUDA).
+        ExpertChecksumError, OSError: a record is corrupt or cannot be read (naming it).
+    """
+    from ..io.cuda import CudaError
+
+    meta, runtime = tier.meta, runtime if tier.partial else runtime.replace(direct_io=False)
+    rows = tier.row_pools()  # the layers with rows
+    passes = [(tier.pools, runtime, tier.held), (rows, runtime.replace(pool_mode="host"),
+                                                 tier.owner)]  # fmt: skip
+    for pools, rt, experts in passes:
+        if not pools:
+            continue  # no layer has rows
+        try:
+            reader = make_reader(rt, meta, pools, sequential=True)
+        except CudaError as e:  # page-locked memory is scarcer than memory
+            raise MemoryError(f"the swap tier's fill could not stage its reads ({e})") from e
+        try:
+            for li in sorted(pools):
+                n = len(experts[li])
+                if n:
+                    reader.start(li, experts[li], np.arange(n, dtype=np.int32)).result()
+                if experts is tier.owner or li not in rows:  # the layer's last read
+                    n = len(tier.held[li]) + len(tier.owner[li])
+                    forget_pages(meta.file(li), n * meta.layers[li].stride)
+                if tick is not None:
+                    tick()
+        finally:
             reader.close()
 
 

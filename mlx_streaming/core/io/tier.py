@@ -45,7 +45,7 @@ class SwapTier:
         meta: The expert directory's ``ExpertMeta``.
         pools: ``{layer: LayerPool}``, empty: the fill reads expert ``s`` into slot ``s``.
         cuda: The CUDA runtime module (``io.cuda``) for page-locked, device-mapped memory
-            and copies into cuda pools, or None (host pools).
+            (the pools are cuda pools), or None (host pools).
         available: Bytes of host memory the tier may take (default: the machine's
             available memory, ``mem.machine_memory``).
         limit: Bytes the tier may hold (default: every record the pools do not), or
