@@ -14,7 +14,11 @@
 #   bash benchmarks/gpu_suite.sh tests      the cuda-marked tests (every CUDA path's exactness,
 #                                           the plan kernel against its reference, verify, /health);
 #                                           K selects some (pytest -k), MLXS_WARMUP_ONLY the
-#                                           presets the session fixture compiles for
+#                                           presets the session fixture compiles for. Without
+#                                           a seeded kernel cache run warmup1 first: tests with
+#                                           MLXS_WARMUP_ONLY=tiny-mixtral timed out in the
+#                                           fixture at 290 s (2026-12-06c); the whole suite on
+#                                           a half-filled cache took 495 s (338 in the fixture)
 #   bash benchmarks/gpu_suite.sh speed      DeepSeek-V2-Lite shape at full width, its real routing:
 #                                           stock and streamed alternating at 50/25/12.5%,
 #                                           warm page cache, 32-token prompt, 96 decode tokens;

@@ -715,6 +715,26 @@ def test_the_default_s_swap_tier_falls_back_to_the_page_cache(models, monkeypatc
         FileExpertStore(ed, meta.top_k, config=StreamConfig(), runtime=chosen)
 
 
+@pytest.mark.parametrize("partial", [False, True])
+def test_a_swap_tier_filled_one_record_a_wave_holds_each_record(models, monkeypatch, partial):
+    """The fill stages at most ``FILL_STAGING`` (one record a wave where records are
+    larger): whole or bounded, every pool slot and tier row then holds its record."""
+    from mlx_streaming.core.cache import readers
+
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta = load_meta(ed)
+    monkeypatch.setattr(readers, "FILL_STAGING", 1)
+    assert readers.fill_wave(meta) == 1 < readers.engine_lib.staging(meta)[0]
+    rest = sum((lay.num_experts - meta.top_k) * lay.stride for lay in meta.layers.values())
+    store = FileExpertStore(ed, meta.top_k, swap_tier=True,
+                            swap_tier_gb=rest / 2e9 if partial else None)  # fmt: skip
+    try:
+        assert store.reader.tier.partial == partial
+        assert_each_record_once(store, meta)
+    finally:
+        store.close()
+
+
 def test_a_store_with_a_swap_tier_ticks_after_each_layer(models):
     """``FileExpertStore(tick=)`` (a pipeline's ``Pace.tick``): once after each layer's
     pool fill, once after its tier rows' and once after its adoption; none where the
