@@ -36,8 +36,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     size.add_argument(
         "--memory-gb",
         type=positive_float,
-        help="the memory left after the trunk, shared by the pools and the tier beneath "
-        "them (the page cache, or the store's --swap-tier): each split's hits per tier "
+        help="the memory left after the trunk (and, off CUDA, the KV cache of the context "
+        "you will run), shared by the pools and the tier beneath them (the page cache, or "
+        "the store's --swap-tier): each split's hits per tier "
         "(pool, page cache or swap tier, disk), predicted tok/s and the flags that run it, "
         "best first (needs a compute time and the disk's bandwidth, e.g. --bench)",
     )

@@ -4,6 +4,7 @@ files, and the tables they leave."""
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,28 +57,37 @@ def plan_moves(layer: int, tables, clock: int, experts, slots, heat, partial: bo
         home[e], held[s], owner[h], stamp[h] = -1, e, v, clock
         if v >= 0:
             home[v] = h
-    used, brought, order = {h for h, _ in trades}, len(trades), None
-    heat = heat() if later else None
+    brought, rows = len(trades), None
     for e, s, v in later:
         held[s] = -1  # its content unknown until the read lands (``_Reads``)
         reads.append((e, s))
         if v < 0 or not owner:
             continue  # no victim, or no tier: the victim is dropped
-        if order is None:  # rows oldest first; a row taken below joins ``used``
-            order = sorted(range(len(stamp)), key=stamp.__getitem__)
-        free = [h for h in order if h not in used]
-        h = next((h for h in free if owner[h] < 0), -1)
-        if h < 0 and free:  # the coldest record's row (the oldest of equals)
-            h = min(free, key=lambda r: heat[owner[r]])
+        if rows is None:  # once a call: the rows the victims take, in turn
+            need = sum(v >= 0 for _, _, v in later)
+            rows = iter(_victim_rows(owner, stamp, {h for h, _ in trades}, heat(), need))
+        h = next(rows, -1)
         if h < 0:
             continue
         clock += 1
         trades.append((h, s))
-        used.add(h)
         if owner[h] >= 0:
             home[owner[h]] = -1  # dropped: it is in its file
         home[v], owner[h], stamp[h] = h, v, clock
     return Moves(trades, brought, reads, (home, held, owner, stamp), clock)
+
+
+def _victim_rows(owner, stamp, used: set, heat, n: int) -> list[int]:
+    """The ``n`` rows a call's victims go to, in turn: the empty ones, then the coldest
+    record's (``heat`` per expert), the oldest written first of equals (then the lowest
+    row), leaving out the rows the call traded into. Taking one does not change how the
+    rest rank (their records stay), so one ranking serves the whole call."""
+
+    def rank(h):
+        e = owner[h]
+        return (0, 0.0, stamp[h], h) if e < 0 else (1, heat[e], stamp[h], h)
+
+    return heapq.nsmallest(n, (h for h in range(len(stamp)) if h not in used), key=rank)
 
 
 def bounded_rows(
