@@ -606,6 +606,16 @@ def test_an_auto_swap_tier_takes_what_memory_holds_and_streams_exactly(models, m
     assert not room.reader.tier.partial and "--direct-io unused" in room.runtime.line()
     room.close()  # page cache: nothing else reads the files
     monkeypatch.setattr(os, "open", real_open)
+    big = FileExpertStore(ed, meta.top_k, swap_tier=True, swap_tier_gb=100.0, direct_io=True)
+    try:  # a bound above what the pools leave: whole, and the line says so
+        assert not big.reader.tier.partial and not big.runtime.direct_io
+        assert "at most 100 GB: whole" in big.runtime.reason("reader")
+        assert "nothing read from the files" in big.runtime.reason("reader")
+        assert "no O_DIRECT (the tier is whole: no file reads, --direct-io unused)" in (
+            big.runtime.line()
+        )
+    finally:
+        big.close()
     total, _ = mem.machine_memory()
     lazy, _ = load(str(ck), lazy=True)
     from mlx_streaming.model_builder import host_reserve, trunk_host_bytes

@@ -57,12 +57,18 @@ def open_reader(
         if t.partial:
             how = f"bounded to {gb}, the rest read by the {runtime.files_reader} reader"
         else:  # nothing is read from the files after load
-            how = f"whole, {gb}" + (" (--direct-io unused: no file reads)" if cfg.direct_io else "")
+            how = f"whole, {gb}"
         asked = "swap_tier asked for" if not default else "the files do not fit in half of memory"
         runtime = runtime.revised({"reader": f"{asked}, as large as memory holds: {how}"})
-        if not t.partial and cfg.direct_io is None:  # the default's O_DIRECT: no file reads
-            runtime = runtime.revised({"direct_io": "the tier is whole: no file reads"},
-                                      direct_io=False)  # fmt: skip
+    elif runtime.reader == "tier" and not reader.tier.partial and cfg.swap_tier_gb:
+        most = f"at most {cfg.swap_tier_gb:g} GB"  # a bound above what the pools leave
+        whole = f"whole, {reader.tier.nbytes / 1e9:.2f} GB: nothing read from the files"
+        runtime = runtime.revised({"reader": f"swap_tier asked for, {most}: {whole}",
+                                   "decode_path": f"a swap tier of {most}"})  # fmt: skip
+    if runtime.reader == "tier" and not reader.tier.partial and runtime.direct_io:
+        unused = ", --direct-io unused" if cfg.direct_io else ""  # O_DIRECT: no file reads
+        runtime = runtime.revised({"direct_io": f"the tier is whole: no file reads{unused}"},
+                                  direct_io=False)  # fmt: skip
     return reader, runtime
 
 
