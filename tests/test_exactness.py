@@ -725,21 +725,29 @@ def test_the_default_s_swap_tier_falls_back_to_the_page_cache(models, monkeypatc
         FileExpertStore(ed, meta.top_k, config=StreamConfig(), runtime=chosen)
 
 
-@pytest.mark.parametrize("partial", [False, True])
-def test_a_swap_tier_filled_one_record_a_wave_holds_each_record(models, monkeypatch, partial):
+@pytest.mark.parametrize("partial,direct", [(False, False), (True, False), (True, True)])
+def test_a_swap_tier_filled_one_record_a_wave_holds_each_record(
+    models, monkeypatch, partial, direct
+):
     """The fill stages at most ``FILL_STAGING`` (one record a wave where records are
-    larger): whole or bounded, every pool slot and tier row then holds its record."""
+    larger): whole, or bounded and read through the page cache or with O_DIRECT (where
+    the filesystem takes it), every pool slot and tier row then holds its record."""
     from mlx_streaming.core.cache import readers
 
     _, ed = models.experts("tiny-qwen3_moe")
     meta = load_meta(ed)
+    if readers.engine_lib.library() is None:
+        pytest.skip("the native reader is not built (its wave is what is tested)")
+    if direct and readers.engine_lib.direct_refused([meta.file(li) for li in meta.layers]):
+        pytest.skip("this filesystem refuses O_DIRECT")
     monkeypatch.setattr(readers, "FILL_STAGING", 1)
     assert readers.fill_wave(meta) == 1 < readers.engine_lib.staging(meta)[0]
     rest = sum((lay.num_experts - meta.top_k) * lay.stride for lay in meta.layers.values())
-    store = FileExpertStore(ed, meta.top_k, swap_tier=True,
+    store = FileExpertStore(ed, meta.top_k, swap_tier=True, direct_io=direct,
                             swap_tier_gb=rest / 2e9 if partial else None)  # fmt: skip
     try:
-        assert store.reader.tier.partial == partial
+        assert store.reader.tier.partial == partial and store.runtime.direct_io == direct
+        assert store.runtime.files_reader == "native"
         assert_each_record_once(store, meta)
     finally:
         store.close()
