@@ -1056,42 +1056,22 @@ def test_a_read_ahead_past_the_free_and_evictable_slots_places_what_fits(models,
         store.close()
 
 
-def _plan_moves_per_read(tables, clock, experts, slots, heat):
-    """The swap tier's rule as it was written until 2026-12-06c, each victim's row
-    ranked again for each read: the oracle of ``plan_moves``'s once-a-call ranking."""
-    home, held, owner, stamp = tables
-    trades, reads, later = [], [], []
-    for e, s in zip(experts, slots):
-        v, h = held[s], home[e]
-        if h < 0 and v == e:
-            continue
-        if h < 0:
-            later.append((e, s, v))
-            continue
-        clock += 1
-        trades.append((h, s))
-        home[e], held[s], owner[h], stamp[h] = -1, e, v, clock
-        if v >= 0:
-            home[v] = h
-    used, order = {h for h, _ in trades}, sorted(range(len(stamp)), key=stamp.__getitem__)
-    for e, s, v in later:
-        held[s] = -1
-        reads.append((e, s))
-        if v < 0 or not owner:
-            continue
+def _victim_rows_per_read(owner, stamp, used, heat, n):
+    """The rows a call's victims take as the swap tier's rule chose them until
+    2026-12-06c, ranked again for each read with the rows taken before it left out (the
+    first empty row, oldest written first, else the coldest record's, the oldest of
+    equals): the oracle of ``tier_moves._victim_rows``'s once-a-call ranking."""
+    used, order, out = set(used), sorted(range(len(stamp)), key=stamp.__getitem__), []
+    for _ in range(n):
         free = [h for h in order if h not in used]
         h = next((h for h in free if owner[h] < 0), -1)
         if h < 0 and free:
             h = min(free, key=lambda r: heat[owner[r]])
         if h < 0:
-            continue
-        clock += 1
-        trades.append((h, s))
+            break
+        out.append(h)
         used.add(h)
-        if owner[h] >= 0:
-            home[owner[h]] = -1
-        home[v], owner[h], stamp[h] = h, v, clock
-    return trades, reads, (home, held, owner, stamp), clock
+    return out
 
 
 @pytest.mark.parametrize("E,slots,rows", [(16, 4, 6), (64, 16, 24), (512, 64, 224)])
@@ -1101,7 +1081,7 @@ def test_the_swap_tier_rule_ranks_victims_rows_once_a_call_as_per_read(E, slots,
     tier with empty rows (at load, and written since, where a trade found an empty slot),
     ties in heat and in write times, and slots a failed read left empty (no victim), its
     trades, reads and tables are the per-read ranking's, call after call."""
-    from mlx_streaming.core.io.tier_moves import plan_moves
+    from mlx_streaming.core.io import tier_moves
 
     rng = np.random.default_rng(E)
     home, held = [-1] * E, list(range(slots))
@@ -1115,12 +1095,15 @@ def test_the_swap_tier_rule_ranks_victims_rows_once_a_call_as_per_read(E, slots,
         out = [e for e in range(E) if e not in held]  # misses, as the store asks
         experts = rng.choice(out, int(rng.integers(1, slots)), replace=False).tolist()
         slot = rng.choice(slots, len(experts), replace=False).tolist()
-        got = plan_moves(0, (home, held, owner, stamp), clock, experts, slot,
-                         lambda heat=heat: heat, True)  # fmt: skip
-        want = _plan_moves_per_read(ref, ref_clock, experts, slot, heat)
-        assert (got.trades, got.reads) == want[:2]
-        assert [list(t) for t in got.tables] == [list(t) for t in want[2]]
-        clock, ref_clock = got.clock, want[3]
+        got = tier_moves.plan_moves(0, (home, held, owner, stamp), clock, experts, slot,
+                                    lambda heat=heat: heat, True)  # fmt: skip
+        with pytest.MonkeyPatch.context() as m:  # the same calls, ranked per read
+            m.setattr(tier_moves, "_victim_rows", _victim_rows_per_read)
+            want = tier_moves.plan_moves(0, ref, ref_clock, experts, slot,
+                                         lambda heat=heat: heat, True)  # fmt: skip
+        assert (got.trades, got.reads) == (want.trades, want.reads)
+        assert [list(t) for t in got.tables] == [list(t) for t in want.tables]
+        clock, ref_clock = got.clock, want.clock
         for e, s in got.reads:  # landed, or (a fifth) failed: its slot left empty, so
             if rng.random() < 0.8:  # a later trade leaves a row empty, newly written
                 held[s] = ref[1][s] = e
