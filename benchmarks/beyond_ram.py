@@ -235,7 +235,7 @@ def child(job: dict) -> dict:
     from harness import ahead_label, decode_run, follow, read_ahead, rewind, slots_at, streamed
 
     from mlx_streaming.analysis.verify import Trace, compare_traces, greedy_trace
-    from mlx_streaming.bench.measure import bounds, drop_page_cache, measure_read_gbps
+    from mlx_streaming.bench.measure import bounds, drop_page_cache, store_read_gbps
     from mlx_streaming.core.mem import Sampler
     from mlx_streaming.core.meta import load_meta
     from mlx_streaming.core.options import StreamConfig
@@ -259,9 +259,7 @@ def child(job: dict) -> dict:
     files = [meta.file(li) for li in meta.layers]
     drop_page_cache(files)
     measured_direct = rt.direct_io
-    gbps = measure_read_gbps(
-        meta, rt.threads, rt.direct_io, cold=True, engine=(rt.files_reader or rt.reader) != "python"
-    )
+    gbps = store_read_gbps(meta, rt, cold=True)
     drop_page_cache([*files, *ck.glob("*.safetensors")])
     in_use(job, "before load")
     t0 = time.perf_counter()
@@ -272,7 +270,7 @@ def child(job: dict) -> dict:
     rt = store.runtime  # as the store weighed it (with its pools: CUDA's default tier)
     if rt.direct_io and not measured_direct:  # the store weighed the trunk's load too: read
         # as it reads (O_DIRECT: no page cache to drop), fewer records beside the tier
-        gbps = measure_read_gbps(meta, rt.threads, True, records=16, cold=True, engine=True)
+        gbps = store_read_gbps(meta, rt, records=16, cold=True)
     tier_bytes = store.reader.mapped_bytes if rt.reader == "tier" else 0  # a swap tier
     bounded = bool(tier_bytes) and store.reader.tier.partial  # --swap-tier-gb: the rest read
     cursor = routing.cursor if routing is not None else start

@@ -107,7 +107,7 @@ def main():
         bounds,
         drop_page_cache,
         measure_h2d_gbps,
-        measure_read_gbps,
+        store_read_gbps,
     )
     from mlx_streaming.core.runtime import resolve
 
@@ -151,13 +151,7 @@ def main():
 
     decode_run(ref, tok, ids, a.tokens)  # warm up stock (compiles kernels)
     h2d = measure_h2d_gbps()  # on a GPU the copy bounds the read path too
-    native = (runtime.files_reader or runtime.reader) != "python"  # the engine reads, or Python
-    read = {
-        t: measure_read_gbps(
-            meta, runtime.threads, runtime.direct_io, cold=t == "cold", engine=native
-        )
-        for t in ("warm", "cold")
-    }
+    read = {t: store_read_gbps(meta, runtime, cold=t == "cold") for t in ("warm", "cold")}
     gbps = {t: min(v, h2d or v) for t, v in read.items()}
     configs = []
     for r in [float(x) for x in a.residency.split(",")]:

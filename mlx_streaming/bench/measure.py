@@ -179,6 +179,14 @@ def measure_read_gbps(
         reader.close()
 
 
+def store_read_gbps(meta, runtime, records: int = 64, cold: bool = False) -> float:
+    """``measure_read_gbps`` as the store reads its files: ``runtime``'s threads and
+    direct reads, through the native reader unless its files are read by Python (a swap
+    tier's files reader, else its own)."""
+    python = (runtime.files_reader or runtime.reader) == "python"
+    return measure_read_gbps(meta, runtime.threads, runtime.direct_io, records, cold, not python)
+
+
 class _HostRows:
     """Host rows standing in for a pool: where the native reader lands records."""
 

@@ -25,8 +25,8 @@ from .measure import (
     bounds,
     drop_page_cache,
     enter_memory_limit,
-    measure_read_gbps,
     memory_limits,
+    store_read_gbps,
 )
 from .summary import summarize
 
@@ -293,9 +293,7 @@ def _run(cfg: BenchConfig, group=None, watch=None, armed=None) -> dict:
         out.update(_compare_stock(cfg, model, tokenizer, ids, routing, files))
     rt = store.runtime  # the store's own reader, threads and direct reads
     cold = cfg.cold or bool(cfg.memory_limit_gb)  # larger than RAM: the disk's own rate
-    gbps = cfg.read_gbps or measure_read_gbps(
-        meta, rt.threads, rt.direct_io, cold=cold, engine=(rt.files_reader or rt.reader) != "python"
-    )
+    gbps = cfg.read_gbps or store_read_gbps(meta, rt, cold=cold)
     out["storage_gbps"] = round(gbps, 3)
     t_compute = (
         cfg.t_compute_ms / 1e3
