@@ -740,12 +740,24 @@ def test_a_swap_tier_filled_one_record_a_wave_holds_each_record(
         pytest.skip("the native reader is not built (its wave is what is tested)")
     if direct and readers.engine_lib.direct_refused([meta.file(li) for li in meta.layers]):
         pytest.skip("this filesystem refuses O_DIRECT")
+    from mlx_streaming.core.io import native
+
     monkeypatch.setattr(readers, "FILL_STAGING", 1)
-    assert readers.fill_wave(meta) == 1 < readers.engine_lib.staging(meta)[0]
+    wave = readers.engine_lib.staging(meta)[0]
+    assert readers.fill_wave(meta) == 1 < wave
+    waves = []  # each native reader's wave, as made
+
+    class Counted(native.NativeReader):
+        def __init__(self, *a, **kw):
+            waves.append((kw["wave"], kw["sequential"]))
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(native, "NativeReader", Counted)
     rest = sum((lay.num_experts - meta.top_k) * lay.stride for lay in meta.layers.values())
     store = FileExpertStore(ed, meta.top_k, swap_tier=True, direct_io=direct,
                             swap_tier_gb=rest / 2e9 if partial else None)  # fmt: skip
-    try:
+    try:  # the pools' fill, the rows' fill, then (bounded) the reader of the rest
+        assert waves == [(1, True), (1, True)] + [(wave, False)] * partial
         assert store.reader.tier.partial == partial and store.runtime.direct_io == direct
         assert store.runtime.files_reader == "native"
         assert_each_record_once(store, meta)
