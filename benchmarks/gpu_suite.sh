@@ -40,8 +40,14 @@
 #                                           (probes/resident_layers.py writes the profiles)
 #   bash benchmarks/gpu_suite.sh readprobe  the native reader's time for 1-4 records by threads and
 #                                           piece size, alone and beside device work
-#   bash benchmarks/gpu_suite.sh diskprobe  the same from the disk (O_DIRECT), up to 31 threads:
-#                                           one record's wait against the disk's bandwidth
+#   bash benchmarks/gpu_suite.sh diskprobe  the same from the disk (O_DIRECT), 1-8 records, up to 63
+#                                           threads: one record's wait against the disk's bandwidth
+#   bash benchmarks/gpu_suite.sh syncfloor  the host path's floor (probes/sync_floor.py): stock, stock reading
+#                                           each layer's routing on the host, the host path with
+#                                           every expert resident (with and without the shared
+#                                           experts launched apart), and at RESIDENCY (0.25)
+#   bash benchmarks/gpu_suite.sh opcount    ops and evaluation calls per decoded token, stock against
+#                                           streamed at RESIDENCY (probes/graph_ops.py; TIERGB, DIRECT)
 #   bash benchmarks/gpu_suite.sh mapab      decode at 50% and 25%: records read with pread into
 #                                           staging, then from page-locked file mappings (default)
 #   bash benchmarks/gpu_suite.sh final      decode at 50% and 25%, defaults, with a timeline
@@ -144,7 +150,8 @@
 #                                           venv (3,408 files, 55.5 MB, 8.5 MB as xz)
 # Several suites may run in one call; at exit (a timeout included) every result file is
 # bundled into $OUT/results.tgz (the device returns few files), beside ptx.tgz and the
-# trained checkpoint's parts. TRACE names the DeepSeek-V2-Lite trace
+# trained checkpoint's parts. ARGS adds flags to every speed.py row (e.g. ARGS="--threads 31").
+# TRACE names the DeepSeek-V2-Lite trace
 # (default .gpu/deepseek-v2-lite.npz, copied from ../shared/traces). MLX compiles each
 # kernel variant on first use; .gpu/ptx.tgz (a former run's $OUT/ptx.tgz) seeds its cache,
 # .gpu/nv.tgz.part-* (its $OUT/nv.tgz.part-*, where they fit) the driver's.
@@ -196,7 +203,7 @@ trap bundle EXIT
 speed() {  # name, args...
   local name=$1; shift
   timeout "$limit" python3 benchmarks/speed.py --workdir $work --preset dsv2-lite \
-    --trace "$trace" --tokens 96 --prompt-tokens 32 --json "$out/speed-$name.json" "$@" 2>&1 \
+    --trace "$trace" --tokens 96 --prompt-tokens 32 --json "$out/speed-$name.json" "$@" ${ARGS:-} 2>&1 \
     | grep -v "PyTorch was not found" | tee "$out/speed-$name.log" | grep -v "^{" | tail -5
 }
 quality() {  # the quality table of the float model that train left in /tmp/tiny-float
@@ -362,6 +369,12 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
               --trace "$trace" --residency "${RESIDENCY:-0.5,0.25}" ${TIERGB:+--swap-tier-gb $TIERGB} \
               ${DIRECT:+--direct-io} --json "$out/host-profile${TIERGB:+-tier$TIERGB}.json" 2>&1 \
               | tail -3 ;;
+  syncfloor) timeout "$limit" python3 benchmarks/probes/sync_floor.py --workdir $work --trace "$trace" \
+               --residency "${RESIDENCY:-0.25}" --json "$out/sync-floor.json" 2>&1 \
+               | tee "$out/sync-floor.log" | tail -3 ;;
+  opcount) timeout "$limit" python3 benchmarks/probes/graph_ops.py --preset dsv2-lite --workdir $work \
+             --trace "$trace" --residency "${RESIDENCY:-0.25}" ${TIERGB:+--swap-tier-gb $TIERGB} \
+             ${DIRECT:+--direct-io} --json "$out/graph-ops.json" 2>&1 | tail -3 ;;
   gated) timeout "$limit" python3 benchmarks/probes/gated_read.py --preset dsv2-lite --workdir $work \
            ${DIRECT:+--direct} --json "$out/gated-read${DIRECT:+-direct}.json" 2>&1 | tail -3 ;;
   hmm) timeout "$limit" python3 benchmarks/probes/hmm_read.py --mb 512 \

@@ -7,9 +7,10 @@ This probe times ``NativeReader.read`` on the preset's expert files (warm page c
 for 1, 2 and 4 records, and reports the engine's own counters per call: its wall time,
 and the time its threads spent in ``pread``, in copy calls and in stream
 synchronization (summed over the threads). With ``--direct`` every read comes from the
-disk (O_DIRECT), with more threads: how fast one record comes from the disk, which a
-layer call that misses the page cache waits for (5-10 ms on the H200's disk in the 6 GB
-cgroup, 2026-12-04p), against the disk's bandwidth with many records in flight.
+disk (O_DIRECT), 1-8 records with up to 63 threads: how fast one record comes from the
+disk, which a layer call that misses the page cache waits for (5-10 ms on the H200's
+disk in the 6 GB cgroup, 2026-12-04p), against the disk's bandwidth with many records
+in flight.
 
     python benchmarks/probes/native_read.py --preset dsv2-lite --workdir /tmp/mlxs [--direct]
 """
@@ -51,14 +52,14 @@ def main():
     rows = []
     cores = os.cpu_count() or 2
     top = min(15, cores - 1)
-    counts = sorted({3, top, *([31] if a.direct else [])})  # disk reads: more in flight
+    counts = sorted({3, top, *([31, 63] if a.direct else [])})  # disk reads: more in flight
     for threads, piece_kb in [(t, kb) for t in counts for kb in (128, 4096)]:
         r = NativeReader(
             meta, pools, threads=threads, checksums=False, direct=a.direct,
             cuda=cuda if on_cuda else None, piece_bytes=piece_kb << 10,
         )  # fmt: skip
         pos = r.pos[layer]
-        for n in (1, 2, 4):
+        for n in (1, 2, 4, 8) if a.direct else (1, 2, 4):  # the disk: its queue deepened
             for busy in (False,) if a.direct else (False, True):
                 ts = []
                 r.counters[:] = 0

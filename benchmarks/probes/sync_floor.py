@@ -1,0 +1,129 @@
+"""The host path's floor: what one host synchronisation per MoE layer costs stock mlx-lm
+itself, against the streamed host path at ``--residency``.
+
+The host path reads each layer's routing on the host before it plans that layer's loads:
+one ``mx.eval`` of the routing and a device-to-host read of its ids per MoE layer call.
+``stock, synced per layer`` runs stock mlx-lm with exactly that added (the routing
+evaluated and read where the streamed layer reads it) and nothing else, so that
+
+- stock -> synced is the cost of the synchronisation alone (the design's floor),
+- synced -> streamed at ``--residency`` is the store's own work per call (planning, the
+  policy, its separate launches) and the misses (trades, reads, their waits).
+
+``stock, launched per layer`` only launches each layer's routing (``mx.async_eval``, no
+wait): what splitting the evaluation costs, apart from waiting. ``shared in the
+experts' launch`` (beside each residency below 1) starts no shared experts beside the
+routing (``SharedAhead.start`` off): one launch fewer per call, the shared MLP computed
+with the routed experts instead of while the host plans. With every expert resident the
+store reads no routing (its calls take the device's slot table), so that row is stock's
+model with the store's pools, not the host path.
+
+All models are loaded at once and run in alternating rounds from the same trace
+position; medians of decode tok/s and ms per token.
+
+    python benchmarks/probes/sync_floor.py --preset dsv2-lite --workdir /tmp/mlxs \
+        --residency 0.25 --json out.json
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from harness import (  # noqa: E402
+    PROMPT,
+    build,
+    decode_run,
+    finish,
+    log,
+    parser,
+    rewind,
+    routing_trace,
+    slots_at,
+    stock,
+    streamed,
+)
+
+from mlx_streaming.core.prefetch.shared import SharedAhead  # noqa: E402
+from mlx_streaming.planning.trace import TraceRouted  # noqa: E402
+
+SYNCED = {"on": False, "launch_only": False, "no_shared_ahead": False}  # read by the patches
+
+
+def _sync_each_layer() -> None:
+    """Make a trace-routed model read each layer's routing on the host (while SYNCED)."""
+    replay = TraceRouted.__call__
+
+    def call(self, x, indices):
+        if SYNCED["launch_only"]:
+            mx.async_eval(indices)
+        elif SYNCED["on"]:
+            mx.eval(indices)
+            np.array(indices)  # the ids to the host, as the host path reads them
+        return replay(self, x, indices)
+
+    TraceRouted.__call__ = call
+    start = SharedAhead.start
+
+    def start_or_not(self, x):
+        return None if SYNCED["no_shared_ahead"] else start(self, x)
+
+    SharedAhead.start = start_or_not
+
+
+def main():
+    p = parser(__doc__, preset="dsv2-lite", workdir="/tmp/mlxs")
+    p.add_argument("--residency", default="0.25", help="streamed residencies beside 1")
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=5)
+    a = p.parse_args()
+    ck, ed, meta = build(a)
+    trace, start = routing_trace(a)
+    _sync_each_layer()
+    runs = {}  # name -> (model, tokenizer, routing, the patches' flags)
+    model, tok, routing = stock(ck, trace, start)
+    runs["stock"] = (model, tok, routing, {})
+    runs["stock, launched per layer"] = (model, tok, routing, {"launch_only": True})
+    runs["stock, synced per layer"] = (model, tok, routing, {"on": True})
+    stores = []
+    for r in [1.0] + [float(x) for x in a.residency.split(",") if x]:
+        name = "streamed, all resident" if r == 1.0 else f"streamed {r}"
+        m, t, store, rt = streamed(ck, ed, trace, start, slots=slots_at(meta, r),
+                                   device_reads=False)  # fmt: skip
+        runs[name], _ = (m, t, rt, {}), stores.append(store)
+        if r < 1.0:
+            runs[name + ", shared in the experts' launch"] = (m, t, rt, {"no_shared_ahead": True})
+    tps = {name: [] for name in runs}
+    for rnd in range(a.rounds + 1):  # the first round warms each up
+        for name, (m, t, rt, flags) in runs.items():
+            rewind(start, rt)
+            SYNCED.update(flags)
+            try:
+                got = decode_run(m, t, PROMPT, a.tokens)[0]
+            finally:
+                SYNCED.update(on=False, launch_only=False, no_shared_ahead=False)
+            if rnd:
+                tps[name].append(got)
+        log(rnd, {k: round(v[-1], 1) for k, v in tps.items() if v})
+    rows = {}
+    for name, v in tps.items():
+        med = statistics.median(v)
+        rows[name] = {"tok_per_s": round(med, 2), "ms_per_token": round(1e3 / med, 2),
+                      "runs": [round(x, 2) for x in v]}  # fmt: skip
+    base = rows["stock"]["ms_per_token"]
+    for row in rows.values():
+        row["ms_over_stock"] = round(row["ms_per_token"] - base, 2)
+        row["us_over_stock_per_moe_layer"] = round(1e3 * row["ms_over_stock"] / len(meta.layers))
+    for s in stores:
+        s.close()
+    finish(a, "sync_floor", {"moe_layers": len(meta.layers), "tokens": a.tokens,
+                             "rounds": a.rounds, "rows": rows})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
