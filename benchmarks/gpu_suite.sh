@@ -111,7 +111,7 @@
 #                                           as loaded, copies dropped, no kernel, a second empty
 #                                           kernel per call, 1,024 blocks, every expert resident;
 #                                           ROUNDS alternating rounds (default 5)
-#   bash benchmarks/gpu_suite.sh precision  larger than RAM (O_DIRECT) at 25% by expert precision:
+#   bash benchmarks/gpu_suite.sh precision  larger than RAM (O_DIRECT; METHOD=memlimit MEMLIMIT=G: a cgroup) at 25% by precision:
 #                                           FORMATS (default "4-bit,3-bit"; see precision_beyond.py)
 #   bash benchmarks/gpu_suite.sh hostprof   cProfile of decode, stock against 50% and 25%: where the
 #                                           host's time goes, MLX's eval calls shown apart
@@ -363,7 +363,8 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
          done ;;
   precision) timeout "$limit" python3 benchmarks/precision_beyond.py --preset dsv2-lite \
                --workdir $work --trace "$trace" --residency 0.25 --tokens 32 --repeat 3 \
-               --formats "${FORMATS:-4-bit,3-bit}" --json "$out/precision-beyond-gpu.json" 2>&1 \
+               --formats "${FORMATS:-4-bit,3-bit}" --method "${METHOD:-direct}" \
+               ${MEMLIMIT:+--memory-limit-gb $MEMLIMIT} --json "$out/precision-beyond-gpu.json" 2>&1 \
                | grep -v "PyTorch was not found" | tee "$out/precision-beyond-gpu.log" | tail -4 ;;
   hostprof) timeout "$limit" python3 benchmarks/probes/host_profile.py --workdir $work \
               --trace "$trace" --residency "${RESIDENCY:-0.5,0.25}" ${TIERGB:+--swap-tier-gb $TIERGB} \

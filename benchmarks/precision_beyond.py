@@ -3,9 +3,11 @@ bits (issue 33, item 3).
 
 The preset's checkpoint (4-bit experts) is requantized to each format (``requantize``,
 a whole checkpoint beside the expert directory, so that stock mlx-lm runs the same
-model); then for each, ``speed.py --beyond-ram direct`` in a process of its own: stock on
-that model first, then the streamed model cold with O_DIRECT at ``--residency``, exact
-against that stock. What each row costs in quality is the trained model's table
+model); then for each, ``speed.py --beyond-ram`` in a process of its own: stock on that
+model first, then the streamed model cold at ``--residency``, its experts kept out of RAM
+by O_DIRECT (``--method direct``) or a memory cgroup (``--method memlimit
+--memory-limit-gb G``, where fewer bits may let a whole swap tier fit), exact against
+that stock. What each row costs in quality is the trained model's table
 (``trained_quality.py``; random weights here say nothing about it).
 
     python benchmarks/precision_beyond.py --json benchmarks/results/precision-beyond-cpu.json
@@ -29,8 +31,8 @@ FORMATS = {
     "3-bit": {"bits": 3},
 }
 KEEP = ("tok_per_s", "decode_runs", "ratio_vs_stock", "hit_rate", "bytes_read_per_token",
-        "storage_gbps", "t_compute_ms", "t_io_ms", "efficiency", "efficiency_vs_serial",
-        "exact_vs_stock")  # fmt: skip
+        "disk_bytes_per_token", "swap_tier_gb", "storage_gbps", "t_compute_ms", "t_io_ms",
+        "efficiency", "efficiency_vs_serial", "exact_vs_stock", "runtime")  # fmt: skip
 
 
 def main() -> None:
@@ -43,7 +45,17 @@ def main() -> None:
         default=",".join(FORMATS),
         help="which formats, comma-separated (a device call may fit only some)",
     )
+    p.add_argument(
+        "--method",
+        choices=["direct", "memlimit"],
+        default="direct",
+        help="how the experts are kept out of RAM (speed.py --beyond-ram)",
+    )
+    p.add_argument("--memory-limit-gb", type=float, default=0.0,
+                   help="with --method memlimit: the cgroup's limit")  # fmt: skip
     a = p.parse_args()
+    if a.method == "memlimit" and not a.memory_limit_gb:
+        p.error("--method memlimit needs --memory-limit-gb")
     wanted = [f.strip() for f in a.formats.split(",")]
     unknown = [f for f in wanted if f not in FORMATS]
     if unknown:
@@ -80,10 +92,11 @@ def main() -> None:
                 "--repeat",
                 str(a.repeat),
                 "--beyond-ram",
-                "direct",
+                a.method,
                 "--json",
                 str(out),
             ]
+            cmd += ["--memory-limit-gb", str(a.memory_limit_gb)] if a.memory_limit_gb else []
             cmd += ["--trace", a.trace] if a.trace else []  # fmt: skip
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             r = json.loads(out.read_text())
@@ -92,13 +105,13 @@ def main() -> None:
             rows.append({"format": name, "residency": row["residency"],
                          "expert_mb": round(load_meta(ed).expert_bytes() / 1e6, 3),
                          "stock_tok_per_s": r["stock_tok_per_s"],
-                         **{k: row[k] for k in KEEP}})  # fmt: skip
+                         **{k: row.get(k) for k in KEEP}})  # fmt: skip
             log(rows[-1])
     finish(
         a,
         "precision-beyond-ram",
         {"preset": a.preset, "source_expert_mb": round(meta.expert_bytes() / 1e6, 3),
-         "method": "O_DIRECT", "tokens": a.tokens, "repeat": a.repeat, "rows": rows},
+         "method": "O_DIRECT" if a.method == "direct" else f"{a.memory_limit_gb:g} GB cgroup", "tokens": a.tokens, "repeat": a.repeat, "rows": rows},
         t0,
     )  # fmt: skip
 
