@@ -42,6 +42,10 @@
 #                                           piece size, alone and beside device work
 #   bash benchmarks/gpu_suite.sh diskprobe  the same from the disk (O_DIRECT), 1-8 records, up to 63
 #                                           threads: one record's wait against the disk's bandwidth
+#   bash benchmarks/gpu_suite.sh mailbox    a kernel's request to the host and its answer through mapped
+#                                           page-locked memory, no CUDA call answering
+#                                           (probes/mapped_mailbox.py): the round trip, and
+#                                           whether it holds while MLX compiles, allocates, syncs
 #   bash benchmarks/gpu_suite.sh syncfloor  the host path's floor (probes/sync_floor.py): stock, stock reading
 #                                           each layer's routing on the host, the host path with
 #                                           every expert resident (with and without the shared
@@ -300,6 +304,8 @@ case "$suite" in
            timeout 240 python3 benchmarks/probes/cuda_exact.py $p 2>&1 | tee -a "$out/exact.log" \
              | tail -7
          done ;;
+  mailbox) timeout 120 python3 benchmarks/probes/mapped_mailbox.py --json "$out/mapped-mailbox.json" 2>&1 \
+             | tee "$out/mapped-mailbox.log" | grep -v "^ " | tail -12 ;;
   stall) timeout 120 python3 benchmarks/probes/gpu_wait_stall.py 2>&1 | tee "$out/stall.log" | tail -3 ;;
   cold) speed gpu-dsv2-cold --residency 0.5,0.25,0.125 --cold cold --repeat 3 \
           --prefill-tokens 0 ;;
