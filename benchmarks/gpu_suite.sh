@@ -46,10 +46,10 @@
 #                                           page-locked memory, no CUDA call answering
 #                                           (probes/mapped_mailbox.py): the round trip, and
 #                                           whether it holds while MLX compiles, allocates, syncs
-#   bash benchmarks/gpu_suite.sh syncfloor  the host path's floor (probes/sync_floor.py): stock, stock reading
-#                                           each layer's routing on the host, the host path with
-#                                           every expert resident (with and without the shared
-#                                           experts launched apart), and at RESIDENCY (0.25)
+#   bash benchmarks/gpu_suite.sh syncfloor  the host path's floor (probes/sync_floor.py): stock, stock launching
+#                                           each layer's routing apart, and reading it on the host,
+#                                           every expert resident, and the host path at RESIDENCY
+#                                           (0.25; with and without the shared experts launched apart)
 #   bash benchmarks/gpu_suite.sh opcount    ops and evaluation calls per decoded token, stock against
 #                                           streamed at RESIDENCY (probes/graph_ops.py; TIERGB, DIRECT)
 #   bash benchmarks/gpu_suite.sh mapab      decode at 50% and 25%: records read with pread into
@@ -381,7 +381,7 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
                | tee "$out/sync-floor.log" | tail -3 ;;
   opcount) timeout "$limit" python3 benchmarks/probes/graph_ops.py --preset dsv2-lite --workdir $work \
              --trace "$trace" --residency "${RESIDENCY:-0.25}" ${TIERGB:+--swap-tier-gb $TIERGB} \
-             ${DIRECT:+--direct-io} --json "$out/graph-ops.json" 2>&1 | tail -3 ;;
+             ${DIRECT:+--direct-io} --json "$out/graph-ops.json" 2>&1 | tee "$out/graph-ops.log" | tail -3 ;;
   gated) timeout "$limit" python3 benchmarks/probes/gated_read.py --preset dsv2-lite --workdir $work \
            ${DIRECT:+--direct} --json "$out/gated-read${DIRECT:+-direct}.json" 2>&1 | tail -3 ;;
   hmm) timeout "$limit" python3 benchmarks/probes/hmm_read.py --mb 512 \

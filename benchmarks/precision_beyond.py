@@ -56,6 +56,8 @@ def main() -> None:
     a = p.parse_args()
     if a.method == "memlimit" and not a.memory_limit_gb:
         p.error("--method memlimit needs --memory-limit-gb")
+    if a.method == "direct" and a.memory_limit_gb:
+        p.error("--memory-limit-gb is the cgroup of --method memlimit: add it, or drop the limit")
     wanted = [f.strip() for f in a.formats.split(",")]
     unknown = [f for f in wanted if f not in FORMATS]
     if unknown:
@@ -105,13 +107,14 @@ def main() -> None:
             rows.append({"format": name, "residency": row["residency"],
                          "expert_mb": round(load_meta(ed).expert_bytes() / 1e6, 3),
                          "stock_tok_per_s": r["stock_tok_per_s"],
-                         **{k: row.get(k) for k in KEEP}})  # fmt: skip
+                         **{k: row[k] for k in KEEP}})  # fmt: skip
             log(rows[-1])
+    method = "O_DIRECT" if a.method == "direct" else f"{a.memory_limit_gb:g} GB cgroup"
     finish(
         a,
         "precision-beyond-ram",
         {"preset": a.preset, "source_expert_mb": round(meta.expert_bytes() / 1e6, 3),
-         "method": "O_DIRECT" if a.method == "direct" else f"{a.memory_limit_gb:g} GB cgroup", "tokens": a.tokens, "repeat": a.repeat, "rows": rows},
+         "method": method, "tokens": a.tokens, "repeat": a.repeat, "rows": rows},
         t0,
     )  # fmt: skip
 

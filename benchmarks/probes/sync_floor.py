@@ -2,9 +2,11 @@
 itself, against the streamed host path at ``--residency``.
 
 The host path reads each layer's routing on the host before it plans that layer's loads:
-one ``mx.eval`` of the routing and a device-to-host read of its ids per MoE layer call.
-``stock, synced per layer`` runs stock mlx-lm with exactly that added (the routing
-evaluated and read where the streamed layer reads it) and nothing else, so that
+one ``mx.eval`` of the routing and a device-to-host read of its ids per MoE layer call
+(on CUDA through page-locked memory, ``io.transfers.IdTransfers``, as the store does;
+elsewhere ``np.array``). ``stock, synced per layer`` runs stock mlx-lm with that added
+(the routing evaluated and read where the streamed layer reads it) and nothing else, so
+that
 
 - stock -> synced is the cost of the synchronisation alone (the design's floor),
 - synced -> streamed at ``--residency`` is the store's own work per call (planning, the
@@ -55,16 +57,21 @@ from mlx_streaming.planning.trace import TraceRouted  # noqa: E402
 SYNCED = {"on": False, "launch_only": False, "no_shared_ahead": False}  # read by the patches
 
 
-def _sync_each_layer() -> None:
-    """Make a trace-routed model read each layer's routing on the host (while SYNCED)."""
+def _sync_each_layer() -> str:
+    """Make a trace-routed model read each layer's routing on the host while SYNCED (for
+    the rest of this process); returns how the ids are read."""
+    from mlx_streaming.core.io.transfers import id_transfers
+
     replay = TraceRouted.__call__
+    transfers, _ = id_transfers() if mx.default_device() == mx.gpu else (None, "")
 
     def call(self, x, indices):
         if SYNCED["launch_only"]:
             mx.async_eval(indices)
-        elif SYNCED["on"]:
-            mx.eval(indices)
-            np.array(indices)  # the ids to the host, as the host path reads them
+        elif SYNCED["on"]:  # as HostPath.call and _plan read it
+            done = transfers.start(indices) if transfers is not None else None
+            mx.eval(indices if done is None else done)
+            np.array(indices) if done is None else transfers.read(indices)
         return replay(self, x, indices)
 
     TraceRouted.__call__ = call
@@ -74,9 +81,11 @@ def _sync_each_layer() -> None:
         return None if SYNCED["no_shared_ahead"] else start(self, x)
 
     SharedAhead.start = start_or_not
+    return "page-locked memory (IdTransfers)" if transfers is not None else "np.array"
 
 
 def main():
+    """Run every row in alternating rounds and print (and write) their medians."""
     p = parser(__doc__, preset="dsv2-lite", workdir="/tmp/mlxs")
     p.add_argument("--residency", default="0.25", help="streamed residencies beside 1")
     p.add_argument("--tokens", type=int, default=48)
@@ -84,18 +93,21 @@ def main():
     a = p.parse_args()
     ck, ed, meta = build(a)
     trace, start = routing_trace(a)
-    _sync_each_layer()
+    if trace is None:
+        p.error("the stock rows read the routing where a trace replay routes: give --trace")
+    ids_read = _sync_each_layer()
     runs = {}  # name -> (model, tokenizer, routing, the patches' flags)
     model, tok, routing = stock(ck, trace, start)
     runs["stock"] = (model, tok, routing, {})
     runs["stock, launched per layer"] = (model, tok, routing, {"launch_only": True})
     runs["stock, synced per layer"] = (model, tok, routing, {"on": True})
     stores = []
-    for r in [1.0] + [float(x) for x in a.residency.split(",") if x]:
+    for r in [1.0] + sorted({float(x) for x in a.residency.split(",") if x} - {1.0}):
         name = "streamed, all resident" if r == 1.0 else f"streamed {r}"
         m, t, store, rt = streamed(ck, ed, trace, start, slots=slots_at(meta, r),
                                    device_reads=False)  # fmt: skip
-        runs[name], _ = (m, t, rt, {}), stores.append(store)
+        runs[name] = (m, t, rt, {})
+        stores.append(store)
         if r < 1.0:
             runs[name + ", shared in the experts' launch"] = (m, t, rt, {"no_shared_ahead": True})
     tps = {name: [] for name in runs}
@@ -110,19 +122,18 @@ def main():
             if rnd:
                 tps[name].append(got)
         log(rnd, {k: round(v[-1], 1) for k, v in tps.items() if v})
-    rows = {}
+    rows, base = {}, 1e3 / statistics.median(tps["stock"])
     for name, v in tps.items():
-        med = statistics.median(v)
-        rows[name] = {"tok_per_s": round(med, 2), "ms_per_token": round(1e3 / med, 2),
-                      "runs": [round(x, 2) for x in v]}  # fmt: skip
-    base = rows["stock"]["ms_per_token"]
-    for row in rows.values():
-        row["ms_over_stock"] = round(row["ms_per_token"] - base, 2)
-        row["us_over_stock_per_moe_layer"] = round(1e3 * row["ms_over_stock"] / len(meta.layers))
+        ms = 1e3 / statistics.median(v)
+        per_layer = round(1e3 * (ms - base) / len(meta.layers))
+        rows[name] = {"tok_per_s": round(1e3 / ms, 2), "ms_per_token": round(ms, 2),
+                      "runs": [round(x, 2) for x in v], "ms_over_stock": round(ms - base, 2),
+                      "us_over_stock_per_moe_layer": per_layer}  # fmt: skip
     for s in stores:
         s.close()
     finish(a, "sync_floor", {"moe_layers": len(meta.layers), "tokens": a.tokens,
-                             "rounds": a.rounds, "rows": rows})  # fmt: skip
+                             "rounds": a.rounds, "ids_read_through": ids_read,
+                             "rows": rows})  # fmt: skip
 
 
 if __name__ == "__main__":
