@@ -24,7 +24,11 @@ two-tier simulator's prediction (``planning.tiers``), ``B``, the overlap bound
 with the run's share of each, the share of the runs' time with demand reads in flight
 (``demand_reads_share``: where it is well under 1 at the storage bound, the disk idles
 between layers, as demand reads start only once a layer's routing is known), and whether
-the output was exact.
+the output was exact. With a trace, stock runs again reading each MoE layer's routing on
+the host as the host path does (``harness.routing_on_host``): the host path's floor, and
+a host-path row's bound ``1 / (1 / floor + disk bytes / B)`` with its share
+(``efficiency_vs_host_path``): how close the store's own work comes to what any design
+that reads the routing on the host could do.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
             f"page cache with posix_fadvise; {sys.platform} has neither): on macOS use "
             "`python -m mlx_streaming bench --direct-io` (F_NOCACHE)"
         )
-    from harness import decode_run, log, oracle_accuracies, rewind, stock
+    from harness import decode_run, log, oracle_accuracies, rewind, routing_on_host, stock
 
     from mlx_streaming.analysis.verify import greedy_trace
 
@@ -67,6 +71,11 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
     decode_run(ref, tok, ids, a.tokens)  # warm up stock (compiles kernels)
     k_runs = [decode_run(ref, tok, ids, a.tokens)[0] for _ in range(a.repeat)]
     stock_tps = statistics.median(k_runs)
+    floor_runs = []  # stock reading each layer's routing on the host: the host path's floor
+    if trace is not None:
+        with routing_on_host():
+            floor_runs = [decode_run(ref, tok, ids, a.tokens)[0] for _ in range(a.repeat)]
+    floor_tps = statistics.median(floor_runs) if floor_runs else None
     rewind(start, ref_routing)
     want = greedy_trace(ref, ids, 16)
     del ref
@@ -92,6 +101,9 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
         return {
             "stock_tok_per_s": round(stock_tps, 3),
             "stock_runs": [round(x, 3) for x in k_runs],
+            # stock reading each MoE layer's routing on the host as the host path does
+            "host_floor_tok_per_s": floor_tps and round(floor_tps, 3),
+            "host_floor_runs": [round(x, 3) for x in floor_runs],
             "expert_files_gb": round(expert_bytes / 1e9, 3),
             "memory_limit_gb": a.memory_limit_gb if "memlimit" in methods else None,
             "prompt_tokens": len(ids),
@@ -112,7 +124,7 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
                 job = {
                     "method": method, "residency": r, "checkpoint": str(ck),
                     "expert_dir": str(ed), "trace": trace_file, "start": start, "ids": ids,
-                    "tokens": a.tokens, "repeat": a.repeat, "stock_tps": stock_tps,
+                    "tokens": a.tokens, "repeat": a.repeat, "stock_tps": stock_tps, "floor_tps": floor_tps,
                     "stream": stream, "want": str(ref_file),
                     "limit": int(a.memory_limit_gb * 1e9) if method == "memlimit" else 0,
                     "oracle": oracle, "timeline": a.timeline and str(Path(a.timeline).resolve()),
@@ -133,6 +145,17 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
                 if progress is not None:
                     progress(result(rows, complete=False))
     return result(rows, complete=True)
+
+
+def host_bound(floor_tps, decode_path: str, disk_tok: float, gbps: float, tps: float) -> dict:
+    """A host-path row's bound from the host path's floor: stock reading each layer's
+    routing on the host (``floor_tps``), then its disk bytes in series; the row's share
+    of it. Empty for the device path, or without a floor (no trace to replay)."""
+    if not floor_tps or decode_path != "host" or not gbps:
+        return {}
+    step = 1 / floor_tps + disk_tok / (gbps * 1e9)
+    return {"host_path_bound_tok_per_s": round(1 / step, 2),
+            "efficiency_vs_host_path": round(tps * step, 4)}  # fmt: skip
 
 
 def run_calls(prompt: int, tokens: int, repeat: int) -> tuple[list[int], list[bool]]:
@@ -362,6 +385,7 @@ def child(job: dict) -> dict:
         "host_ms_per_token": split,
         "step_phases_ms": phases,  # one decode step's timeline, by phase (--timeline)
         **bounds(1 / stock_tps, disk_tok, gbps, tps),  # the disk's bound: its bytes
+        **host_bound(job["floor_tps"], store.runtime.decode_path, disk_tok, gbps, tps),
         "ttft_cold_s": round(ttft, 3),
         "prompt_tps_cold": round(first[1], 2),
         "load_cold_s": round(load_s, 2),

@@ -8,6 +8,7 @@ Benchmarks are scripts, not tests: they print figures measured side by side in o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "traces" / "deepseek-v2-lite.npz"  # DeepSeek-V2-Lite routing
@@ -102,6 +104,50 @@ def _route(model, trace, start):
     from mlx_streaming.planning.trace import apply_trace_routing
 
     return apply_trace_routing(model, trace, start)
+
+
+_ON_HOST = {"read": False, "launch": False, "transfers": None}  # routing_on_host's state
+
+
+def routing_read_through() -> str:
+    """How ``routing_on_host`` reads the ids (installing it once, for the rest of the
+    process): through page-locked memory on CUDA (``IdTransfers``), else ``np.array``."""
+    from mlx_streaming.planning.trace import TraceRouted
+
+    if not hasattr(TraceRouted, "_replay"):
+        from mlx_streaming.core.io.transfers import id_transfers
+
+        gpu = mx.default_device() == mx.gpu
+        _ON_HOST["transfers"] = id_transfers()[0] if gpu else None
+        TraceRouted._replay = TraceRouted.__call__
+
+        def call(self, x, indices):
+            tr = _ON_HOST["transfers"]
+            if _ON_HOST["launch"]:
+                mx.async_eval(indices)
+            elif _ON_HOST["read"]:  # as HostPath.call and _plan read it
+                done = tr.start(indices) if tr is not None else None
+                mx.eval(indices if done is None else done)
+                _ = np.array(indices) if done is None else tr.read(indices)
+            return TraceRouted._replay(self, x, indices)
+
+        TraceRouted.__call__ = call
+    return "page-locked memory (IdTransfers)" if _ON_HOST["transfers"] else "np.array"
+
+
+@contextlib.contextmanager
+def routing_on_host(launch_only: bool = False):
+    """While open, a trace-routed stock model reads each MoE layer's routing on the host
+    as the streamed host path does before it plans (``mx.eval``, then the ids:
+    ``routing_read_through``), or with ``launch_only`` only launches it apart
+    (``mx.async_eval``): the host path's floor, measured on stock. Not for streamed
+    models (they read it already)."""
+    routing_read_through()
+    _ON_HOST.update(read=not launch_only, launch=launch_only)
+    try:
+        yield
+    finally:
+        _ON_HOST.update(read=False, launch=False)
 
 
 def slots_at(meta, residency: float) -> int:
@@ -232,8 +278,6 @@ def held_out_gap(trace, tokens: int, others) -> dict:
     second half (``tokens`` of it), at 8, 16 and 32 slots: ``lru``, ``predictive`` and
     Belady beside ``others(slots, layers, start, n)`` ({name: misses per token}), each
     with the share of the LRU-to-Belady gap it closes."""
-    import numpy as np
-
     from mlx_streaming.planning.simulate import simulate
 
     half = trace.tokens // 2

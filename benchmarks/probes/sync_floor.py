@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import statistics
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
 from harness import (  # noqa: E402
     PROMPT,
     build,
@@ -45,6 +44,8 @@ from harness import (  # noqa: E402
     log,
     parser,
     rewind,
+    routing_on_host,
+    routing_read_through,
     routing_trace,
     slots_at,
     stock,
@@ -52,36 +53,19 @@ from harness import (  # noqa: E402
 )
 
 from mlx_streaming.core.prefetch.shared import SharedAhead  # noqa: E402
-from mlx_streaming.planning.trace import TraceRouted  # noqa: E402
 
-SYNCED = {"on": False, "launch_only": False, "no_shared_ahead": False}  # read by the patches
+NO_SHARED_AHEAD = {"on": False}  # read by the patch below
 
 
-def _sync_each_layer() -> str:
-    """Make a trace-routed model read each layer's routing on the host while SYNCED (for
-    the rest of this process); returns how the ids are read."""
-    from mlx_streaming.core.io.transfers import id_transfers
-
-    replay = TraceRouted.__call__
-    transfers, _ = id_transfers() if mx.default_device() == mx.gpu else (None, "")
-
-    def call(self, x, indices):
-        if SYNCED["launch_only"]:
-            mx.async_eval(indices)
-        elif SYNCED["on"]:  # as HostPath.call and _plan read it
-            done = transfers.start(indices) if transfers is not None else None
-            mx.eval(indices if done is None else done)
-            np.array(indices) if done is None else transfers.read(indices)
-        return replay(self, x, indices)
-
-    TraceRouted.__call__ = call
+def _shared_ahead_switch() -> None:
+    """Let ``NO_SHARED_AHEAD`` turn the shared experts' early start off (for the rest of
+    this process)."""
     start = SharedAhead.start
 
     def start_or_not(self, x):
-        return None if SYNCED["no_shared_ahead"] else start(self, x)
+        return None if NO_SHARED_AHEAD["on"] else start(self, x)
 
     SharedAhead.start = start_or_not
-    return "page-locked memory (IdTransfers)" if transfers is not None else "np.array"
 
 
 def main():
@@ -95,12 +79,13 @@ def main():
     trace, start = routing_trace(a)
     if trace is None:
         p.error("the stock rows read the routing where a trace replay routes: give --trace")
-    ids_read = _sync_each_layer()
+    _shared_ahead_switch()
+    ids_read = routing_read_through()
     runs = {}  # name -> (model, tokenizer, routing, the patches' flags)
     model, tok, routing = stock(ck, trace, start)
     runs["stock"] = (model, tok, routing, {})
     runs["stock, launched per layer"] = (model, tok, routing, {"launch_only": True})
-    runs["stock, synced per layer"] = (model, tok, routing, {"on": True})
+    runs["stock, synced per layer"] = (model, tok, routing, {"read": True})
     stores = []
     for r in [1.0] + sorted({float(x) for x in a.residency.split(",") if x} - {1.0}):
         name = "streamed, all resident" if r == 1.0 else f"streamed {r}"
@@ -109,16 +94,16 @@ def main():
         runs[name] = (m, t, rt, {})
         stores.append(store)
         if r < 1.0:
-            runs[name + ", shared in the experts' launch"] = (m, t, rt, {"no_shared_ahead": True})
+            runs[name + ", shared in the experts' launch"] = (m, t, rt, {"no_shared": True})
     tps = {name: [] for name in runs}
     for rnd in range(a.rounds + 1):  # the first round warms each up
         for name, (m, t, rt, flags) in runs.items():
             rewind(start, rt)
-            SYNCED.update(flags)
-            try:
+            on_host = flags.get("read") or flags.get("launch_only")
+            NO_SHARED_AHEAD["on"] = bool(flags.get("no_shared"))
+            with routing_on_host(bool(flags.get("launch_only"))) if on_host else nullcontext():
                 got = decode_run(m, t, PROMPT, a.tokens)[0]
-            finally:
-                SYNCED.update(on=False, launch_only=False, no_shared_ahead=False)
+            NO_SHARED_AHEAD["on"] = False
             if rnd:
                 tps[name].append(got)
         log(rnd, {k: round(v[-1], 1) for k, v in tps.items() if v})
