@@ -143,11 +143,12 @@ def routing_on_host(launch_only: bool = False):
     (``mx.async_eval``): the host path's floor, measured on stock. Not for streamed
     models (they read it already)."""
     routing_read_through()
+    before = {k: _ON_HOST[k] for k in ("read", "launch")}
     _ON_HOST.update(read=not launch_only, launch=launch_only)
     try:
         yield
     finally:
-        _ON_HOST.update(read=False, launch=False)
+        _ON_HOST.update(before)
 
 
 def slots_at(meta, residency: float) -> int:

@@ -101,9 +101,11 @@ def main():
             rewind(start, rt)
             on_host = flags.get("read") or flags.get("launch_only")
             NO_SHARED_AHEAD["on"] = bool(flags.get("no_shared"))
-            with routing_on_host(bool(flags.get("launch_only"))) if on_host else nullcontext():
-                got = decode_run(m, t, PROMPT, a.tokens)[0]
-            NO_SHARED_AHEAD["on"] = False
+            try:
+                with routing_on_host(bool(flags.get("launch_only"))) if on_host else nullcontext():
+                    got = decode_run(m, t, PROMPT, a.tokens)[0]
+            finally:
+                NO_SHARED_AHEAD["on"] = False
             if rnd:
                 tps[name].append(got)
         log(rnd, {k: round(v[-1], 1) for k, v in tps.items() if v})
