@@ -158,7 +158,11 @@
 # TRACE names the DeepSeek-V2-Lite trace
 # (default .gpu/deepseek-v2-lite.npz, copied from ../shared/traces). MLX compiles each
 # kernel variant on first use; .gpu/ptx.tgz (a former run's $OUT/ptx.tgz) seeds its cache,
-# .gpu/nv.tgz.part-* (its $OUT/nv.tgz.part-*, where they fit) the driver's.
+# .gpu/nv.tgz.part-* (its $OUT/nv.tgz.part-*, where they fit) the driver's. Neither fits
+# beside .mlxcuda2 and the trace: carry ptx.tgz with .mlxcuda1b and nv.tgz.part-aa with
+# .mlxcuda1 (one part of at most ~11 MB; two did not fit, 2026-12-06d), each call copying
+# it to /tmp (/tmp/ptx-seed.tgz, /tmp/nv.tgz.part-*), where this script finds them. With
+# ptx.tgz seeded, `warmup` took 106 s and `tests` then 209 s on a fresh H100 (2026-12-06d).
 # A call carries at most 64 MiB with the repository (22 MiB with its trained checkpoint):
 # the MLX CUDA wheel travels in three parts (2026-12-02): .mlxcuda1 and .mlxcuda1b (29 MiB
 # each, parked in /tmp by their stage1.sh), then .mlxcuda2 (30 MiB, with .gpu's 9 MiB
