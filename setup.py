@@ -1,4 +1,4 @@
-"""Builds the native code at install time: the record reader (core/io/engine*.c) and the
+"""Builds the native code at install time: the record reader and its request ring (core/io/engine*.c) and the
 predictive policy's arithmetic (core/cache/policy.c).
 
 Each is a plain shared library loaded with ctypes (no Python API), built like an extension
@@ -15,6 +15,7 @@ setup(
                 "mlx_streaming/core/io/engine.c",
                 "mlx_streaming/core/io/engine_setup.c",
                 "mlx_streaming/core/io/engine_io.c",
+                "mlx_streaming/core/io/engine_ring.c",
             ],
             depends=["mlx_streaming/core/io/engine.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-pthread"],

@@ -1,6 +1,6 @@
 /* The native record reader's shared definitions: limits, statuses, counters, the engine
  * and its layers (engine.c: reading; engine_setup.c: set-up and teardown; engine_io.c: the
- * threads that read and copy). */
+ * threads that read and copy; engine_ring.c: records asked for through a request ring). */
 #ifndef MLXS_ENGINE_H
 #define MLXS_ENGINE_H
 #define _GNU_SOURCE
@@ -70,6 +70,8 @@ typedef struct { /* one piece of one record */
   int64_t start, end;
 } Job;
 
+struct Ring; /* engine_ring.c */
+
 typedef struct Engine {
   int n_layers, n_threads, wave;
   Layer *layers;
@@ -101,6 +103,7 @@ typedef struct Engine {
   int64_t generation;
   int stop, n_started;
   pthread_t workers[MAX_THREADS];
+  struct Ring *ring; /* a running request ring (mlxs_ring_start), or NULL */
 } Engine;
 
 /* ------------------------------------------------------------------ the API (ctypes) */
@@ -118,10 +121,21 @@ int mlxs_finish(Engine *e, int32_t *status, int64_t *counters, char *err, int er
 int mlxs_staged(Engine *e);
 void mlxs_free(Engine *e);
 int mlxs_threads(const Engine *e);
+/* the request ring (engine_ring.c) */
+int mlxs_ring_start(Engine *e, int32_t *words, int n, char *staging, int64_t stride, int readers,
+                    char *err, int err_len);
+int mlxs_ring_counters(Engine *e, int64_t *out);
+void mlxs_ring_stop(Engine *e);
 
 /* ------------------------------------------------------------------ inside the engine */
 #pragma GCC visibility push(hidden) /* not exported: the API above is all there is */
 int64_t mlxs_now_ns(void);
+/* pread all of [off, off + n) into buf: 0, the errno of a persistent failure, or -1 for the
+ * end of the file. */
+int mlxs_read_full(int fd, char *buf, int64_t n, int64_t off);
+/* ST_OK, or ST_CHECKSUM where record ``expert`` of layer L (at rec) fails its checksum;
+ * checked once per record where the layer keeps ``checked``. */
+int mlxs_check_record(Engine *e, Layer *L, int expert, const char *rec);
 /* Write a message into the caller's ``err`` (an empty one: no failure); returns -1. */
 __attribute__((format(printf, 3, 4))) int mlxs_say(char *err, int err_len, const char *fmt, ...);
 /* A started read still on the workers: wait for it and hold its outcome for mlxs_finish

@@ -8,9 +8,8 @@ int64_t mlxs_now_ns(void) {
   return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-/* pread all of [off, off + n): retried on EINTR, EAGAIN and short reads; returns 0, or
- * the errno of a persistent failure (-1 for the end of the file). */
-static int read_full(int fd, char *buf, int64_t n, int64_t off) {
+/* pread all of [off, off + n): retried on EINTR, EAGAIN and short reads. */
+int mlxs_read_full(int fd, char *buf, int64_t n, int64_t off) {
   int again = 0;
   while (n > 0) {
     ssize_t k = pread(fd, buf, (size_t)n, (off_t)off);
@@ -92,8 +91,8 @@ static void read_piece(Engine *e, const Job *j) {
   Layer *L = &e->layers[j->layer];
   char *rec = e->staging + (int64_t)j->rec * e->max_stride;
   int64_t t0 = mlxs_now_ns();
-  int rc = read_full(L->fd, rec + j->start, j->end - j->start,
-                     (int64_t)j->expert * L->stride + j->start);
+  int rc = mlxs_read_full(L->fd, rec + j->start, j->end - j->start,
+                          (int64_t)j->expert * L->stride + j->start);
   int64_t dt = mlxs_now_ns() - t0;
   __atomic_fetch_add(&e->pread_ns, dt, __ATOMIC_RELAXED);
   __atomic_fetch_add(&e->read_ns, dt, __ATOMIC_RELAXED);
@@ -117,12 +116,16 @@ static void land_piece(Engine *e, int w, const Job *j, int open) {
   if (__atomic_sub_fetch(&e->pieces_left[j->rec], 1, __ATOMIC_ACQ_REL) != 0 ||
       __atomic_load_n(&e->rec_status[j->rec], __ATOMIC_ACQUIRE) != ST_OK)
     return; /* the record's last piece checks it */
-  if (L->checksums && !(L->checked && __atomic_load_n(&L->checked[j->expert], __ATOMIC_RELAXED))) {
-    if (e->hash(rec, (size_t)L->record_bytes) != L->checksums[j->expert])
-      __atomic_store_n(&e->rec_status[j->rec], ST_CHECKSUM, __ATOMIC_RELAXED);
-    else if (L->checked)
-      __atomic_store_n(&L->checked[j->expert], 1, __ATOMIC_RELAXED);
-  }
+  if (mlxs_check_record(e, L, j->expert, rec) != ST_OK)
+    __atomic_store_n(&e->rec_status[j->rec], ST_CHECKSUM, __ATOMIC_RELAXED);
+}
+
+int mlxs_check_record(Engine *e, Layer *L, int expert, const char *rec) {
+  if (!L->checksums || (L->checked && __atomic_load_n(&L->checked[expert], __ATOMIC_RELAXED)))
+    return ST_OK;
+  if (e->hash(rec, (size_t)L->record_bytes) != L->checksums[expert]) return ST_CHECKSUM;
+  if (L->checked) __atomic_store_n(&L->checked[expert], 1, __ATOMIC_RELAXED);
+  return ST_OK;
 }
 
 /* Take pieces until none is left, each read then copied; a gated read's pieces are all

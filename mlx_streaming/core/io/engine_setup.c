@@ -150,15 +150,21 @@ int mlxs_layer(Engine *e, int pos, int fd, int64_t stride, int64_t record_bytes,
   if (!e) return -1;
   pthread_mutex_lock(&e->call_lock);
   mlxs_join_started(e); /* a started read may be reading the layer */
-  int rc = add_layer(e, pos, fd, stride, record_bytes, num_experts, capacity, n_parts, part_off,
-                     part_bytes, part_dst, part_row, checksums, checked, err, err_len);
+  int rc = e->ring ? mlxs_say(err, err_len,
+                              "layer position %d: the request ring is running; "
+                              "register every layer before starting it",
+                              pos)
+                   : add_layer(e, pos, fd, stride, record_bytes, num_experts, capacity, n_parts,
+                               part_off, part_bytes, part_dst, part_row, checksums, checked, err,
+                               err_len);
   pthread_mutex_unlock(&e->call_lock);
   return rc;
 }
 
-/* Finish a started read, stop the threads and free the engine. */
+/* Stop the request ring, finish a started read, stop the threads and free the engine. */
 void mlxs_free(Engine *e) {
   if (!e) return;
+  mlxs_ring_stop(e);
   pthread_mutex_lock(&e->call_lock);
   mlxs_set_gate(e, GATE_CANCELLED); /* a gated read never let go writes nothing */
   mlxs_join_started(e);             /* the workers finish what was started before they stop */

@@ -1,0 +1,125 @@
+"""The native engine's request ring (``engine_ring.c``): records asked for through
+entries in memory that a kernel on the device and the host both address, read by the
+engine's threads into each entry's staging record and answered through its done word,
+with no CUDA call on the host's side.
+
+An entry is ``RING_WORDS`` int32 words: the poster writes the layer position and the
+expert, then a new number into ``SEQ``; the engine reads the record (whole, as laid out
+in its file) into the entry's staging record, writes ``STATUS`` and ``ERRNO``, then the
+same number into ``DONE``. ``RequestRing.post`` and ``wait`` are that protocol on the
+host (tests; a poster without a device); a kernel follows it with the device addresses
+``device_words`` and ``device_staging``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from .engine_lib import ERR_BYTES, error_buffer, status_error
+
+RING_WORDS = 16  # an entry's int32 words (engine_ring.c): a cache line each
+SEQ, LAYER, EXPERT, DONE, STATUS, ERRNO = range(6)
+MAX_ENTRIES, MAX_READERS = 64, 16  # engine_ring.c's MAX_RING, MAX_RING_READERS
+# requests answered, bytes read, failed, read ns (summed over readers), answer ns (seen to
+# answered, summed), the longest answer ns
+COUNTERS = ("requests", "bytes", "failed", "read_ns", "answer_ns", "max_ns")
+
+
+class RequestRing:
+    """Answers requests for records posted into shared memory, on the engine's threads.
+
+    Args:
+        reader: The ``NativeReader`` whose engine reads (its files and checksums); it
+            must outlive the ring (closing it stops the ring).
+        entries: Requests outstanding at once (a layer call's misses: at most its
+            distinct routed experts).
+        readers: Threads that read records, each one at a time.
+        cuda: The CUDA runtime module (``io.cuda``): entries and staging in page-locked
+            host memory mapped into the device; else plain host memory (no device).
+
+    Raises:
+        OSError: the engine refuses the ring (the message says why).
+    """
+
+    def __init__(self, reader, entries: int = 8, readers: int = 4, cuda=None):
+        self.reader, self.handle = reader, None
+        if not 1 <= entries <= MAX_ENTRIES or not 1 <= readers <= MAX_READERS:
+            raise ValueError(
+                f"a ring of {entries} entries and {readers} readers: 1 to {MAX_ENTRIES} "
+                f"entries, 1 to {MAX_READERS} readers"
+            )
+        self.stride = max(reader.meta.layers[li].stride for li in reader.pos)
+        words_bytes, staging_bytes = entries * RING_WORDS * 4, entries * self.stride
+        if cuda is not None:
+            w, self.device_words = cuda.shared_host(words_bytes)
+            st, self.device_staging = cuda.shared_host(staging_bytes)
+        else:
+            from .reader import aligned_buffer
+
+            w, st = aligned_buffer(words_bytes), aligned_buffer(staging_bytes)
+            w[:] = 0
+            self.device_words = self.device_staging = None
+        self.words = w.view(np.int32).reshape(entries, RING_WORDS)
+        self.staging = st.reshape(entries, self.stride)
+        err = error_buffer()
+        rc = reader.lib.mlxs_ring_start(
+            reader.handle, self.words.ctypes.data, entries, self.staging.ctypes.data,
+            self.stride, readers, err, ERR_BYTES,
+        )  # fmt: skip
+        if rc:
+            raise OSError(f"the request ring could not start: {err.value.decode()}")
+        self.handle = reader.handle
+
+    @property
+    def entries(self) -> int:
+        return len(self.words)
+
+    def post(self, k: int, layer: int, expert: int) -> int:
+        """Ask for record ``expert`` of model layer ``layer`` through entry ``k`` (whose
+        last request was answered); returns the request's number for ``wait``."""
+        row = self.words[k]
+        seq = int(row[SEQ]) % (2**31 - 1) + 1  # new, never 0 (an entry's first state)
+        row[LAYER], row[EXPERT] = self.reader.pos.get(layer, -1), expert
+        row[SEQ] = seq  # after the request's words: stores stay in order on the host
+        return seq
+
+    def wait(self, k: int, seq: int, timeout: float = 10.0) -> np.ndarray:
+        """Entry ``k``'s staging record once request ``seq`` is answered.
+
+        Raises:
+            TimeoutError: no answer within ``timeout`` seconds.
+            ExpertChecksumError, RecordReadError, ValueError: the record failed (the
+                message names the file, the layer and the expert).
+        """
+        row, until = self.words[k], time.monotonic() + timeout
+        while int(row[DONE]) != seq:
+            if time.monotonic() > until:
+                raise TimeoutError(f"the request ring did not answer entry {k} in {timeout} s")
+            time.sleep(20e-6)
+        st = int(row[STATUS])
+        if st:
+            layer = next((li for li, p in self.reader.pos.items() if p == row[LAYER]), None)
+            expert = int(row[EXPERT])
+            why = os.strerror(int(row[ERRNO])) if row[ERRNO] else f"status {st}"
+            path = self.reader.meta.file(layer) if layer is not None else "no file"
+            raise status_error(st, f"{why}: expert {expert}", path, layer, expert)
+        return self.staging[k]
+
+    def counters(self) -> dict[str, int]:
+        """What the ring has done since it started (``COUNTERS``)."""
+        out = np.zeros(len(COUNTERS), np.int64)
+        if not self.handle or self.reader.lib.mlxs_ring_counters(self.handle, out.ctypes.data):
+            raise RuntimeError("the request ring is stopped")
+        return dict(zip(COUNTERS, out.tolist()))
+
+    def close(self) -> None:
+        """Stop the ring's threads (requests being read are answered first); idempotent."""
+        if self.handle and self.reader.handle == self.handle:
+            self.reader.lib.mlxs_ring_stop(self.handle)
+        self.handle = None
+
+    def __del__(self):  # the threads write into this ring's memory: stop them first
+        self.close()

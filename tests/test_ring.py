@@ -1,0 +1,227 @@
+"""The native engine's request ring (``engine_ring.c``, ``io.ring``): records asked for
+through shared entries land whole in each entry's staging record, beside the engine's
+ordinary reads; bad requests, corrupt and shrunken files are answered with a status that
+names the file and the expert (never a crash or a hang); the ring refuses what it cannot
+serve and stops with its engine."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from mlx_streaming.core.format import ExpertChecksumError
+from mlx_streaming.core.io.engine_lib import error_buffer, library
+from mlx_streaming.core.io.native import NativeReader
+from mlx_streaming.core.io.reader import RecordReadError
+from mlx_streaming.core.io.ring import DONE, SEQ, RequestRing
+from mlx_streaming.core.meta import load_meta
+
+pytestmark = pytest.mark.skipif(
+    library() is None, reason="the compiled reader is not installed (pip install the package)"
+)
+
+
+class HostRows:
+    """Per-part host rows [slots, part bytes], standing in for a pool."""
+
+    def __init__(self, layout, slots):
+        self.slots = slots
+        self.parts = [np.zeros((slots, p.nbytes), np.uint8) for p in layout.parts]
+
+    def row_pointers(self):
+        return [(a.ctypes.data, a.shape[1]) for a in self.parts]
+
+
+def reader_over(ed, slots=4, **kw):
+    meta = load_meta(ed)
+    pools = {li: HostRows(meta.layers[li], slots) for li in meta.layers}
+    return meta, pools, NativeReader(meta, pools, **kw)
+
+
+def record(meta, li, e):
+    lay = meta.layers[li]
+    with open(meta.file(li), "rb") as f:
+        f.seek(e * lay.stride)
+        return np.frombuffer(f.read(lay.record_bytes), np.uint8)
+
+
+def native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_requests_are_answered_with_their_records_beside_ordinary_reads(models):
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta, pools, reader = reader_over(ed, threads=2, wave=4)
+    ring = RequestRing(reader, entries=6, readers=3)
+    layers, rng = sorted(meta.layers), np.random.default_rng(0)
+    stop, errors = threading.Event(), []
+
+    def ordinary():  # the engine's own reads, on its own threads, meanwhile
+        mine = np.random.default_rng(1)
+        try:
+            while not stop.is_set():
+                li = layers[int(mine.integers(len(layers)))]
+                e = mine.choice(meta.num_experts, 4, replace=False).astype(np.int32)
+                reader.start(li, e, np.arange(4, dtype=np.int32)).result()
+                for s, x in enumerate(e.tolist()):  # the first part of each slot
+                    p = meta.layers[li].parts[0]
+                    got = pools[li].parts[0][s]
+                    assert np.array_equal(got, record(meta, li, x)[p.offset : p.offset + p.nbytes])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=ordinary)
+    t.start()
+    asked = 0
+    try:
+        for _ in range(30):
+            reqs = [
+                (k, layers[int(rng.integers(len(layers)))], int(rng.integers(meta.num_experts)))
+                for k in range(ring.entries)
+            ]
+            seqs = [ring.post(k, li, e) for k, li, e in reqs]
+            for (k, li, e), seq in zip(reqs, seqs):
+                got = ring.wait(k, seq)
+                assert np.array_equal(got[: meta.layers[li].record_bytes], record(meta, li, e))
+            asked += len(reqs)
+    finally:
+        stop.set()
+        t.join()
+    assert not errors, errors
+    c = ring.counters()
+    assert c["requests"] == asked and c["failed"] == 0
+    assert 0 < c["read_ns"] and c["max_ns"] * asked >= c["answer_ns"] >= c["read_ns"]
+    ring.close()
+    reader.close()
+
+
+def test_bytes_counted_are_the_records_read(models):
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta, _, reader = reader_over(ed)
+    li = sorted(meta.layers)[0]
+    with RingOf(reader) as ring:
+        for e in range(3):
+            ring.wait(0, ring.post(0, li, e))
+        assert ring.counters()["bytes"] == 3 * meta.layers[li].record_bytes
+    reader.close()
+
+
+class RingOf:
+    """A ring stopped on leaving the block."""
+
+    def __init__(self, reader, **kw):
+        self.ring = RequestRing(reader, **kw)
+
+    def __enter__(self):
+        return self.ring
+
+    def __exit__(self, *exc):
+        self.ring.close()
+
+
+def test_bad_requests_are_answered_and_leave_the_ring_usable(models):
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta, _, reader = reader_over(ed)
+    li = sorted(meta.layers)[0]
+    with RingOf(reader, entries=2, readers=1) as ring:
+        with pytest.raises(ValueError, match="refused"):
+            ring.wait(0, ring.post(0, 10_000, 0))  # no such layer
+        with pytest.raises(ValueError, match=f"expert {meta.num_experts}"):
+            ring.wait(1, ring.post(1, li, meta.num_experts))
+        with pytest.raises(ValueError, match="expert -1"):
+            ring.wait(1, ring.post(1, li, -1))
+        got = ring.wait(0, ring.post(0, li, 3))
+        assert np.array_equal(got[: meta.layers[li].record_bytes], record(meta, li, 3))
+        assert ring.counters()["failed"] == 3
+    reader.close()
+
+
+def test_corrupt_and_shrunken_files_name_the_file_and_the_expert(models, tmp_path):
+    _, src = models.experts("tiny-qwen3_moe")
+    ed = tmp_path / "e"
+    shutil.copytree(src, ed)
+    meta = load_meta(ed)
+    li = sorted(meta.layers)[0]
+    lay = meta.layers[li]
+    with open(meta.file(li), "r+b") as f:  # flip a byte of expert 2's record
+        f.seek(2 * lay.stride + 5)
+        b = f.read(1)
+        f.seek(2 * lay.stride + 5)
+        f.write(bytes([b[0] ^ 0xFF]))
+    _, _, reader = reader_over(ed)
+    with RingOf(reader) as ring:
+        with pytest.raises(ExpertChecksumError, match=f"expert 2 of layer {li}.*{meta.file(li)}"):
+            ring.wait(0, ring.post(0, li, 2))
+        os.truncate(meta.file(li), (meta.num_experts - 1) * lay.stride)  # the last one goes
+        with pytest.raises(RecordReadError, match=str(meta.file(li))):
+            ring.wait(1, ring.post(1, li, meta.num_experts - 1))
+        ring.wait(0, ring.post(0, li, 1))  # the rest still read
+    reader.close()
+
+
+@pytest.mark.parametrize(
+    "kw, why",
+    [
+        ({"entries": 0}, "1 to 64 entries"),
+        ({"entries": 65}, "1 to 64 entries"),
+        ({"readers": 0}, "1 to 16 readers"),
+        ({"readers": 17}, "1 to 16 readers"),
+    ],
+)
+def test_a_ring_that_cannot_be_made_says_why(models, kw, why):
+    _, ed = models.experts("tiny-qwen3_moe")
+    _, _, reader = reader_over(ed)
+    with pytest.raises(ValueError, match=why):
+        RequestRing(reader, **kw)
+    reader.close()
+
+
+def test_one_ring_an_engine_and_no_layer_registered_while_it_runs(models):
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta, _, reader = reader_over(ed)
+    with RingOf(reader):
+        with pytest.raises(OSError, match="running already"):
+            RequestRing(reader)
+        err = error_buffer()
+        rc = reader.lib.mlxs_layer(
+            reader.handle, 0, -1, 1, 1, 1, 1, 1, None, None, None, None, None, None, err, 512
+        )
+        assert rc == -1 and b"register every layer before starting it" in err.value
+    RequestRing(reader).close()  # one ring stopped, another may start
+    reader.close()
+
+
+def test_the_ring_stops_with_its_engine_and_when_dropped(models):
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta, _, reader = reader_over(ed, threads=1)
+    li = sorted(meta.layers)[0]
+    before = native_threads()
+    ring = RequestRing(reader, entries=2, readers=3)
+    assert native_threads() == before + 4  # the poller and three readers
+    del ring  # dropped: its threads stop before its memory goes
+    assert native_threads() == before
+    ring = RequestRing(reader, entries=2, readers=2)
+    ring.wait(0, ring.post(0, li, 1))
+    reader.close()  # the engine stops the ring first
+    assert native_threads() == before - 1  # and its own worker
+    ring.close()  # nothing left to stop
+
+
+def test_an_idle_ring_still_answers(models):
+    """The poller slows to one look every 0.5 ms once idle for a second; a request then
+    is still answered."""
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta, _, reader = reader_over(ed)
+    li = sorted(meta.layers)[0]
+    with RingOf(reader) as ring:
+        time.sleep(1.3)
+        seq = ring.post(3, li, 4)
+        got = ring.wait(3, seq, timeout=5)
+        assert np.array_equal(got[: meta.layers[li].record_bytes], record(meta, li, 4))
+        assert ring.words[3, DONE] == ring.words[3, SEQ] == seq
+    reader.close()
