@@ -46,6 +46,9 @@
 #                                           page-locked memory, no CUDA call answering
 #                                           (probes/mapped_mailbox.py): the round trip, and
 #                                           whether it holds while MLX compiles, allocates, syncs
+#   bash benchmarks/gpu_suite.sh ring       records a kernel asks the engine's request ring for (probes/ring_read.py),
+#                                           page cache then O_DIRECT, against the host path's read of
+#                                           the same; then one call a layer inside a graph (NUMLAYERS)
 #   bash benchmarks/gpu_suite.sh syncfloor  the host path's floor (probes/sync_floor.py): stock, stock launching
 #                                           each layer's routing apart, and reading it on the host,
 #                                           every expert resident, and the host path at RESIDENCY
@@ -310,6 +313,11 @@ case "$suite" in
          done ;;
   mailbox) timeout 120 python3 benchmarks/probes/mapped_mailbox.py --json "$out/mapped-mailbox.json" 2>&1 \
              | tee "$out/mapped-mailbox.log" | grep -v "^ " | tail -12 ;;
+  ring) for d in "" --direct; do
+          timeout "$limit" python3 benchmarks/probes/ring_read.py --workdir $work $d \
+            ${NUMLAYERS:+--num-layers $NUMLAYERS} --json "$out/ring-read$d.json" 2>&1 \
+            | tee "$out/ring-read$d.log" | grep -v "^ " | tail -8
+        done ;;
   stall) timeout 120 python3 benchmarks/probes/gpu_wait_stall.py 2>&1 | tee "$out/stall.log" | tail -3 ;;
   cold) speed gpu-dsv2-cold --residency 0.5,0.25,0.125 --cold cold --repeat 3 \
           --prefill-tokens 0 ;;
