@@ -25,7 +25,7 @@ import numpy as np
 
 from .config import settings
 
-DEFAULT_CONNECT_TIMEOUT_S = 60.0  # to connect, and for a peer to answer during a step
+DEFAULT_CONNECT_TIMEOUT_S = 60.0  # --connect-timeout, and --pipeline-timeout (a peer to answer)
 
 
 class PipelineError(RuntimeError):
@@ -47,7 +47,7 @@ def init_pipeline(timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S):
         f"mlx_streaming: error: rank {env.launch_rank} could not connect "
         f"to its pipeline peers within {timeout_s:.0f} s (hostfile "
         f"{env.launch_hostfile}): start every rank with mlx.launch, "
-        "check the hosts and ports, or raise --pipeline-timeout"
+        "check the hosts and ports, or raise --connect-timeout"
     )
     with _Watchdog(timeout_s, message):
         try:

@@ -203,14 +203,22 @@ def test_absent_peer_ends_in_bounded_time(tmp_path):
     base = free_ports(2)
     hostfile.write_text(json.dumps([[f"127.0.0.1:{base}"], [f"127.0.0.1:{base + 1}"]]))
     env = {**os.environ, "MLX_HOSTFILE": str(hostfile), "MLX_RANK": "0"}
-    code = "from mlx_streaming.parallel import init_pipeline; init_pipeline(3)"
+    # through the commands' own flags: the connect is bounded by --connect-timeout, apart
+    # from the step's --pipeline-timeout (a short step bound no longer shortens the connect)
+    code = (
+        "import argparse; from mlx_streaming.commands._args import add_pipeline_args, "
+        "pipeline_kwargs; p = argparse.ArgumentParser(); add_pipeline_args(p); "
+        "pipeline_kwargs(p.parse_args(['--pipeline', '--connect-timeout', '3', "
+        "'--pipeline-timeout', '1']))"
+    )
     t0 = time.perf_counter()
     r = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
     )
     assert r.returncode != 0
     assert "could not connect to its pipeline peers within 3 s" in r.stderr
-    assert time.perf_counter() - t0 < 30
+    assert "--connect-timeout" in r.stderr
+    assert 2.5 < time.perf_counter() - t0 < 30
 
 
 def test_different_models_are_refused(models, tmp_path):

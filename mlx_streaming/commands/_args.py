@@ -125,14 +125,22 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
         "--pipeline-timeout",
         type=positive_float,
         default=DEFAULT_CONNECT_TIMEOUT_S,
-        help="seconds to wait for the other ranks to connect, and for a peer to answer "
-        "while loading (a slower one is waited for while it works) and within a step "
+        help="seconds to wait for a peer to answer while loading (a slower one is waited "
+        "for while it works) and within a step "
         f"(default {DEFAULT_CONNECT_TIMEOUT_S:.0f}); a silent peer ends the rank",
+    )
+    g.add_argument(
+        "--connect-timeout",
+        type=positive_float,
+        default=DEFAULT_CONNECT_TIMEOUT_S,
+        help="seconds to wait for the other ranks to connect at start "
+        f"(default {DEFAULT_CONNECT_TIMEOUT_S:.0f}): ranks start at different times, so "
+        "this is apart from --pipeline-timeout",
     )
 
 
 def pipeline_kwargs(a: argparse.Namespace, on_silence=None) -> dict:
-    """``load``'s pipeline arguments: joins the group (bounded by --pipeline-timeout)
+    """``load``'s pipeline arguments: joins the group (bounded by --connect-timeout)
     and makes the one ``PeerWatch`` (``pipeline_watch``) that bounds every exchange with
     the other ranks from then on, the load's and each step's (``on_silence``: see
     ``PeerWatch``); with --rank-budget-gb, this rank's ``budget_gb``."""
@@ -152,7 +160,7 @@ def pipeline_kwargs(a: argparse.Namespace, on_silence=None) -> dict:
             budgets = [positive_float(x) for x in a.rank_budget_gb.split(",")]
         except argparse.ArgumentTypeError as e:
             raise ValueError(f"--rank-budget-gb {a.rank_budget_gb!r}: {e}") from None
-    group = init_pipeline(a.pipeline_timeout)
+    group = init_pipeline(a.connect_timeout)
     watch = PeerWatch(group, a.pipeline_timeout, on_silence)
     out = {"pipeline_group": group, "pipeline_split": split, "pipeline_watch": watch}
     if budgets is not None:
