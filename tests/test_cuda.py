@@ -341,17 +341,13 @@ def test_the_swap_kernels_trade_records_as_the_reference(policy):
     trades the pairs its list names."""
     from mlx_streaming.core.cache.device_path import _offsets
     from mlx_streaming.core.cache.device_plan import (
-        BLOCKS,
-        PLAN,
-        PLAN_NAMES,
         POINTERS,
-        THREADS,
         constants,
         layer_arrays,
-        plan_constants,
         plan_reference,
         scratch_arrays,
     )
+    from mlx_streaming.core.cache.plan_kernel import BLOCKS, THREADS, plan_constants, plan_kernel
     from mlx_streaming.core.cache.scored import WEIGHTS
     from mlx_streaming.core.io import cuda
     from mlx_streaming.core.io.device_reader import _FILL, FILL_NAMES, copy_kernel, copy_reference
@@ -378,7 +374,7 @@ def test_the_swap_kernels_trade_records_as_the_reference(policy):
     ptrs = mx.array(np.array([base + off[n] for n in POINTERS], np.uint64))
     meta = mx.array(np.array([tier_at, stride, 1, 0, stride, pool_at, stride], np.int64))
     consts = plan_constants(E, cap, k, WEIGHTS[policy], swap=True)
-    plan = copy_kernel("mlxs_plan", PLAN, 16, *PLAN_NAMES)(consts)
+    plan = plan_kernel(16)(consts)
     out = mx.zeros((1,), mx.uint32)
     hot = rng.permutation(E)
     w = 1.0 / (1 + np.arange(E)) ** 1.2

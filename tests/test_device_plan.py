@@ -79,7 +79,11 @@ def test_the_plan_kernel_reads_its_pointers_and_counters_only_by_name():
     so a reordering on the host cannot silently disagree with the device."""
     import re
 
-    from mlx_streaming.core.cache.device_plan import _PLAN_BODY, COUNTERS, PLAN, POINTERS
+    from mlx_streaming.core.cache.device_plan import COUNTERS, POINTERS
+    from mlx_streaming.core.cache.device_tier import TIER_PLAN
+    from mlx_streaming.core.cache.plan_kernel import _PLAN_BODY, PLAN
+
+    _PLAN_BODY = _PLAN_BODY.replace("TIER_PLAN", TIER_PLAN)
 
     assert not re.findall(r"\bp\[\d+\]", _PLAN_BODY)
     assert not re.findall(r"\bctr\s*(?:\[\s*\d|\+\s*\d)", _PLAN_BODY)
@@ -92,7 +96,7 @@ def test_no_kernel_declares_its_own_inputs_or_outputs():
     """MLX declares a CUDA kernel's inputs and outputs by name, so a source that declares
     one again fails to compile, and only on a CUDA machine (``prev`` did, 2026-12-04):
     the check refuses such a kernel on any machine, and both kernels pass it."""
-    from mlx_streaming.core.cache.device_plan import PLAN, PLAN_NAMES
+    from mlx_streaming.core.cache.plan_kernel import PLAN, PLAN_NAMES
     from mlx_streaming.core.io.device_reader import _FILL, FILL_NAMES
     from mlx_streaming.core.io.kernels import check_names
 

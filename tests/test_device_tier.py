@@ -9,12 +9,7 @@ import numpy as np
 import pytest
 
 from mlx_streaming.core.cache.device_plan import FREE, layer_arrays
-from mlx_streaming.core.cache.device_tier import (
-    access_heat,
-    bounded_reference,
-    copy_reference,
-    tier_arrays,
-)
+from mlx_streaming.core.cache.device_tier import access_heat, bounded_reference, copy_reference
 from mlx_streaming.core.cache.policy import POLICIES, make_policy
 from mlx_streaming.core.cache.scored import WEIGHTS
 from mlx_streaming.core.cache.slots import SlotCache
@@ -41,24 +36,24 @@ def loaded(policy: str, S: int = S):
     sim = SlotCache(E, S, make_policy(policy, E))
     sim.commit(sim.reserve(range(S), protect=np.zeros(0, np.int64)))
     rows = _SwapRows([0], S, R, E)
-    arrays = layer_arrays(E, S)
+    arrays = layer_arrays(E, S, R)
     arrays["slot_of"][:], arrays["expert_in"][:] = sim.slot_of, sim.expert_in
     sim.flush()
     for name, a in sim.policy.state.items():
         arrays[name][...] = a
     arrays["counters"][FREE] = 0
-    tier = tier_arrays(E, R)
-    tier["home"][S : S + R], tier["owner"][:] = np.arange(R), np.arange(S, S + R)
-    return sim, rows, arrays, tier
+    arrays["home"][S : S + R], arrays["owner"][:] = np.arange(R), np.arange(S, S + R)
+    return sim, rows, arrays
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_the_reference_replays_routing_as_the_host_does(policy, tokens):
-    sim, rows, arrays, tier = loaded(policy, S if tokens == 1 else 3 * K + 2)
+    sim, rows, arrays = loaded(policy, S if tokens == 1 else 3 * K + 2)
+    tier = arrays
     kinds = np.zeros(3, np.int64)
     for ids in skewed_routing(400, seed=1, tokens=tokens):
-        slots, ops = bounded_reference(0, arrays, tier, WEIGHTS[policy], ids)
+        slots, ops = bounded_reference(0, arrays, WEIGHTS[policy], ids)
         placed = sim.lookup(np.unique(ids))
         rows.keep(0, placed, [rows.find(0, int(e)) for e, _, _ in placed], sim.heat)
         assert np.array_equal(slots, sim.slot_of[ids.astype(np.int64)])
@@ -76,15 +71,15 @@ def test_the_moves_keep_every_record_in_one_place(policy):
     """``copy_reference`` applies each call's ops to bytes: after it every slot holds the
     record its table names, every row its owner's, no record is in two places, and a
     record left in neither is in its file only."""
-    _, _, arrays, tier = loaded(policy)
+    _, _, arrays = loaded(policy)
     files = np.random.default_rng(3).integers(0, 256, (E, 40), dtype=np.uint8)
     pool, rows = files[:S].copy(), files[S : S + R].copy()
     dropped = 0
     for ids in skewed_routing(400, seed=5):
-        owners_before = set(tier["owner"].tolist())
-        slots, ops = bounded_reference(0, arrays, tier, WEIGHTS[policy], ids)
+        owners_before = set(arrays["owner"].tolist())
+        slots, ops = bounded_reference(0, arrays, WEIGHTS[policy], ids)
         copy_reference(ops, rows, pool, files)
-        slot_of, home, owner = arrays["slot_of"], tier["home"], tier["owner"]
+        slot_of, home, owner = arrays["slot_of"], arrays["home"], arrays["owner"]
         assert np.array_equal(pool[slots], files[ids.astype(np.int64)])
         assert np.array_equal(pool, files[arrays["expert_in"]])
         held = owner >= 0
@@ -98,7 +93,7 @@ def test_the_moves_keep_every_record_in_one_place(policy):
 
 def test_heat_is_the_slot_tables_to_the_bit_past_its_rescaling():
     """Past ~7,560 calls the weight passes 1e100 and both scale down by 2**-332."""
-    sim, tier = SlotCache(E, S, make_policy("lru", E)), tier_arrays(E, R)
+    sim, tier = SlotCache(E, S, make_policy("lru", E)), layer_arrays(E, S, R)
     rescaled = 0
     for ids in skewed_routing(8000, seed=7):
         d = np.unique(ids)

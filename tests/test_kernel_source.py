@@ -18,7 +18,7 @@ import subprocess
 
 import pytest
 
-from mlx_streaming.core.cache import device_plan
+from mlx_streaming.core.cache import plan_kernel
 from mlx_streaming.core.cache.pool import ADDRESS_SOURCE
 from mlx_streaming.core.cache.scored import WINDOWS
 from mlx_streaming.core.io import device_reader, transfers
@@ -57,7 +57,7 @@ def kernels() -> dict[str, str]:
     """Each kernel the package builds, in each variant its Python side can ask for: its
     name and full text (as MLX builds it, header included)."""
     words, out = device_reader._WORDS, {}
-    plan_in, plan_out = device_plan.PLAN_NAMES
+    plan_in, plan_out = plan_kernel.PLAN_NAMES
     plan_types = dict(zip(plan_in, ["uint32_t", "uint64_t", "int64_t", "uint32_t"]))
     fill_in, fill_out = device_reader.FILL_NAMES
     fill_types = dict(zip(fill_in, ["int32_t", "uint32_t", "int64_t"]))
@@ -67,16 +67,17 @@ def kernels() -> dict[str, str]:
         out[name] = text
 
     for word, c_word in words.items():
-        for swap in (False, True):  # records copied in, or traded with a swap tier
+        # records copied in, traded with a whole swap tier, or a bounded one (rows)
+        for swap, rows in ((False, 0), (True, 0), (True, 20)):
             for score in (0.0, 1.0):  # the LRU ranking (no score) and the scored one
                 weights = [score] * (3 + len(WINDOWS))
                 add(
-                    f"mlxs_plan_{word}",  # as copy_kernel names it
-                    device_plan.PLAN.replace("WORD", c_word),
+                    f"mlxs_plan_{word}",  # as plan_kernel names it
+                    plan_kernel.PLAN.replace("WORD", c_word),
                     [(n, plan_types[n]) for n in plan_in],
                     [(plan_out[0], "uint32_t")],
-                    device_plan.plan_constants(64, 32, 6, weights, swap),
-                    device_reader.COPY_HEADER,
+                    plan_kernel.plan_constants(64, 32, 6, weights, swap, rows),
+                    device_reader.COPY_HEADER + plan_kernel.TIER_COPY,
                 )
             add(
                 f"mlxs_fill_{word}",

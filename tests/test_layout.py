@@ -119,7 +119,8 @@ def test_no_private_reach_through():
 # Within the expert cache, the order a layer call runs down (a module imports only
 # those after it): no call runs back up, no part is wired to one above it.
 CACHE_ORDER = [
-    "expert_store", "counts", "host_path", "device_path", "loads", "readers", "device_plan",
+    "expert_store", "counts", "host_path", "device_path", "loads", "readers", "plan_kernel",
+    "device_tier", "device_plan",
     "calls", "slots", "pool", "recording", "policy", "scored", "native_policy",
     "base_policy", "stats", "driver",
 ]  # fmt: skip

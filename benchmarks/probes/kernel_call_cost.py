@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mlx.core as mx  # noqa: E402
 
-from mlx_streaming.core.cache.device_plan import PLAN, plan_constants  # noqa: E402
+from mlx_streaming.core.cache.plan_kernel import PLAN, plan_constants  # noqa: E402
 from mlx_streaming.core.io.device_reader import COPY_HEADER  # noqa: E402
 from mlx_streaming.core.io.kernels import with_consts  # noqa: E402
 

@@ -31,28 +31,22 @@ import numpy as np
 
 from ..ids import DECODE_IDS, SLOT_IDS
 from ..io import cuda
-from ..io.device_reader import copy_kernel
 from .calls import LayerCall
 from .device_plan import (
-    BLOCKS,
     EVICTIONS,
     FAILED,
     FREE,
     HITS,
     LATE,
-    MAX_EXPERTS,
     MISSED_CALLS,
     MISSES,
     N_COUNTERS,
-    PLAN,
-    PLAN_NAMES,
     POINTERS,
-    THREADS,
     constants,
     layer_arrays,
-    plan_constants,
     scratch_arrays,
 )
+from .plan_kernel import BLOCKS, MAX_EXPERTS, THREADS, plan_constants, plan_kernel
 from .pool import LayerPool, device_address
 from .slots import SlotCache
 from .stats import LayerStats
@@ -145,7 +139,7 @@ class DevicePath:
         """The kernel and its copy description for ``n`` ids of ``layer``."""
         meta, word = self.reader.copy_meta(layer)
         if word not in self._kernels:
-            self._kernels[word] = copy_kernel("mlxs_plan", PLAN, word, *PLAN_NAMES)
+            self._kernels[word] = plan_kernel(word)
         c = self.caches[layer]
         consts = plan_constants(c.num_experts, c.capacity, n, self.weights, self.reader.swap)
         args = (self._kernels[word](consts), meta)

@@ -1,6 +1,6 @@
-"""The device path's planning step over a bounded swap tier, as numpy references: what a
-plan kernel must do when the tier holds fewer records than the pools leave out (the
-design in benchmarks/RESULTS.md, "The design this opens"; the kernel is not built yet).
+"""The device path's planning step over a bounded swap tier: its numpy references and
+the pieces of the plan kernel (``plan_kernel``'s ``SWAP`` 2 variant) that do it on the
+GPU (the design in benchmarks/RESULTS.md, "The design this opens").
 
 A layer call's slots are chosen as over a whole tier (``device_plan.plan_reference``:
 the slot table and its ``Scored`` ranking); then the tier's one rule
@@ -8,14 +8,20 @@ the slot table and its ``Scored`` ranking); then the tier's one rule
 places with its victim; a miss outside it is read from its file (through the engine's
 request ring, ``io.ring``), its victim going out to the first empty row, else the row of
 the tier's coldest record (``heat``: ``SlotCache.heat``'s decayed lookups, kept here in
-the same arithmetic), which is dropped. The tier's state (``tier_arrays``) is handed
-between host and device whole, as the slot table's is.
+the same arithmetic), which is dropped. The tier's arrays are the layer's
+(``device_plan.layer_arrays`` with ``rows``: ``home``, ``owner``, ``stamp``, ``heat``,
+``heat_w``, ``clock``), handed between host and device whole, as the slot table is.
 
 ``ops``, what the kernel's copy blocks do, in this order: ``[brought, sent, reads, (row,
 slot) * (brought + sent), (expert, slot) * reads]``: the first ``brought`` pairs trade a
 row and a slot; the next ``sent`` copy a victim from its slot out to a row (its record
 dropped); then each read's record comes from staging (request ring entry ``j`` for the
 ``j``-th read) into its slot. ``copy_reference`` moves numpy rows that way.
+
+This call's lookups are added to ``heat`` before the rows are ranked (as the store's
+simulator, ``planning.tiers``, does; the store adds them after): the rows a victim may
+take never hold this call's experts, so the two rank alike except where the rescaling
+below makes old heats equal.
 """
 
 from __future__ import annotations
@@ -29,50 +35,36 @@ from .slots import HEAT_DECAY
 HEAT_LIMIT, HEAT_SHIFT = 1e100, -332  # SlotCache.access: scaled down, exactly, past this
 
 
-def tier_arrays(num_experts: int, rows: int) -> dict[str, np.ndarray]:
-    """A layer's bounded tier on the host side: each expert's row (-1: a slot or its file
-    only), each row's record (-1: empty) and when it was written, the decayed lookups per
-    expert, their current weight, and the tier's clock."""
-    return {
-        "home": np.full(num_experts, -1, np.int32),
-        "owner": np.full(rows, -1, np.int32),
-        "stamp": np.zeros(rows, np.int64),
-        "heat": np.zeros(num_experts, np.float64),
-        "heat_w": np.ones(1, np.float64),
-        "clock": np.zeros(1, np.int64),
-    }
-
-
-def access_heat(tier: dict[str, np.ndarray], experts) -> None:
-    """One call's lookups of distinct ``experts`` into ``tier["heat"]``, to the bit as
+def access_heat(arrays: dict[str, np.ndarray], experts) -> None:
+    """One call's lookups of distinct ``experts`` into a layer's ``heat``, to the bit as
     ``SlotCache.access`` adds them."""
-    w = tier["heat_w"][0] / HEAT_DECAY
-    heat = tier["heat"]
+    w = arrays["heat_w"][0] / HEAT_DECAY
+    heat = arrays["heat"]
     for e in np.asarray(experts, np.int64).tolist():
         heat[e] += w
     if w > HEAT_LIMIT:
         heat[:] = np.ldexp(heat, HEAT_SHIFT)
         w = np.ldexp(w, HEAT_SHIFT)
-    tier["heat_w"][0] = w
+    arrays["heat_w"][0] = w
 
 
 def bounded_reference(
-    layer: int, arrays: dict[str, np.ndarray], tier: dict[str, np.ndarray], weights, ids
+    layer: int, arrays: dict[str, np.ndarray], weights, ids
 ) -> tuple[np.ndarray, np.ndarray]:
-    """One planning step over a bounded tier, updating ``arrays`` (``layer_arrays``)
-    and ``tier`` (``tier_arrays``) in place: ``(slot of each routed id, ops)`` (the
-    module's text says what ``ops`` holds)."""
+    """One planning step over a bounded tier, updating ``arrays`` (``layer_arrays``
+    with ``rows``) in place: ``(slot of each routed id, ops)`` (the module's text says
+    what ``ops`` holds)."""
     held = arrays["expert_in"].tolist()  # each slot's record before the call: the victims
     slots, fills = plan_reference(arrays, weights, ids)
-    access_heat(tier, np.unique(np.asarray(ids, np.int64)))
-    tables = [tier["home"].tolist(), held, tier["owner"].tolist(), tier["stamp"].tolist()]
+    access_heat(arrays, np.unique(np.asarray(ids, np.int64)))
+    tables = [arrays["home"].tolist(), held, arrays["owner"].tolist(), arrays["stamp"].tolist()]
     moves = plan_moves(
-        layer, tables, int(tier["clock"][0]), fills[1::2], fills[2::2],
-        lambda: tier["heat"].tolist(), True,
+        layer, tables, int(arrays["clock"][0]), fills[1::2], fills[2::2],
+        lambda: arrays["heat"].tolist(), True,
     )  # fmt: skip
     home, _, owner, stamp = moves.tables
-    tier["home"][:], tier["owner"][:], tier["stamp"][:] = home, owner, stamp
-    tier["clock"][0] = moves.clock
+    arrays["home"][:], arrays["owner"][:], arrays["stamp"][:] = home, owner, stamp
+    arrays["clock"][0] = moves.clock
     ops = [moves.brought, len(moves.trades) - moves.brought, len(moves.reads)]
     ops += [v for pair in [*moves.trades, *moves.reads] for v in pair]
     return slots, np.array(ops, np.int32)
@@ -91,3 +83,167 @@ def copy_reference(ops, rows: np.ndarray, pool: np.ndarray, files: np.ndarray) -
     start = 3 + 2 * (brought + sent)
     for e, s in np.asarray(ops[start : start + 2 * reads], np.int64).reshape(-1, 2):
         pool[s] = files[e]
+
+
+# The plan kernel's (``plan_kernel``) planner, after it has placed the misses: the tier's
+# rule above, the reads asked of the ring as soon as they are known.
+TIER_PLAN = """{  // the bounded tier's rule (tier_moves.plan_moves; device_tier.bounded_reference)
+            const int parts = (int)meta[2];
+            int* words = (int*)meta[3 + 4 * parts];
+            const int pos = (int)meta[6 + 4 * parts], entries = (int)meta[7 + 4 * parts];
+            double hw = __ddiv_rn(heat_w[0], HEAT_DECAY);  // SlotCache.access's heat
+            for (int i = 0; i < nd; i++) heat[d[i]] = __dadd_rn(heat[d[i]], hw);
+            if (hw > HEAT_LIMIT) {  // scaled down, exactly, as the host does
+                for (int e = 0; e < E; e++) heat[e] = scalbn(heat[e], HEAT_SHIFT);
+                hw = scalbn(hw, HEAT_SHIFT);
+            }
+            heat_w[0] = hw;
+            int* ops = fills + 3;
+            int rd_e[N], rd_s[N], rd_v[N], rd_q[N];
+            int nt = 0, nr = 0;
+            long long c = tclock[0];
+            for (int h = 0; h < R; h++) taken[h] = 0;
+            for (int i = 0; i < placed; i++) {  // a miss in the tier trades with its victim
+                const int e = m[i], s = target[i], v = i < nfree ? -1 : victim[i - nfree];
+                const int h = home[e];
+                if (h < 0) {  // a miss outside it is read from its file: asked for at once
+                    rd_e[nr] = e;
+                    rd_s[nr] = s;
+                    rd_v[nr] = v;
+                    rd_q[nr] = 0;  // no entry left (a defect): the copy traps
+                    if (nr < entries) {
+                        volatile int* q = words + 16 * nr;
+                        const int seq = q[0] % 2147483647 + 1;  // io.ring's numbering
+                        q[1] = pos;
+                        q[2] = e;
+                        asm volatile("st.release.sys.global.u32 [%0], %1;"
+                                     :: "l"((int*)q), "r"(seq) : "memory");
+                        rd_q[nr] = seq;
+                    } else {
+                        ctr[FAILED] += 1;
+                    }
+                    nr++;
+                    continue;
+                }
+                c++;
+                ops[2 * nt] = h;
+                ops[2 * nt + 1] = s;
+                nt++;
+                taken[h] = 1;
+                home[e] = -1;
+                owner[h] = v;
+                stamp[h] = c;
+                if (v >= 0) home[v] = h;
+            }
+            const int brought = nt;
+            for (int j = 0; j < nr; j++) {  // each read's victim to the coldest row left
+                const int v = rd_v[j];
+                if (v < 0) continue;
+                int b = -1, bc = 0;
+                double bh = 0.0;
+                long long bs = 0;
+                for (int h = 0; h < R; h++) {  // (empty first, heat, when written, row)
+                    if (taken[h]) continue;
+                    const int o = owner[h], cl = o >= 0;
+                    const double ht = cl ? heat[o] : 0.0;
+                    const long long st = stamp[h];
+                    if (b < 0 || cl < bc || (cl == bc && (ht < bh || (ht == bh && st < bs)))) {
+                        b = h;
+                        bc = cl;
+                        bh = ht;
+                        bs = st;
+                    }
+                }
+                if (b < 0) continue;  // no row left: the victim is dropped (in its file)
+                c++;
+                ops[2 * nt] = b;
+                ops[2 * nt + 1] = rd_s[j];
+                nt++;
+                taken[b] = 1;
+                if (owner[b] >= 0) home[owner[b]] = -1;  // dropped: it is in its file
+                home[v] = b;
+                owner[b] = v;
+                stamp[b] = c;
+            }
+            tclock[0] = c;
+            fills[0] = brought;
+            fills[1] = nt - brought;
+            fills[2] = nr;
+            for (int j = 0; j < nr; j++) {
+                ops[2 * nt + 2 * j] = rd_e[j];
+                ops[2 * nt + 2 * j + 1] = rd_s[j];
+                ops[2 * nt + 2 * nr + j] = rd_q[j];
+            }
+            ctr[READS] += nr;
+        }"""
+
+# A bounded tier's copies (``SWAP`` 2): the ops ``[brought, sent, reads, (row, slot)...,
+# (expert, slot)..., request numbers...]`` (``device_tier``), ``meta`` the layer's copy
+# description followed by the ring's entries, its staging, staging stride, the layer's
+# position and the entry count. Staging is read past the caches (``__ldcv``).
+TIER_COPY = """
+template <typename W> __device__ __forceinline__ W mlxs_ldcv(const W* p) { return __ldcv(p); }
+template <> __device__ __forceinline__ mlxs_w16 mlxs_ldcv<mlxs_w16>(const mlxs_w16* p) {
+    const ulonglong2 v = __ldcv((const ulonglong2*)p);
+    return mlxs_w16{v.x, v.y};
+}
+template <typename W>
+__device__ void mlxs_tier_copy(const int* f, const int64_t* meta, long long tid, long long nth,
+                               long long wait_ns, unsigned long long* late) {
+    char* rows = (char*)(meta[0]);
+    const int64_t stride = meta[1];
+    const int parts = (int)meta[2];
+    const int* words = (const int*)(meta[3 + 4 * parts]);
+    const char* staging = (const char*)(meta[4 + 4 * parts]);
+    const int64_t sstride = meta[5 + 4 * parts];
+    const int brought = f[0], moved = f[0] + f[1], reads = f[2];
+    for (int k = 0; k < moved; k++) {  // trades (brought), then victims out to rows (sent)
+        char* rec = rows + (int64_t)f[3 + 2 * k] * stride;
+        const int64_t slot = f[4 + 2 * k];
+        for (int p = 0; p < parts; p++) {
+            const int64_t* q = meta + 3 + 4 * p;
+            W* a = (W*)(rec + q[0]);
+            W* b = (W*)((char*)(q[2]) + slot * q[3]);
+            const long long n = q[1] / (int64_t)sizeof(W);
+            for (long long w = tid; w < n; w += nth) {
+                const W x = a[w];
+                a[w] = b[w];
+                if (k < brought) b[w] = x;
+            }
+        }
+    }
+    const int* rd = f + 3 + 2 * moved;
+    __shared__ int ready;
+    for (int j = 0; j < reads; j++) {  // each read, once the ring answers it, into its slot
+        if (threadIdx.x == 0) {
+            const int want = rd[2 * reads + j];
+            const int* done = words + 16 * j + 3;
+            unsigned long long t0, now;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+            int v = 0;
+            while (want != 0) {
+                asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(done) : "memory");
+                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+                if (v == want || now - t0 > (unsigned long long)wait_ns) break;
+                __nanosleep(128);
+            }
+            ready = want != 0 && v == want && ((volatile const int*)done)[1] == 0;
+        }
+        __syncthreads();
+        if (!ready) {  // unanswered in time, or failed: its slot would hold wrong bytes
+            if (threadIdx.x == 0) atomicAdd(late, 1ull);
+            __trap();
+        }
+        const char* rec = staging + (int64_t)j * sstride;
+        const int64_t slot = rd[2 * j + 1];
+        for (int p = 0; p < parts; p++) {
+            const int64_t* q = meta + 3 + 4 * p;
+            const W* a = (const W*)(rec + q[0]);
+            W* b = (W*)((char*)(q[2]) + slot * q[3]);
+            const long long n = q[1] / (int64_t)sizeof(W);
+            for (long long w = tid; w < n; w += nth) b[w] = mlxs_ldcv(a + w);
+        }
+        __syncthreads();
+    }
+}
+"""

@@ -82,16 +82,18 @@ def copy_reference(fills, source: np.ndarray, pool: np.ndarray, swap: bool = Fal
             pool[s] = source[r]
 
 
-def copy_kernel(name: str, source: str, word: int, input_names: list[str], output_names):
+def copy_kernel(
+    name: str, source: str, word: int, input_names: list[str], output_names, header: str = ""
+):
     """The variants (``kernels.Kernels``) of a CUDA kernel whose ``source`` calls
     ``mlxs_copy<WORD, SWAP>``, for copy words of ``word`` bytes (its constants give
-    ``SWAP``)."""
+    ``SWAP``); ``header``: more device routines, after ``COPY_HEADER``."""
     return Kernels(
         f"{name}_{word}",
         source.replace("WORD", _WORDS[word]),
         input_names,
         output_names,
-        header=COPY_HEADER,
+        header=COPY_HEADER + header,
     )
 
 
