@@ -225,3 +225,26 @@ def test_an_idle_ring_still_answers(models):
         assert np.array_equal(got[: meta.layers[li].record_bytes], record(meta, li, 4))
         assert ring.words[3, DONE] == ring.words[3, SEQ] == seq
     reader.close()
+
+
+def test_the_host_poster_refuses_what_would_hang(models):
+    """``post`` on an entry whose last request is unanswered, and ``post`` or ``wait``
+    on a stopped ring, raise at once, naming why (before: a wait ran to its timeout);
+    ``wait`` returns a copy, which the entry's next request leaves alone."""
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta, _, reader = reader_over(ed)
+    li = sorted(meta.layers)[0]
+    ring = RequestRing(reader, entries=2, readers=1)
+    got = ring.wait(0, ring.post(0, li, 2))
+    ring.wait(0, ring.post(0, li, 3))
+    assert np.array_equal(got[: meta.layers[li].record_bytes], record(meta, li, 2))
+    ring.words[1, SEQ] += 1  # a request the ring never saw (posted behind its back)
+    with pytest.raises(RuntimeError, match="entry 1 still has a request unanswered"):
+        ring.post(1, li, 1)
+    seq = ring.post(0, li, 1)
+    ring.close()
+    with pytest.raises(RuntimeError, match="the request ring is stopped"):
+        ring.post(0, li, 1)
+    with pytest.raises(RuntimeError, match="the request ring is stopped"):
+        ring.wait(0, seq + 1)
+    reader.close()

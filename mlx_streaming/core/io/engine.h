@@ -126,6 +126,8 @@ int mlxs_ring_start(Engine *e, int32_t *words, int n, char *staging, int64_t str
                     char *err, int err_len);
 int mlxs_ring_counters(Engine *e, int64_t *out);
 void mlxs_ring_stop(Engine *e);
+int32_t mlxs_ring_post(int32_t *words, int k, int32_t layer, int32_t expert);
+int32_t mlxs_ring_done(const int32_t *words, int k);
 
 /* ------------------------------------------------------------------ inside the engine */
 #pragma GCC visibility push(hidden) /* not exported: the API above is all there is */

@@ -125,6 +125,9 @@ def _declare(lib) -> None:
     lib.mlxs_ring_counters.restype = Int
     lib.mlxs_ring_counters.argtypes = [P, P]
     lib.mlxs_ring_stop.argtypes = [P]
+    lib.mlxs_ring_post.restype = lib.mlxs_ring_done.restype = ctypes.c_int32
+    lib.mlxs_ring_post.argtypes = [P, Int, ctypes.c_int32, ctypes.c_int32]
+    lib.mlxs_ring_done.argtypes = [P, Int]
 
 
 def error_buffer() -> ctypes.Array:

@@ -93,7 +93,7 @@ static void *reader_main(void *arg) {
   pthread_mutex_lock(&r->m);
   for (;;) {
     while (!r->count && !r->stop) pthread_cond_wait(&r->cv, &r->m);
-    if (r->stop) break;
+    if (!r->count) break; /* stopped, and every request handed on is answered */
     Request q = r->queue[r->head];
     r->head = (r->head + 1) % MAX_RING, r->count--;
     pthread_mutex_unlock(&r->m);
@@ -222,11 +222,31 @@ int mlxs_ring_counters(Engine *e, int64_t *out) {
   return r ? 0 : -1;
 }
 
-/* Stop the ring: requests being read are answered first, those not yet taken never. */
+/* Stop the ring: every request the poller has handed on is answered first; one posted
+ * after its last look, never (nor by a later ring: it starts from the numbers it finds). */
 void mlxs_ring_stop(Engine *e) {
   if (!e) return;
   pthread_mutex_lock(&e->call_lock);
   if (e->ring) stop_ring(e->ring);
   e->ring = NULL;
   pthread_mutex_unlock(&e->call_lock);
+}
+
+/* A host poster's side of an entry (io.ring's post and wait; a kernel does the same with
+ * its own instructions): ask for ``expert`` of layer position ``layer`` through entry
+ * ``k`` of ``words``, the number after the entry's last in R_SEQ with release order, so
+ * that the request's words are seen first on any machine; the number. */
+int32_t mlxs_ring_post(int32_t *words, int k, int32_t layer, int32_t expert) {
+  int32_t *w = words + (size_t)k * RING_WORDS;
+  int32_t seq = __atomic_load_n(&w[R_SEQ], __ATOMIC_RELAXED) % 2147483647 + 1;
+  __atomic_store_n(&w[R_LAYER], layer, __ATOMIC_RELAXED);
+  __atomic_store_n(&w[R_EXPERT], expert, __ATOMIC_RELAXED);
+  __atomic_store_n(&w[R_SEQ], seq, __ATOMIC_RELEASE);
+  return seq;
+}
+
+/* Entry ``k``'s R_DONE with acquire order: once it equals the poster's number, the
+ * entry's status and staging record are the answer's. */
+int32_t mlxs_ring_done(const int32_t *words, int k) {
+  return __atomic_load_n(&words[(size_t)k * RING_WORDS + R_DONE], __ATOMIC_ACQUIRE);
 }

@@ -51,6 +51,8 @@ class RequestRing:
                 f"a ring of {entries} entries and {readers} readers: 1 to {MAX_ENTRIES} "
                 f"entries, 1 to {MAX_READERS} readers"
             )
+        if not reader.pos:
+            raise ValueError("a request ring needs a reader with layers")
         self.stride = max(reader.meta.layers[li].stride for li in reader.pos)
         words_bytes, staging_bytes = entries * RING_WORDS * 4, entries * self.stride
         if cuda is not None:
@@ -79,23 +81,29 @@ class RequestRing:
 
     def post(self, k: int, layer: int, expert: int) -> int:
         """Ask for record ``expert`` of model layer ``layer`` through entry ``k`` (whose
-        last request was answered); returns the request's number for ``wait``."""
-        row = self.words[k]
-        seq = int(row[SEQ]) % (2**31 - 1) + 1  # new, never 0 (an entry's first state)
-        row[LAYER], row[EXPERT] = self.reader.pos.get(layer, -1), expert
-        row[SEQ] = seq  # after the request's words: stores stay in order on the host
-        return seq
+        last request was answered); returns the request's number for ``wait``.
+
+        Raises:
+            RuntimeError: the ring is stopped, or entry ``k``'s last request is unanswered.
+        """
+        self._check(k)
+        if self.reader.lib.mlxs_ring_done(self.words.ctypes.data, k) != self.words[k, SEQ]:
+            raise RuntimeError(f"request ring entry {k} still has a request unanswered")
+        pos = self.reader.pos.get(layer, -1)
+        return int(self.reader.lib.mlxs_ring_post(self.words.ctypes.data, k, pos, expert))
 
     def wait(self, k: int, seq: int, timeout: float = 10.0) -> np.ndarray:
-        """Entry ``k``'s staging record once request ``seq`` is answered.
+        """A copy of entry ``k``'s staging record once request ``seq`` is answered.
 
         Raises:
             TimeoutError: no answer within ``timeout`` seconds.
+            RuntimeError: the ring is stopped.
             ExpertChecksumError, RecordReadError, ValueError: the record failed (the
                 message names the file, the layer and the expert).
         """
         row, until = self.words[k], time.monotonic() + timeout
-        while int(row[DONE]) != seq:
+        while self.reader.lib.mlxs_ring_done(self.words.ctypes.data, k) != seq:
+            self._check(k)
             if time.monotonic() > until:
                 raise TimeoutError(f"the request ring did not answer entry {k} in {timeout} s")
             time.sleep(20e-6)
@@ -106,7 +114,13 @@ class RequestRing:
             why = os.strerror(int(row[ERRNO])) if row[ERRNO] else f"status {st}"
             path = self.reader.meta.file(layer) if layer is not None else "no file"
             raise status_error(st, f"{why}: expert {expert}", path, layer, expert)
-        return self.staging[k]
+        return self.staging[k].copy()
+
+    def _check(self, k: int) -> None:
+        if not self.handle or self.reader.handle != self.handle:
+            raise RuntimeError("the request ring is stopped (closed, or its reader closed)")
+        if not 0 <= k < len(self.words):
+            raise ValueError(f"request ring entry {k}: 0 to {len(self.words) - 1}")
 
     def counters(self) -> dict[str, int]:
         """What the ring has done since it started (``COUNTERS``)."""
