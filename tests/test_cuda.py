@@ -115,7 +115,7 @@ def test_streamed_equals_stock_on_cuda(models, tmp_path, preset, mode):
         store.close()
 
 
-@pytest.mark.parametrize("size", ["whole", "bounded", "auto", "default"])
+@pytest.mark.parametrize("size", ["whole", "bounded", "auto", "default", "ring"])
 def test_a_swap_tier_streams_exactly_on_cuda(models, size, monkeypatch):
     """The swap tier (opt-in): the experts outside the pools in page-locked host memory,
     each miss trading places with its victim on the GPU, decode steps on the device path
@@ -124,7 +124,9 @@ def test_a_swap_tier_streams_exactly_on_cuda(models, size, monkeypatch):
     read by the native engine while the GPU trades (gated reads), copied into their
     slots once their victims have gone out; ``auto`` (what memory
     holds: whole here, as the patch must agree); ``default`` (no option, memory made
-    short of a whole tier: CUDA's default bounds one to it). Greedy tokens and logits
+    short of a whole tier: CUDA's default bounds one to it); ``ring`` (bounded, with
+    ``device_reads``: decode steps on the device path, the records beyond the tier asked
+    of the request ring by the plan kernel itself). Greedy tokens and logits
     equal stock's at top-k and half the slots; then every record is held at most once,
     where the tables say (the tier's rows and a few slots checked byte for byte against
     the files)."""
@@ -135,8 +137,9 @@ def test_a_swap_tier_streams_exactly_on_cuda(models, size, monkeypatch):
     meta = load_meta(ed)
     for slots in (meta.top_k, meta.num_experts // 2):
         rest = sum((lay.num_experts - slots) * lay.stride for lay in meta.layers.values())
-        gb = {"whole": None, "bounded": rest / 3e9, "auto": "auto", "default": None}[size]
-        cfg = mlx_streaming.StreamConfig(swap_tier=True, swap_tier_gb=gb)
+        gb = {"whole": None, "auto": "auto", "default": None}.get(size, rest / 3e9)
+        reads = True if size == "ring" else None
+        cfg = mlx_streaming.StreamConfig(swap_tier=True, swap_tier_gb=gb, device_reads=reads)
         if size == "default":  # a third of the rest beside a small margin and the trunk
             from mlx_streaming.core import mem
             from mlx_streaming.core.io import engine_lib
@@ -152,24 +155,27 @@ def test_a_swap_tier_streams_exactly_on_cuda(models, size, monkeypatch):
             wave = engine_lib.staging(meta)[0]
             monkeypatch.setattr(engine_lib, "staging", lambda meta, wave=wave: (wave, 0))
             monkeypatch.setattr(mem, "machine_memory", lambda held=held: (1 << 40, held))
-        bounded = size in ("bounded", "default")
+        bounded, ring = size in ("bounded", "default", "ring"), size == "ring"
         model, _, store = mlx_streaming.load(ck, ed, slots=slots, config=cfg)
         rt, tier = store.runtime, store.reader.tier
         said, bound = rt.reason("reader"), "do not fit in half of memory, as large as memory"
         assert size != "default" or f"{bound} holds: bounded to" in said, said
         refused = "O_DIRECT refused" in rt.line()  # (a filesystem without it: the page cache)
         assert size != "default" or rt.direct_io or (refused and direct is None), rt.line()
-        path = "host" if bounded else "device"
+        path = "host" if bounded and not ring else "device"
         assert (rt.mapped, rt.reader, rt.decode_path) == (False, "tier", path)
-        assert (store.device is None) == bounded and tier.partial == bounded
+        assert (store.device is None) == (path == "host") and tier.partial == bounded
         assert size != "auto" or "as large as memory holds: whole" in rt.reason("reader")
         for chunk, ref_trace in want.items():
             cmp = compare_traces(ref_trace, greedy_trace(model, ids, 12, chunk))
             assert cmp.exact, (slots, chunk, cmp.to_json())
         t = store.totals()
-        assert t["misses"] > 0 and (bounded or t["device_path_calls"] > 0), t
+        assert t["misses"] > 0 and (path == "host" or t["device_path_calls"] > 0), t
+        if ring:  # records came from the files through the ring, every one answered
+            asked = store.reader.ring.counters()
+            assert asked["requests"] > 0 and asked["failed"] == 0, asked
         for li in store.layers:
-            if not bounded:
+            if store.device is not None:
                 store.device.to_host(li)
             lay, cache, pool = meta.layers[li], store.caches[li], store.pool(li)
             assert np.array_equal(tier.held[li], cache.expert_in), li

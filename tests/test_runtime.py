@@ -86,8 +86,8 @@ def test_an_auto_swap_tier_is_whole_where_memory_holds_it_and_bounded_where_not(
     assert (part.reader, part.decode_path) == ("tier", "host")
     assert "at most what memory holds: the rest read by the native reader" in part.line()
     assert at(10 * need, with_slots=False).decode_path == "host"
-    with pytest.raises(RuntimeChoiceError, match="a bounded swap tier"):
-        at(need, config=cfg.replace(device_reads=True))
+    reads = at(need, config=cfg.replace(device_reads=True))  # bounded: through the ring
+    assert (reads.reader, reads.decode_path) == ("tier", "device")
     with pytest.raises(ValueError, match="'auto'"):
         StreamConfig(swap_tier_gb="most")
     p = argparse.ArgumentParser()
@@ -160,10 +160,17 @@ def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(met
     alone = cuda(StreamConfig(direct_io=True), meta, (4 * files,) * 2, slots=slots)
     assert (alone.reader, alone.mapped) == ("native", False)
     assert "direct_io reads around the page cache" in alone.line()
-    # the device path's reads cannot have a bounded tier: refused, naming what is short
-    with pytest.raises(RuntimeChoiceError, match="nor does a whole swap tier") as e:
-        cuda(StreamConfig(device_reads=True), meta, tight, slots=slots)
-    assert "--swap-tier-gb" not in str(e.value) and "a bounded one" not in str(e.value)
+    # the device path's reads over a bounded tier (opt-in): the records beyond it asked of
+    # the request ring, whose staging is left beside the tier
+    ring = cuda(StreamConfig(device_reads=True), meta, tight, slots=slots)
+    assert (ring.reader, ring.decode_path, ring.files_reader) == ("tier", "device", "native")
+    assert "asked of the request ring" in ring.line(), ring.line()
+    from mlx_streaming.core.io.ring import ring_staging
+
+    least = one + 1000 + ring_staging(meta)  # the least bounded tier and the ring beside it
+    with pytest.raises(RuntimeChoiceError, match="device_reads: the GPU copies misses"):
+        cuda(StreamConfig(device_reads=True), meta, (least - 1,) * 2, slots=slots)
+    assert cuda(StreamConfig(device_reads=True), meta, (least,) * 2, slots=slots).reader == "tier"
     trunk = room - need - 1000  # the trunk's load takes what is left beside the tier
     at = cuda(StreamConfig(), meta, mem, slots=slots, host=HostShare(reserve=trunk))
     assert (at.reader, at.decode_path) == ("tier", "device")
@@ -206,11 +213,6 @@ def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(met
         ("cuda", StreamConfig(swap_tier=True, prefetch=True), "swap_tier and prefetch"),
         ("cpu", StreamConfig(swap_tier=True, reader="python"), "swap_tier and reader"),
         ("cpu", StreamConfig(swap_tier_gb=2.0), "add --swap-tier"),
-        (
-            "cuda",
-            StreamConfig(swap_tier=True, swap_tier_gb=1.0, device_reads=True),
-            "a bounded swap tier reads",
-        ),
     ],
 )
 def test_a_forced_choice_that_cannot_run_is_refused(meta, backend, cfg, match):

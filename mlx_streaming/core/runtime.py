@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from . import mem
 from .io import engine_lib
 from .io.reader import INLINE_BYTES
+from .io.ring import ring_staging
 from .mem import HostShare
 from .options import StreamConfig
 
@@ -208,7 +209,7 @@ def resolve(
         )
         if not fit and cfg.swap_tier is None and not (cfg.prefetch or cfg.reader):
             whole, bounded, why["mapped"] = _tier_fits(
-                meta, slots, avail, why["mapped"], share.reserve, bound=not cfg.device_reads
+                meta, slots, avail, why["mapped"], share.reserve, bool(cfg.device_reads)
             )
             swap_tier = whole or bounded  # (with direct_io: the files beyond a bounded one)
 
@@ -264,9 +265,6 @@ def resolve(
     # the decode path: the GPU copies from the mappings or trades with the tier
     gpu_source = pool_mode == "cuda" and (mapped or reader == "tier")
     if cfg.device_reads:
-        if bounded:
-            refuse("device_reads: a bounded swap tier reads the misses beyond it from the "
-                   "files, on the host path: drop --device-reads or --swap-tier-gb")  # fmt: skip
         if swap_tier and not gpu_source:
             refuse(f"device_reads: the GPU trades with the swap tier on CUDA only (this is {b})"
                    ": drop --device-reads")  # fmt: skip
@@ -280,8 +278,8 @@ def resolve(
                    "host, the device path reads nothing there): drop one")  # fmt: skip
     if cfg.device_reads is False:
         decode_path, why["decode_path"] = "host", "device_reads turned off"
-    elif bounded and reader == "tier":
-        decode_path = "host"  # the device path cannot read the files
+    elif bounded and reader == "tier" and not cfg.device_reads:  # (opt-in until measured)
+        decode_path = "host"  # the device path reads the files only through the ring
         why["decode_path"] = why["mapped"] if not cfg.swap_tier else (
             "a bounded swap tier: misses beyond it are read from the files")  # fmt: skip
     elif gpu_source and not cfg.prefetch:
@@ -362,11 +360,11 @@ def pool_zero_slot(cfg: StreamConfig, backend: str | None = None) -> bool:
     return cfg.zero_slot if cfg.zero_slot is not None else _rows(cfg, b) != "subset"
 
 
-def _tier_fits(meta, slots, avail: int, why: str, reserve=0, bound=True) -> tuple[bool, bool, str]:
+def _tier_fits(meta, slots, avail: int, why: str, reserve=0, ring=False) -> tuple[bool, bool, str]:
     """Whether CUDA's default takes a whole swap tier (the experts the pools do not hold,
-    page-locked) where the files do not fit, leaving ``MARGIN`` and ``reserve`` (the
-    trunk's load) beside it; else, where it may ``bound`` one (not for the device path's
-    reads), whether a bounded one has room (a record a layer); and the load line's reason."""
+    page-locked) where the files do not fit, leaving ``MARGIN`` and ``reserve`` (the trunk's
+    load) beside it; else whether a bounded one has room (a record a layer, beside the
+    files' reader and the device path's ``ring``); and the load line's reason."""
     from .io.tier import MARGIN, rows_bytes, tier_rows
 
     if not slots:
@@ -377,16 +375,17 @@ def _tier_fits(meta, slots, avail: int, why: str, reserve=0, bound=True) -> tupl
         why += f"; the swap tier fits ({need / GB:.1f} GB of experts the pools do not hold): "
         return True, False, why + "the GPU trades with it (--no-swap-tier: the page cache)"
     one = rows_bytes(meta, {li: min(1, n) for li, n in rest.items()})  # a record a layer
-    beside += engine_lib.staging(meta)[1]  # the files' reader beside a bounded one
-    room = bound and avail - beside >= one > 0
+    beside += engine_lib.staging(meta)[1] + ring * ring_staging(meta)  # beside a bounded one
+    room = avail - beside >= one > 0
     trunk = f", {reserve / GB:.1f} GB of them for the trunk as it loads" if reserve else ""
     why += f"; nor does a whole swap tier ({need / GB:.1f} GB and {beside / GB:.1f} GB "
     why += f"beside it{trunk}): "
     if not room:
         return False, False, why + "misses read from the files"
     why += f"a bounded one ({(avail - beside) / GB:.1f} GB) holds the experts the pools gave up "
-    why += "last, misses beyond it read from the files (--swap-tier --swap-tier-gb G: another "
-    return False, True, why + "bound; --no-swap-tier: the page cache alone)"
+    beyond = "asked of the request ring by the GPU" if ring else "read from the files"
+    why += f"last, misses beyond it {beyond} (--swap-tier-gb G: another bound; "
+    return False, True, why + "--no-swap-tier: the page cache alone)"
 
 
 def files_bytes(meta) -> int:

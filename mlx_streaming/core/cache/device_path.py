@@ -42,6 +42,7 @@ from .device_plan import (
     MISSES,
     N_COUNTERS,
     POINTERS,
+    READS,
     constants,
     layer_arrays,
     scratch_arrays,
@@ -86,6 +87,9 @@ class DevicePath:
     ):
         self.caches, self.pools, self.stats, self.reader = caches, pools, stats, reader
         self.layers = sorted(caches)
+        # a bounded tier: the kernel asks for the records beyond it through a request ring
+        self.bounded = reader.swap and reader.tier.partial
+        self.rows = {li: reader.tier.rows[li] if self.bounded else 0 for li in self.layers}
         weights = {tuple(c.policy.w) for c in caches.values()}
         assert len(weights) == 1, "one policy for every layer"
         self.weights = weights.pop()
@@ -103,7 +107,7 @@ class DevicePath:
         pos = 0
         for li in self.layers:
             c = caches[li]
-            self._host[li] = layer_arrays(c.num_experts, c.capacity)
+            self._host[li] = layer_arrays(c.num_experts, c.capacity, self.rows[li])
             self._off[li], end = _offsets(self._host[li], pos)
             self._span[li] = (pos, end)
             pos = end
@@ -134,6 +138,8 @@ class DevicePath:
         self._kernels = {}  # by copy word: each kernel's variants
         self._calls = {}  # (layer, routed ids): the kernel call's fixed arguments
         self._prev = {li: mx.zeros((1,), SLOT_IDS) for li in self.layers}  # last outputs
+        if self.bounded:
+            reader.open_ring()
 
     def _call_args(self, layer: int, n: int) -> tuple:
         """The kernel and its copy description for ``n`` ids of ``layer``."""
@@ -141,7 +147,9 @@ class DevicePath:
         if word not in self._kernels:
             self._kernels[word] = plan_kernel(word)
         c = self.caches[layer]
-        consts = plan_constants(c.num_experts, c.capacity, n, self.weights, self.reader.swap)
+        consts = plan_constants(
+            c.num_experts, c.capacity, n, self.weights, self.reader.swap, self.rows[layer]
+        )
         args = (self._kernels[word](consts), meta)
         self._calls[layer, n] = args
         return args
@@ -156,6 +164,8 @@ class DevicePath:
         # first) and a tier that knows where its records are (else the host refuses)
         if self.reader.swap and (self.reader.tier.broken or (c.expert_in < 0).any()):
             return False
+        if self.bounded and indices.size > self.reader.ring.entries:
+            return False  # more reads than the ring has entries: the host path
         return not c.whole and indices.size <= min(DECODE_IDS, c.capacity - c.pin_count)
 
     def slots(self, layer: int, indices: mx.array) -> mx.array:
@@ -197,8 +207,13 @@ class DevicePath:
         host["slot_of"][:], host["expert_in"][:] = c.slot_of, c.expert_in
         for name, a in c.policy.state.items():
             host[name][...] = a
+        tier = self.reader.tier
         if self.reader.swap:  # where the tier holds each record, handed over too
-            host["home"][:] = self.reader.tier.home[layer]
+            host["home"][:] = tier.home[layer]
+        if self.bounded:  # and what its rule ranks rows by
+            host["owner"][:], host["stamp"][:] = tier.owner[layer], tier.stamp[layer]
+            host["heat"][:], host["heat_w"][0] = c.heat, c.heat_weight
+            host["clock"][0] = tier.clock
         host["counters"][:] = 0
         host["counters"][FREE] = int((c.expert_in < 0).sum())
         self._seen[layer][:] = host["counters"]
@@ -216,7 +231,11 @@ class DevicePath:
         for name, a in c.policy.state.items():
             a[...] = host[name]
         c.set_tables(host["slot_of"], host["expert_in"])
-        if self.reader.swap:
+        if self.bounded:
+            tier_tables = host["owner"], host["stamp"], int(host["clock"][0])
+            self.reader.tier.placed(layer, host["home"], host["expert_in"], *tier_tables)
+            c.set_heat(host["heat"], host["heat_w"][0])
+        elif self.reader.swap:
             self.reader.tier.placed(layer, host["home"], host["expert_in"])
         held = np.flatnonzero(c.expert_in >= 0)
         self.pools[layer].set_lut(c.expert_in[held], held)
@@ -279,8 +298,11 @@ class DevicePath:
         st.fastpath -= int(d[MISSED_CALLS])
         st.fallback += int(d[MISSED_CALLS])
         nbytes = self.pools[layer].layout.record_bytes
-        st.records_read += int(d[MISSES])
-        st.bytes_read += int(d[MISSES]) * nbytes
+        read = int(d[READS]) if self.bounded else int(d[MISSES])  # (a whole tier: trades)
+        st.records_read += read
+        st.bytes_read += read * nbytes
+        if self.bounded:  # the rest were trades with the tier
+            self.reader.tier.traded_bytes += (int(d[MISSES]) - read) * nbytes
         if d[FAILED]:  # counted above first: the stats keep the calls that ran
             raise DevicePathError(
                 f"layer {layer}: the device path found no slot (or, with a swap tier, no "
@@ -288,7 +310,9 @@ class DevicePath:
                 "(a defect: please report it); run with device_reads=False meanwhile"
             )
         if d[LATE]:  # the kernel trapped too: this is read only if the device survived
+            ring = self.reader.ring.counters() if self.bounded else None
             raise DevicePathError(
                 f"layer {layer}: {d[LATE]} blocks of the device path's kernel gave up "
-                "waiting for its plan; run with device_reads=False"
-            )
+                "waiting for its plan" + (f" or a record from the request ring ({ring})"
+                if ring else "") + "; run with device_reads=False"
+            )  # fmt: skip

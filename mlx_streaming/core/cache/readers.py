@@ -14,6 +14,7 @@ import numpy as np
 
 from ..format import ExpertMeta
 from ..io import engine_lib
+from ..io.ring import ring_staging
 from ..mem import HostShare
 from ..options import StreamConfig
 from ..runtime import Runtime, resolve
@@ -121,6 +122,8 @@ def make_reader(
         staging = 0  # what the files' reader stages records in, made after the tier
         if limit == "auto" and runtime.files_reader == "native":
             staging = engine_lib.staging(meta)[1]
+            if runtime.decode_path == "device":  # the ring the device path reads through
+                staging += ring_staging(meta)
         tier = SwapTier(
             meta,
             pools,

@@ -114,6 +114,15 @@ class SlotCache:
         self.slot_of[:], self.expert_in[:] = slot_of, expert_in
         self._complete = False
 
+    def set_heat(self, heat, weight: float) -> None:
+        """Replace ``heat`` and its call weight (kept on the device with a bounded tier)."""
+        self.heat, self._weight = [float(h) for h in heat], float(weight)
+
+    @property
+    def heat_weight(self) -> float:
+        """What the next call's lookups will add to ``heat``, over ``HEAT_DECAY``."""
+        return self._weight
+
     def split(self, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(resident, not resident) among distinct ``experts``."""
         experts = np.asarray(experts)

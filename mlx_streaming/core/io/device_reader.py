@@ -135,7 +135,7 @@ class DeviceReader:
     ):
         self.meta, self.pools, self.tier, self.swap = meta, pools, tier, tier is not None
         self.files = files  # a partial tier's: the store's reader of the rest
-        self.maps = None
+        self.maps = self.ring = None
         try:
             if tier is None:
                 self.maps = FileMaps(meta, sorted(pools), cuda=cuda, tick=tick)
@@ -167,6 +167,19 @@ class DeviceReader:
             meta += [p.offset, p.nbytes, addr, row]
             checked += [p.offset, p.nbytes, addr, row]
         return mx.array(np.array(meta, np.int64)), _word(checked)
+
+    def open_ring(self) -> None:
+        """A bounded tier's device path: a request ring over the files' reader, through
+        which the plan kernel asks for the records beyond the tier (``io.ring``); each
+        layer's copy description then names it (``device_tier.TIER_COPY``'s ``meta``)."""
+        from .ring import DEVICE_ENTRIES, DEVICE_READERS, RequestRing
+
+        ring = self.ring = RequestRing(self.files, DEVICE_ENTRIES, DEVICE_READERS, cuda=cuda)
+        for li, (meta, word) in self._meta.items():
+            at = [ring.device_words, ring.device_staging, ring.stride, self.files.pos[li]]
+            extra = mx.array(np.array([*at, ring.entries], np.int64))
+            self._meta[li] = mx.concatenate([meta, extra]), _word([word, *at[1:3]])
+        mx.eval([m for m, _ in self._meta.values()])
 
     def copy_meta(self, layer: int) -> tuple[mx.array, int]:
         """``layer``'s copy description (``COPY_HEADER``'s ``meta``) and its copy word
@@ -224,6 +237,8 @@ class DeviceReader:
 
     def _release(self) -> None:
         try:
+            if self.ring is not None:  # its threads read with the files' reader
+                self.ring.close()
             if self.files is not None:
                 self.files.close()
         finally:

@@ -26,6 +26,14 @@ MAX_ENTRIES, MAX_READERS = 64, 16  # engine_ring.c's MAX_RING, MAX_RING_READERS
 # requests answered, bytes read, failed, read ns (summed over readers), answer ns (seen to
 # answered, summed), the longest answer ns
 COUNTERS = ("requests", "bytes", "failed", "read_ns", "answer_ns", "max_ns")
+# a bounded tier's device path: reads one layer call may ask for at once (its ids at most),
+# and the ring threads reading them
+DEVICE_ENTRIES, DEVICE_READERS = 16, 8
+
+
+def ring_staging(meta, entries: int = DEVICE_ENTRIES) -> int:
+    """Bytes of page-locked staging a ring of ``entries`` over ``meta``'s records takes."""
+    return entries * max((lay.stride for lay in meta.layers.values()), default=0)
 
 
 class RequestRing:

@@ -180,14 +180,25 @@ class SwapTier:
         self.owner[layer][:], self.stamp[layer][:] = owner, stamp
         self._clock = moves.clock
 
-    def placed(self, layer: int, home: np.ndarray, held: np.ndarray) -> None:
-        """The tables as another mover left them (the device path's plan kernel, which
-        trades with a whole tier only): ``home`` and ``held``, each row's owner from them."""
+    def placed(self, layer: int, home, held, owner=None, stamp=None, clock: int = 0) -> None:
+        """The tables as another mover left them (the device path's plan kernel): ``home``
+        and ``held``; a whole tier's row owners follow from them, a bounded tier's come
+        with their ``stamp`` and the mover's ``clock`` (the tier's own then runs on from
+        the later of the two, so that rows written later still rank later)."""
         self.home[layer][:], self.held[layer][:] = home, held
+        if owner is not None:
+            self.owner[layer][:], self.stamp[layer][:] = owner, stamp
+            self._clock = max(self._clock, int(clock))
+            return
         owner = self.owner[layer]
         owner[:] = -1
         away = np.flatnonzero(home >= 0)  # the experts in the tier
         owner[home[away]] = away
+
+    @property
+    def clock(self) -> int:
+        """The tier's clock: the stamp its next write takes, less one."""
+        return self._clock
 
     def take(self, layer: int, experts, slots, move, files):
         """Bring ``experts`` into ``slots``: ``plan``, ``move(layer, trades)`` the trades'
