@@ -164,6 +164,7 @@ def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(met
     # the request ring, whose staging is left beside the tier
     ring = cuda(StreamConfig(device_reads=True), meta, tight, slots=slots)
     assert (ring.reader, ring.decode_path, ring.files_reader) == ("tier", "device", "native")
+    assert ring.bounded and short.bounded and not fits.bounded  # (the reader sizes it so)
     assert "asked of the request ring" in ring.line(), ring.line()
     from mlx_streaming.core.io.ring import ring_staging
 

@@ -68,6 +68,7 @@ class Runtime:
     direct_io: bool
     kernel_check: bool
     files_reader: str = ""  # a bounded swap tier's reader of the rest (native | python)
+    bounded: bool = False  # the swap tier holds part of the rest: the others in the files
     why: tuple[tuple[str, str], ...] = ()
 
     def reason(self, choice: str) -> str:
@@ -341,6 +342,7 @@ def resolve(
         direct_io=direct_io,
         kernel_check=bool(kernel_check),
         files_reader=files_reader,
+        bounded=bool(swap_tier and bounded),
         why=tuple(sorted((k, v) for k, v in why.items() if v)),
     )
 
@@ -362,9 +364,8 @@ def pool_zero_slot(cfg: StreamConfig, backend: str | None = None) -> bool:
 
 def _tier_fits(meta, slots, avail: int, why: str, reserve=0, ring=False) -> tuple[bool, bool, str]:
     """Whether CUDA's default takes a whole swap tier (the experts the pools do not hold,
-    page-locked) where the files do not fit, leaving ``MARGIN`` and ``reserve`` (the trunk's
-    load) beside it; else whether a bounded one has room (a record a layer, beside the
-    files' reader and the device path's ``ring``); and the load line's reason."""
+    page-locked) where the files do not fit, beside ``MARGIN`` and ``reserve``; else whether
+    a bounded one has room beside the files' reader and ``ring``; the load line's reason."""
     from .io.tier import MARGIN, rows_bytes, tier_rows
 
     if not slots:

@@ -23,6 +23,7 @@ nothing of the policy's order is lost or rebuilt. Counters come back the same wa
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING
 
@@ -89,7 +90,7 @@ class DevicePath:
         self.layers = sorted(caches)
         # a bounded tier: the kernel asks for the records beyond it through a request ring
         self.bounded = reader.swap and reader.tier.partial
-        self.rows = {li: reader.tier.rows[li] if self.bounded else 0 for li in self.layers}
+        self.rows = {li: reader.tier.rows[li] if self.bounded else None for li in self.layers}
         weights = {tuple(c.policy.w) for c in caches.values()}
         assert len(weights) == 1, "one policy for every layer"
         self.weights = weights.pop()
@@ -107,7 +108,7 @@ class DevicePath:
         pos = 0
         for li in self.layers:
             c = caches[li]
-            self._host[li] = layer_arrays(c.num_experts, c.capacity, self.rows[li])
+            self._host[li] = layer_arrays(c.num_experts, c.capacity, self.rows[li] or 0)
             self._off[li], end = _offsets(self._host[li], pos)
             self._span[li] = (pos, end)
             pos = end
@@ -298,11 +299,10 @@ class DevicePath:
         st.fastpath -= int(d[MISSED_CALLS])
         st.fallback += int(d[MISSED_CALLS])
         nbytes = self.pools[layer].layout.record_bytes
-        read = int(d[READS]) if self.bounded else int(d[MISSES])  # (a whole tier: trades)
-        st.records_read += read
-        st.bytes_read += read * nbytes
-        if self.bounded:  # the rest were trades with the tier
-            self.reader.tier.traded_bytes += (int(d[MISSES]) - read) * nbytes
+        st.records_read += int(d[MISSES])  # placed records, read or traded (as the host's)
+        st.bytes_read += int(d[MISSES]) * nbytes
+        if self.bounded:  # those not read from the files were trades with the tier
+            self.reader.tier.traded_bytes += (int(d[MISSES]) - int(d[READS])) * nbytes
         if d[FAILED]:  # counted above first: the stats keep the calls that ran
             raise DevicePathError(
                 f"layer {layer}: the device path found no slot (or, with a swap tier, no "
@@ -310,7 +310,9 @@ class DevicePath:
                 "(a defect: please report it); run with device_reads=False meanwhile"
             )
         if d[LATE]:  # the kernel trapped too: this is read only if the device survived
-            ring = self.reader.ring.counters() if self.bounded else None
+            ring = None
+            with contextlib.suppress(RuntimeError):  # (a stopped ring says nothing)
+                ring = self.reader.ring.counters() if self.bounded else None
             raise DevicePathError(
                 f"layer {layer}: {d[LATE]} blocks of the device path's kernel gave up "
                 "waiting for its plan" + (f" or a record from the request ring ({ring})"

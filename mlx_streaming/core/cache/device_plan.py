@@ -44,7 +44,7 @@ def layer_arrays(num_experts: int, capacity: int, rows: int = 0) -> dict[str, np
         "home": np.full(num_experts, -1, np.int32),
         "owner": np.full(rows, -1, np.int32),
         "stamp": np.zeros(rows, np.int64),
-        "heat": np.zeros(num_experts if rows else 0, np.float64),
+        "heat": np.zeros(num_experts, np.float64),
         "heat_w": np.ones(1, np.float64),
         "clock": np.zeros(1, np.int64),
         "counters": np.zeros(N_COUNTERS, np.int64),

@@ -293,12 +293,13 @@ PLAN = _declarations() + _PLAN_BODY.replace("TIER_PLAN", TIER_PLAN)
 
 
 def plan_constants(
-    num_experts: int, capacity: int, n_ids: int, weights, swap: bool = False, rows: int = 0
+    num_experts: int, capacity: int, n_ids: int, weights, swap: bool = False, rows=None
 ) -> Consts:
     """The kernel's constants for a call of ``n_ids`` ids (``kernels.Kernels`` writes
     them into its source); ``swap``: the records come from a swap tier and trade places
-    with their victims (``plan_reference``); ``rows``: a bounded tier of that many rows
-    (``device_tier.bounded_reference``: misses outside it read through the request ring)."""
+    with their victims (``plan_reference``); ``rows`` (not None): a bounded tier of that
+    many rows, maybe 0 (``device_tier.bounded_reference``: misses outside it read through
+    the request ring)."""
     return (
         ("N", n_ids),
         ("E", num_experts),
@@ -309,8 +310,8 @@ def plan_constants(
         ("NWIN", len(WINDOWS)),
         ("SCORE", int(any(float(w) != 0.0 for w in weights))),
         ("WAIT_NS", WAIT_NS),
-        ("SWAP", 2 if rows else int(swap)),
-        ("R", rows),
+        ("SWAP", 2 if rows is not None else int(swap)),
+        ("R", rows or 0),
     )
 
 

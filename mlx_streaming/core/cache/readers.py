@@ -115,8 +115,8 @@ def make_reader(
         from ..io.tier_reader import TierReader
 
         on_gpu, share = runtime.pool_mode == "cuda", host or HostShare()
-        if tier_gb == "auto":  # whole where the runtime chose the device path for it
-            limit = None if runtime.decode_path == "device" else "auto"
+        if tier_gb == "auto":  # whole where the runtime chose the device path over it
+            limit = None if runtime.decode_path == "device" and not runtime.bounded else "auto"
         else:
             limit = None if tier_gb is None else int(tier_gb * 1e9)
         staging = 0  # what the files' reader stages records in, made after the tier
