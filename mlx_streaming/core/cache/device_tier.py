@@ -189,7 +189,8 @@ template <> __device__ __forceinline__ mlxs_w16 mlxs_ldcv<mlxs_w16>(const mlxs_w
 }
 template <typename W>
 __device__ void mlxs_tier_copy(const int* f, const int64_t* meta, long long tid, long long nth,
-                               long long wait_ns, unsigned long long* late) {
+                               long long wait_ns, unsigned long long* late, int* answered,
+                               bool poller) {
     char* rows = (char*)(meta[0]);
     const int64_t stride = meta[1];
     const int parts = (int)meta[2];
@@ -215,19 +216,32 @@ __device__ void mlxs_tier_copy(const int* f, const int64_t* meta, long long tid,
     const int* rd = f + 3 + 2 * moved;
     __shared__ int ready;
     for (int j = 0; j < reads; j++) {  // each read, once the ring answers it, into its slot
-        if (threadIdx.x == 0) {
+        if (threadIdx.x == 0) {  // the planner's block watches the ring (the host's memory),
+            // and relays each answer to the other blocks in ``answered`` (the device's)
             const int want = rd[2 * reads + j];
             const int* done = words + 16 * j + 3;
             unsigned long long t0, now;
             asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-            int v = 0;
-            while (want != 0) {
+            int v = 0, ok = 0;
+            while (poller && want != 0) {
                 asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(done) : "memory");
                 asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
                 if (v == want || now - t0 > (unsigned long long)wait_ns) break;
                 __nanosleep(128);
             }
-            ready = want != 0 && v == want && ((volatile const int*)done)[1] == 0;
+            if (poller) {
+                ok = want != 0 && v == want && ((volatile const int*)done)[1] == 0;
+                __threadfence();
+                atomicExch(answered, ok ? j + 1 : -1);  // -1: failed, or not answered in time
+            }
+            while (!poller) {  // (the planner's block runs: a wait on it needs no other)
+                v = ((volatile int*)answered)[0];
+                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+                if (v > j || v < 0 || now - t0 > (unsigned long long)wait_ns + 100000000ull) break;
+                __nanosleep(64);
+            }
+            __threadfence();
+            ready = poller ? ok : v > j;
         }
         __syncthreads();
         if (!ready) {  // unanswered in time, or failed: its slot would hold wrong bytes

@@ -5,9 +5,10 @@ With a bounded swap tier (``SWAP`` 2) the planner also applies the tier's rule
 (``device_tier.bounded_reference``): a miss in the tier trades places with its victim; a
 miss outside it is asked of the engine's request ring (``io.ring``) at once, its victim
 going out to the coldest row left. Every block then makes the trades, sends the victims
-out, and waits for each read's answer (bounded by ``WAIT_NS``; a read that failed or was
-not answered traps, counted in ``LATE``) before copying it from staging into its slot:
-a thread sends a slot's word out before it writes the read's word there.
+out, and waits for each read's answer (the planner's block watches the ring in host
+memory and relays each answer through device memory; bounded by ``WAIT_NS``, a read that
+failed or was not answered traps, counted in ``LATE``) before copying it from staging
+into its slot: a thread sends a slot's word out before it writes the read's word there.
 """
 
 from __future__ import annotations
@@ -248,7 +249,8 @@ _PLAN_BODY = """
     __syncthreads();
     const long long gtid = (long long)blockIdx.x * nth + tid, gnth = (long long)gridDim.x * nth;
     if (SWAP == 2) {
-        mlxs_tier_copy<WORD>(fl, meta, gtid, gnth, WAIT_NS, (unsigned long long*)(ctr + LATE));
+        mlxs_tier_copy<WORD>(fl, meta, gtid, gnth, WAIT_NS, (unsigned long long*)(ctr + LATE),
+                             sync + 3, role == 0);
     } else {
         mlxs_copy<WORD, SWAP>(fl, meta, gtid, gnth);
     }
@@ -258,6 +260,7 @@ _PLAN_BODY = """
         if (atomicAdd(sync + 1, 1) == (int)gridDim.x - 1) {
             sync[1] = 0;
             sync[2] = 0;
+            sync[3] = 0;  // (a bounded tier's reads answered)
             atomicExch(sync, 0);
         }
     }
