@@ -71,6 +71,11 @@
 #                                           cgroup CUDA's default takes a whole swap tier
 #                                           where it fits (2026-12-05): PAGECACHE=1 adds
 #                                           --no-swap-tier, the page cache's host path
+#   bash benchmarks/gpu_suite.sh beyondring  a bounded tier in the MEMLIMIT-GB cgroup (default 6) at
+#                                           RESIDENCY (default 0.25): the host path, then the device
+#                                           path asking the request ring (--device-reads)
+#   bash benchmarks/gpu_suite.sh tierkernel  the plan kernel's bounded-tier variant against its
+#                                           reference (tests/test_cuda_tier.py; no session fixture)
 #   bash benchmarks/gpu_suite.sh beyondahead  larger than RAM with O_DIRECT at 50% and 25%,
 #                                           read-ahead off, then by the trace's transitions
 #                                           (2026-12-04g: 50% only within LIMIT=170; the
@@ -261,6 +266,15 @@ case "$suite" in
                   --memory-limit-gb "${MEMLIMIT:-6}" --no-direct-io \
                   --timeline "$out/timeline-pair-$r-buffered.json"
               done ;;
+  beyondring) for r in ${RESIDENCY:-0.25}; do  # a bounded tier: the host path, then the device
+                for reads in --no-device-reads --device-reads; do  # path asking the ring
+                  speed gpu-dsv2-ring-$r-${reads#--} --residency "$r" --repeat 3 --beyond-ram memlimit \
+                    --memory-limit-gb "${MEMLIMIT:-6}" $reads \
+                    --timeline "$out/timeline-ring-$r-${reads#--}.json"
+                done
+              done ;;
+  tierkernel) timeout "$limit" python3 -m pytest -v -m cuda tests/test_cuda_tier.py 2>&1 \
+                | tee "$out/tier-kernel.log" | tail -15 ;;
   beyondahead) for ahead in "" --prefetch; do  # larger than RAM (O_DIRECT): read-ahead off, on
                 speed gpu-dsv2-beyond${ahead:+-ahead} --residency 0.5,0.25 --repeat 3 \
                   --beyond-ram direct $ahead
