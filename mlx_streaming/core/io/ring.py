@@ -75,10 +75,13 @@ class RequestRing:
         self.words = w.view(np.int32).reshape(entries, RING_WORDS)
         self.staging = st.reshape(entries, self.stride)
         err = error_buffer()
-        rc = reader.lib.mlxs_ring_start(
-            reader.handle, self.words.ctypes.data, entries, self.staging.ctypes.data,
-            self.stride, readers, err, ERR_BYTES,
-        )  # fmt: skip
+        with reader._lock:  # not beside the reader's close
+            rc = -1 if not reader.handle else reader.lib.mlxs_ring_start(
+                reader.handle, self.words.ctypes.data, entries, self.staging.ctypes.data,
+                self.stride, readers, err, ERR_BYTES,
+            )  # fmt: skip
+        if rc and not reader.handle:
+            raise OSError("the request ring could not start: its reader is closed")
         if rc:
             raise OSError(f"the request ring could not start: {err.value.decode()}")
         self.handle = reader.handle
@@ -139,9 +142,13 @@ class RequestRing:
 
     def close(self) -> None:
         """Stop the ring's threads (requests being read are answered first); idempotent."""
+        with self.reader._lock:  # not beside the reader's close, which frees the engine
+            self._stop()
+
+    def _stop(self) -> None:
         if self.handle and self.reader.handle == self.handle:
             self.reader.lib.mlxs_ring_stop(self.handle)
         self.handle = None
 
     def __del__(self):  # the threads write into this ring's memory: stop them first
-        self.close()
+        self._stop()  # (without the lock: a collection may run where its holder is)
