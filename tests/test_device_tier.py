@@ -103,3 +103,70 @@ def test_heat_is_the_slot_tables_to_the_bit_past_its_rescaling():
         rescaled += tier["heat_w"][0] < w
     assert rescaled == 1
     assert tier["heat"].tolist() == sim.heat and tier["heat_w"][0] == sim._weight
+
+
+def test_a_layer_handed_between_host_and_device_decides_as_the_host_alone():
+    """The store's bounded tier (``io.tier.SwapTier``) and slot table, handed to the
+    device's arrays and back (``tier_to_arrays``, ``arrays_to_tier``) between runs of
+    calls: calls on the host (the slot table's lookup, the tier's ``plan`` and ``moved``,
+    the reads landing) and on the device (``bounded_reference``) take the same slots and
+    leave the same tables, stamps and heat as every call on the host."""
+    from pathlib import Path
+
+    from mlx_streaming.core.cache.device_tier import arrays_to_tier, tier_to_arrays
+    from mlx_streaming.core.cache.pool import LayerPool
+    from mlx_streaming.core.format import ExpertMeta, LayerLayout, Part
+    from mlx_streaming.core.io.tier import SwapTier
+
+    lay = LayerLayout(0, "mlp.experts", "f", E, 64, 64, (Part("w", 0, (64,), "uint8"),), {})
+    meta = ExpertMeta(Path("."), {}, "x", (0,), E, K, {}, {0: lay})
+    policy = "predictive"
+
+    def store():
+        cache = SlotCache(E, S, make_policy(policy, E))
+        cache.commit(cache.reserve(range(S), protect=np.zeros(0, np.int64)))
+        cache.flush()
+        pools = {0: LayerPool(lay, S, "host")}
+        tier = SwapTier(meta, pools, None, available=1 << 40, limit=R * lay.stride)
+        tier.heat = lambda li: cache.heat
+        return cache, tier
+
+    def host_call(cache, tier, ids):
+        placed = cache.lookup(np.unique(ids))
+        moves = tier.plan(0, [e for e, _, _ in placed], [s for _, s, _ in placed])
+        tier.moved(0, moves)
+        for e, s in moves.reads:  # the reads land
+            tier.held[0][s] = e
+        return cache.slot_of[ids.astype(np.int64)].copy()
+
+    alone, mixed = store(), store()
+    assert alone[1].rows[0] == R and alone[1].partial
+    arrays, on_device, kinds = layer_arrays(E, S, R), False, 0
+    rng = np.random.default_rng(11)
+    for step, ids in enumerate(skewed_routing(600, seed=4)):
+        want = host_call(*alone, ids)
+        cache, tier = mixed
+        device = rng.random() < 0.7  # runs of calls on each side
+        if device and not on_device:  # to_device's hand-over
+            cache.flush()
+            arrays["slot_of"][:], arrays["expert_in"][:] = cache.slot_of, cache.expert_in
+            for name, a in cache.policy.state.items():
+                arrays[name][...] = a
+            arrays["counters"][FREE] = 0
+            tier_to_arrays(arrays, tier, cache, 0)
+        if not device and on_device:  # to_host's
+            for name, a in cache.policy.state.items():
+                a[...] = arrays[name]
+            cache.set_tables(arrays["slot_of"], arrays["expert_in"])
+            arrays_to_tier(arrays, tier, cache, 0)
+        on_device, kinds = device, kinds + (device != on_device)
+        if device:
+            got, ops = bounded_reference(0, arrays, WEIGHTS[policy], ids)
+        else:
+            got = host_call(cache, tier, ids)
+        assert np.array_equal(got, want), step
+        if not device:
+            for t in ("home", "held", "owner", "stamp"):
+                assert np.array_equal(getattr(tier, t)[0], getattr(alone[1], t)[0]), (step, t)
+            assert cache.heat == alone[0].heat and tier.clock == alone[1].clock, step
+    assert kinds > 100  # handed over often

@@ -48,6 +48,7 @@ from .device_plan import (
     layer_arrays,
     scratch_arrays,
 )
+from .device_tier import arrays_to_tier, tier_to_arrays
 from .plan_kernel import BLOCKS, MAX_EXPERTS, THREADS, plan_constants, plan_kernel
 from .pool import LayerPool, device_address
 from .slots import SlotCache
@@ -212,9 +213,7 @@ class DevicePath:
         if self.reader.swap:  # where the tier holds each record, handed over too
             host["home"][:] = tier.home[layer]
         if self.bounded:  # and what its rule ranks rows by
-            host["owner"][:], host["stamp"][:] = tier.owner[layer], tier.stamp[layer]
-            host["heat"][:], host["heat_w"][0] = c.heat, c.heat_weight
-            host["clock"][0] = tier.clock
+            tier_to_arrays(host, tier, c, layer)
         host["counters"][:] = 0
         host["counters"][FREE] = int((c.expert_in < 0).sum())
         self._seen[layer][:] = host["counters"]
@@ -233,9 +232,7 @@ class DevicePath:
             a[...] = host[name]
         c.set_tables(host["slot_of"], host["expert_in"])
         if self.bounded:
-            tier_tables = host["owner"], host["stamp"], int(host["clock"][0])
-            self.reader.tier.placed(layer, host["home"], host["expert_in"], *tier_tables)
-            c.set_heat(host["heat"], host["heat_w"][0])
+            arrays_to_tier(host, self.reader.tier, c, layer)
         elif self.reader.swap:
             self.reader.tier.placed(layer, host["home"], host["expert_in"])
         held = np.flatnonzero(c.expert_in >= 0)

@@ -70,6 +70,22 @@ def bounded_reference(
     return slots, np.array(ops, np.int32)
 
 
+def tier_to_arrays(arrays: dict[str, np.ndarray], tier, cache, layer: int) -> None:
+    """Hand ``layer``'s bounded tier (``io.tier.SwapTier``) and its slot table's heat
+    (``SlotCache``) to the device's image of its arrays."""
+    arrays["home"][:], arrays["owner"][:] = tier.home[layer], tier.owner[layer]
+    arrays["stamp"][:], arrays["clock"][0] = tier.stamp[layer], tier.clock
+    arrays["heat"][:], arrays["heat_w"][0] = cache.heat, cache.heat_weight
+
+
+def arrays_to_tier(arrays: dict[str, np.ndarray], tier, cache, layer: int) -> None:
+    """``tier_to_arrays`` back, once the device is done: the tier's tables (each slot's
+    record from the slot table), its clock run on from the later, and the heat."""
+    tables = arrays["owner"], arrays["stamp"], int(arrays["clock"][0])
+    tier.placed(layer, arrays["home"], arrays["expert_in"], *tables)
+    cache.set_heat(arrays["heat"], arrays["heat_w"][0])
+
+
 def copy_reference(ops, rows: np.ndarray, pool: np.ndarray, files: np.ndarray) -> None:
     """``ops`` on numpy rows of whole records (``rows [R, stride]`` the tier, ``pool [S,
     stride]``, ``files [E, stride]`` every record as its file holds it), for tests."""
