@@ -110,7 +110,9 @@ class StreamConfig:
         None, "CUDA: a decode step's misses are planned and copied by the GPU itself, "
         "inside the step's graph, with no host synchronisation per MoE layer; prompts "
         "read their routing on the host; both evict by --policy (default: on with the "
-        "files mapped, unless --prefetch; forced on where it cannot run: refused)",
+        "files mapped or a whole swap tier, unless --prefetch; forced on over a bounded "
+        "tier, the kernel asks the native reader for the records beyond it: not yet "
+        "measured on a GPU; forced on where it cannot run: refused)",
     )  # fmt: skip
     checksums: bool = option(
         True, "check each record's checksum the first time it is read (--no-checksums: "
