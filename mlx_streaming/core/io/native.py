@@ -88,7 +88,7 @@ class NativeReader:
         self.pos = {li: i for i, li in enumerate(sorted(pools))}
         stride = max(meta.layers[li].stride for li in pools)
         self.handle, self._fds, self._streams = None, [], []  # what close() releases
-        self._lock = threading.Lock()  # one start..finish at a time
+        self.lock = threading.Lock()  # one start..finish at a time (a request ring's start, stop)
         self._pending: Started | None = None  # started, not yet finished
         self._after, self._let_go = None, False  # a gated read's condition; it returned
         self._cuda = cuda
@@ -103,7 +103,7 @@ class NativeReader:
             self._staging = aligned_buffer(wave * stride)
             self._streams, copy, sync = [], None, None
         streams = (ctypes.c_void_p * max(1, len(self._streams)))(*self._streams)
-        self._err = error_buffer()  # used under self._lock once built
+        self._err = error_buffer()  # used under self.lock once built
         self.handle = lib.mlxs_new(
             len(pools), threads, wave, stride, piece_bytes, _ptr(self._staging), copy, sync,
             streams, h, self._err, ERR_BYTES,
@@ -177,7 +177,7 @@ class NativeReader:
         e = np.ascontiguousarray(experts, np.int32)
         s = np.ascontiguousarray(slots, np.int32)
         pos, w = self.pos[layer], self._wave
-        with self._lock:
+        with self.lock:
             self._wait_started()
             if len(e) > w or len(e) != len(s):  # what no one wave's check sees (a wave of
                 # a request one slot longer than a wave has as many of each): the engine
@@ -233,7 +233,7 @@ class NativeReader:
             except Exception as e:  # noqa: BLE001 - raised by result(), as a started read's
                 return Done(error=e)
         pos = self.pos[layer]
-        with self._lock:
+        with self.lock:
             self._wait_started()  # one its caller lost (interrupted): its Started keeps it
             try:
                 started = Started(self, layer, np.array(experts, np.int32))
@@ -347,7 +347,7 @@ class NativeReader:
     def wait_started(self) -> None:
         """Finish the started read, if one is not yet finished (its ``Started`` keeps
         the outcome)."""
-        with self._lock:
+        with self.lock:
             self._wait_started()
 
     def staged(self) -> bool:
@@ -383,7 +383,7 @@ class NativeReader:
     def close(self) -> None:
         """Finish a started read (its ``result()`` keeps the outcome), stop the threads
         and close the files (idempotent)."""
-        with self._lock:
+        with self.lock:
             self._wait_started()
             if self.handle:
                 self.lib.mlxs_free(self.handle)

@@ -75,7 +75,7 @@ class RequestRing:
         self.words = w.view(np.int32).reshape(entries, RING_WORDS)
         self.staging = st.reshape(entries, self.stride)
         err = error_buffer()
-        with reader._lock:  # not beside the reader's close
+        with reader.lock:  # not beside the reader's close
             rc = -1 if not reader.handle else reader.lib.mlxs_ring_start(
                 reader.handle, self.words.ctypes.data, entries, self.staging.ctypes.data,
                 self.stride, readers, err, ERR_BYTES,
@@ -142,7 +142,7 @@ class RequestRing:
 
     def close(self) -> None:
         """Stop the ring's threads (requests being read are answered first); idempotent."""
-        with self.reader._lock:  # not beside the reader's close, which frees the engine
+        with self.reader.lock:  # not beside the reader's close, which frees the engine
             self._stop()
 
     def _stop(self) -> None:
