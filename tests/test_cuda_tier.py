@@ -25,6 +25,7 @@ class _HostRows:
     """Host rows standing in for the native reader's pools (the ring reads into staging)."""
 
     def __init__(self, layout, slots):
+        self.slots = slots
         self.parts = [np.zeros((slots, p.nbytes), np.uint8) for p in layout.parts]
 
     def row_pointers(self):
