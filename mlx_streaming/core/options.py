@@ -111,8 +111,8 @@ class StreamConfig:
         "inside the step's graph, with no host synchronisation per MoE layer; prompts "
         "read their routing on the host; both evict by --policy (default: on with the "
         "files mapped or a whole swap tier, unless --prefetch; forced on over a bounded "
-        "tier, the kernel asks the native reader for the records beyond it: not yet "
-        "measured on a GPU; forced on where it cannot run: refused)",
+        "tier, the kernel asks the native reader for the records beyond it: exact, its "
+        "speed not yet measured; forced on where it cannot run: refused)",
     )  # fmt: skip
     checksums: bool = option(
         True, "check each record's checksum the first time it is read (--no-checksums: "
