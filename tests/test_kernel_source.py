@@ -67,8 +67,8 @@ def kernels() -> dict[str, str]:
         out[name] = text
 
     for word, c_word in words.items():
-        # records copied in, traded with a whole swap tier, or a bounded one (rows)
-        for swap, rows in ((False, 0), (True, 0), (True, 20)):
+        # records copied in, traded with a whole swap tier, or a bounded one (of R rows)
+        for swap, rows in ((False, None), (True, None), (True, 20), (True, 0)):
             for score in (0.0, 1.0):  # the LRU ranking (no score) and the scored one
                 weights = [score] * (3 + len(WINDOWS))
                 add(
