@@ -247,7 +247,11 @@ def test_device_path_plans_as_the_reference_and_the_simulator(models, policy):
     the table and the ranking go to the host and back without losing a thing. The slots
     it filled hold the records' bytes."""
     from mlx_streaming import FileExpertStore
-    from mlx_streaming.core.cache.device_plan import layer_arrays, plan_reference
+    from mlx_streaming.core.cache.device_plan import (
+        layer_arrays,
+        plan_reference,
+        table_to_arrays,
+    )
     from mlx_streaming.core.cache.policy import make_policy
     from mlx_streaming.core.cache.scored import WEIGHTS
     from mlx_streaming.core.cache.slots import SlotCache
@@ -276,13 +280,8 @@ def test_device_path_plans_as_the_reference_and_the_simulator(models, policy):
                 mx.eval(store.finish(call, store.ids(slots)))
             else:
                 if not on_device or li not in refs:  # handed over just now
-                    c = sims[li]
-                    c.flush()
                     refs[li] = layer_arrays(E, cap)
-                    refs[li]["slot_of"][:], refs[li]["expert_in"][:] = c.slot_of, c.expert_in
-                    for name, a in c.policy.state.items():
-                        refs[li][name][...] = a
-                    refs[li]["counters"][5] = int((c.expert_in < 0).sum())
+                    table_to_arrays(refs[li], sims[li])
                 want, _ = plan_reference(refs[li], WEIGHTS[policy], ids[None])
                 mx.eval(call.slots)  # nothing here chains the calls: run each in turn
                 assert np.array_equal(np.array(call.slots), want), (step, li)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_engine import HostRows  # the native reader's pools (the ring reads into staging)
 
 from mlx_streaming.core.dispatch import backend
 from mlx_streaming.core.meta import load_meta
@@ -19,17 +20,6 @@ pytestmark = [
     pytest.mark.skipif(backend() != "cuda", reason="needs MLX's CUDA backend"),
     pytest.mark.timeout(240, method="thread", func_only=True),
 ]
-
-
-class _HostRows:
-    """Host rows standing in for the native reader's pools (the ring reads into staging)."""
-
-    def __init__(self, layout, slots):
-        self.slots = slots
-        self.parts = [np.zeros((slots, p.nbytes), np.uint8) for p in layout.parts]
-
-    def row_pointers(self):
-        return [(a.ctypes.data, a.shape[1]) for a in self.parts]
 
 
 def _device(a: np.ndarray):
@@ -56,11 +46,11 @@ def test_the_bounded_tier_kernel_reads_trades_and_copies_as_the_reference(models
     from mlx_streaming.core.cache.device_path import _offsets
     from mlx_streaming.core.cache.device_plan import (
         COUNTERS,
-        FREE,
         POINTERS,
         constants,
         layer_arrays,
         scratch_arrays,
+        table_to_arrays,
     )
     from mlx_streaming.core.cache.device_tier import bounded_reference, copy_reference
     from mlx_streaming.core.cache.plan_kernel import BLOCKS, THREADS, plan_constants, plan_kernel
@@ -80,17 +70,13 @@ def test_the_bounded_tier_kernel_reads_trades_and_copies_as_the_reference(models
     raw = np.fromfile(meta.file(li), np.uint8)
     files = np.stack([raw[e * stride : e * stride + stride] for e in range(E)])
     nbytes = lay.record_bytes // 16 * 16  # the part the kernel copies, in 16-byte words
-    reader = NativeReader(meta, {i: _HostRows(meta.layers[i], 2) for i in meta.layers})
+    reader = NativeReader(meta, {i: HostRows(meta.layers[i], 2) for i in meta.layers})
     ring = RequestRing(reader, entries=8, readers=4, cuda=cuda)
 
     sim = SlotCache(E, S, make_policy(policy, E))  # as a load leaves the tables
     sim.commit(sim.reserve(range(S), protect=np.zeros(0, np.int64)))
     ref = layer_arrays(E, S, R)
-    ref["slot_of"][:], ref["expert_in"][:] = sim.slot_of, sim.expert_in
-    sim.flush()
-    for name, a in sim.policy.state.items():
-        ref[name][...] = a
-    ref["counters"][FREE] = 0
+    table_to_arrays(ref, sim)
     ref["home"][S : S + R], ref["owner"][:] = np.arange(R), np.arange(S, S + R)
     pool_np, rows_np = files[:S].copy(), files[S : S + R].copy()
     pool, pool_at = _device(pool_np)

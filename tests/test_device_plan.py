@@ -10,11 +10,11 @@ import pytest
 
 from mlx_streaming.core.cache.device_plan import (
     EVICTIONS,
-    FREE,
     HITS,
     MISSES,
     layer_arrays,
     plan_reference,
+    table_to_arrays,
 )
 from mlx_streaming.core.cache.policy import POLICIES, make_policy
 from mlx_streaming.core.cache.scored import WEIGHTS
@@ -36,10 +36,7 @@ def skewed_routing(E, k, steps, tokens=1, seed=0):
 def handed_over(cache: SlotCache) -> dict:
     """The device's arrays as ``DevicePath.to_device`` fills them from a slot table."""
     arrays = layer_arrays(cache.num_experts, cache.capacity)
-    arrays["slot_of"][:], arrays["expert_in"][:] = cache.slot_of, cache.expert_in
-    for name, a in cache.policy.state.items():
-        arrays[name][...] = a
-    arrays["counters"][FREE] = int((cache.expert_in < 0).sum())
+    table_to_arrays(arrays, cache)
     return arrays
 
 

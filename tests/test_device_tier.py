@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import test_device_plan
 
-from mlx_streaming.core.cache.device_plan import FREE, layer_arrays
+from mlx_streaming.core.cache.device_plan import arrays_to_table, layer_arrays, table_to_arrays
 from mlx_streaming.core.cache.device_tier import access_heat, bounded_reference, copy_reference
 from mlx_streaming.core.cache.policy import POLICIES, make_policy
 from mlx_streaming.core.cache.scored import WEIGHTS
@@ -20,14 +21,7 @@ E, K, S, R = 48, 6, 12, 14  # a tier of 14 rows beneath pools of 12: 22 records 
 
 def skewed_routing(steps, seed=0, tokens=1):
     """Per step ``[tokens, K]`` distinct experts per token, skewed and drifting."""
-    rng = np.random.default_rng(seed)
-    hot = rng.permutation(E)
-    w = 1.0 / (1 + np.arange(E)) ** 1.1
-    for step in range(steps):
-        order = np.roll(hot, step // 20)
-        yield np.stack(
-            [rng.choice(order, size=K, replace=False, p=w / w.sum()) for _ in range(tokens)]
-        ).astype(np.uint32)
+    return test_device_plan.skewed_routing(E, K, steps, tokens, seed)
 
 
 def loaded(policy: str, S: int = S):
@@ -37,11 +31,7 @@ def loaded(policy: str, S: int = S):
     sim.commit(sim.reserve(range(S), protect=np.zeros(0, np.int64)))
     rows = _SwapRows([0], S, R, E)
     arrays = layer_arrays(E, S, R)
-    arrays["slot_of"][:], arrays["expert_in"][:] = sim.slot_of, sim.expert_in
-    sim.flush()
-    for name, a in sim.policy.state.items():
-        arrays[name][...] = a
-    arrays["counters"][FREE] = 0
+    table_to_arrays(arrays, sim)
     arrays["home"][S : S + R], arrays["owner"][:] = np.arange(R), np.arange(S, S + R)
     return sim, rows, arrays
 
@@ -147,17 +137,11 @@ def test_a_layer_handed_between_host_and_device_decides_as_the_host_alone():
         want = host_call(*alone, ids)
         cache, tier = mixed
         device = rng.random() < 0.7  # runs of calls on each side
-        if device and not on_device:  # to_device's hand-over
-            cache.flush()
-            arrays["slot_of"][:], arrays["expert_in"][:] = cache.slot_of, cache.expert_in
-            for name, a in cache.policy.state.items():
-                arrays[name][...] = a
-            arrays["counters"][FREE] = 0
+        if device and not on_device:  # DevicePath.to_device's hand-over
+            table_to_arrays(arrays, cache)
             tier_to_arrays(arrays, tier, cache, 0)
         if not device and on_device:  # to_host's
-            for name, a in cache.policy.state.items():
-                a[...] = arrays[name]
-            cache.set_tables(arrays["slot_of"], arrays["expert_in"])
+            arrays_to_table(arrays, cache)
             arrays_to_tier(arrays, tier, cache, 0)
         on_device, kinds = device, kinds + (device != on_device)
         if device:

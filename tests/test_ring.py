@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from test_engine import HostRows
 
 from mlx_streaming.core.format import ExpertChecksumError
 from mlx_streaming.core.io.engine_lib import error_buffer, library
@@ -24,17 +25,6 @@ from mlx_streaming.core.meta import load_meta
 pytestmark = pytest.mark.skipif(
     library() is None, reason="the compiled reader is not installed (pip install the package)"
 )
-
-
-class HostRows:
-    """Per-part host rows [slots, part bytes], standing in for a pool."""
-
-    def __init__(self, layout, slots):
-        self.slots = slots
-        self.parts = [np.zeros((slots, p.nbytes), np.uint8) for p in layout.parts]
-
-    def row_pointers(self):
-        return [(a.ctypes.data, a.shape[1]) for a in self.parts]
 
 
 def reader_over(ed, slots=4, **kw):

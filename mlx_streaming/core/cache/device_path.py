@@ -44,9 +44,11 @@ from .device_plan import (
     N_COUNTERS,
     POINTERS,
     READS,
+    arrays_to_table,
     constants,
     layer_arrays,
     scratch_arrays,
+    table_to_arrays,
 )
 from .device_tier import arrays_to_tier, tier_to_arrays
 from .plan_kernel import BLOCKS, MAX_EXPERTS, THREADS, plan_constants, plan_kernel
@@ -202,20 +204,14 @@ class DevicePath:
     # ------------------------------------------------------------ ownership
     def to_device(self, layer: int) -> None:
         """Send ``layer``'s slot table and its policy's ranking state to the device."""
-        c = self.caches[layer]
-        c.flush()
+        c, host = self.caches[layer], self._host[layer]
         assert not c.pending, "a layer's reads must land before the device takes its table"
-        host = self._host[layer]
-        host["slot_of"][:], host["expert_in"][:] = c.slot_of, c.expert_in
-        for name, a in c.policy.state.items():
-            host[name][...] = a
+        table_to_arrays(host, c)
         tier = self.reader.tier
-        if self.reader.swap:  # where the tier holds each record, handed over too
-            host["home"][:] = tier.home[layer]
-        if self.bounded:  # and what its rule ranks rows by
+        if self.bounded:  # where the tier holds each record, and what its rule ranks by
             tier_to_arrays(host, tier, c, layer)
-        host["counters"][:] = 0
-        host["counters"][FREE] = int((c.expert_in < 0).sum())
+        elif self.reader.swap:  # where the tier holds each record, handed over too
+            host["home"][:] = tier.home[layer]
         self._seen[layer][:] = host["counters"]
         self._copy(layer, cuda.H2D)
         self.on_device.add(layer)
@@ -228,9 +224,7 @@ class DevicePath:
         self._evaluate_output(layer)
         self._copy(layer, cuda.D2H)
         host, c = self._host[layer], self.caches[layer]
-        for name, a in c.policy.state.items():
-            a[...] = host[name]
-        c.set_tables(host["slot_of"], host["expert_in"])
+        arrays_to_table(host, c)
         if self.bounded:
             arrays_to_tier(host, self.reader.tier, c, layer)
         elif self.reader.swap:

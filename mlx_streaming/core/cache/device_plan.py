@@ -52,6 +52,25 @@ def layer_arrays(num_experts: int, capacity: int, rows: int = 0) -> dict[str, np
     }
 
 
+def table_to_arrays(arrays: dict[str, np.ndarray], cache) -> None:
+    """A layer's slot table and its policy's ranking state (``SlotCache``, its pending
+    lookups told first) into its arrays, the device's image; the counters start anew,
+    with its free slots."""
+    cache.flush()
+    arrays["slot_of"][:], arrays["expert_in"][:] = cache.slot_of, cache.expert_in
+    for name, a in cache.policy.state.items():
+        arrays[name][...] = a
+    arrays["counters"][:] = 0
+    arrays["counters"][FREE] = int((cache.expert_in < 0).sum())
+
+
+def arrays_to_table(arrays: dict[str, np.ndarray], cache) -> None:
+    """``table_to_arrays`` back, once the device is done with the layer."""
+    for name, a in cache.policy.state.items():
+        a[...] = arrays[name]
+    cache.set_tables(arrays["slot_of"], arrays["expert_in"])
+
+
 def scratch_arrays() -> dict[str, np.ndarray]:
     """A layer's scratch on the device, outside the state the host and the device hand
     over: the plan's fills list (read by the kernel's other blocks; a bounded tier's
