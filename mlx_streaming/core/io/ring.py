@@ -76,12 +76,12 @@ class RequestRing:
         self.staging = st.reshape(entries, self.stride)
         err = error_buffer()
         with reader.lock:  # not beside the reader's close
-            rc = -1 if not reader.handle else reader.lib.mlxs_ring_start(
+            if not reader.handle:
+                raise OSError("the request ring could not start: its reader is closed")
+            rc = reader.lib.mlxs_ring_start(
                 reader.handle, self.words.ctypes.data, entries, self.staging.ctypes.data,
                 self.stride, readers, err, ERR_BYTES,
             )  # fmt: skip
-        if rc and not reader.handle:
-            raise OSError("the request ring could not start: its reader is closed")
         if rc:
             raise OSError(f"the request ring could not start: {err.value.decode()}")
         self.handle = reader.handle
