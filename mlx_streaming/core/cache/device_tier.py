@@ -30,9 +30,7 @@ import numpy as np
 
 from ..io.tier_moves import plan_moves
 from .device_plan import plan_reference
-from .slots import HEAT_DECAY
-
-HEAT_LIMIT, HEAT_SHIFT = 1e100, -332  # SlotCache.access: scaled down, exactly, past this
+from .slots import HEAT_DECAY, HEAT_LIMIT, HEAT_SHIFT
 
 
 def access_heat(arrays: dict[str, np.ndarray], experts) -> None:

@@ -18,9 +18,9 @@ import numpy as np
 from ..io.device_reader import copy_kernel
 from ..io.kernels import Consts
 from .device_plan import COUNTERS, POINTERS, constants, layer_arrays, scratch_arrays
-from .device_tier import HEAT_LIMIT, HEAT_SHIFT, TIER_COPY, TIER_PLAN
+from .device_tier import TIER_COPY, TIER_PLAN
 from .scored import AGE_POW, HISTORY, LOG1P_REC, WINDOWS
-from .slots import HEAT_DECAY
+from .slots import HEAT_DECAY, HEAT_LIMIT, HEAT_SHIFT
 
 MAX_EXPERTS = 4096  # per layer (the kernel keeps a mark per expert in shared memory)
 THREADS = 256

@@ -33,6 +33,7 @@ from .policy import Policy
 # reads a token than the oldest written on held-out DS2 routing, 17-22% in a CPU run's
 # window (benchmarks/probes/tier_heat.py; RESULTS, 2026-12-06)
 HEAT_DECAY = 0.97
+HEAT_LIMIT, HEAT_SHIFT = 1e100, -332  # past this weight, all scaled by 2**SHIFT (exactly)
 
 
 @dataclass
@@ -220,9 +221,9 @@ class SlotCache:
         heat = self.heat
         for e in ids:
             heat[e] += w
-        if w > 1e100:  # scaled down long before a float overflows, by a power of two
-            self.heat = [math.ldexp(h, -332) for h in heat]  # (exact: the order stays)
-            self._weight = math.ldexp(w, -332)
+        if w > HEAT_LIMIT:  # scaled down long before a float overflows, by a power of two
+            self.heat = [math.ldexp(h, HEAT_SHIFT) for h in heat]  # (exact: the order stays)
+            self._weight = math.ldexp(w, HEAT_SHIFT)
 
     def lookup(self, experts: np.ndarray) -> list[Placement]:
         """Simulate one call: reserve, commit and count. Returns the placements."""
