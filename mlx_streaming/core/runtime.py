@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from . import mem
 from .io import engine_lib
 from .io.reader import INLINE_BYTES
-from .io.ring import ring_staging
 from .mem import HostShare
 from .options import StreamConfig
 
@@ -366,7 +365,7 @@ def _tier_fits(meta, slots, avail: int, why: str, reserve=0, ring=False) -> tupl
     """Whether CUDA's default takes a whole swap tier (the experts the pools do not hold,
     page-locked) where the files do not fit, beside ``MARGIN`` and ``reserve``; else whether
     a bounded one has room beside the files' reader and ``ring``; the load line's reason."""
-    from .io.tier import MARGIN, rows_bytes, tier_rows
+    from .io.tier import MARGIN, rows_bytes, staging_beside, tier_rows
 
     if not slots:
         return False, False, why
@@ -376,7 +375,7 @@ def _tier_fits(meta, slots, avail: int, why: str, reserve=0, ring=False) -> tupl
         why += f"; the swap tier fits ({need / GB:.1f} GB of experts the pools do not hold): "
         return True, False, why + "the GPU trades with it (--no-swap-tier: the page cache)"
     one = rows_bytes(meta, {li: min(1, n) for li, n in rest.items()})  # a record a layer
-    beside += engine_lib.staging(meta)[1] + ring * ring_staging(meta)  # beside a bounded one
+    beside += staging_beside(meta, ring)  # the readers' beside a bounded one
     room = avail - beside >= one > 0
     trunk = f", {reserve / GB:.1f} GB of them for the trunk as it loads" if reserve else ""
     why += f"; nor does a whole swap tier ({need / GB:.1f} GB and {beside / GB:.1f} GB "

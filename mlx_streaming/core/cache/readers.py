@@ -14,7 +14,6 @@ import numpy as np
 
 from ..format import ExpertMeta
 from ..io import engine_lib
-from ..io.ring import ring_staging
 from ..mem import HostShare
 from ..options import StreamConfig
 from ..runtime import Runtime, resolve
@@ -111,7 +110,7 @@ def make_reader(
     """
     if runtime.reader == "tier":
         from ..io import cuda
-        from ..io.tier import SwapTier
+        from ..io.tier import SwapTier, staging_beside
         from ..io.tier_reader import TierReader
 
         on_gpu, share = runtime.pool_mode == "cuda", host or HostShare()
@@ -121,9 +120,7 @@ def make_reader(
             limit = None if tier_gb is None else int(tier_gb * 1e9)
         staging = 0  # what the files' reader stages records in, made after the tier
         if limit == "auto" and runtime.files_reader == "native":
-            staging = engine_lib.staging(meta)[1]
-            if runtime.decode_path == "device":  # the ring the device path reads through
-                staging += ring_staging(meta)
+            staging = staging_beside(meta, runtime.decode_path == "device")
         tier = SwapTier(
             meta,
             pools,

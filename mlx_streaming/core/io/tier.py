@@ -269,6 +269,15 @@ class SwapTier:
         self.slabs, self.sources, self.nbytes = {}, {}, 0
 
 
+def staging_beside(meta, ring: bool) -> int:
+    """Bytes of host memory a bounded tier leaves beside it for the staging of the files'
+    native reader and, for the device path's reads, of its request ring (``io.ring``)."""
+    from . import engine_lib
+    from .ring import ring_staging
+
+    return engine_lib.staging(meta)[1] + ring * ring_staging(meta)
+
+
 def tier_rows(meta, slots: dict[int, int]) -> dict[int, int]:
     """Each layer's rows in a whole tier: every expert its pool of ``slots`` does not hold."""
     return {li: max(0, meta.layers[li].num_experts - s) for li, s in slots.items()}
