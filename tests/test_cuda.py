@@ -336,6 +336,21 @@ def _host_copy(addr: int, like: np.ndarray) -> np.ndarray:
     return out
 
 
+def _device_state(state: dict) -> tuple[mx.array, int, dict, mx.array]:
+    """``state`` (a layer's arrays, the constants, the scratch) packed as ``DevicePath``
+    packs them, in a fresh device buffer: the buffer, its address, each array's offset,
+    and the plan kernel's pointers."""
+    from mlx_streaming.core.cache.device_path import _offsets
+    from mlx_streaming.core.cache.device_plan import POINTERS
+
+    off, end = _offsets(state)
+    image = np.zeros(end, np.uint8)
+    for name, a in state.items():
+        image[off[name] : off[name] + a.nbytes] = a.reshape(-1).view(np.uint8)
+    buf, base = _device_copy(image)
+    return buf, base, off, mx.array(np.array([base + off[n] for n in POINTERS], np.uint64))
+
+
 @pytest.mark.parametrize("policy", ["lru", "predictive"])
 def test_the_swap_kernels_trade_records_as_the_reference(policy):
     """The plan and fill kernels' ``SWAP`` variants (a swap tier: each miss trades places
@@ -344,9 +359,7 @@ def test_the_swap_kernels_trade_records_as_the_reference(policy):
     reference's slots, and the pool, the tier and the homes equal the reference's
     (``plan_reference(swap=True)``, ``copy_reference``). Then the fill kernel's variant
     trades the pairs its list names."""
-    from mlx_streaming.core.cache.device_path import _offsets
     from mlx_streaming.core.cache.device_plan import (
-        POINTERS,
         constants,
         layer_arrays,
         plan_reference,
@@ -371,12 +384,7 @@ def test_the_swap_kernels_trade_records_as_the_reference(policy):
     tier = flat.reshape(tier_np.shape)
     tier[...] = tier_np
     state = {**ref, **constants(WEIGHTS[policy]), **scratch_arrays()}
-    off, end = _offsets(state)
-    image = np.zeros(end, np.uint8)
-    for name, a in state.items():
-        image[off[name] : off[name] + a.nbytes] = a.reshape(-1).view(np.uint8)
-    buf, base = _device_copy(image)
-    ptrs = mx.array(np.array([base + off[n] for n in POINTERS], np.uint64))
+    buf, base, off, ptrs = _device_state(state)
     meta = mx.array(np.array([tier_at, stride, 1, 0, stride, pool_at, stride], np.int64))
     consts = plan_constants(E, cap, k, WEIGHTS[policy], swap=True)
     plan = plan_kernel(16)(consts)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_cuda import _device_copy, _device_state, _host_copy
 from test_engine import HostRows  # the native reader's pools (the ring reads into staging)
 
 from mlx_streaming.core.dispatch import backend
@@ -22,31 +23,10 @@ pytestmark = [
 ]
 
 
-def _device(a: np.ndarray):
-    from mlx_streaming.core.cache.pool import device_address
-    from mlx_streaming.core.io import cuda
-
-    mx.clear_cache()  # fresh device memory, not a recycled managed buffer
-    buf = mx.zeros((a.nbytes,), mx.uint8)
-    mx.eval(buf)
-    cuda.copy_now(device_address(buf), np.ascontiguousarray(a).ctypes.data, a.nbytes)
-    return buf, device_address(buf)
-
-
-def _back(addr: int, like: np.ndarray) -> np.ndarray:
-    from mlx_streaming.core.io import cuda
-
-    out = np.empty_like(like)
-    cuda.copy_now(out.ctypes.data, addr, out.nbytes, cuda.D2H)
-    return out
-
-
 @pytest.mark.parametrize("policy", ["lru", "predictive"])
 def test_the_bounded_tier_kernel_reads_trades_and_copies_as_the_reference(models, policy):
-    from mlx_streaming.core.cache.device_path import _offsets
     from mlx_streaming.core.cache.device_plan import (
         COUNTERS,
-        POINTERS,
         constants,
         layer_arrays,
         scratch_arrays,
@@ -79,17 +59,12 @@ def test_the_bounded_tier_kernel_reads_trades_and_copies_as_the_reference(models
     table_to_arrays(ref, sim)
     ref["home"][S : S + R], ref["owner"][:] = np.arange(R), np.arange(S, S + R)
     pool_np, rows_np = files[:S].copy(), files[S : S + R].copy()
-    pool, pool_at = _device(pool_np)
+    pool, pool_at = _device_copy(pool_np)
     flat, rows_at = cuda.shared_host(rows_np.nbytes)  # as the tier's: mapped host memory
     rows = flat.reshape(rows_np.shape)
     rows[...] = rows_np
     state = {**ref, **constants(WEIGHTS[policy]), **scratch_arrays()}
-    off, end = _offsets(state)
-    image = np.zeros(end, np.uint8)
-    for name, a in state.items():
-        image[off[name] : off[name] + a.nbytes] = a.reshape(-1).view(np.uint8)
-    buf, base = _device(image)
-    ptrs = mx.array(np.array([base + off[n] for n in POINTERS], np.uint64))
+    buf, base, off, ptrs = _device_state(state)
     desc = [rows_at, stride, 1, 0, nbytes, pool_at, stride]
     desc += [ring.device_words, ring.device_staging, ring.stride, reader.pos[li], ring.entries]
     kernel = plan_kernel(16)(plan_constants(E, S, K, WEIGHTS[policy], True, R))
@@ -111,15 +86,15 @@ def test_the_bounded_tier_kernel_reads_trades_and_copies_as_the_reference(models
         )
         mx.eval(out)
         assert np.array_equal(np.array(out), want), step
-        fills = _back(base + off["fills"], state["fills"])
+        fills = _host_copy(base + off["fills"], state["fills"])
         assert fills[: len(ops)].tolist() == ops.tolist(), step
-        got = _back(pool_at, pool_np)
+        got = _host_copy(pool_at, pool_np)
         assert np.array_equal(got[:, :nbytes], pool_np[:, :nbytes]), step
         held = ref["owner"] >= 0
         assert np.array_equal(rows[held, :nbytes], rows_np[held, :nbytes]), step
         for name in ("slot_of", "expert_in", "home", "owner", "stamp", "heat", "heat_w", "clock"):
-            assert np.array_equal(_back(base + off[name], ref[name]), ref[name]), (step, name)
-    ctr = _back(base + off["counters"], ref["counters"])
+            assert np.array_equal(_host_copy(base + off[name], ref[name]), ref[name]), (step, name)
+    ctr = _host_copy(base + off["counters"], ref["counters"])
     assert ctr[COUNTERS.index("READS")] == reads > 30, (reads, ctr)
     assert ctr[COUNTERS.index("FAILED")] == 0 and ctr[COUNTERS.index("LATE")] == 0
     assert ring.counters()["requests"] == reads
