@@ -73,7 +73,8 @@
 #                                           --no-swap-tier, the page cache's host path
 #   bash benchmarks/gpu_suite.sh beyondring  a bounded tier in the MEMLIMIT-GB cgroup (default 6) at
 #                                           RESIDENCY (default 0.25): the host path, then the device
-#                                           path asking the request ring (--device-reads)
+#                                           path asking the request ring (--device-reads);
+#                                           READS: another order, or one of them
 #   bash benchmarks/gpu_suite.sh tierkernel  the plan kernel's bounded-tier variant against its
 #                                           reference (tests/test_cuda_tier.py; no session fixture)
 #   bash benchmarks/gpu_suite.sh beyondahead  larger than RAM with O_DIRECT at 50% and 25%,
@@ -267,7 +268,7 @@ case "$suite" in
                   --timeline "$out/timeline-pair-$r-buffered.json"
               done ;;
   beyondring) for r in ${RESIDENCY:-0.25}; do  # a bounded tier: the host path, then the device
-                for reads in --no-device-reads --device-reads; do  # path asking the ring
+                for reads in ${READS:---no-device-reads --device-reads}; do  # path asking the ring
                   speed gpu-dsv2-ring-$r-${reads#--} --residency "$r" --repeat 3 --beyond-ram memlimit \
                     --memory-limit-gb "${MEMLIMIT:-6}" $reads \
                     --timeline "$out/timeline-ring-$r-${reads#--}.json"
