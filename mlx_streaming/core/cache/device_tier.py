@@ -196,11 +196,6 @@ TIER_PLAN = """{  // the bounded tier's rule (tier_moves.plan_moves; device_tier
 # description followed by the ring's entries, its staging, staging stride, the layer's
 # position and the entry count. Staging is read past the caches (``__ldcv``).
 TIER_COPY = """
-template <typename W> __device__ __forceinline__ W mlxs_ldcv(const W* p) { return __ldcv(p); }
-template <> __device__ __forceinline__ mlxs_w16 mlxs_ldcv<mlxs_w16>(const mlxs_w16* p) {
-    const ulonglong2 v = __ldcv((const ulonglong2*)p);
-    return mlxs_w16{v.x, v.y};
-}
 template <typename W>
 __device__ void mlxs_tier_copy(const int* f, const int64_t* meta, long long tid, long long nth,
                                long long wait_ns, unsigned long long* late, int* answered,
@@ -209,23 +204,13 @@ __device__ void mlxs_tier_copy(const int* f, const int64_t* meta, long long tid,
     const int64_t stride = meta[1];
     const int parts = (int)meta[2];
     const int* words = (const int*)(meta[3 + 4 * parts]);
-    const char* staging = (const char*)(meta[4 + 4 * parts]);
+    char* staging = (char*)(meta[4 + 4 * parts]);
     const int64_t sstride = meta[5 + 4 * parts];
     const int brought = f[0], moved = f[0] + f[1], reads = f[2];
     for (int k = 0; k < moved; k++) {  // trades (brought), then victims out to rows (sent)
         char* rec = rows + (int64_t)f[3 + 2 * k] * stride;
-        const int64_t slot = f[4 + 2 * k];
-        for (int p = 0; p < parts; p++) {
-            const int64_t* q = meta + 3 + 4 * p;
-            W* a = (W*)(rec + q[0]);
-            W* b = (W*)((char*)(q[2]) + slot * q[3]);
-            const long long n = q[1] / (int64_t)sizeof(W);
-            for (long long w = tid; w < n; w += nth) {
-                const W x = a[w];
-                a[w] = b[w];
-                if (k < brought) b[w] = x;
-            }
-        }
+        if (k < brought) mlxs_parts<W, MLXS_SWAP>(rec, f[4 + 2 * k], meta, tid, nth);
+        else mlxs_parts<W, MLXS_OUT>(rec, f[4 + 2 * k], meta, tid, nth);
     }
     const int* rd = f + 3 + 2 * moved;
     __shared__ int ready;
@@ -262,15 +247,7 @@ __device__ void mlxs_tier_copy(const int* f, const int64_t* meta, long long tid,
             if (threadIdx.x == 0) atomicAdd(late, 1ull);
             __trap();
         }
-        const char* rec = staging + (int64_t)j * sstride;
-        const int64_t slot = rd[2 * j + 1];
-        for (int p = 0; p < parts; p++) {
-            const int64_t* q = meta + 3 + 4 * p;
-            const W* a = (const W*)(rec + q[0]);
-            W* b = (W*)((char*)(q[2]) + slot * q[3]);
-            const long long n = q[1] / (int64_t)sizeof(W);
-            for (long long w = tid; w < n; w += nth) b[w] = mlxs_ldcv(a + w);
-        }
+        mlxs_parts<W, MLXS_FRESH>(staging + (int64_t)j * sstride, rd[2 * j + 1], meta, tid, nth);
         __syncthreads();
     }
 }

@@ -30,34 +30,48 @@ from .kernels import Kernels
 FILL_BLOCKS, FILL_THREADS = 1024, 256
 
 # The one copy routine, shared with the device path's plan kernel (``device_plan``):
-# the records a fills list names (``[n, r0, s0, r1, s1...]``) into their slots' part rows,
-# in words of ``W``, by thread ``tid`` of ``nth``; with ``SWAP`` (a swap tier's records)
-# each record and slot trade contents, each word exchanged by the one thread that owns it.
-# ``meta``: the layer's source address, stride, part count, then per part its offset,
-# bytes, pool address and row bytes.
+# ``mlxs_parts`` moves one record's parts between a source laid out as the file's record
+# and a pool slot, in words of ``W``, by thread ``tid`` of ``nth``: ``MLXS_IN`` the record
+# into the slot, ``MLXS_SWAP`` they trade (each word exchanged by the one thread that owns
+# it), ``MLXS_OUT`` the slot into the record, ``MLXS_FRESH`` as ``IN`` reading the source
+# past the caches (a record the host wrote). ``mlxs_copy`` runs it over a fills list
+# (``[n, r0, s0, r1, s1...]``), in or (``SWAP``) trading. ``meta``: the layer's source
+# address, stride, part count, then per part its offset, bytes, pool address, row bytes.
 COPY_HEADER = """
 struct __align__(16) mlxs_w16 { unsigned long long x, y; };
+template <typename W> __device__ __forceinline__ W mlxs_ldcv(const W* p) { return __ldcv(p); }
+template <> __device__ __forceinline__ mlxs_w16 mlxs_ldcv<mlxs_w16>(const mlxs_w16* p) {
+    const ulonglong2 v = __ldcv((const ulonglong2*)p);
+    return mlxs_w16{v.x, v.y};
+}
+enum { MLXS_IN = 0, MLXS_SWAP = 1, MLXS_OUT = 2, MLXS_FRESH = 3 };
+template <typename W, int MODE>
+__device__ void mlxs_parts(char* rec, int64_t slot, const int64_t* meta, long long tid,
+                           long long nth) {
+    const int parts = (int)meta[2];
+    for (int p = 0; p < parts; p++) {
+        const int64_t* q = meta + 3 + 4 * p;
+        W* a = (W*)(rec + q[0]);
+        W* b = (W*)((char*)(q[2]) + slot * q[3]);
+        const long long words = q[1] / (int64_t)sizeof(W);
+        for (long long w = tid; w < words; w += nth) {
+            if (MODE == MLXS_FRESH) {
+                b[w] = mlxs_ldcv(a + w);
+                continue;
+            }
+            const W x = a[w];
+            if (MODE != MLXS_IN) a[w] = b[w];  // the slot's word goes where the record's was
+            if (MODE != MLXS_OUT) b[w] = x;
+        }
+    }
+}
 template <typename W, int SWAP>
 __device__ void mlxs_copy(const int* f, const int64_t* meta, long long tid, long long nth) {
     char* src = (char*)(meta[0]);
-    const int64_t stride = meta[1];
-    const int parts = (int)meta[2];
-    const int n = f[0];
-    for (int k = 0; k < n; k++) {
+    for (int k = 0; k < f[0]; k++) {
         if (f[1 + 2 * k] < 0) continue;  // no record (a defect the planner counted)
-        char* rec = src + (int64_t)f[1 + 2 * k] * stride;
-        const int64_t slot = f[2 + 2 * k];
-        for (int p = 0; p < parts; p++) {
-            const int64_t* q = meta + 3 + 4 * p;
-            W* a = (W*)(rec + q[0]);
-            W* b = (W*)((char*)(q[2]) + slot * q[3]);
-            const long long words = q[1] / (int64_t)sizeof(W);
-            for (long long w = tid; w < words; w += nth) {
-                const W x = a[w];  // with SWAP, the slot's word goes where the record's was
-                if (SWAP) a[w] = b[w];
-                b[w] = x;
-            }
-        }
+        mlxs_parts<W, SWAP ? MLXS_SWAP : MLXS_IN>(src + (int64_t)f[1 + 2 * k] * meta[1],
+                                                  f[2 + 2 * k], meta, tid, nth);
     }
 }
 """
