@@ -115,18 +115,18 @@ def test_streamed_equals_stock_on_cuda(models, tmp_path, preset, mode):
         store.close()
 
 
-@pytest.mark.parametrize("size", ["whole", "bounded", "auto", "default", "ring"])
+@pytest.mark.parametrize("size", ["whole", "bounded", "auto", "default", "host"])
 def test_a_swap_tier_streams_exactly_on_cuda(models, size, monkeypatch):
     """The swap tier (opt-in): the experts outside the pools in page-locked host memory,
     each miss trading places with its victim on the GPU, decode steps on the device path
     and prompt chunks on the host path, the tier's tables handed between them; bounded
-    (``swap_tier_gb``, a third of the rest), the host path, the records outside the tier
-    read by the native engine while the GPU trades (gated reads), copied into their
-    slots once their victims have gone out; ``auto`` (what memory
-    holds: whole here, as the patch must agree); ``default`` (no option, memory made
-    short of a whole tier: CUDA's default bounds one to it); ``ring`` (bounded, with
-    ``device_reads``: decode steps on the device path, the records beyond the tier asked
-    of the request ring by the plan kernel itself). Greedy tokens and logits
+    (``swap_tier_gb``, a third of the rest): decode steps on the device path, the records
+    beyond the tier asked of the request ring by the plan kernel itself; ``auto`` (what
+    memory holds: whole here, as the patch must agree); ``default`` (no option, memory
+    made short of a whole tier: CUDA's default bounds one to it, the ring beside it);
+    ``host`` (bounded, ``device_reads=False``: the host path, the records outside the tier
+    read by the native engine while the GPU trades, gated reads, copied into their slots
+    once their victims have gone out). Greedy tokens and logits
     equal stock's at top-k and half the slots; then every record is held at most once,
     where the tables say (the tier's rows and a few slots checked byte for byte against
     the files)."""
@@ -138,7 +138,7 @@ def test_a_swap_tier_streams_exactly_on_cuda(models, size, monkeypatch):
     for slots in (meta.top_k, meta.num_experts // 2):
         rest = sum((lay.num_experts - slots) * lay.stride for lay in meta.layers.values())
         gb = {"whole": None, "auto": "auto", "default": None}.get(size, rest / 3e9)
-        reads = True if size == "ring" else None
+        reads = False if size == "host" else None
         cfg = mlx_streaming.StreamConfig(swap_tier=True, swap_tier_gb=gb, device_reads=reads)
         if size == "default":  # a third of the rest beside a small margin and the trunk
             from mlx_streaming.core import mem
@@ -155,7 +155,8 @@ def test_a_swap_tier_streams_exactly_on_cuda(models, size, monkeypatch):
             wave = engine_lib.staging(meta)[0]
             monkeypatch.setattr(engine_lib, "staging", lambda meta, wave=wave: (wave, 0))
             monkeypatch.setattr(mem, "machine_memory", lambda held=held: (1 << 40, held))
-        bounded, ring = size in ("bounded", "default", "ring"), size == "ring"
+        bounded = size in ("bounded", "default", "host")
+        ring = bounded and size != "host"
         model, _, store = mlx_streaming.load(ck, ed, slots=slots, config=cfg)
         rt, tier = store.runtime, store.reader.tier
         said, bound = rt.reason("reader"), "do not fit in half of memory, as large as memory"

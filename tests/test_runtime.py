@@ -56,17 +56,22 @@ def test_a_swap_tier_takes_the_device_path_on_cuda_whatever_the_memory(meta):
     assert (off.reader, off.decode_path) == ("tier", "host")
     cpu = resolve(StreamConfig(swap_tier=True), meta, backend="cpu", engine_available=True)
     assert (cpu.reader, cpu.decode_path, cpu.files_reader) == ("tier", "host", "native")
+    # bounded: the records beyond it asked of the request ring by the GPU (1.88x the host
+    # path's tok/s at 25% in a 6 GB cgroup on an H100, 2026-12-07b), or the host path
     bounded = cuda(StreamConfig(swap_tier=True, swap_tier_gb=1.0, direct_io=True), meta)
-    assert (bounded.reader, bounded.decode_path, bounded.direct_io) == ("tier", "host", True)
-    assert "read from the files" in bounded.reason("decode_path")
+    assert (bounded.reader, bounded.decode_path, bounded.direct_io) == ("tier", "device", True)
+    assert "asked of the request ring" in bounded.reason("decode_path")
     assert "at most 1 GB: the rest read by the native reader" in bounded.reason("reader")
+    host = cuda(StreamConfig(swap_tier=True, swap_tier_gb=1.0, device_reads=False), meta)
+    assert (host.reader, host.decode_path, host.bounded) == ("tier", "host", True)
 
 
 def test_an_auto_swap_tier_is_whole_where_memory_holds_it_and_bounded_where_not(meta, monkeypatch):
     """``--swap-tier-gb auto``: on CUDA the device path trades with a tier that fits whole
     beside the margin and the trunk's load; where it does not, the tier is bounded and
-    the host path reads the rest (the device path refused); without the pools' slots it
-    cannot be weighed and is bounded. ``auto`` or a positive number, nothing else."""
+    the device path asks the request ring for the rest (--no-device-reads: the host path
+    reads them); without the pools' slots it cannot be weighed and is bounded. ``auto`` or
+    a positive number, nothing else."""
     from mlx_streaming.commands._args import add_store_args
     from mlx_streaming.core.io import tier
 
@@ -83,11 +88,13 @@ def test_an_auto_swap_tier_is_whole_where_memory_holds_it_and_bounded_where_not(
     assert (whole.reader, whole.decode_path) == ("tier", "device")
     assert "as large as memory holds: whole" in whole.reason("reader")
     part = at(need + 1000 + 7, reserve=8)
-    assert (part.reader, part.decode_path) == ("tier", "host")
+    assert (part.reader, part.decode_path, part.bounded) == ("tier", "device", True)
     assert "at most what memory holds: the rest read by the native reader" in part.line()
-    assert at(10 * need, with_slots=False).decode_path == "host"
+    assert at(10 * need, with_slots=False).bounded
     reads = at(need, config=cfg.replace(device_reads=True))  # bounded: through the ring
-    assert (reads.reader, reads.decode_path) == ("tier", "device")
+    assert reads == at(need) and (reads.reader, reads.decode_path) == ("tier", "device")
+    host = at(need, config=cfg.replace(device_reads=False))
+    assert (host.reader, host.decode_path, host.bounded) == ("tier", "host", True)
     with pytest.raises(ValueError, match="'auto'"):
         StreamConfig(swap_tier_gb="most")
     p = argparse.ArgumentParser()
@@ -100,9 +107,10 @@ def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(met
     """Beyond half of memory, CUDA's default is the swap tier where the experts the
     pools do not hold fit beside what the trunk's load takes (the device path trades
     with it: 0.86 of stock at 50% in a 6 GB cgroup, against the page cache's host
-    path's 0.16); where they do not, a tier bounded to what memory holds (the host path;
-    a 4.43 GB bounded tier with --direct-io: 28.8 tok/s at 25% in 6 GB on an H100 against
-    the page cache's 12.9), and the files alone only where not even a record a layer
+    path's 0.16); where they do not, a tier bounded to what memory holds, the records
+    beyond it asked of the request ring by the GPU (41.4 tok/s at 25% in 6 GB on an H100
+    against the host path's 22.1 over the same tier, 2026-12-07b; the host path where the
+    ring's staging has no room), and the files alone only where not even a record a layer
     fits; each saying why."""
     from mlx_streaming.core import runtime
     from mlx_streaming.core.io import engine_lib, tier
@@ -124,17 +132,20 @@ def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(met
     assert (reads.reader, reads.decode_path) == ("tier", "device")  # not refused
     tight = (need + 999, need + 999)  # a whole tier and its margin do not fit: bounded
     short = cuda(StreamConfig(), meta, tight, slots=slots)
-    assert (short.reader, short.decode_path, short.files_reader) == ("tier", "host", "native")
+    assert (short.reader, short.decode_path, short.files_reader) == ("tier", "device", "native")
     assert "nor does a whole swap tier" in short.line() and "a bounded one" in short.line()
     assert "at most what memory holds" in short.line() and "--no-swap-tier" in short.line()
     from mlx_streaming.core.io.engine_lib import staging
 
     # the least tier: a record a layer, beside the margin and the files' reader's staging
+    # (the host path's: the ring's staging has no room beside it)
     one = sum(meta.layers[li].stride for li in slots) + staging(meta)[1]
     none = cuda(StreamConfig(), meta, (one + 999, one + 999), slots=slots)
     assert (none.reader, none.decode_path) == ("native", "host")
     assert "misses read from the files" in none.line()
-    assert cuda(StreamConfig(), meta, (one + 1000,) * 2, slots=slots).reader == "tier"
+    bare = cuda(StreamConfig(), meta, (one + 1000,) * 2, slots=slots)
+    assert (bare.reader, bare.decode_path, bare.bounded) == ("tier", "host", True)
+    assert "misses beyond it read from the files" in bare.line(), bare.line()
     # direct_io: the files beyond a tier bounded to what memory holds read around the
     # page cache, which has no room left (24.6 tok/s at 25% in 6 GB on an H100 against
     # 22.2 through it, 2026-12-06), where the filesystem takes O_DIRECT reads: the default;
@@ -155,32 +166,36 @@ def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(met
     assert "O_DIRECT refused" in tmpfs.line() and "Invalid argument" in tmpfs.line()
     monkeypatch.setattr(engine_lib, "direct_refused", lambda paths: "")
     direct = cuda(StreamConfig(direct_io=True), meta, tight, slots=slots)
-    assert (direct.reader, direct.decode_path, direct.direct_io) == ("tier", "host", True)
+    assert (direct.reader, direct.decode_path, direct.direct_io) == ("tier", "device", True)
     assert cuda(StreamConfig(direct_io=True), meta, mem, slots=slots).decode_path == "device"
     alone = cuda(StreamConfig(direct_io=True), meta, (4 * files,) * 2, slots=slots)
     assert (alone.reader, alone.mapped) == ("native", False)
     assert "direct_io reads around the page cache" in alone.line()
-    # the device path's reads over a bounded tier (opt-in): the records beyond it asked of
-    # the request ring, whose staging is left beside the tier
+    # the device path's reads over a bounded tier (the default, as asked for): the records
+    # beyond it asked of the request ring, whose staging is left beside the tier;
+    # --no-device-reads: the host path over the same tier
     ring = cuda(StreamConfig(device_reads=True), meta, tight, slots=slots)
-    assert (ring.reader, ring.decode_path, ring.files_reader) == ("tier", "device", "native")
+    assert ring == short and ring.decode_path == "device"
     assert ring.bounded and short.bounded and not fits.bounded  # (the reader sizes it so)
     assert "asked of the request ring" in ring.line(), ring.line()
+    host = cuda(StreamConfig(device_reads=False), meta, tight, slots=slots)
+    assert (host.reader, host.decode_path, host.bounded) == ("tier", "host", True)
     from mlx_streaming.core.io.ring import ring_staging
 
     least = one + 1000 + ring_staging(meta)  # the least bounded tier and the ring beside it
     with pytest.raises(RuntimeChoiceError, match="device_reads: the GPU copies misses"):
         cuda(StreamConfig(device_reads=True), meta, (least - 1,) * 2, slots=slots)
     assert cuda(StreamConfig(device_reads=True), meta, (least,) * 2, slots=slots).reader == "tier"
+    assert cuda(StreamConfig(), meta, (least,) * 2, slots=slots).decode_path == "device"
     trunk = room - need - 1000  # the trunk's load takes what is left beside the tier
     at = cuda(StreamConfig(), meta, mem, slots=slots, host=HostShare(reserve=trunk))
     assert (at.reader, at.decode_path) == ("tier", "device")
     over = cuda(StreamConfig(), meta, mem, slots=slots, host=HostShare(reserve=trunk + 1))
-    assert (over.reader, over.decode_path) == ("tier", "host")  # bounded by the trunk's load
+    assert (over.reader, over.bounded) == ("tier", True)  # bounded by the trunk's load
     assert "for the trunk as it loads" in over.line(), over.line()
     # two ranks of a pipeline on this host: each plans with half of what is available
     halves = cuda(StreamConfig(), meta, mem, slots=slots, host=HostShare(ranks=2))
-    assert halves.decode_path == "host" and "(a share: 2 ranks on this host)" in halves.line()
+    assert halves.bounded and "(a share: 2 ranks on this host)" in halves.line()
     both = cuda(StreamConfig(), meta, (2 * room, 2 * room), slots=slots, host=HostShare(ranks=2))
     assert (both.reader, both.decode_path) == ("tier", "device")
     # a share is of what was available as the ranks met, never more than is left now

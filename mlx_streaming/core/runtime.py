@@ -14,9 +14,9 @@ The choices, per backend (``docs/ARCHITECTURE.md`` has the table, checked by a t
   pools do not hold, in host memory; each miss trades places with its victim, on CUDA by
   the GPU: asked for, or CUDA's default where the files do not fit in half of memory:
   whole where it fits, else bounded to what memory holds, the rest read from the files).
-* decode path: ``device`` (CUDA, files mapped or a whole swap tier: a step's misses are
-  planned and copied on the GPU, no host synchronisation) or ``host`` (the routing read on
-  the host each MoE layer call).
+* decode path: ``device`` (CUDA, files mapped or a swap tier, a bounded one's misses asked
+  of the request ring: a step's misses planned and copied on the GPU, no host
+  synchronisation) or ``host`` (the routing read on the host each MoE layer call).
 * rows, overlap, zero slot, threads, kernel check.
 """
 
@@ -193,6 +193,7 @@ def resolve(
         avail = available()
         bounded = not (slots and _tier_fits(meta, slots, avail, "", share.reserve)[0])
     swap_tier = bool(cfg.swap_tier)  # None: CUDA's default where the files do not fit
+    ring = cfg.device_reads is not False  # a bounded tier's misses asked of the request ring
     if pool_mode != "cuda" or swap_tier:
         mapped = False
     elif cfg.map_files is not None:
@@ -208,9 +209,11 @@ def resolve(
             + ("; direct_io reads around the page cache" if cfg.direct_io else "")
         )
         if not fit and cfg.swap_tier is None and not (cfg.prefetch or cfg.reader):
-            whole, bounded, why["mapped"] = _tier_fits(
-                meta, slots, avail, why["mapped"], share.reserve, bool(cfg.device_reads)
-            )
+            said, r = why["mapped"], share.reserve
+            whole, bounded, why["mapped"] = _tier_fits(meta, slots, avail, said, r, ring)
+            if ring and not (whole or bounded) and cfg.device_reads is None:  # no room for
+                ring = False  # the ring's staging: a bounded tier on the host path
+                whole, bounded, why["mapped"] = _tier_fits(meta, slots, avail, said, r)
             swap_tier = whole or bounded  # (with direct_io: the files beyond a bounded one)
 
     # the reader
@@ -278,13 +281,12 @@ def resolve(
                    "host, the device path reads nothing there): drop one")  # fmt: skip
     if cfg.device_reads is False:
         decode_path, why["decode_path"] = "host", "device_reads turned off"
-    elif bounded and reader == "tier" and not cfg.device_reads:  # (opt-in until measured)
-        decode_path = "host"  # the device path reads the files only through the ring
-        why["decode_path"] = why["mapped"] if not cfg.swap_tier else (
-            "a bounded swap tier: misses beyond it are read from the files")  # fmt: skip
+    elif bounded and reader == "tier" and not ring:  # no room for the ring's staging
+        decode_path, why["decode_path"] = "host", why["mapped"]
     elif gpu_source and not cfg.prefetch:
         decode_path = "device"
-        why["decode_path"] = why.get("mapped", "") or "the swap tier"
+        why["decode_path"] = why.get("mapped", "") or "the swap tier" + (
+            ": misses beyond it asked of the request ring by the GPU" if bounded else "")  # fmt: skip
     else:
         decode_path = "host"
         why["decode_path"] = (
@@ -296,8 +298,7 @@ def resolve(
         )
 
     # rows and the zero slot they need
-    rows = _rows(cfg, b)
-    zero_slot = pool_zero_slot(cfg, b)
+    rows, zero_slot = _rows(cfg, b), pool_zero_slot(cfg, b)
     if rows != "subset" and not zero_slot:
         refuse(f"rows={rows!r} points skipped rows at a zero slot: drop zero_slot=False")
 
