@@ -73,7 +73,8 @@
 #                                           --no-swap-tier, the page cache's host path
 #   bash benchmarks/gpu_suite.sh beyondring  a bounded tier in the MEMLIMIT-GB cgroup (default 6) at
 #                                           RESIDENCY (default 0.25): the host path, then the device
-#                                           path asking the request ring (--device-reads);
+#                                           path asking the request ring (--device-reads, the
+#                                           default since 2026-12-07b: 1.88x the host path);
 #                                           READS: another order, or one of them
 #   bash benchmarks/gpu_suite.sh tierkernel  the plan kernel's bounded-tier variant against its
 #                                           reference (tests/test_cuda_tier.py; no session fixture)
