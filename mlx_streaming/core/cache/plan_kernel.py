@@ -6,8 +6,8 @@ With a bounded swap tier (``SWAP`` 2) the planner also applies the tier's rule
 miss outside it is asked of the engine's request ring (``io.ring``) at once, its victim
 going out to the coldest row left. Every block then makes the trades, sends the victims
 out, and waits for each read's answer (the planner's block watches the ring in host
-memory and relays each answer through device memory; bounded by ``WAIT_NS``, a read that
-failed or was not answered traps, counted in ``LATE``) before copying it from staging
+memory and relays each answer through device memory; bounded by ``READ_WAIT_MS``, a read
+that failed or was not answered traps, counted in ``LATE``) before copying it from staging
 into its slot: a thread sends a slot's word out before it writes the read's word there.
 """
 
@@ -33,13 +33,16 @@ THREADS = 256
 # loudly rather than leave experts marked resident and unfilled. The last block out
 # resets the flag and the tickets. ``after`` (the layer's previous output) is unread: it
 # orders the layer's calls in any graph. Constants (``plan_constants``): N (ids), E, S, H,
-# NREC, NAGE, NWIN, SCORE (some weight is not 0), WAIT_NS, SWAP (1: a swap tier's records;
-# 2: a bounded tier's, the rest read through the request ring), R (its rows);
+# NREC, NAGE, NWIN, SCORE (some weight is not 0), WAIT_NS, READ_WAIT_MS, SWAP (1: a swap
+# tier's records; 2: a bounded tier's, the rest read through the request ring), R (its rows);
 # WORD, the copy word, is written into the source too. Inputs: ids [N], p
 # [len(POINTERS)] addresses, meta (the layer's copy description), after. Output: slots [N].
 PLAN_NAMES = (["ids", "p", "meta", "after"], ["slots"])  # the kernel's inputs, outputs
 BLOCKS = 128
 WAIT_NS = 2_000_000_000  # a constexpr int: under 2**31
+# A ring read's wait: long enough for a slow disk's record behind 15 others (a trap loses
+# the process's CUDA context), short enough that a dead ring fails the call
+READ_WAIT_MS = 30_000
 _PLAN_BODY = """
     const int tid = threadIdx.x, nth = blockDim.x;
     __shared__ int fl[3 + 5 * N];  // the fills (a bounded tier's ops), as each block reads them
@@ -249,8 +252,8 @@ _PLAN_BODY = """
     __syncthreads();
     const long long gtid = (long long)blockIdx.x * nth + tid, gnth = (long long)gridDim.x * nth;
     if (SWAP == 2) {
-        mlxs_tier_copy<WORD>(fl, meta, gtid, gnth, WAIT_NS, (unsigned long long*)(ctr + LATE),
-                             sync + 3, role == 0);
+        mlxs_tier_copy<WORD>(fl, meta, gtid, gnth, READ_WAIT_MS * 1000000ll,
+                             (unsigned long long*)(ctr + LATE), sync + 3, role == 0);
     } else {
         mlxs_copy<WORD, SWAP>(fl, meta, gtid, gnth);
     }
@@ -313,6 +316,7 @@ def plan_constants(
         ("NWIN", len(WINDOWS)),
         ("SCORE", int(any(float(w) != 0.0 for w in weights))),
         ("WAIT_NS", WAIT_NS),
+        ("READ_WAIT_MS", READ_WAIT_MS),
         ("SWAP", 2 if rows is not None else int(swap)),
         ("R", rows or 0),
     )
