@@ -620,8 +620,9 @@ def test_plan_the_host_tier_beneath_device_pools(tmp_path, capsys):
     """``plan --host-gb``: pools of their own (a GPU's, a zero slot each) at each
     ``--slots``, and beneath them the host memory less the ``MARGIN`` as the page cache or
     the swap tier; the swap tier with room for every record the pools do not hold runs
-    whole (its own size) and reads nothing from the disk; a bounded one reads more;
-    without pools, or with pools below top-k, a clear error."""
+    whole (its own size) and reads nothing from the disk; a bounded one reads more, and
+    leaves the request ring's staging beside it (the device path's); without pools, or
+    with pools below top-k, a clear error."""
     from mlx_streaming.commands import plan as cmd
     from mlx_streaming.core.io.tier import MARGIN
 
@@ -646,7 +647,9 @@ def test_plan_the_host_tier_beneath_device_pools(tmp_path, capsys):
         assert swap["disk_share"] == 0 < cache["disk_share"]
     cmd.main([*base, "--slots", "8", "--host-gb", str((MARGIN + rest / 2) / 1e9), "--json"])
     half = {r["tier"]: r for r in json.loads(capsys.readouterr().out)}
-    assert half["swap"]["flags"] == "--slots 8 --swap-tier --swap-tier-gb 0.147"  # 11 rows a layer
+    # 147.5 MB less the ring's 16 records (65.5 MB): 6 rows a layer
+    assert half["swap"]["flags"] == "--slots 8 --swap-tier --swap-tier-gb 0.0819"
+    assert half["swap"]["tier_gb"] == round(6 * 3 * rec / 1e9, 3)
     assert half["swap"]["disk_mb_per_token"] > 0
     cmd.main([*base, "--slots", "8", "--host-gb", str(MARGIN / 1e9)])
     table = capsys.readouterr().out  # no room beyond the margin: no swap row
@@ -659,9 +662,9 @@ def test_plan_the_host_tier_beneath_device_pools(tmp_path, capsys):
 
 def test_plan_adds_the_host_path_s_own_work(tmp_path, capsys):
     """``plan --host-gb --host-ms-per-call``: each row the host path serves (the page
-    cache, a bounded swap tier) takes that much longer per MoE layer call, in series, on
-    both its figures; a whole swap tier (the device path) takes none. Without the flag the
-    table says what it leaves out."""
+    cache) takes that much longer per MoE layer call, in series, on both its figures; a
+    swap tier, whole or bounded (the device path: the ring reads beyond a bounded one),
+    takes none. Without the flag the table says what it leaves out."""
     from mlx_streaming.commands import plan as cmd
     from mlx_streaming.core.io.tier import MARGIN
 
@@ -678,7 +681,7 @@ def test_plan_adds_the_host_path_s_own_work(tmp_path, capsys):
     alone, busy = rows(), rows("--host-ms-per-call", "2")
     assert alone.keys() == busy.keys() and "--swap-tier-gb" in alone[8, "swap"]["flags"]
     for key, r in busy.items():
-        device = key == (16, "swap")
+        device = key[1] == "swap"
         extra = 0.0 if device else 2e-3 * 3  # 3 MoE layers, a call each per token
         assert r["host_ms_per_token"] == round(1e3 * extra, 3)
         for f in ("predicted_tok_per_s", "serial_tok_per_s"):

@@ -57,8 +57,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="with --memory-gb or --host-gb: the host path's own work per MoE layer call "
         "(routing read, planning, launches: 1.35 on an H100, 2026-12-05b; bench reports "
         "it), added in series to each row the host path serves (every row with "
-        "--memory-gb; with --host-gb all but a whole swap tier, which the device path "
-        "serves); default 0: left out",
+        "--memory-gb; with --host-gb the page cache's, a swap tier's being the device "
+        "path's); default 0: left out",
     )
     p.add_argument(
         "--mem-gbps",
@@ -209,7 +209,7 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
         for tier, room in (("page cache", host), ("swap", max(0, host - reserve))):
             rows += split_rows(test, pol, [(s, room) for s in sizes], slot, record, *rates,
                                beneath=(tier,), zero_slot=True, host_s=host_s,
-                               device_whole=True, **sim)  # fmt: skip
+                               device_swap=True, **sim)  # fmt: skip
         rows.sort(key=lambda r: -r["predicted_tok_per_s"])
         for r in rows:  # CUDA's default takes a swap tier (whole where it fits)
             r["flags"] += " --no-swap-tier" if r["tier"] == "page cache" else ""
@@ -230,9 +230,9 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
     print("(tok/s: the reads and copies hidden under compute; serial: after it, as a "
           "layer's misses wait for its routing without read-ahead)")  # fmt: skip
     if a.host_gb and not a.host_ms_per_call:
-        print("(on CUDA the page cache and a bounded swap tier run the host path, whose own "
-              "work per layer call these tok/s leave out: give --host-ms-per-call; the "
-              "device path takes a whole tier only)")  # fmt: skip
+        print("(on CUDA the page cache runs the host path, whose own work per layer call "
+              "these tok/s leave out: give --host-ms-per-call; a swap tier, whole or "
+              "bounded, the device path)")  # fmt: skip
 
 
 def _bounds(a) -> tuple[float | None, float | None]:

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..core.cache.policy import make_policy
 from ..core.cache.slots import SlotCache
+from ..core.io.ring import DEVICE_ENTRIES
 from ..core.io.tier import MARGIN
 from ..core.io.tier_moves import bounded_rows, plan_moves
 from .budget import pool_slots
@@ -264,13 +265,14 @@ def split_rows(
     beneath: tuple[str, ...] = ("page cache", "swap"),
     zero_slot: bool = False,
     host_s: float = 0.0,
-    device_whole: bool = False,
+    device_swap: bool = False,
 ) -> list[dict]:
     """Each ``(slots per layer, host bytes beneath)`` split, with each tier of
     ``beneath`` under the pools: hits per tier, disk bytes and predicted tok/s, best
     first. A row served on the host path adds ``host_s`` seconds per token of its own
-    work (routing reads, planning, launches), in series; with ``device_whole`` (CUDA) a
-    whole swap tier runs the device path, which adds none. ``best_split`` makes the splits of one memory; pools in a GPU's own memory
+    work (routing reads, planning, launches), in series; with ``device_swap`` (CUDA) a
+    swap tier runs the device path, which adds none, a bounded one leaving its request
+    ring's staging (``DEVICE_ENTRIES`` records) beside it. ``best_split`` makes the splits of one memory; pools in a GPU's own memory
     (``plan --host-gb``) have the same host bytes beneath each pool size. Either tier gets
     the host bytes less ``MARGIN``, which the process takes after load; a swap tier of no
     row per layer is left out."""
@@ -279,7 +281,7 @@ def split_rows(
         raise ValueError(f"unknown tier {sorted(unknown)}; known: 'page cache', 'swap'")
     sim = dict(layers=layers, model_layers=model_layers or trace.layers, tokens=tokens)
     rates = (t_compute, mem_gbps, disk_gbps)
-    rest = (rates, sim, zero_slot, host_s, device_whole)
+    rest = (rates, sim, zero_slot, host_s, device_swap)
     rows = [
         _row(trace, policy, s, slot_bytes, record_bytes, host, tier, *rest)
         for s, host in splits
@@ -289,12 +291,12 @@ def split_rows(
 
 
 def _row(
-    trace, policy, s, slot_bytes, record_bytes, host, tier, rates, sim, zero, host_s, device_whole
+    trace, policy, s, slot_bytes, record_bytes, host, tier, rates, sim, zero, host_s, device_swap
 ) -> dict | None:
     """One split's simulated hits per tier, bytes and predicted tok/s (overlap bound),
     with the flags that run it; None for a swap tier of no row per layer. ``host_s``: the
-    host path's seconds per token, none where ``device_whole`` and the swap tier is
-    whole (the device path serves it)."""
+    host path's seconds per token, none for a swap tier where ``device_swap`` (the
+    device path serves it: a bounded one less its request ring's staging)."""
     E, L = trace.num_experts, sim["model_layers"]
     room = size = max(0, host - MARGIN)
     flags = f"--slots {s}"
@@ -302,8 +304,12 @@ def _row(
         room, flags = (E - s) * record_bytes * L, f"{flags} --swap-tier"
         if not size:
             return None
-        if device_whole and size >= room:
+        if device_swap:
             host_s = 0.0
+        if size < room and device_swap:  # the ring's staging beside it (io.ring)
+            size = max(0, size - DEVICE_ENTRIES * record_bytes)
+            if not size:
+                return None
         if size < room:  # bounded: the flag's GB, as the store reads it
             gb = _floor_gb(size)
             room, flags = int(float(gb) * 1e9), f"{flags} --swap-tier-gb {gb}"
