@@ -44,11 +44,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"mlx_streaming {argv[0]}: interrupted", file=sys.stderr)
         sys.exit(130)
     except RuntimeError as e:
+        from .core.io.ring import unexplained_failure
         from .parallel import PipelineError, lost_peer
 
         err = lost_peer(e)
         if not isinstance(err, PipelineError):
-            raise
+            failed = unexplained_failure()  # a kernel's read from the files: it trapped
+            if failed is None:
+                raise
+            err = f"{failed} (a read the GPU asked for; the step stopped: {e})"
         print(f"mlx_streaming {argv[0]}: error: {err}", file=sys.stderr)
         sys.exit(1)
 

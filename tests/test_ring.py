@@ -154,6 +154,56 @@ def test_corrupt_and_shrunken_files_name_the_file_and_the_expert(models, tmp_pat
     reader.close()
 
 
+def test_a_failed_read_no_waiter_saw_is_named_for_the_commands(models, tmp_path, monkeypatch,
+                                                              capsys):  # fmt: skip
+    """A read a kernel asked for that failed: the kernel traps on it, and MLX's error
+    names nothing. ``unexplained_failure`` names the file, the layer and the expert, while
+    the ring runs and once it is closed, and the commands say it beside MLX's error; a
+    failure a host ``wait`` raised is not left unexplained."""
+    import mlx_streaming.commands.generate as command
+    from mlx_streaming import cli
+    from mlx_streaming.core.io import ring as ring_mod
+
+    monkeypatch.setattr(ring_mod, "_closed_failures", [])  # other tests' rings
+    _, src = models.experts("tiny-qwen3_moe")
+    ed = tmp_path / "e"
+    shutil.copytree(src, ed)
+    meta = load_meta(ed)
+    li = sorted(meta.layers)[0]
+    with open(meta.file(li), "r+b") as f:  # expert 2's record fails its checksum
+        f.seek(2 * meta.layers[li].stride + 5)
+        b = f.read(1)
+        f.seek(2 * meta.layers[li].stride + 5)
+        f.write(bytes([b[0] ^ 0xFF]))
+    _, _, reader = reader_over(ed)
+    ring = RequestRing(reader)
+    with pytest.raises(ExpertChecksumError):
+        ring.wait(0, ring.post(0, li, 2))  # told: nothing left unexplained
+    ring.wait(1, ring.post(1, li, 1))
+    assert ring.failed() is None and ring_mod.unexplained_failure() is None
+    seq, until = ring.post(1, li, 2), time.monotonic() + 10  # as a kernel posts: no wait
+    while reader.lib.mlxs_ring_done(ring.words.ctypes.data, 1) != seq:
+        assert time.monotonic() < until, "the ring did not answer"
+        time.sleep(1e-3)
+    named = f"expert 2 of layer {li} in {meta.file(li)} fails its checksum"
+    assert named in str(ring_mod.unexplained_failure())
+
+    def trapped(argv):  # what MLX raises after the kernel's trap
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    monkeypatch.setattr(command, "main", trapped)
+    with pytest.raises(SystemExit) as out:
+        cli.main(["generate"])
+    err = capsys.readouterr().err
+    assert out.value.code == 1 and named in err and "unspecified launch failure" in err, err
+    ring.close()
+    assert named in str(ring_mod.unexplained_failure())  # kept past the ring
+    reader.close()
+    monkeypatch.setattr(ring_mod, "_closed_failures", [])
+    with pytest.raises(RuntimeError, match="unspecified launch failure"):
+        cli.main(["generate"])  # nothing failed: MLX's error as it was
+
+
 @pytest.mark.parametrize(
     "kw, why",
     [

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 
 import numpy as np
 
@@ -29,6 +30,19 @@ COUNTERS = ("requests", "bytes", "failed", "read_ns", "answer_ns", "max_ns")
 # a bounded tier's device path: reads one layer call may ask for at once (its ids at most),
 # and the ring threads reading them
 DEVICE_ENTRIES, DEVICE_READERS = 16, 8
+_rings: weakref.WeakSet = weakref.WeakSet()  # every ring made, for ``unexplained_failure``
+_closed_failures: list[Exception] = []  # ... and what the last closed one left unexplained
+
+
+def unexplained_failure() -> Exception | None:
+    """A record a kernel asked a ring for whose read failed (the kernel traps on it, and
+    MLX then raises a CUDA error that names nothing): the error that names its file,
+    layer and expert, for the commands to say beside MLX's; None where there is none."""
+    for ring in list(_rings):
+        e = ring.failed()
+        if e is not None:
+            return e
+    return _closed_failures[-1] if _closed_failures else None
 
 
 def ring_staging(meta, entries: int = DEVICE_ENTRIES) -> int:
@@ -84,7 +98,8 @@ class RequestRing:
             )  # fmt: skip
         if rc:
             raise OSError(f"the request ring could not start: {err.value.decode()}")
-        self.handle = reader.handle
+        self.handle, self._told = reader.handle, set()  # failures ``wait`` raised
+        _rings.add(self)
 
     @property
     def entries(self) -> int:
@@ -118,14 +133,28 @@ class RequestRing:
             if time.monotonic() > until:
                 raise TimeoutError(f"the request ring did not answer entry {k} in {timeout} s")
             time.sleep(20e-6)
-        st = int(row[STATUS])
-        if st:
-            layer = next((li for li, p in self.reader.pos.items() if p == row[LAYER]), None)
-            expert = int(row[EXPERT])
-            why = os.strerror(int(row[ERRNO])) if row[ERRNO] else f"status {st}"
-            path = self.reader.meta.file(layer) if layer is not None else "no file"
-            raise status_error(st, f"{why}: expert {expert}", path, layer, expert)
+        if row[STATUS]:
+            self._told.add((k, seq))
+            raise self._error(k)
         return self.staging[k].copy()
+
+    def failed(self) -> Exception | None:
+        """The error of an answered request that failed and that no ``wait`` raised (a
+        kernel's, which traps on it), naming its file, layer and expert; else None."""
+        for k, row in enumerate(self.words):
+            seq = int(row[SEQ])
+            done = self.reader.lib.mlxs_ring_done(self.words.ctypes.data, k)
+            if row[STATUS] and done == seq and (k, seq) not in self._told:
+                return self._error(k)
+        return None
+
+    def _error(self, k: int) -> Exception:
+        row = self.words[k]
+        layer = next((li for li, p in self.reader.pos.items() if p == row[LAYER]), None)
+        expert, st = int(row[EXPERT]), int(row[STATUS])
+        why = os.strerror(int(row[ERRNO])) if row[ERRNO] else f"status {st}"
+        path = self.reader.meta.file(layer) if layer is not None else "no file"
+        return status_error(st, f"{why}: expert {expert}", path, layer, expert)
 
     def _check(self, k: int) -> None:
         if not self.handle or self.reader.handle != self.handle:
@@ -144,6 +173,11 @@ class RequestRing:
         """Stop the ring's threads (requests being read are answered first); idempotent."""
         with self.reader.lock:  # not beside the reader's close, which frees the engine
             self._stop()
+        if self in _rings:  # its entries stay readable: what failed is kept
+            _rings.discard(self)
+            e = self.failed()
+            if e is not None:
+                _closed_failures[:] = [e]
 
     def _stop(self) -> None:
         if self.handle and self.reader.handle == self.handle:
