@@ -716,6 +716,14 @@ def test_the_default_s_swap_tier_falls_back_to_the_page_cache(models, monkeypatc
         store.close()
     with pytest.raises(MemoryError, match="short"):  # the device path's reads: the answer
         FileExpertStore(ed, meta.top_k, config=StreamConfig(device_reads=True), runtime=whole)
+    bounded = whole.replace(bounded=True)  # the default's bounded tier: not tried again
+    with pytest.warns(RuntimeWarning) as said:
+        store = FileExpertStore(ed, meta.top_k, config=StreamConfig(), runtime=bounded)
+    try:
+        assert [str(w.message)[-13:] for w in said] == ["pread instead"], said
+        assert store.runtime.reader != "tier" and store.runtime.decode_path == "host"
+    finally:
+        store.close()
 
     def cut(*a, **kw):
         raise OSError("a file is cut short")

@@ -33,7 +33,8 @@ def open_reader(
     CUDA's default's took (what memory holds, whole where the device path has it) on the
     runtime's line. Where the default's page-locked mappings or swap tier cannot be had,
     a warning and the page cache's reader, the runtime saying why; where such a tier no
-    longer fits whole, a warning and a bounded one (the host path). What was asked for
+    longer fits whole, a warning and a bounded one (a bounded one that fails: the page
+    cache's reader). What was asked for
     (``device_reads`` too), or a file's own error, is raised."""
     default = runtime.reader == "tier" and cfg.swap_tier is None  # CUDA's default's tier
     auto = cfg.swap_tier_gb == "auto" or default  # (whole where the device path has it)
@@ -41,7 +42,7 @@ def open_reader(
     try:
         reader = make_reader(runtime, meta, pools, tier_gb, tick, host)
     except MemoryError as e:
-        if cfg.device_reads or not (auto and runtime.decode_path == "device"):
+        if cfg.device_reads or runtime.bounded or not (auto and runtime.decode_path == "device"):
             return _without(runtime, cfg, meta, pools, tick, e)
         warnings.warn(f"{e}; the swap tier is bounded instead", RuntimeWarning, stacklevel=3)
         bound = cfg.replace(swap_tier=True, swap_tier_gb="auto") if default else cfg
