@@ -188,7 +188,7 @@ def resolve(
                 refuse(f"swap_tier and {name} exclude each other ({why_not}): drop one")
     if cfg.swap_tier_gb is not None and not cfg.swap_tier:
         refuse("swap_tier_gb bounds the swap tier: add --swap-tier")
-    bounded = cfg.swap_tier_gb is not None  # the host path reads the records beyond it
+    bounded = cfg.swap_tier_gb is not None  # the records beyond it read from the files
     if cfg.swap_tier and cfg.swap_tier_gb == "auto":  # whole where it fits
         avail = available()
         bounded = not (slots and _tier_fits(meta, slots, avail, "", share.reserve)[0])
