@@ -350,6 +350,8 @@ def child(job: dict) -> dict:
     ref = np.load(job["want"])
     want = Trace(ref["tokens"].tolist(), ref["logits"])
     exact = compare_traces(want, greedy_trace(model, ids, 16)).exact
+    ring = getattr(store.reader, "ring", None)  # the device path's reads beyond a bounded tier
+    asked = ring.counters() if ring is not None else None
     tps = statistics.median(runs)
     stock_tps = job["stock_tps"]
     return {
@@ -392,6 +394,14 @@ def child(job: dict) -> dict:
         "prompt_tps_cold": round(first[1], 2),
         "load_cold_s": round(load_s, 2),
         "exact_vs_stock": exact,
+        # the request ring since load (the prompts' and the check's reads too): whether a
+        # record's wait is its read or the queue before it
+        "ring": asked
+        and {
+            **asked,
+            "read_ms_per_request": round(asked["read_ns"] / 1e6 / max(1, asked["requests"]), 3),
+            "answer_ms_per_request": round(asked["answer_ns"] / 1e6 / max(1, asked["requests"]), 3),
+        },
         "runtime": store.runtime.to_json(),
     }
 
