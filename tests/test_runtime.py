@@ -90,7 +90,17 @@ def test_an_auto_swap_tier_is_whole_where_memory_holds_it_and_bounded_where_not(
     part = at(need + 1000 + 7, reserve=8)
     assert (part.reader, part.decode_path, part.bounded) == ("tier", "device", True)
     assert "at most what memory holds: the rest read by the native reader" in part.line()
-    assert at(10 * need, with_slots=False).bounded
+    unweighed = at(10 * need, with_slots=False)
+    assert (unweighed.bounded, unweighed.decode_path) == (True, "device")
+    # no room beside the least tier for the ring's staging: the host path, saying why
+    from mlx_streaming.core.io.engine_lib import staging
+    from mlx_streaming.core.io.ring import ring_staging
+
+    least = sum(meta.layers[li].stride for li in slots) + staging(meta)[1] + 1000
+    bare = at(least)
+    assert (bare.reader, bare.bounded, bare.decode_path) == ("tier", True, "host")
+    assert "request ring's staging has no room" in bare.reason("decode_path")
+    assert at(least + ring_staging(meta)).decode_path == "device"
     reads = at(need, config=cfg.replace(device_reads=True))  # bounded: through the ring
     assert reads == at(need) and (reads.reader, reads.decode_path) == ("tier", "device")
     host = at(need, config=cfg.replace(device_reads=False))
@@ -146,6 +156,7 @@ def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(met
     bare = cuda(StreamConfig(), meta, (one + 1000,) * 2, slots=slots)
     assert (bare.reader, bare.decode_path, bare.bounded) == ("tier", "host", True)
     assert "misses beyond it read from the files" in bare.line(), bare.line()
+    assert "request ring's staging has no room" in bare.reason("decode_path")
     # direct_io: the files beyond a tier bounded to what memory holds read around the
     # page cache, which has no room left (24.6 tok/s at 25% in 6 GB on an H100 against
     # 22.2 through it, 2026-12-06), where the filesystem takes O_DIRECT reads: the default;
@@ -191,11 +202,12 @@ def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(met
     at = cuda(StreamConfig(), meta, mem, slots=slots, host=HostShare(reserve=trunk))
     assert (at.reader, at.decode_path) == ("tier", "device")
     over = cuda(StreamConfig(), meta, mem, slots=slots, host=HostShare(reserve=trunk + 1))
-    assert (over.reader, over.bounded) == ("tier", True)  # bounded by the trunk's load
+    assert (over.reader, over.bounded, over.decode_path) == ("tier", True, "device")  # bounded
     assert "for the trunk as it loads" in over.line(), over.line()
     # two ranks of a pipeline on this host: each plans with half of what is available
     halves = cuda(StreamConfig(), meta, mem, slots=slots, host=HostShare(ranks=2))
-    assert halves.bounded and "(a share: 2 ranks on this host)" in halves.line()
+    assert (halves.bounded, halves.decode_path) == (True, "device")
+    assert "(a share: 2 ranks on this host)" in halves.line()
     both = cuda(StreamConfig(), meta, (2 * room, 2 * room), slots=slots, host=HostShare(ranks=2))
     assert (both.reader, both.decode_path) == ("tier", "device")
     # a share is of what was available as the ranks met, never more than is left now

@@ -189,11 +189,11 @@ def resolve(
     if cfg.swap_tier_gb is not None and not cfg.swap_tier:
         refuse("swap_tier_gb bounds the swap tier: add --swap-tier")
     bounded = cfg.swap_tier_gb is not None  # the records beyond it read from the files
-    if cfg.swap_tier and cfg.swap_tier_gb == "auto":  # whole where it fits
-        avail = available()
-        bounded = not (slots and _tier_fits(meta, slots, avail, "", share.reserve)[0])
-    swap_tier = bool(cfg.swap_tier)  # None: CUDA's default where the files do not fit
     ring = cfg.device_reads is not False  # a bounded tier's misses asked of the request ring
+    if cfg.swap_tier and cfg.swap_tier_gb == "auto" and slots:  # whole where it fits
+        whole, room, _ = _tier_fits(meta, slots, available(), "", share.reserve, ring)
+        bounded, ring = not whole, ring and (whole or room or cfg.device_reads is not None)
+    swap_tier = bool(cfg.swap_tier)  # None: CUDA's default where the files do not fit
     if pool_mode != "cuda" or swap_tier:
         mapped = False
     elif cfg.map_files is not None:
@@ -281,12 +281,13 @@ def resolve(
                    "host, the device path reads nothing there): drop one")  # fmt: skip
     if cfg.device_reads is False:
         decode_path, why["decode_path"] = "host", "device_reads turned off"
-    elif bounded and reader == "tier" and not ring:  # no room for the ring's staging
-        decode_path, why["decode_path"] = "host", why["mapped"]
+    elif bounded and reader == "tier" and not ring:
+        decode_path, why["decode_path"] = "host", why.get("mapped") or "a bounded swap tier"
+        why["decode_path"] += " (the request ring's staging has no room beside it)"
     elif gpu_source and not cfg.prefetch:
         decode_path = "device"
         why["decode_path"] = why.get("mapped", "") or "the swap tier" + (
-            ": misses beyond it asked of the request ring by the GPU" if bounded else "")  # fmt: skip
+            ": misses beyond it asked of the request ring" if bounded else "")  # fmt: skip
     else:
         decode_path = "host"
         why["decode_path"] = (
@@ -325,7 +326,6 @@ def resolve(
         why["threads"] = size + ": read inline"
     else:
         threads = min(15, (os.cpu_count() or 2) - 1) if pool_mode == "cuda" else 4
-    kernel_check = cfg.kernel_check if cfg.kernel_check is not None else b != "cpu"
     return Runtime(
         backend=b,
         pool_mode=pool_mode,
@@ -340,7 +340,7 @@ def resolve(
         prefetch=bool(cfg.prefetch),
         checksums=bool(cfg.checksums),
         direct_io=direct_io,
-        kernel_check=bool(kernel_check),
+        kernel_check=bool(cfg.kernel_check if cfg.kernel_check is not None else b != "cpu"),
         files_reader=files_reader,
         bounded=bool(swap_tier and bounded),
         why=tuple(sorted((k, v) for k, v in why.items() if v)),
