@@ -123,8 +123,9 @@ def test_a_swap_tier_streams_exactly_on_cuda(models, size, monkeypatch):
     (``swap_tier_gb``, a third of the rest): decode steps on the device path, the records
     beyond the tier asked of the request ring by the plan kernel itself; ``auto`` (what
     memory holds: whole here, as the patch must agree); ``default`` (no option, memory
-    made short of a whole tier: CUDA's default bounds one to it, the ring beside it);
-    ``host`` (bounded, ``device_reads=False``: the host path, the records outside the tier
+    made short of a whole tier: CUDA's default bounds one to it, with no room beside it
+    for the ring's staging here, so on the host path); ``host`` (bounded,
+    ``device_reads=False``: the host path too, the records outside the tier
     read by the native engine while the GPU trades, gated reads, copied into their slots
     once their victims have gone out). Greedy tokens and logits
     equal stock's at top-k and half the slots; then every record is held at most once,
@@ -156,11 +157,13 @@ def test_a_swap_tier_streams_exactly_on_cuda(models, size, monkeypatch):
             monkeypatch.setattr(engine_lib, "staging", lambda meta, wave=wave: (wave, 0))
             monkeypatch.setattr(mem, "machine_memory", lambda held=held: (1 << 40, held))
         bounded = size in ("bounded", "default", "host")
-        ring = bounded and size != "host"
+        ring = size == "bounded"  # (default: the ring's 16 records exceed this tiny tier)
         model, _, store = mlx_streaming.load(ck, ed, slots=slots, config=cfg)
         rt, tier = store.runtime, store.reader.tier
         said, bound = rt.reason("reader"), "do not fit in half of memory, as large as memory"
         assert size != "default" or f"{bound} holds: bounded to" in said, said
+        no_ring = "request ring's staging has no room" in rt.reason("decode_path")
+        assert no_ring == (size == "default"), rt.reason("decode_path")
         refused = "O_DIRECT refused" in rt.line()  # (a filesystem without it: the page cache)
         assert size != "default" or rt.direct_io or (refused and direct is None), rt.line()
         path = "host" if bounded and not ring else "device"
@@ -216,6 +219,38 @@ def test_a_mapping_that_cannot_be_page_locked_falls_back_to_pread(models, monkey
     store.close()
     with pytest.raises(OSError, match="injected"):
         FileExpertStore(ed, map_files=True)
+
+
+def test_a_ring_that_cannot_start_leaves_the_host_path(models, monkeypatch):
+    """Where a bounded tier's request ring cannot start, the store warns and takes the
+    host path over the same tier, saying why, and streams exactly; asked for
+    (``device_reads``), the error stands."""
+    from mlx_streaming import FileExpertStore, patch_model_filebacked
+    from mlx_streaming.core.io.ring import RequestRing
+
+    def refuse(self, *a, **kw):
+        raise OSError("injected: no ring")
+
+    ck, ed = models.experts("tiny-qwen3_moe", dtype="bfloat16")
+    meta = load_meta(ed)
+    rest = sum((lay.num_experts - meta.top_k) * lay.stride for lay in meta.layers.values())
+    cfg = mlx_streaming.StreamConfig(swap_tier=True, swap_tier_gb=rest / 3e9)
+    monkeypatch.setattr(RequestRing, "__init__", refuse)
+    with pytest.warns(RuntimeWarning, match="injected: no ring.*host path reads the records"):
+        store = FileExpertStore(ed, meta.top_k, config=cfg)
+    try:
+        rt = store.runtime
+        assert (rt.reader, rt.decode_path, store.device) == ("tier", "host", None)
+        assert "the request ring could not start" in rt.reason("decode_path")
+        model, _ = load(str(ck))
+        patch_model_filebacked(model, store)
+        stock, _ = load(str(ck))
+        ids = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+        assert mx.array_equal(model(ids), stock(ids))
+    finally:
+        store.close()
+    with pytest.raises(OSError, match="injected: no ring"):
+        FileExpertStore(ed, meta.top_k, config=cfg.replace(device_reads=True))
 
 
 def test_verify_on_cuda(models, capsys):
