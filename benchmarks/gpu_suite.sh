@@ -105,6 +105,9 @@
 #                                           O_DIRECT for the rest since 2026-12-06b), then the
 #                                           same through the page cache (--no-direct-io): the
 #                                           pair that decides O_DIRECT as the default there
+#                                           (measured on the host path; since 2026-12-07b the
+#                                           default's bounded tier takes the ring: ARGS=
+#                                           --no-device-reads for the former pair)
 #   bash benchmarks/gpu_suite.sh policies   decode at 50/25/12.5% on the device path under lru, then
 #                                           the host path under predictive: miss rates per path
 #   (mapab, lruab and compare measure the host path: they pass --no-device-reads)
@@ -141,7 +144,8 @@
 #                                           simulated predictor right 0/50/70/90/100% of the time
 #   bash benchmarks/gpu_suite.sh exact      where streaming stops being bit-exact, per preset
 #   bash benchmarks/gpu_suite.sh gated      a bounded tier's reads beside its trades against after
-#                                           them (probes/gated_read.py; DIRECT=1: from the disk)
+#                                           them, on the host path (probes/gated_read.py;
+#                                           DIRECT=1: from the disk)
 #   bash benchmarks/gpu_suite.sh probe      the primitives and the host-time profile
 #   bash benchmarks/gpu_suite.sh nan        where stock Qwen3-Next first gives a non-finite value
 #   bash benchmarks/gpu_suite.sh train      train-tiny at the committed model's shape: a timed
