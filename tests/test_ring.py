@@ -198,8 +198,14 @@ def test_a_failed_read_no_waiter_saw_is_named_for_the_commands(models, tmp_path,
     assert out.value.code == 1 and named in err and "unspecified launch failure" in err, err
     ring.close()
     assert named in str(ring_mod.unexplained_failure())  # kept past the ring
+    ring.words[1, SEQ] += 1  # as a kernel posts, to a ring that no longer answers (its
+    ring.words[1, ring_mod.EXPERT] = 3  # wait runs out): the record is named too
+    assert "expert 3 of layer" in str(ring.failed()) and "not read in time" in str(ring.failed())
     reader.close()
-    monkeypatch.setattr(ring_mod, "_closed_failures", [])
+    again = RequestRing(reader_over(ed)[2])  # a new ring: an earlier one's failure is not its
+    assert ring_mod.unexplained_failure() is None
+    again.close()
+    again.reader.close()
     with pytest.raises(RuntimeError, match="unspecified launch failure"):
         cli.main(["generate"])  # nothing failed: MLX's error as it was
 

@@ -100,6 +100,7 @@ class RequestRing:
             raise OSError(f"the request ring could not start: {err.value.decode()}")
         self.handle, self._told = reader.handle, set()  # failures ``wait`` raised
         _rings.add(self)
+        _closed_failures.clear()  # a new ring: an earlier one's failure is not this run's
 
     @property
     def entries(self) -> int:
@@ -140,20 +141,31 @@ class RequestRing:
 
     def failed(self) -> Exception | None:
         """The error of an answered request that failed and that no ``wait`` raised (a
-        kernel's, which traps on it), naming its file, layer and expert; else None."""
+        kernel's, which traps on it), else of one left unanswered (a kernel stops waiting
+        after ``plan_kernel.READ_WAIT_MS``), naming its file, layer and expert; else None."""
+        from .reader import RecordReadError
+
+        at = self.words.ctypes.data
+        done = [self.reader.lib.mlxs_ring_done(at, k) for k in range(len(self.words))]
         for k, row in enumerate(self.words):
-            seq = int(row[SEQ])
-            done = self.reader.lib.mlxs_ring_done(self.words.ctypes.data, k)
-            if row[STATUS] and done == seq and (k, seq) not in self._told:
+            if row[STATUS] and done[k] == row[SEQ] and (k, int(row[SEQ])) not in self._told:
                 return self._error(k)
+        for k, row in enumerate(self.words):
+            if done[k] != row[SEQ]:
+                (layer, path), e = self._where(k), int(row[EXPERT])
+                why = "was asked of the request ring and not read in time"
+                return RecordReadError(f"{path}: expert {e} of layer {layer} {why}")
         return None
 
-    def _error(self, k: int) -> Exception:
+    def _where(self, k: int) -> tuple[int | None, object]:
         row = self.words[k]
         layer = next((li for li, p in self.reader.pos.items() if p == row[LAYER]), None)
+        return layer, self.reader.meta.file(layer) if layer is not None else "no file"
+
+    def _error(self, k: int) -> Exception:
+        row, (layer, path) = self.words[k], self._where(k)
         expert, st = int(row[EXPERT]), int(row[STATUS])
         why = os.strerror(int(row[ERRNO])) if row[ERRNO] else f"status {st}"
-        path = self.reader.meta.file(layer) if layer is not None else "no file"
         return status_error(st, f"{why}: expert {expert}", path, layer, expert)
 
     def _check(self, k: int) -> None:
