@@ -304,13 +304,11 @@ def _row(
         room, flags = (E - s) * record_bytes * L, f"{flags} --swap-tier"
         if not size:
             return None
-        if device_swap:
-            host_s = 0.0
-        if size < room and device_swap:  # the ring's staging beside it (io.ring)
-            size = max(0, size - DEVICE_ENTRIES * record_bytes)
-            if not size:
+        host_s = 0.0 if device_swap else host_s
+        if size < room:  # bounded: the flag's GB, as the store reads it, less the request
+            size -= device_swap * DEVICE_ENTRIES * record_bytes  # ring's staging (io.ring)
+            if size <= 0:
                 return None
-        if size < room:  # bounded: the flag's GB, as the store reads it
             gb = _floor_gb(size)
             room, flags = int(float(gb) * 1e9), f"{flags} --swap-tier-gb {gb}"
         size = swap_rows(E, s, record_bytes, L, room) * record_bytes * L  # its own size
