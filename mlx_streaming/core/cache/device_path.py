@@ -165,7 +165,10 @@ class DevicePath:
             try:
                 reader.open_ring()
             except (OSError, MemoryError, cuda.CudaError) as e:
-                raise RingError(f"the request ring could not start: {e}") from e
+                msg = str(e)
+                if "the request ring could not start" not in msg:
+                    msg = f"the request ring could not start: {msg}"
+                raise RingError(msg) from e
 
     def _call_args(self, layer: int, n: int) -> tuple:
         """The kernel and its copy description for ``n`` ids of ``layer``."""
