@@ -12,6 +12,7 @@ from mlx_lm import load
 import mlx_streaming
 from mlx_streaming.analysis.verify import compare_traces, greedy_trace
 from mlx_streaming.core.dispatch import backend
+from mlx_streaming.core.io import ring as ring_module
 from mlx_streaming.core.meta import load_meta
 
 pytestmark = [
@@ -121,13 +122,12 @@ def test_a_swap_tier_streams_exactly_on_cuda(models, size, monkeypatch):
     each miss trading places with its victim on the GPU, decode steps on the device path
     and prompt chunks on the host path, the tier's tables handed between them; bounded
     (``swap_tier_gb``, a third of the rest): decode steps on the device path, the records
-    beyond the tier asked of the request ring by the plan kernel itself; ``auto`` (what
-    memory holds: whole here, as the patch must agree); ``default`` (no option, memory
-    made short of a whole tier: CUDA's default bounds one to it, with no room beside it
-    for the ring's staging here, so on the host path); ``host`` (bounded,
-    ``device_reads=False``: the host path too, the records outside the tier
-    read by the native engine while the GPU trades, gated reads, copied into their slots
-    once their victims have gone out). Greedy tokens and logits
+    beyond the tier asked of the request ring by the plan kernel itself, a prompt's from
+    the host; ``auto`` (what memory holds: whole here, as the patch must agree);
+    ``default`` (no option, memory made short of a whole tier: CUDA's default bounds one
+    to it, the ring's staging beside it); ``host`` (bounded, ``device_reads=False``: the
+    host path asks the ring for the records outside the tier, a record a round, and
+    copies each from its staging after the trades). Greedy tokens and logits
     equal stock's at top-k and half the slots; then every record is held at most once,
     where the tables say (the tier's rows and a few slots checked byte for byte against
     the files)."""
@@ -141,32 +141,20 @@ def test_a_swap_tier_streams_exactly_on_cuda(models, size, monkeypatch):
         gb = {"whole": None, "auto": "auto", "default": None}.get(size, rest / 3e9)
         reads = False if size == "host" else None
         cfg = mlx_streaming.StreamConfig(swap_tier=True, swap_tier_gb=gb, device_reads=reads)
-        if size == "default":  # a third of the rest beside a small margin and the trunk
-            from mlx_streaming.core import mem
-            from mlx_streaming.core.io import engine_lib
-            from mlx_streaming.core.io import tier as swap
-            from mlx_streaming.model_builder import trunk_host_bytes
-
-            # O_DIRECT beneath it: the default, or asked for (the patch agrees with both)
-            direct = True if slots == meta.top_k else None
+        if size == "default":  # O_DIRECT beneath it: the default, or asked for (the
+            direct = True if slots == meta.top_k else None  # patch agrees with both)
             cfg = mlx_streaming.StreamConfig(direct_io=direct)
-            lazy, _ = load(str(ck), lazy=True)
-            held = 4096 + trunk_host_bytes(lazy) + rest // 3  # the files: not in half of it
-            monkeypatch.setattr(swap, "MARGIN", 4096)  # and no staging (a third of the files)
-            wave = engine_lib.staging(meta)[0]
-            monkeypatch.setattr(engine_lib, "staging", lambda meta, wave=wave: (wave, 0))
-            monkeypatch.setattr(mem, "machine_memory", lambda held=held: (1 << 40, held))
+            _short_of_a_whole_tier(monkeypatch, ck, meta, rest)
+        if size == "host":  # a record a round: a call's reads in rounds, each copied first
+            monkeypatch.setattr(ring_module, "DEVICE_ENTRIES", 1)
         bounded = size in ("bounded", "default", "host")
-        ring = size == "bounded"  # (default: the ring's 16 records exceed this tiny tier)
         model, _, store = mlx_streaming.load(ck, ed, slots=slots, config=cfg)
         rt, tier = store.runtime, store.reader.tier
         said, bound = rt.reason("reader"), "do not fit in half of memory, as large as memory"
         assert size != "default" or f"{bound} holds: bounded to" in said, said
-        no_ring = "request ring's staging has no room" in rt.reason("decode_path")
-        assert no_ring == (size == "default"), rt.reason("decode_path")
         refused = "O_DIRECT refused" in rt.line()  # (a filesystem without it: the page cache)
         assert size != "default" or rt.direct_io or (refused and direct is None), rt.line()
-        path = "host" if bounded and not ring else "device"
+        path = "host" if size == "host" else "device"
         assert (rt.mapped, rt.reader, rt.decode_path) == (False, "tier", path)
         assert (store.device is None) == (path == "host") and tier.partial == bounded
         assert size != "auto" or "as large as memory holds: whole" in rt.reason("reader")
@@ -175,7 +163,7 @@ def test_a_swap_tier_streams_exactly_on_cuda(models, size, monkeypatch):
             assert cmp.exact, (slots, chunk, cmp.to_json())
         t = store.totals()
         assert t["misses"] > 0 and (path == "host" or t["device_path_calls"] > 0), t
-        if ring:  # records came from the files through the ring, every one answered
+        if bounded:  # records came from the files through the ring, every one answered
             asked = store.reader.ring.counters()
             assert asked["requests"] > 0 and asked["failed"] == 0, asked
         for li in store.layers:
@@ -221,12 +209,12 @@ def test_a_mapping_that_cannot_be_page_locked_falls_back_to_pread(models, monkey
         FileExpertStore(ed, map_files=True)
 
 
-def test_a_ring_that_cannot_start_leaves_the_host_path(models, monkeypatch):
-    """Where a bounded tier's request ring cannot start, the store warns and takes the
-    host path over the same tier, saying why, and streams exactly; asked for
-    (``device_reads``), the error stands."""
+def test_a_ring_that_cannot_start_leaves_the_page_cache(models, monkeypatch):
+    """Where CUDA's default bounded tier's request ring cannot start, the store warns and
+    reads through the page cache alone, saying why, and streams exactly; a tier asked
+    for raises the error, naming the ring."""
     from mlx_streaming import FileExpertStore, patch_model_filebacked
-    from mlx_streaming.core.io.ring import RequestRing
+    from mlx_streaming.core.io.ring import RequestRing, RingError
 
     def refuse(self, *a, **kw):
         raise OSError("injected: no ring")
@@ -234,14 +222,17 @@ def test_a_ring_that_cannot_start_leaves_the_host_path(models, monkeypatch):
     ck, ed = models.experts("tiny-qwen3_moe", dtype="bfloat16")
     meta = load_meta(ed)
     rest = sum((lay.num_experts - meta.top_k) * lay.stride for lay in meta.layers.values())
-    cfg = mlx_streaming.StreamConfig(swap_tier=True, swap_tier_gb=rest / 3e9)
+    asked = mlx_streaming.StreamConfig(swap_tier=True, swap_tier_gb=rest / 3e9)
     monkeypatch.setattr(RequestRing, "__init__", refuse)
-    with pytest.warns(RuntimeWarning, match="injected: no ring.*host path reads the records"):
-        store = FileExpertStore(ed, meta.top_k, config=cfg)
+    with pytest.raises(RingError, match="request ring could not start: injected: no ring"):
+        FileExpertStore(ed, meta.top_k, config=asked)
+    _short_of_a_whole_tier(monkeypatch, ck, meta, rest)
+    with pytest.warns(RuntimeWarning, match="injected: no ring.*reads with pread instead"):
+        store = FileExpertStore(ed, meta.top_k)
     try:
         rt = store.runtime
-        assert (rt.reader, rt.decode_path, store.device) == ("tier", "host", None)
-        assert "the request ring could not start" in rt.reason("decode_path")
+        assert (rt.reader, rt.decode_path, store.device) == ("native", "host", None)
+        assert "request ring could not start" in rt.reason("reader"), rt.line()
         model, _ = load(str(ck))
         patch_model_filebacked(model, store)
         stock, _ = load(str(ck))
@@ -249,8 +240,23 @@ def test_a_ring_that_cannot_start_leaves_the_host_path(models, monkeypatch):
         assert mx.array_equal(model(ids), stock(ids))
     finally:
         store.close()
-    with pytest.raises(OSError, match="injected: no ring"):
-        FileExpertStore(ed, meta.top_k, config=cfg.replace(device_reads=True))
+
+
+def _short_of_a_whole_tier(monkeypatch, ck, meta, rest: int) -> None:
+    """Memory made short of a whole swap tier for ``ck``: a third of ``rest`` (the bytes
+    the pools do not hold) beside a small margin, the trunk's load and the request
+    ring's staging (the files, then, not in half of it)."""
+    from mlx_streaming.core import mem
+    from mlx_streaming.core.io import engine_lib
+    from mlx_streaming.core.io import tier as swap
+    from mlx_streaming.model_builder import trunk_host_bytes
+
+    lazy, _ = load(str(ck), lazy=True)
+    held = 4096 + trunk_host_bytes(lazy) + rest // 3 + ring_module.ring_staging(meta)
+    monkeypatch.setattr(swap, "MARGIN", 4096)  # and no reader's staging
+    wave = engine_lib.staging(meta)[0]
+    monkeypatch.setattr(engine_lib, "staging", lambda meta, wave=wave: (wave, 0))
+    monkeypatch.setattr(mem, "machine_memory", lambda held=held: (1 << 40, held))
 
 
 def test_verify_on_cuda(models, capsys):

@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -210,12 +209,12 @@ def test_a_failed_call_keeps_its_own_message(models):
     pos = reader.pos[sorted(meta.layers)[0]]
     mine, theirs, good, slot, status = (np.array([v], np.int32) for v in (E + 7, E + 9, 3, 0, 0))
     err = error_buffer()
-    assert lib.mlxs_start(h, pos, 1, mine.ctypes.data, slot.ctypes.data, 0, 0, err, len(err)) == 4
+    assert lib.mlxs_start(h, pos, 1, mine.ctypes.data, slot.ctypes.data, 0, err, len(err)) == 4
 
     def other():
         e2 = error_buffer()
         for ids, rc in [(theirs, 4), (good, 0)]:
-            got = lib.mlxs_start(h, pos, 1, ids.ctypes.data, slot.ctypes.data, 0, 0, e2, len(e2))
+            got = lib.mlxs_start(h, pos, 1, ids.ctypes.data, slot.ctypes.data, 0, e2, len(e2))
             assert got == rc
         assert lib.mlxs_finish(h, status.ctypes.data, None, e2, len(e2)) == 0 and not e2.value
 
@@ -361,147 +360,6 @@ def test_started_reads_land_like_reads(models, tmp_path):
         r.result()
     reader.start(li, [1], [7])
     reader.close()  # the workers finish the started read, then stop
-
-
-@needs_library
-def test_a_gated_read_lands_in_its_slots_only_after_its_wait(models):
-    """With ``after`` (a swap tier's trades still moving on the GPU), the records are read
-    at once but copied into their slots only once ``after()`` has returned, called once
-    by whoever first waits for the read: its result, the next start, close. An error it
-    raises is the read's, and the reader goes on. Where the read cannot be gated (over a
-    wave, no worker threads) ``after`` comes first; the engine refuses a gated read now."""
-    _, ed = models.experts("tiny-qwen3_moe")
-    meta, pools, reader = reader_over(ed, 8, threads=2, wave=4)
-    li = sorted(meta.layers)[0]
-    rb, rows, seen = meta.layers[li].record_bytes, pools[li].parts, []
-
-    def untouched(slots):
-        return lambda: seen.append(all(not r[slots].any() for r in rows))
-
-    def rows_at(slot):
-        return [r[slot] for r in rows]
-
-    r = reader.start(li, [3, 9, 4], [0, 1, 2], after=untouched([0, 1, 2]))
-    until = time.perf_counter() + 10
-    while not r.done() and time.perf_counter() < until:  # read into staging, not copied
-        time.sleep(0.005)
-    assert r.done() and seen == [] and all(not x[[0, 1, 2]].any() for x in rows)
-    assert r.result() == 3 * rb and seen == [True]
-    for e, s in [(3, 0), (9, 1), (4, 2)]:
-        assert_slot_holds(meta, pools, li, s, e)
-    r = reader.start(li, [5], [3], after=untouched([3]))
-    time.sleep(0.05)
-    assert reader.start(li, [6], [4]).result() == rb  # finished the gated read first
-    assert seen == [True, True] and r.result() == rb
-    assert_slot_holds(meta, pools, li, 3, 5)
-
-    def fails():
-        raise RuntimeError("the trades failed")
-
-    r = reader.start(li, [7], [5], after=fails)
-    time.sleep(0.05)
-    with pytest.raises(RuntimeError, match="the trades failed"):
-        r.result()
-    assert all(not r[5].any() for r in rows)  # cancelled: its slot's users were not done
-    assert reader.start(li, [8], [6]).result() == rb
-    assert_slot_holds(meta, pools, li, 6, 8)
-    before = [r[0].copy() for r in rows]  # slot 0 holds record 3: after() sees it still
-    big = reader.start(
-        li,
-        [1, 10, 11, 12, 13],
-        [0, 1, 2, 3, 4],
-        after=lambda: seen.append(all(map(np.array_equal, rows_at(0), before))),
-    )
-    assert big.done() and seen == [True, True, True] and big.result() == 5 * rb  # fmt: skip
-    with pytest.raises(ValueError, match="refused"):  # after() still runs: its trades end
-        reader.start(li, [meta.num_experts], [5], after=lambda: seen.append("refused"))
-    assert seen[-1] == "refused"
-    seen.pop()
-    reader.start(li, [2], [7], after=untouched([7]))
-    time.sleep(0.05)
-    reader.close()  # the gated read in flight: after(), then its copies, then the stop
-    assert seen == [True, True, True, True]
-    assert_slot_holds(meta, pools, li, 7, 2)
-    meta, pools, inline = reader_over(ed, 8, threads=0, wave=4)
-    rows, seen = pools[li].parts, []
-    assert inline.start(li, [3], [0], after=untouched([0])).result() == rb and seen == [True]
-    ids, err = np.array([3, 0], np.int32), error_buffer()
-    assert inline.lib.mlxs_start(inline.handle, 0, 1, ids[:1].ctypes.data,
-                                 ids[1:].ctypes.data, 0, 1, err, len(err)) == 4  # fmt: skip
-    assert b"gated read needs worker threads" in err.value
-    inline.close()
-
-
-@needs_library
-def test_a_gated_read_whose_wait_is_interrupted_writes_nothing(models):
-    """Ctrl-C inside a gated read's ``after()`` (the trades' wait): the interrupt
-    propagates, the copies are cancelled, and asking again gives the cancelled read's
-    error, never a late copy into slots whose users may not be done; the reader goes on."""
-    _, ed = models.experts("tiny-qwen3_moe")
-    meta, pools, reader = reader_over(ed, 8, threads=2, wave=4)
-    li = sorted(meta.layers)[0]
-    rows, rb = pools[li].parts, meta.layers[li].record_bytes
-
-    def interrupted():
-        raise KeyboardInterrupt
-
-    r = reader.start(li, [3, 9], [0, 1], after=interrupted)
-    time.sleep(0.05)
-    with pytest.raises(KeyboardInterrupt):
-        r.result()
-    with pytest.raises(RecordReadError, match="cancelled"):
-        r.result()
-    assert all(not x[[0, 1]].any() for x in rows)
-    assert reader.start(li, [5], [2]).result() == rb
-    assert_slot_holds(meta, pools, li, 2, 5)
-    reader.close()
-
-
-@needs_library
-def test_a_gated_read_never_let_go_fails_and_frees_at_once(models):
-    """A gated read whose gate never opens: freeing the engine cancels it at once (nothing
-    written); with the sanitizer's build of a 1 s gate (``.ci/sanitize``), waiting for it
-    fails its records once the gate's time is up, and their slots stay untouched."""
-    _, ed = models.experts("tiny-qwen3_moe")
-    short = os.environ.get("MLX_STREAMING_TEST_GATE_S") == "1"
-    for wait in (False, True) if short else (False,):
-        meta, pools, reader = reader_over(ed, 4, threads=2, wave=4)
-        li, lib, err = sorted(meta.layers)[0], reader.lib, error_buffer()
-        ids = np.array([3, 9, 0, 1], np.int32)
-        status = np.zeros(4, np.int32)
-        t0 = time.perf_counter()
-        assert lib.mlxs_start(reader.handle, reader.pos[li], 2, ids[:2].ctypes.data,
-                              ids[2:].ctypes.data, 0, 1, err, len(err)) == 0  # fmt: skip
-        if wait:  # the engine's own bound, then the records fail, their slots untouched
-            rc = lib.mlxs_finish(reader.handle, status.ctypes.data, None, err, len(err))
-            assert rc == 6 and b"cancelled" in err.value and 0.9 < time.perf_counter() - t0 < 10
-            assert list(status[:2]) == [6, 6]
-        reader.close()  # frees the engine (a read still gated: cancelled, not waited for)
-        assert time.perf_counter() - t0 < (10 if wait else 5)
-        assert all(not r.any() for r in pools[li].parts)
-
-
-@needs_library
-@pytest.mark.skipif(
-    os.environ.get("MLX_STREAMING_TEST_GATE_S") != "1",
-    reason="needs the sanitizer's build of a 1 s gate (.ci/sanitize)",
-)
-def test_a_gate_outwaited_by_a_slow_wait_reads_its_records_again(models):
-    """A gated read whose ``after()`` returns, but past the gate's time (a stopped
-    process, a debugger): its copies were cancelled, so once the wait is over its records
-    are read again, ungated, and land in their slots; the reader goes on."""
-    _, ed = models.experts("tiny-qwen3_moe")
-    meta, pools, reader = reader_over(ed, 4, threads=2, wave=4)
-    li = sorted(meta.layers)[0]
-    rb, calls = meta.layers[li].record_bytes, reader.counters[reader.pos[li], 0]
-    r = reader.start(li, [3, 9], [0, 1], after=lambda: time.sleep(1.5))
-    assert r.result() == 2 * rb
-    assert reader.counters[reader.pos[li], 0] == calls + 2  # gated, then read again
-    assert_slot_holds(meta, pools, li, 0, 3)
-    assert_slot_holds(meta, pools, li, 1, 9)
-    assert reader.start(li, [5], [2]).result() == rb
-    assert_slot_holds(meta, pools, li, 2, 5)
-    reader.close()
 
 
 @needs_library
@@ -713,11 +571,11 @@ def test_fuzzed_layouts_never_crash(models, n_layers, threads, wave, max_stride,
                 assert 0 <= off and 0 <= nb and off + nb <= record and row >= nb
             last = np.array([experts - 1, capacity - 1], np.int32)  # its whole stride reads
             ids = last[:1].ctypes.data, last[1:].ctypes.data
-            assert lib.mlxs_start(e, pos, 1, *ids, now, 0, err, len(err)) == 0 and not err.value
+            assert lib.mlxs_start(e, pos, 1, *ids, now, err, len(err)) == 0 and not err.value
             assert lib.mlxs_finish(e, st_.ctypes.data, None, err, len(err)) == 0 and st_[0] == 0
         else:
             assert rc == -1 and err.value
-        if lib.mlxs_start(e, pos, 0, None, None, now, 0, err, len(err)) == 0:  # reads nothing
+        if lib.mlxs_start(e, pos, 0, None, None, now, err, len(err)) == 0:  # reads nothing
             assert rc == 0 and lib.mlxs_finish(e, st_.ctypes.data, None, err, len(err)) == 0
         else:
             assert rc != 0 and b"bad request" in err.value

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import time
 
 import mlx.core as mx
 import numpy as np
@@ -834,73 +833,10 @@ def _interrupt_after_trades(monkeypatch, model, ck, nth: int) -> None:
     monkeypatch.setattr(SwapTier, "read_rest", rest)
 
 
-class _Deferred:
-    """A load's future with no reads whose result first runs the trades still pending (as
-    the GPU runs queued trades before the expert work queued after them); a load with
-    reads leaves them to its reader."""
-
-    def __init__(self, future, pending):
-        self.future, self.pending = future, pending
-
-    def done(self):
-        return self.future.done()
-
-    def result(self, timeout=None):
-        from mlx_streaming.core.io.futures import Done
-
-        while isinstance(self.future, Done) and self.pending:
-            self.pending[0]()
-        return self.future.result()
-
-
-def test_a_bounded_tier_s_reads_land_after_trades_that_move_late(models, monkeypatch):
-    """Trades whose bytes move only when waited for (as the GPU's do, queued on its
-    stream): the files' records are read at once, but land in their slots only after the
-    victims have moved out, so the output stays stock's and every record is where the
-    tables say (before, the host waited for the trades before it started any read)."""
-    ck, ed = models.experts("tiny-qwen3_moe")
-    meta = load_meta(ed)
-    slots = meta.top_k + 1
-    # reader threads: the tiny records would be read inline, where no read can be gated
-    cfg = StreamConfig(swap_tier=True, swap_tier_gb=_rest_gb(meta, slots) / 3, threads=2)
-    model, store = patched(ck, ed, config=cfg, capacity=slots)
-    reader, tier = store.reader, store.reader.tier
-    assert reader.files.threads == 2
-    pending, late, events = [], [], []
-    held = reader.files.wait_started
-    monkeypatch.setattr(reader.files, "wait_started", lambda: (events.append("held"), held()))
-
-    def move(layer, trades):
-        events.append("move")  # after any read still held has landed (its trades first)
-        assert events[-2:] == ["held", "move"], events[-3:]
-
-        def wait():
-            if wait in pending:
-                pending.remove(wait)
-                tier.trade_on_host(layer, trades)
-
-        pending.append(wait)
-        return wait
-
-    def start(layer, experts, slots_):
-        fut = tier.take(layer, experts, slots_, move, reader.files)
-        late.append(bool(pending))  # gated: started before its trades moved
-        time.sleep(0.002)  # reads that were not held back would land now
-        return _Deferred(fut, pending)
-
-    monkeypatch.setattr(reader, "start", start)
-    assert_exact(model, ck)
-    assert_exact(model, ck)
-    assert any(late), "no read started while its trades were still to move"
-    assert not pending
-    assert_each_record_once(store, meta)
-    store.close()
-
-
 def test_a_read_still_held_lands_before_the_tier_s_next_trades(models):
-    """A gated read whose caller lost it (an interrupt before its load was waited for):
-    the tier's next ``take`` finishes it first (its trades' wait, then its copies), so the
-    next trades never move bytes from a slot the held read has yet to fill."""
+    """A read whose caller lost it (an interrupt before its load was waited for): the
+    tier's next ``take`` finishes it first, so the next trades never move bytes from a
+    slot the held read has yet to fill."""
     ck, ed = models.experts("tiny-qwen3_moe")
     meta = load_meta(ed)
     slots = meta.top_k + 1
@@ -925,18 +861,14 @@ def test_a_read_still_held_lands_before_the_tier_s_next_trades(models):
             for p in meta.layers[li].parts
         )  # fmt: skip
 
-    (la, lb), waited = store.layers[:2], []
+    la, lb = store.layers[:2]
     sa, va, ea = outside(la)
     sb, _, eb = outside(lb)
     assert holds(la, sa, va)
-
-    def move_late(layer, trades):  # as the GPU's: the bytes move when waited for
-        return lambda: (waited.append(layer), tier.trade_on_host(layer, trades))
-
-    held = tier.take(la, [ea], [sa], move_late, files)  # its caller never waits for it
+    held = tier.take(la, [ea], [sa], tier.trade_on_host, files)  # its caller never waits
 
     def move_now(layer, trades):
-        assert waited == [la] and holds(la, sa, ea), "the held read had not landed"
+        assert holds(la, sa, ea), "the held read had not landed"
         tier.trade_on_host(layer, trades)
 
     later = tier.take(lb, [eb], [sb], move_now, files)
@@ -1017,10 +949,10 @@ def test_a_bounded_tier_survives_a_failed_read_and_an_interrupt(models, monkeypa
     files, start = store.reader.files, store.reader.files.start
     calls = []
 
-    def garbage(layer, experts, slots_, after=None):  # the 3rd read: garbage, an error
+    def garbage(layer, experts, slots_):  # the 3rd read: garbage, an error
         calls.append(layer)
         if len(calls) != 3:
-            return start(layer, experts, slots_, after=after)
+            return start(layer, experts, slots_)
         pool = store.pool(layer)
         for s in slots_:
             for p, (addr, row) in zip(pool.layout.parts, pool.row_pointers()):

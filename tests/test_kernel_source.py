@@ -79,12 +79,13 @@ def kernels() -> dict[str, str]:
                     plan_kernel.plan_constants(64, 32, 6, weights, swap, rows),
                     device_reader.COPY_HEADER + plan_kernel.TIER_COPY,
                 )
+        for mode in (0, 1, 3):  # the fill kernel: in, trading, from the ring's staging
             add(
                 f"mlxs_fill_{word}",
                 device_reader._FILL.replace("WORD", c_word),
                 [(n, fill_types[n]) for n in fill_in],
                 [(fill_out[0], "uint32_t")],
-                [("N", 6), ("SWAP", int(swap))],
+                [("N", 6), ("SWAP", mode)],
                 device_reader.COPY_HEADER,
             )
     for ids in ("int32_t", "uint32_t"):

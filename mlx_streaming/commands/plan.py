@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 
+from ..core.cache.policy import DEFAULT_POLICY
 from ..core.options import StreamConfig
 from ..planning.budget import PoolShape, default_zero_slot, plan_budget
 from ..planning.planner import PlanRow, plan, resolve_policies, sample_layers, shared_layers
@@ -174,7 +175,7 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
     if a.policy == "all" or a.policy == "belady":
         raise ValueError(f"{flag} plans one policy the store runs, not --policy "
                          f"{a.policy}: name one (e.g. predictive)")  # fmt: skip
-    pol = "predictive" if a.policy == "auto" else a.policy
+    pol = DEFAULT_POLICY if a.policy == "auto" else a.policy
     L = shared_layers(trace, shape)  # a trace of another model is refused, as in plan
     sim = dict(layers=sample_layers(L, a.layer_sample or None),
                model_layers=len(shape.slot_bytes), tokens=a.tokens)  # fmt: skip

@@ -193,7 +193,7 @@ class StreamConfig:
 # options ``load`` applies around the store, and where: the store itself ignores them
 _LOAD_ONLY = {
     "budget_gb": "load(..., budget_gb=G), or planning.budget.store_slots for capacity and layer_caps",
-    "pool_profile": "load(...), or layer_caps=planning.profiles.load_pool_profile(dir)",
+    "pool_profile": "load(...), or layer_caps=model_builder.load_pool_profile(dir)",
     "context": "load(..., budget_gb='auto', context=N)",
     "cache_limit_gb": "load(...), or mx.set_cache_limit",
 }

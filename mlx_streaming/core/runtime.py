@@ -189,10 +189,9 @@ def resolve(
     if cfg.swap_tier_gb is not None and not cfg.swap_tier:
         refuse("swap_tier_gb bounds the swap tier: add --swap-tier")
     bounded = cfg.swap_tier_gb is not None  # the records beyond it read from the files
-    ring = cfg.device_reads is not False  # a bounded tier's misses asked of the request ring
+    ring = pool_mode == "cuda"  # a bounded tier's misses asked of the request ring
     if cfg.swap_tier and cfg.swap_tier_gb == "auto" and slots:  # whole where it fits
-        fits = _tier_fits(meta, slots, available(), "", share.reserve, ring, cfg.device_reads)
-        bounded, ring = not fits[0], fits[2]
+        bounded = not _tier_fits(meta, slots, available(), "", share.reserve, ring)[0]
     swap_tier = bool(cfg.swap_tier)  # None: CUDA's default where the files do not fit
     if pool_mode != "cuda" or swap_tier:
         mapped = False
@@ -209,8 +208,8 @@ def resolve(
             + ("; direct_io reads around the page cache" if cfg.direct_io else "")
         )
         if not fit and cfg.swap_tier is None and not (cfg.prefetch or cfg.reader):
-            whole, bounded, ring, why["mapped"] = _tier_fits(
-                meta, slots, avail, why["mapped"], share.reserve, ring, cfg.device_reads
+            whole, bounded, why["mapped"] = _tier_fits(
+                meta, slots, avail, why["mapped"], share.reserve, ring
             )
             swap_tier = whole or bounded  # (with direct_io: the files beyond a bounded one)
 
@@ -279,9 +278,6 @@ def resolve(
                    "host, the device path reads nothing there): drop one")  # fmt: skip
     if cfg.device_reads is False:
         decode_path, why["decode_path"] = "host", "device_reads turned off"
-    elif bounded and reader == "tier" and not ring:
-        decode_path, why["decode_path"] = "host", why.get("mapped") or "a bounded swap tier"
-        why["decode_path"] += " (the request ring's staging has no room beside it)"
     elif gpu_source and not cfg.prefetch:
         decode_path = "device"
         why["decode_path"] = why.get("mapped", "") or "the swap tier" + (
@@ -360,33 +356,32 @@ def pool_zero_slot(cfg: StreamConfig, backend: str | None = None) -> bool:
     return cfg.zero_slot if cfg.zero_slot is not None else _rows(cfg, b) != "subset"
 
 
-def _tier_fits(meta, slots, avail: int, why: str, reserve=0, ring=False, asked=None):
-    """``(whole, bounded, ring, why)``: whether a whole swap tier fits beside ``MARGIN`` and
-    ``reserve`` where the files do not; else a bounded one beside the files' reader and
-    ``ring``'s staging (left out where it leaves no room, unless ``asked``: the host path)."""
+def _tier_fits(meta, slots, avail: int, why: str, reserve=0, ring=False):
+    """``(whole, bounded, why)``: whether a whole swap tier fits beside ``MARGIN`` and
+    ``reserve`` where the files do not; else a bounded one beside the files' reader and,
+    on CUDA (``ring``), the request ring's staging, through which both paths read the
+    records beyond it."""
     from .io.tier import MARGIN, rows_bytes, staging_beside, tier_rows
 
     if not slots:
-        return False, False, ring, why
+        return False, False, why
     rest = tier_rows(meta, slots)
     need, beside = rows_bytes(meta, rest), MARGIN + reserve
     if need + beside <= avail:
         why += f"; the swap tier fits ({need / GB:.1f} GB of experts the pools do not hold): "
-        return True, False, ring, why + "the GPU trades with it (--no-swap-tier: the page cache)"
+        return True, False, why + "the GPU trades with it (--no-swap-tier: the page cache)"
     one = rows_bytes(meta, {li: min(1, n) for li, n in rest.items()})  # a record a layer
-    if ring and not asked and avail - beside - staging_beside(meta, True) < one:
-        ring = False  # no room for the ring's staging: a bounded tier on the host path
     beside += staging_beside(meta, ring)  # the readers' beside a bounded one
     room = avail - beside >= one > 0
     trunk = f", {reserve / GB:.1f} GB of them for the trunk as it loads" if reserve else ""
     why += f"; nor does a whole swap tier ({need / GB:.1f} GB and {beside / GB:.1f} GB "
     why += f"beside it{trunk}): "
     if not room:
-        return False, False, ring, why + "misses read from the files"
+        return False, False, why + "misses read from the files"
     why += f"a bounded one ({(avail - beside) / GB:.1f} GB) holds the experts the pools gave up "
-    beyond = "asked of the request ring by the GPU" if ring else "read from the files"
+    beyond = "asked of the request ring" if ring else "read from the files"
     why += f"last, misses beyond it {beyond} (--swap-tier-gb G: another bound; "
-    return False, True, ring, why + "--no-swap-tier: the page cache alone)"
+    return False, True, why + "--no-swap-tier: the page cache alone)"
 
 
 def files_bytes(meta) -> int:

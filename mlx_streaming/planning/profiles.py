@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..core.cache.policy import DEFAULT_POLICY
 from ..core.format import ExpertMeta, write_json_atomic
 from .allocate import climb
 from .budget import PoolShape, default_zero_slot, plan_budget
@@ -122,7 +123,7 @@ def build_profile(
     budget_gb: float | None = None,
     slots: int | None = None,
     mode: str = "budget",
-    policy: str = "predictive",
+    policy: str = DEFAULT_POLICY,
     tokens: int = 10000,
     step: int | None = None,
     zero_slot: bool | None = None,

@@ -121,7 +121,7 @@ int main(void) {
   for (int it = 0; it < ROUNDS; it++) { /* the engine's ordinary reads meanwhile */
     int32_t experts[SLOTS] = {it % EXPERTS, (it + 5) % EXPERTS, (it + 9) % EXPERTS, 15};
     int32_t slots[SLOTS] = {0, 1, 2, 3}, status[SLOTS];
-    bad += mlxs_start(e, it % 2, SLOTS, experts, slots, 0, 0, err, sizeof err) != ST_OK;
+    bad += mlxs_start(e, it % 2, SLOTS, experts, slots, 0, err, sizeof err) != ST_OK;
     bad += mlxs_finish(e, status, NULL, err, sizeof err) != ST_OK;
   }
   for (int i = 0; i < POSTERS; i++) pthread_join(t[i], NULL), bad += ps[i].bad;

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -63,24 +62,6 @@ if TYPE_CHECKING:
 
 class DevicePathError(RuntimeError):
     """The device path found no slot for a miss (its eligibility check was wrong)."""
-
-
-class RingError(OSError):
-    """A bounded tier's request ring could not start (``open_device_path``)."""
-
-
-def open_device_path(caches, pools, stats, reader, runtime, device_reads):
-    """``(DevicePath, runtime)`` for the runtime's device path; where a bounded tier's
-    request ring cannot start and ``device_reads`` was not asked for, a warning and
-    ``(None, runtime)`` revised to the host path, saying why."""
-    try:
-        return DevicePath(caches, pools, stats, reader), runtime
-    except RingError as e:
-        if device_reads:
-            raise
-        warnings.warn(f"{e}; the host path reads the records beyond the swap tier instead",
-                      RuntimeWarning, stacklevel=3)  # fmt: skip
-        return None, runtime.revised({"decode_path": str(e)}, decode_path="host")
 
 
 def _offsets(arrays: dict[str, np.ndarray], start: int = 0) -> tuple[dict[str, int], int]:
@@ -161,14 +142,6 @@ class DevicePath:
         self._kernels = {}  # by copy word: each kernel's variants
         self._calls = {}  # (layer, routed ids): the kernel call's fixed arguments
         self._prev = {li: mx.zeros((1,), SLOT_IDS) for li in self.layers}  # last outputs
-        if self.bounded:
-            try:
-                reader.open_ring()
-            except (OSError, MemoryError, cuda.CudaError) as e:
-                msg = str(e)
-                if "the request ring could not start" not in msg:
-                    msg = f"the request ring could not start: {msg}"
-                raise RingError(msg) from e
 
     def _call_args(self, layer: int, n: int) -> tuple:
         """The kernel and its copy description for ``n`` ids of ``layer``."""

@@ -28,7 +28,7 @@ from ..options import StreamConfig, refuse_load_only
 from ..runtime import Runtime, resolve
 from .calls import LayerCall
 from .counts import HitCounts, ResidentSet
-from .device_path import open_device_path
+from .device_path import DevicePath
 from .driver import Driver
 from .host_path import HostPath
 from .loads import Loader
@@ -127,9 +127,7 @@ class FileExpertStore:
         self.device = None
         if rt.decode_path == "device":
             try:
-                self.device, self.runtime = open_device_path(
-                    self.caches, self.pools, self.stats, self.reader, rt, cfg.device_reads
-                )
+                self.device = DevicePath(self.caches, self.pools, self.stats, self.reader)
             except BaseException:
                 self.close()
                 raise

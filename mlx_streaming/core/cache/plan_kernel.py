@@ -17,6 +17,7 @@ import numpy as np
 
 from ..io.device_reader import copy_kernel
 from ..io.kernels import Consts
+from ..io.ring import READ_WAIT_S
 from .device_plan import COUNTERS, POINTERS, constants, layer_arrays, scratch_arrays
 from .device_tier import TIER_COPY, TIER_PLAN
 from .scored import AGE_POW, HISTORY, LOG1P_REC, WINDOWS
@@ -40,9 +41,7 @@ THREADS = 256
 PLAN_NAMES = (["ids", "p", "meta", "after"], ["slots"])  # the kernel's inputs, outputs
 BLOCKS = 128
 WAIT_NS = 2_000_000_000  # a constexpr int: under 2**31
-# A ring read's wait: long enough for a slow disk's record behind 15 others (a trap loses
-# the process's CUDA context), short enough that a dead ring fails the call
-READ_WAIT_MS = 30_000
+READ_WAIT_MS = READ_WAIT_S * 1000  # a ring read's wait (io.ring)
 _PLAN_BODY = """
     const int tid = threadIdx.x, nth = blockDim.x;
     __shared__ int fl[3 + 5 * N];  // the fills (a bounded tier's ops), as each block reads them

@@ -49,7 +49,7 @@ def open_reader(
         runtime = resolve(bound, meta, runtime.backend, host=host)  # no slots: bounded
         try:
             reader = make_reader(runtime, meta, pools, tier_gb, tick, host)
-        except MemoryError as again:  # the default's: the page cache; else raised
+        except (MemoryError, OSError) as again:  # the default's: the page cache; else raised
             return _without(runtime, cfg, meta, pools, tick, again)
     except OSError as e:
         return _without(runtime, cfg, meta, pools, tick, e)
@@ -76,13 +76,22 @@ def open_reader(
 def _without(runtime: Runtime, cfg: StreamConfig, meta, pools, tick, e: Exception):
     """``open_reader``'s answer to ``e``, raised making the reader: the page cache's
     reader where the default's mappings or tier failed to page-lock, else ``e``."""
+    from ..io.ring import RingError
+
     tier = runtime.reader == "tier" and cfg.swap_tier is None  # the default's tier
-    failed = isinstance(e, MemoryError) if tier else runtime.mapped and isinstance(e, OSError)
+    failed = (
+        isinstance(e, (MemoryError, RingError))
+        if tier
+        else runtime.mapped and isinstance(e, OSError)
+    )
     if not failed or cfg.map_files or cfg.device_reads:
         raise e  # asked for (the device path needs them), or a file's own error
     warnings.warn(f"{e}; the store reads with pread instead", RuntimeWarning, stacklevel=4)
     rt = resolve(cfg.replace(map_files=False, swap_tier=False), meta)
-    why = f"the {'swap tier' if tier else 'files'} could not be page-locked ({e})"
+    if isinstance(e, RingError):
+        why = f"the bounded swap tier's {e}"
+    else:
+        why = f"the {'swap tier' if tier else 'files'} could not be page-locked ({e})"
     rt = rt.revised({"mapped": why, "decode_path": why, "reader": why})
     return make_reader(rt, meta, pools, tick=tick), rt
 
@@ -121,7 +130,7 @@ def make_reader(
             limit = None if tier_gb is None else int(tier_gb * 1e9)
         staging = 0  # what the files' reader stages records in, made after the tier
         if limit == "auto" and runtime.files_reader == "native":
-            staging = staging_beside(meta, runtime.decode_path == "device")
+            staging = staging_beside(meta, on_gpu)  # on CUDA both paths ask the ring
         tier = SwapTier(
             meta,
             pools,

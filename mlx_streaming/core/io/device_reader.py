@@ -16,6 +16,7 @@ checking).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -26,6 +27,7 @@ from . import cuda
 from .filemap import FileMaps
 from .futures import Done
 from .kernels import Kernels
+from .ring import READ_WAIT_S
 
 FILL_BLOCKS, FILL_THREADS = 1024, 256
 
@@ -35,7 +37,7 @@ FILL_BLOCKS, FILL_THREADS = 1024, 256
 # into the slot, ``MLXS_SWAP`` they trade (each word exchanged by the one thread that owns
 # it), ``MLXS_OUT`` the slot into the record, ``MLXS_FRESH`` as ``IN`` reading the source
 # past the caches (a record the host wrote). ``mlxs_copy`` runs it over a fills list
-# (``[n, r0, s0, r1, s1...]``), in or (``SWAP``) trading. ``meta``: the layer's source
+# (``[n, r0, s0, r1, s1...]``) in mode ``MODE``. ``meta``: the layer's source
 # address, stride, part count, then per part its offset, bytes, pool address, row bytes.
 COPY_HEADER = """
 struct __align__(16) mlxs_w16 { unsigned long long x, y; };
@@ -65,13 +67,13 @@ __device__ void mlxs_parts(char* rec, int64_t slot, const int64_t* meta, long lo
         }
     }
 }
-template <typename W, int SWAP>
+template <typename W, int MODE>
 __device__ void mlxs_copy(const int* f, const int64_t* meta, long long tid, long long nth) {
     char* src = (char*)(meta[0]);
     for (int k = 0; k < f[0]; k++) {
         if (f[1 + 2 * k] < 0) continue;  // no record (a defect the planner counted)
-        mlxs_parts<W, SWAP ? MLXS_SWAP : MLXS_IN>(src + (int64_t)f[1 + 2 * k] * meta[1],
-                                                  f[2 + 2 * k], meta, tid, nth);
+        mlxs_parts<W, MODE>(src + (int64_t)f[1 + 2 * k] * meta[1], f[2 + 2 * k], meta, tid,
+                            nth);
     }
 }
 """
@@ -126,13 +128,15 @@ class DeviceReader:
         checksums: Check every record on the host first (the tier checks as it loads).
         tier: A ``SwapTier`` of ``pools`` (page-locked, device-mapped) instead of the
             mapped files; the reader closes it.
-        files: A partial tier's reader of the records outside it (the native reader);
-            the reader closes it.
+        files: A partial tier's reader of the records outside it (the native reader),
+            whose engine reads them through a request ring (``io.ring``) on both paths;
+            the reader closes both.
         tick: Called after each layer's file is mapped and after each is checked (e.g.
             a pipeline's ``Pace.tick``).
 
     Raises:
         OSError: a file could not be mapped or page-locked (the message says which).
+        RingError: a partial tier's request ring could not start.
         ExpertChecksumError: a corrupt record (naming the file and the expert).
     """
 
@@ -148,8 +152,8 @@ class DeviceReader:
         tick: Callable[[], None] | None = None,
     ):
         self.meta, self.pools, self.tier, self.swap = meta, pools, tier, tier is not None
-        self.files = files  # a partial tier's: the store's reader of the rest
-        self.maps = self.ring = None
+        self.files = files  # a partial tier's: its engine reads the rest, through the ring
+        self.maps = self.ring = self._reads = None
         try:
             if tier is None:
                 self.maps = FileMaps(meta, sorted(pools), cuda=cuda, tick=tick)
@@ -165,6 +169,8 @@ class DeviceReader:
                 if word not in self._kernels:
                     self._kernels[word] = copy_kernel("mlxs_fill", _FILL, word, *FILL_NAMES)
             mx.eval([m for m, _ in self._meta.values()])
+            if files is not None:
+                self._open_ring()
         except BaseException:
             self._release()
             raise
@@ -182,29 +188,41 @@ class DeviceReader:
             checked += [p.offset, p.nbytes, addr, row]
         return mx.array(np.array(meta, np.int64)), _word(checked)
 
-    def open_ring(self) -> None:
-        """A bounded tier's device path: a request ring over the files' reader, through
-        which the plan kernel asks for the records beyond the tier (``io.ring``); each
-        layer's copy description then names it (``device_tier.TIER_COPY``'s ``meta``)."""
-        from .ring import DEVICE_ENTRIES, DEVICE_READERS, RequestRing
+    def _open_ring(self) -> None:
+        """A bounded tier's request ring over the files' reader (``io.ring``), through
+        which the plan kernel (device path) or ``RingReads`` (host path) asks for the
+        records beyond the tier; each layer's copy description then names it
+        (``device_tier.TIER_COPY``'s ``meta``), and a second one copies from its staging."""
+        from .ring import DEVICE_ENTRIES, DEVICE_READERS, RequestRing, RingError
 
-        ring = self.ring = RequestRing(self.files, DEVICE_ENTRIES, DEVICE_READERS, cuda=cuda)
+        try:
+            ring = RequestRing(self.files, DEVICE_ENTRIES, DEVICE_READERS, cuda=cuda)
+        except (OSError, MemoryError, cuda.CudaError) as e:
+            raise RingError(e) from e
+        self.ring, self._staged = ring, {}
         for li, (meta, word) in self._meta.items():
             at = [ring.device_words, ring.device_staging, ring.stride, self.files.pos[li]]
             extra = mx.array(np.array([*at, ring.entries], np.int64))
-            self._meta[li] = mx.concatenate([meta, extra]), _word([word, *at[1:3]])
-        mx.eval([m for m, _ in self._meta.values()])
+            word = _word([word, *at[1:3]])
+            self._meta[li] = mx.concatenate([meta, extra]), word
+            self._staged[li] = mx.concatenate([extra[1:3], meta[2:]]), word
+            if word not in self._kernels:
+                self._kernels[word] = copy_kernel("mlxs_fill", _FILL, word, *FILL_NAMES)
+        mx.eval([m for m, _ in [*self._meta.values(), *self._staged.values()]])
+        self._reads = RingReads(ring, self._copy_staged, self.meta)
 
     def copy_meta(self, layer: int) -> tuple[mx.array, int]:
         """``layer``'s copy description (``COPY_HEADER``'s ``meta``) and its copy word
         (bytes), for a kernel that copies records itself (``copy_kernel``)."""
         return self._meta[layer]
 
-    def fill(self, layer: int, fills: mx.array, slots: mx.array) -> mx.array:
+    def fill(self, layer: int, fills: mx.array, slots: mx.array, staged=False) -> mx.array:
         """Copy the records ``fills`` names into their slots, lazily; returns ``slots``
-        once they are in (an array the matmuls then read)."""
-        meta, word = self._meta[layer]
-        (out,) = self._kernels[word]((("N", slots.size), ("SWAP", int(self.swap))))(
+        once they are in (an array the matmuls then read). ``staged``: the records are
+        the request ring's entries (``fills`` names entries), read past the caches."""
+        meta, word = (self._staged if staged else self._meta)[layer]
+        mode = 3 if staged else int(self.swap)  # COPY_HEADER's MLXS_FRESH, SWAP or IN
+        (out,) = self._kernels[word]((("N", slots.size), ("SWAP", mode)))(
             inputs=[fills, slots, meta],
             grid=(FILL_BLOCKS * FILL_THREADS, 1, 1),
             threadgroup=(FILL_THREADS, 1, 1),
@@ -217,20 +235,24 @@ class DeviceReader:
         """Queue the copies of records ``experts`` into ``slots`` on MLX's stream now
         (the host path: its computations on these slots are queued after)."""
         if self.swap:  # the tier's trades (tier.SwapTier.take), by the fill kernel
-            return self.tier.take(layer, experts, slots, self._trade, self.files)
+            return self.tier.take(layer, experts, slots, self._trade, self._reads)
         self._queue(layer, experts, slots)
         return Done(len(experts) * self.meta.layers[layer].record_bytes)
 
-    def _trade(self, layer: int, trades):
-        """Queue the exchanges of ``trades`` (tier row, slot); a wait for them."""
-        out = self._queue(layer, [h for h, _ in trades], [s for _, s in trades])
-        return lambda: mx.eval(out)
+    def _trade(self, layer: int, trades) -> None:
+        """Queue the exchanges of ``trades`` (tier row, slot) on MLX's stream: the reads'
+        copies and the computations queued after them run after them."""
+        self._queue(layer, [h for h, _ in trades], [s for _, s in trades])
 
-    def _queue(self, layer: int, records, slots) -> mx.array:
+    def _copy_staged(self, layer: int, slots) -> mx.array:
+        """Queue the copies of the ring's entries 0.. into ``slots``."""
+        return self._queue(layer, range(len(slots)), slots, staged=True)
+
+    def _queue(self, layer: int, records, slots, staged=False) -> mx.array:
         n = len(records)
         fills = np.empty(1 + 2 * n, np.int32)
         fills[0], fills[1::2], fills[2::2] = n, records, slots
-        out = self.fill(layer, mx.array(fills), mx.zeros((1,), SLOT_IDS))
+        out = self.fill(layer, mx.array(fills), mx.zeros((1,), SLOT_IDS), staged)
         mx.async_eval(out)
         return out
 
@@ -260,3 +282,93 @@ class DeviceReader:
                 self.tier.close()
             if self.maps is not None:
                 self.maps.close()
+
+
+class RingReads:
+    """The host path's reads of the records beyond a bounded tier (``tier.SwapTier.take``'s
+    file reader): each asked of the request ring from the host, then copied from the
+    ring's staging into its slot by ``copy(layer, slots)`` (the fill kernel, queued on
+    MLX's stream behind the tier's trades, so the victims are out first, and ahead of
+    the computations that read the slots; it returns the copy's output). More records
+    than the ring has entries are read in rounds, each round's copies finished before
+    its entries are asked again."""
+
+    def __init__(self, ring, copy, meta):
+        self.ring, self.copy, self.meta = ring, copy, meta
+        self._copied: mx.array | None = None  # the last copies from staging queued
+        self._pending: _RingRead | None = None  # started, not yet waited for
+
+    def start(self, layer: int, experts, slots) -> _RingRead:
+        """Ask the ring for ``experts`` of ``layer`` (at most its entries now, the rest
+        as ``result()`` goes); ``result()`` queues their copies into ``slots``."""
+        self.wait_started()
+        self._pending = _RingRead(self, layer, list(experts), list(slots))
+        return self._pending
+
+    def wait_started(self) -> None:
+        """Finish the read started and not yet waited for (its caller was interrupted):
+        every entry answered, so that the next post finds none still reading."""
+        read, self._pending = self._pending, None
+        if read is not None:
+            self.settle(read.seqs)
+            read.seqs = []
+
+    def post(self, layer: int, experts) -> list[int]:
+        """Post ``experts`` into entries 0.. once no queued copy reads them any more."""
+        if self._copied is not None:
+            mx.eval(self._copied)  # (done already where a routing read came between)
+            self._copied = None
+        return [self.ring.post(k, layer, int(e)) for k, e in enumerate(experts)]
+
+    def answered(self, seqs: list[int]) -> bool:
+        lib, words = self.ring.reader.lib, self.ring.words.ctypes.data
+        return all(lib.mlxs_ring_done(words, k) == q for k, q in enumerate(seqs))
+
+    def settle(self, seqs: list[int]) -> None:
+        """Wait until each request of ``seqs`` is answered (its outcome dropped)."""
+        for k, q in enumerate(seqs):
+            with contextlib.suppress(Exception):
+                self.ring.answered(k, q, READ_WAIT_S)
+
+    def rounds(self, read: _RingRead) -> int:
+        """``read``'s records, round by round: each answered, then copied; its bytes."""
+        if self._pending is read:
+            self._pending = None
+        n, at, k = len(read.experts), 0, self.ring.entries
+        while True:
+            for j, q in enumerate(read.seqs):
+                self.ring.answered(j, q, READ_WAIT_S)
+            m, read.seqs = len(read.seqs), []
+            self._copied = self.copy(read.layer, read.slots[at : at + m])
+            at += m
+            if at >= n:
+                return n * self.meta.layers[read.layer].record_bytes
+            read.seqs = self.post(read.layer, read.experts[at : at + k])
+
+
+class _RingRead:
+    """``RingReads.start``'s read: ``result()`` the bytes read, or the first failure
+    (the slots it names may hold partial data and must not be used)."""
+
+    def __init__(self, reads: RingReads, layer: int, experts: list, slots: list):
+        self.reads, self.layer, self.experts, self.slots = reads, layer, experts, slots
+        self.outcome: int | BaseException | None = None
+        self.seqs = reads.post(layer, experts[: reads.ring.entries])  # this round's
+
+    def done(self) -> bool:
+        last = len(self.experts) <= self.reads.ring.entries  # one round: no copy between
+        return self.outcome is not None or (last and self.reads.answered(self.seqs))
+
+    def result(self) -> int:
+        if self.outcome is None:
+            try:
+                self.outcome = self.reads.rounds(self)
+            except Exception as e:  # noqa: BLE001 - raised again on each result()
+                self.outcome = e
+            finally:
+                if self.outcome is None or isinstance(self.outcome, BaseException):
+                    self.reads.settle(self.seqs)  # none left reading into its entries
+                    self.seqs = []
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome

@@ -6,14 +6,13 @@
  * cut into pieces read with pread on worker threads (the calling thread works too) into
  * a staging area, each piece is copied into its slot's part rows with the copy function given
  * (cudaMemcpyAsync on a per-thread stream; memcpy without one) as it lands, and each record's
- * checksum is checked once all its pieces have landed. A gated read's pieces are read at
- * once and copied only when mlxs_open lets them (the slots' last users are done). Every input is
- * checked: a bad layer, expert, slot or size is refused with a status, never followed.
+ * checksum is checked once all its pieces have landed. Every input is checked: a bad layer,
+ * expert, slot or size is refused with a status, never followed.
  *
  * Every call that can fail writes why into the caller's ``err`` (``err_len`` bytes, under
  * the engine's lock: no message outlives its call or is shared between callers).
  *
- * This file is the reading API (mlxs_start, mlxs_open, mlxs_finish, mlxs_staged); an
+ * This file is the reading API (mlxs_start, mlxs_finish, mlxs_staged); an
  * engine's set-up and teardown (mlxs_new, mlxs_layer, mlxs_free) are in engine_setup.c, the threads
  * that read and copy in engine_io.c, the shared definitions in engine.h. Built by pip install as a
  * plain shared library and driven through ctypes (io/native.py).
@@ -33,8 +32,6 @@ int mlxs_say(char *err, int err_len, const char *fmt, ...) {
 static void describe(char *err, int err_len, int st, int errnum, int expert, int layer) {
   const char *what = st == ST_CHECKSUM ? "checksum mismatch (the expert file is corrupt)"
                      : st == ST_COPY   ? "copy to the device failed"
-                     : st == ST_GATE   ? "the copy was cancelled (its gate was not let go, or not "
-                                         "within " MLXS_STR(GATE_WAIT_S) " s)"
                      : st == ST_SHORT
                          ? "the file ends inside the record (it shrank or is truncated)"
                          : "read failed";
@@ -108,11 +105,9 @@ void mlxs_join_started(Engine *e) {
  * computes meanwhile and takes the outcome with mlxs_finish (which must come before the
  * next mlxs_start). With ``now`` (a caller that would wait at once), or without workers, the
  * wave is read before returning, on this thread too (alone for a single piece, as waking the
- * workers costs more). ``gated``: the workers read at once but copy into the slots only
- * after mlxs_open (at most GATE_WAIT_S later: then the records fail); not with ``now`` or
- * without workers. Returns ST_OK or ST_ARGS (``err`` says why). */
+ * workers costs more). Returns ST_OK or ST_ARGS (``err`` says why). */
 int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_t *slots, int now,
-               int gated, char *err, int err_len) {
+               char *err, int err_len) {
   mlxs_say(err, err_len, "%s", e ? "" : "no engine");
   if (!e) return ST_ARGS;
   pthread_mutex_lock(&e->call_lock);
@@ -124,18 +119,12 @@ int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_
                         : "a started read takes at most one wave");
     st = ST_ARGS;
   }
-  if (st == ST_OK && gated && (now || !e->n_started)) {
-    mlxs_say(err, err_len, "a gated read needs worker threads and cannot be read now");
-    st = ST_ARGS;
-  }
   if (st == ST_OK) {
     e->held_n = n, e->held_layer = layer, e->held_t0 = mlxs_now_ns();
     for (int i = 0; i < n; i++) e->held_experts[i] = experts[i];
     mlxs_plan_wave(e, layer, n, experts, slots);
     pthread_mutex_lock(&e->m); /* before pending: staged() never sees the last wave's count */
-    e->workers_done = 0, e->jobs_read = 0;
-    __atomic_store_n(&e->gate, gated ? GATE_SHUT : GATE_OPEN, __ATOMIC_RELEASE);
-    e->gate_until = mlxs_now_ns() + (int64_t)GATE_WAIT_S * 1000000000;
+    e->workers_done = 0;
     pthread_mutex_unlock(&e->m);
     __atomic_store_n(&e->pending, 1, __ATOMIC_RELEASE);
     if (e->n_started && e->n_jobs && !now)
@@ -180,22 +169,12 @@ int mlxs_finish(Engine *e, int32_t *status, int64_t *counters, char *err, int er
   return first;
 }
 
-/* ``go``: let a gated read's copies go (its slots are free to be written); else cancel
- * them (its records fail with ST_GATE, nothing written into their slots). Returns 0. */
-int mlxs_open(Engine *e, int go) {
-  if (e) mlxs_set_gate(e, go ? GATE_OPEN : GATE_CANCELLED);
-  return 0;
-}
-
-/* 1 when nothing of a started read is left to read from its files: none on the workers,
- * or a gated read whose every piece is in staging (its copies wait only for mlxs_open). */
+/* 1 when nothing of a started read is left to read or copy: none on the workers. */
 int mlxs_staged(Engine *e) {
   if (!e) return 1;
   pthread_mutex_lock(&e->m);
-  int staged = __atomic_load_n(&e->pending, __ATOMIC_ACQUIRE) != 1 ||
-               e->workers_done >= e->n_started ||
-               (__atomic_load_n(&e->gate, __ATOMIC_ACQUIRE) == GATE_SHUT &&
-                __atomic_load_n(&e->jobs_read, __ATOMIC_ACQUIRE) >= e->n_jobs);
+  int staged =
+      __atomic_load_n(&e->pending, __ATOMIC_ACQUIRE) != 1 || e->workers_done >= e->n_started;
   pthread_mutex_unlock(&e->m);
   return staged;
 }

@@ -19,23 +19,9 @@
 #define MAX_WAVE 256
 #define MAX_PIECES 32 /* per record */
 #define EAGAIN_TRIES 1000
-#define MLXS_STR_(x) #x
-#define MLXS_STR(x) MLXS_STR_(x)
-#ifndef GATE_WAIT_S /* a gated read's copies wait at most this long for mlxs_open */
-#define GATE_WAIT_S 60
-#endif
 #define MAX_BYTES ((int64_t)1 << 40) /* bound on any size, so that no product overflows */
 
-enum { GATE_OPEN = 0, GATE_SHUT = 1, GATE_CANCELLED = 2 };
-enum {
-  ST_OK = 0,
-  ST_READ = 1,
-  ST_CHECKSUM = 2,
-  ST_SHORT = 3,
-  ST_ARGS = 4,
-  ST_COPY = 5,
-  ST_GATE = 6
-};
+enum { ST_OK = 0, ST_READ = 1, ST_CHECKSUM = 2, ST_SHORT = 3, ST_ARGS = 4, ST_COPY = 5 };
 /* counters per layer: read ns is pread plus copy calls, summed over threads; busy ns is
  * wall time from mlxs_start to mlxs_finish; pread, copy-call and sync ns split the
  * threads' time */
@@ -83,7 +69,7 @@ typedef struct Engine {
   int64_t max_stride, piece_bytes;
   Job jobs[MAX_WAVE * MAX_PIECES];
   int n_jobs;
-  int next_job, workers_done, jobs_read; /* jobs_read: pieces read into staging */
+  int next_job, workers_done;
   int pieces_left[MAX_WAVE], rec_status[MAX_WAVE], rec_errno[MAX_WAVE];
   int64_t read_ns, pread_ns, copy_ns, sync_ns, copies;
   /* a started read (mlxs_start): 1 on the workers, 2 landed and held for mlxs_finish */
@@ -94,12 +80,6 @@ typedef struct Engine {
   pthread_mutex_t call_lock;   /* one call at a time */
   pthread_mutex_t m;
   pthread_cond_t cv, done_cv;
-  /* a gated read (mlxs_start's ``gated``): its pieces are read at once, their copies into
-   * the slots wait until mlxs_open lets them go (the slots' last users are done with them)
-   * or cancels them, or until gate_until (monotonic ns): then the records fail */
-  int gate;
-  int64_t gate_until;
-  pthread_cond_t gate_cv;
   int64_t generation;
   int stop, n_started;
   pthread_t workers[MAX_THREADS];
@@ -115,8 +95,7 @@ int mlxs_layer(Engine *e, int pos, int fd, int64_t stride, int64_t record_bytes,
                char **part_dst, const int64_t *part_row, const uint64_t *checksums,
                uint8_t *checked, char *err, int err_len);
 int mlxs_start(Engine *e, int layer, int n, const int32_t *experts, const int32_t *slots, int now,
-               int gated, char *err, int err_len);
-int mlxs_open(Engine *e, int go);
+               char *err, int err_len);
 int mlxs_finish(Engine *e, int32_t *status, int64_t *counters, char *err, int err_len);
 int mlxs_staged(Engine *e);
 void mlxs_free(Engine *e);
@@ -150,8 +129,6 @@ void mlxs_wake(Engine *e);
 void mlxs_join(Engine *e);
 /* Cut nr records into pieces (whole pages, so O_DIRECT reads work too) for every thread. */
 void mlxs_plan_wave(Engine *e, int layer, int nr, const int32_t *experts, const int32_t *slots);
-/* Set a gated read's gate (GATE_OPEN or GATE_CANCELLED) and wake the workers waiting at it. */
-void mlxs_set_gate(Engine *e, int gate);
 /* The worker threads' loop (started by mlxs_new with a malloc'd WorkerArg). */
 typedef struct {
   Engine *e;

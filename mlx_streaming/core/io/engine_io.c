@@ -51,36 +51,6 @@ static int copy_range(Engine *e, int w, const Layer *L, int slot, const char *re
   return rc;
 }
 
-void mlxs_set_gate(Engine *e, int gate) {
-  pthread_mutex_lock(&e->m);
-  if (e->gate == GATE_SHUT) __atomic_store_n(&e->gate, gate, __ATOMIC_RELEASE);
-  pthread_cond_broadcast(&e->gate_cv);
-  pthread_mutex_unlock(&e->m);
-}
-
-/* Wait until a gated read's copies may go: 1 once open; 0 once cancelled, stopped, or past
- * gate_until (which cancels it for every worker). Waits in slices of the realtime clock
- * the condition variable takes, against the monotonic deadline. */
-static int pass_gate(Engine *e) {
-  pthread_mutex_lock(&e->m);
-  while (e->gate == GATE_SHUT && !e->stop) {
-    int64_t left = e->gate_until - mlxs_now_ns();
-    if (left <= 0) {
-      __atomic_store_n(&e->gate, GATE_CANCELLED, __ATOMIC_RELEASE);
-      break;
-    }
-    if (left > 100000000) left = 100000000;
-    struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
-    int64_t ns = until.tv_nsec + left;
-    until.tv_sec += ns / 1000000000, until.tv_nsec = ns % 1000000000;
-    pthread_cond_timedwait(&e->gate_cv, &e->m, &until);
-  }
-  int open = e->gate == GATE_OPEN && !e->stop;
-  pthread_mutex_unlock(&e->m);
-  return open;
-}
-
 static void fail(Engine *e, int rec, int st, int errnum) {
   __atomic_store_n(&e->rec_status[rec], st, __ATOMIC_RELAXED);
   __atomic_store_n(&e->rec_errno[rec], errnum, __ATOMIC_RELAXED);
@@ -97,17 +67,13 @@ static void read_piece(Engine *e, const Job *j) {
   __atomic_fetch_add(&e->pread_ns, dt, __ATOMIC_RELAXED);
   __atomic_fetch_add(&e->read_ns, dt, __ATOMIC_RELAXED);
   if (rc) fail(e, j->rec, rc < 0 ? ST_SHORT : ST_READ, rc);
-  __atomic_fetch_add(&e->jobs_read, 1, __ATOMIC_ACQ_REL);
 }
 
-/* Copy a piece read into its slot (``open``: its gate let it go); the record's last piece
- * checks the record. */
-static void land_piece(Engine *e, int w, const Job *j, int open) {
+/* Copy a piece read into its slot; the record's last piece checks the record. */
+static void land_piece(Engine *e, int w, const Job *j) {
   Layer *L = &e->layers[j->layer];
   char *rec = e->staging + (int64_t)j->rec * e->max_stride;
-  int ok = __atomic_load_n(&e->rec_status[j->rec], __ATOMIC_ACQUIRE) == ST_OK;
-  if (ok && !open) fail(e, j->rec, ST_GATE, 0);
-  if (ok && open) {
+  if (__atomic_load_n(&e->rec_status[j->rec], __ATOMIC_ACQUIRE) == ST_OK) {
     int64_t t0 = mlxs_now_ns();
     int rc = copy_range(e, w, L, j->slot, rec, j->start, j->end);
     if (rc) fail(e, j->rec, ST_COPY, rc);
@@ -128,23 +94,17 @@ int mlxs_check_record(Engine *e, Layer *L, int expert, const char *rec) {
   return ST_OK;
 }
 
-/* Take pieces until none is left, each read then copied; a gated read's pieces are all
- * read first, then copied once its gate opens. Then wait for this thread's copies. */
+/* Take pieces until none is left, each read then copied. Then wait for this thread's
+ * copies. */
 static void work(Engine *e, int w) {
-  static __thread int mine[MAX_WAVE * MAX_PIECES];
-  int n = 0, gated = __atomic_load_n(&e->gate, __ATOMIC_ACQUIRE) != GATE_OPEN;
+  int n = 0;
   for (;;) {
     int i = __atomic_fetch_add(&e->next_job, 1, __ATOMIC_ACQ_REL);
     if (i >= e->n_jobs) break;
     read_piece(e, &e->jobs[i]);
-    if (gated)
-      mine[n] = i; /* copied once the gate opens */
-    else
-      land_piece(e, w, &e->jobs[i], 1);
+    land_piece(e, w, &e->jobs[i]);
     n++;
   }
-  int open = gated && n ? pass_gate(e) : 1;
-  for (int k = 0; gated && k < n; k++) land_piece(e, w, &e->jobs[mine[k]], open);
   if (!n || !e->copy) return;
   int64_t t0 = mlxs_now_ns();
   int bad = e->sync(e->streams[w]);

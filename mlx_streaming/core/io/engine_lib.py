@@ -15,8 +15,8 @@ from ..extensions import extension_path
 
 HERE = Path(__file__).parent
 # mlxs_finish's statuses that the reader words itself (engine.h: ST_CHECKSUM, ST_ARGS,
-# ST_COPY, ST_GATE)
-CHECKSUM, REFUSED, COPY, GATE = 2, 4, 5, 6
+# ST_COPY)
+CHECKSUM, REFUSED, COPY = 2, 4, 5
 # calls, records, bytes, read ns (pread + copy calls), busy ns (wall), pread ns, copy-call ns,
 # sync ns, copy calls: the threads' times are summed over threads
 COUNTERS = ("calls", "records", "bytes", "read_ns", "busy_ns", "pread_ns", "copy_ns", "sync_ns",
@@ -110,9 +110,7 @@ def _declare(lib) -> None:
     lib.mlxs_layer.restype = Int
     lib.mlxs_layer.argtypes = [P, Int, Int, L, L, Int, Int, Int, P, P, P, P, P, P, S, Int]
     lib.mlxs_start.restype = Int
-    lib.mlxs_start.argtypes = [P, Int, Int, P, P, Int, Int, S, Int]
-    lib.mlxs_open.restype = Int
-    lib.mlxs_open.argtypes = [P, Int]
+    lib.mlxs_start.argtypes = [P, Int, Int, P, P, Int, S, Int]
     lib.mlxs_finish.restype = Int
     lib.mlxs_finish.argtypes = [P, P, P, S, Int]
     lib.mlxs_staged.restype = Int
@@ -158,12 +156,6 @@ def status_error(rc: int, why: str, path, layer: int, bad: int | None = None) ->
         return ExpertChecksumError(
             f"expert {bad} of layer {layer} in {path} fails its checksum: the file is corrupt; "
             "split the model again"
-        )
-    if rc == GATE:  # its slots' users were not done (the read's caller says why), or a defect
-        return RecordReadError(
-            f"{path}: {why} (layer {layer}); the file is not at fault: the wait before the "
-            "copy (the swap tier's trades) failed or was interrupted; the experts are read "
-            "again when next needed"
         )
     if rc == COPY:  # the file read well: the device refused the copy
         return RecordReadError(

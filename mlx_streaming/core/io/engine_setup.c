@@ -33,7 +33,6 @@ static void destroy(Engine *e) {
   pthread_mutex_destroy(&e->call_lock);
   pthread_cond_destroy(&e->cv);
   pthread_cond_destroy(&e->done_cv);
-  pthread_cond_destroy(&e->gate_cv);
   free(e->layers);
   free(e);
 }
@@ -89,7 +88,6 @@ Engine *mlxs_new(int n_layers, int n_threads, int wave, int64_t max_stride, int6
   pthread_mutex_init(&e->call_lock, NULL);
   pthread_cond_init(&e->cv, NULL);
   pthread_cond_init(&e->done_cv, NULL);
-  pthread_cond_init(&e->gate_cv, NULL);
   if (start_workers(e, n_threads, err, err_len)) {
     destroy(e);
     return NULL;
@@ -166,8 +164,7 @@ void mlxs_free(Engine *e) {
   if (!e) return;
   mlxs_ring_stop(e);
   pthread_mutex_lock(&e->call_lock);
-  mlxs_set_gate(e, GATE_CANCELLED); /* a gated read never let go writes nothing */
-  mlxs_join_started(e);             /* the workers finish what was started before they stop */
+  mlxs_join_started(e); /* the workers finish what was started before they stop */
   pthread_mutex_unlock(&e->call_lock);
   destroy(e);
 }

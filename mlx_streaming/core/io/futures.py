@@ -29,16 +29,6 @@ class Done:
         return self._value
 
 
-def waited_first(after) -> Done | None:
-    """Run ``after`` (a read's wait for its slots' last users) before a read that cannot
-    wait for it itself: None, or its error as the read's (a finished ``Done``)."""
-    try:
-        after()
-    except Exception as e:  # noqa: BLE001 - raised by the read's result()
-        return Done(error=e)
-    return None
-
-
 def _wait_all(parts: list[Future]) -> None:
     """Wait until every part has stopped, through further interrupts (reads are bounded)."""
     while not all(p.done() for p in parts):
@@ -91,9 +81,7 @@ class Started:
         self.outcome: int | BaseException | None = None  # set when the read is finished
 
     def done(self) -> bool:
-        """Whether nothing is left to read from the files: the read has landed, or (a
-        gated read, which lands only once waited for) every piece is in staging, its
-        copies waiting only for its gate (``result()`` may still wait for them)."""
+        """Whether the read has landed (``result()`` then returns at once)."""
         return self.outcome is not None or self.reader.staged()
 
     def result(self) -> int:

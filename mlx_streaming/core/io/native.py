@@ -27,7 +27,6 @@ from .engine_lib import (
     CHECKSUM,
     COUNTERS,
     ERR_BYTES,
-    GATE,
     N_COUNTERS,
     check_waves,
     error_buffer,
@@ -36,7 +35,7 @@ from .engine_lib import (
     status_error,
     why_unavailable,
 )
-from .futures import Done, Started, waited_first
+from .futures import Done, Started
 
 
 def _ptr(a) -> int | None:
@@ -90,7 +89,6 @@ class NativeReader:
         self.handle, self._fds, self._streams = None, [], []  # what close() releases
         self.lock = threading.Lock()  # one start..finish at a time (a request ring's start, stop)
         self._pending: Started | None = None  # started, not yet finished
-        self._after, self._let_go = None, False  # a gated read's condition; it returned
         self._cuda = cuda
         if cuda is not None:
             self._staging = cuda.page_locked(wave * stride)
@@ -203,7 +201,7 @@ class NativeReader:
         """The most records ``start`` takes."""
         return self._wave
 
-    def start(self, layer: int, experts, slots, after=None) -> Started | Done:
+    def start(self, layer: int, experts, slots) -> Started | Done:
         """Start reading records ``experts`` of ``layer`` into ``slots`` (reserved by the
         caller) on the engine's threads and return at once; ``result()`` waits and returns
         the bytes read. A read started and not yet finished is finished first (its
@@ -211,22 +209,11 @@ class NativeReader:
         before ``start`` returns, wave by wave, and a bad request among them comes back as
         ``Done(error)``. The reader's one way to read (``Loader`` calls it).
 
-        ``after``: a wait for the slots' last users (a swap tier's trades on the GPU); the
-        records are read at once, but copied into the slots only once ``after()`` has
-        returned, which whoever first waits for the read calls (``after`` is called first
-        where the read cannot be gated: more than a wave, or no worker threads). An error
-        it raises is the read's.
-
         Raises:
             ValueError: a bad request of at most a wave (refused, nothing read).
             ExpertChecksumError, RecordReadError (from ``result()``): naming the file and
                 the expert; the slots written may hold partial data and must not be used.
         """
-        if after is not None and (len(experts) > self._wave or not self.threads):
-            self.wait_started()  # a read still held lands before the wait (its trades')
-            failed, after = waited_first(after), None  # it cannot be gated
-            if failed is not None:
-                return failed
         if len(experts) > self._wave:
             try:
                 return Done(self._read_waves(layer, experts, slots))
@@ -237,36 +224,12 @@ class NativeReader:
             self._wait_started()  # one its caller lost (interrupted): its Started keeps it
             try:
                 started = Started(self, layer, np.array(experts, np.int32))
-                self._after, self._let_go = after, False
-                self._begin(pos, layer, experts, slots, gated=after is not None)
+                self._begin(pos, layer, experts, slots)
                 self._pending = started  # nothing raises once the engine has started
-            except Exception:
-                self._after = None  # refused: nothing started, its slots' users still wait
-                if after is not None:
-                    with contextlib.suppress(Exception):  # the refusal is the error
-                        after()
-                raise
             except BaseException:  # an interrupt once the engine may have started: no
                 self._drain()  # thread writes the caller's slots once this returns
                 raise
             return self._pending
-
-    def _open(self) -> BaseException | None:
-        """A gated read's ``after()``, then its copies go (under the lock); if ``after``
-        raised (returned here; an interrupt propagates), they are cancelled instead and
-        its records fail: the slots' last users may not be done with them."""
-        after, go = self._after, False
-        if after is None:
-            return None
-        try:
-            after()
-            go = True
-        except Exception as e:  # noqa: BLE001 - the read's outcome
-            return e
-        finally:
-            self._after, self._let_go = None, go
-            self.lib.mlxs_open(self.handle, go)
-        return None
 
     def _drain(self) -> None:
         """Finish whatever read the engine holds (under the lock): an interrupt came
@@ -275,21 +238,15 @@ class NativeReader:
         if self._pending is not None:
             self._wait_started()
             return
-        try:
-            self._open()
-        finally:
-            self._drop()
+        self._drop()
 
     def _drop(self) -> None:
         """mlxs_finish of the read the engine holds, its outcome dropped (under the lock)."""
         status, counts = np.zeros(self._wave, np.int32), np.zeros(N_COUNTERS, np.int64)
         self.lib.mlxs_finish(self.handle, _ptr(status), _ptr(counts), self._err, ERR_BYTES)
 
-    def _begin(
-        self, pos: int, layer: int, experts, slots, now: bool = False, gated: bool = False
-    ) -> None:
-        """mlxs_start (under the lock); ``now``: read before returning, on this thread too;
-        ``gated``: copy into the slots only after ``mlxs_open`` (``_open``)."""
+    def _begin(self, pos: int, layer: int, experts, slots, now: bool = False) -> None:
+        """mlxs_start (under the lock); ``now``: read before returning, on this thread too."""
         n = len(experts)
         if len(slots) != n:
             raise ValueError(
@@ -301,7 +258,7 @@ class NativeReader:
             buf[0, :n], buf[1, :n] = experts, slots
         else:  # the engine refuses it, saying why
             pe, ps = (_ptr(np.ascontiguousarray(a, np.int32)) for a in (experts, slots))
-        if self.lib.mlxs_start(self.handle, pos, n, pe, ps, now, gated, self._err, ERR_BYTES):
+        if self.lib.mlxs_start(self.handle, pos, n, pe, ps, now, self._err, ERR_BYTES):
             raise ValueError(f"the native reader refused a request: {self._why()} (layer {layer})")
 
     def _end(self, pos: int, layer: int, e: np.ndarray) -> int:
@@ -319,30 +276,11 @@ class NativeReader:
         if t is None:
             return
         if t.outcome is None:  # cleared only once finished: an interrupt retries it
-            failed = self._open()
             try:
                 t.outcome = self._end(self.pos[t.layer], t.layer, t.experts)
             except Exception as e:  # noqa: BLE001 - raised again on each result()
                 t.outcome = e
-            if failed is not None:
-                t.outcome = failed
-            elif self._let_go and (self._started[2, : len(t.experts)] == GATE).any():
-                t.outcome = self._read_again(t)
         self._pending = None
-
-    def _read_again(self, t: Started) -> int | Exception:
-        """A gated read whose ``after()`` returned past the gate's deadline (a stopped
-        process): its copies were cancelled; read again, ungated (under the lock)."""
-        n, pos = len(t.experts), self.pos[t.layer]
-        slots = self._started[1, :n].copy()  # the request's slots, still in its buffer
-        try:
-            self._begin(pos, t.layer, t.experts, slots, now=True)
-            return self._end(pos, t.layer, t.experts)
-        except Exception as e:  # noqa: BLE001 - raised again on each result()
-            return e
-        except BaseException:  # an interrupt before its finish: the engine lets it go
-            self._drop()
-            raise
 
     def wait_started(self) -> None:
         """Finish the started read, if one is not yet finished (its ``Started`` keeps
@@ -351,8 +289,8 @@ class NativeReader:
             self._wait_started()
 
     def staged(self) -> bool:
-        """Whether no started read has pieces left to read from its files (idle, or a
-        gated read's pieces all in staging)."""
+        """Whether no started read has pieces left to read and copy (idle, or its
+        workers done)."""
         return bool(self.lib.mlxs_staged(self.handle))
 
     def _outcome(self, rc: int, layer: int, e: np.ndarray, st: np.ndarray) -> int:

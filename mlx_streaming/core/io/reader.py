@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .futures import Done, Gather, waited_first
+from .futures import Done, Gather
 
 MAX_RUN_BYTES = 8 << 20  # adjacent records are merged into one run up to this size
 PIECE_BYTES = 16 << 20  # runs larger than twice this are read as pieces on several threads
@@ -324,14 +324,9 @@ class PythonReader:
         self.checked = {li: np.zeros(meta.layers[li].num_experts, np.uint8) for li in pools}
         self._last: Future | None = None  # the latest read started, until waited here
 
-    def start(self, layer: int, experts, slots, after=None) -> Future | Done:
+    def start(self, layer: int, experts, slots) -> Future | Done:
         """Start reading records ``experts`` of ``layer`` into ``slots``; ``result()``
-        waits (bytes read) and raises ``RecordReadError`` or ``ExpertChecksumError``.
-        ``after``: a wait for the slots' last users, called first (an error it raises is
-        the read's)."""
-        failed = waited_first(after) if after is not None else None
-        if failed is not None:
-            return failed
+        waits (bytes read) and raises ``RecordReadError`` or ``ExpertChecksumError``."""
         pool = self.pools[layer]
         jobs = []
         for e, s in zip(experts, slots):

@@ -30,8 +30,21 @@ COUNTERS = ("requests", "bytes", "failed", "read_ns", "answer_ns", "max_ns")
 # a bounded tier's device path: reads one layer call may ask for at once (its ids at most),
 # and the ring threads reading them
 DEVICE_ENTRIES, DEVICE_READERS = 16, 8
+# A read's wait (the plan kernel's and the host path's): long enough for a slow disk's
+# record behind 15 others (a kernel's trap loses the process's CUDA context), short enough
+# that a dead ring fails the call
+READ_WAIT_S = 30
 _rings: weakref.WeakSet = weakref.WeakSet()  # every ring made, for ``unexplained_failure``
 _closed_failures: list[Exception] = []  # ... and what the last closed one left unexplained
+
+
+class RingError(OSError):
+    """A request ring could not start (its staging, or its threads); the message says why."""
+
+    def __init__(self, why):
+        why = str(why)
+        prefix = "the request ring could not start"
+        super().__init__(why if why.startswith(prefix) else f"{prefix}: {why}")
 
 
 def unexplained_failure() -> Exception | None:
@@ -120,7 +133,14 @@ class RequestRing:
         return int(self.reader.lib.mlxs_ring_post(self.words.ctypes.data, k, pos, expert))
 
     def wait(self, k: int, seq: int, timeout: float = 10.0) -> np.ndarray:
-        """A copy of entry ``k``'s staging record once request ``seq`` is answered.
+        """A copy of entry ``k``'s staging record once request ``seq`` is answered
+        (``answered``)."""
+        self.answered(k, seq, timeout)
+        return self.staging[k].copy()
+
+    def answered(self, k: int, seq: int, timeout: float = 10.0) -> None:
+        """Return once request ``seq`` of entry ``k`` is answered: its record is in the
+        entry's staging record.
 
         Raises:
             TimeoutError: no answer within ``timeout`` seconds.
@@ -137,7 +157,6 @@ class RequestRing:
         if row[STATUS]:
             self._told.add((k, seq))
             raise self._error(k)
-        return self.staging[k].copy()
 
     def failed(self) -> Exception | None:
         """The error of an answered request that failed and that no ``wait`` raised (a

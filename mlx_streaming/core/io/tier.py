@@ -202,31 +202,30 @@ class SwapTier:
 
     def take(self, layer: int, experts, slots, move, files):
         """Bring ``experts`` into ``slots``: ``plan``, ``move(layer, trades)`` the trades'
-        bytes (it returns a wait for them, or None when they have moved), ``moved``,
-        then the reads of the rest (``read_rest``): read from the disk at once, copied
-        into their slots once the trades have moved (the victims are out first). The one
-        sequence of every reader over the tier.
+        bytes (done, or queued ahead of whatever ``files`` copies: on CUDA both on MLX's
+        stream), ``moved``, then the reads of the rest (``read_rest``), which land in
+        their slots after the trades (the victims are out first). The one sequence of
+        every reader over the tier.
 
         Raises:
             TierError: see ``plan`` (nothing moved).
         """
-        moves, wait = self.plan(layer, experts, slots), None
+        moves = self.plan(layer, experts, slots)
         if files is not None:  # a read it still holds (its caller interrupted) lands first
             files.wait_started()
         with self.moving():
             if moves.trades:
-                wait = move(layer, moves.trades)
+                move(layer, moves.trades)
             self.moved(layer, moves)
         traded = moves.brought * self.meta.layers[layer].record_bytes
         self.traded_bytes += traded
-        return self.read_rest(layer, moves, files, traded, after=wait)
+        return self.read_rest(layer, moves, files, traded)
 
-    def read_rest(self, layer: int, moves: Moves, files, traded: int, after=None):
-        """Start ``moves``' reads from the files with ``files``, the store's file reader,
-        their bytes copied into the slots only after ``after()`` (the trades' wait; see
-        the reader's ``start``): a future of their bytes plus ``traded``. The read slots'
-        records are known to the tables only once the reads have landed (until then, and
-        after a failure or an interrupt, -1: unknown)."""
+    def read_rest(self, layer: int, moves: Moves, files, traded: int):
+        """Start ``moves``' reads from the files with ``files`` (the store's file reader;
+        on CUDA the request ring's, ``device_reader.RingReads``): a future of their bytes
+        plus ``traded``. The read slots' records are known to the tables only once the
+        reads have landed (until then, and after a failure or an interrupt, -1: unknown)."""
         if not moves.reads:
             return Done(traded)
         experts, slots = (list(x) for x in zip(*moves.reads))
@@ -234,7 +233,7 @@ class SwapTier:
         def landed():
             self.held[layer][slots] = experts
 
-        return _Reads(files.start(layer, experts, slots, after=after), traded, landed)
+        return _Reads(files.start(layer, experts, slots), traded, landed)
 
     @contextlib.contextmanager
     def moving(self):
