@@ -350,7 +350,7 @@ def child(job: dict) -> dict:
     ref = np.load(job["want"])
     want = Trace(ref["tokens"].tolist(), ref["logits"])
     exact = compare_traces(want, greedy_trace(model, ids, 16)).exact
-    ring = getattr(store.reader, "ring", None)  # the device path's reads beyond a bounded tier
+    ring = getattr(store.reader, "ring", None)  # both paths' reads beyond a bounded tier
     asked = ring.counters() if ring is not None else None
     tps = statistics.median(runs)
     stock_tps = job["stock_tps"]

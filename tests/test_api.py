@@ -259,3 +259,26 @@ def test_the_timeline_marks_every_path(models):
         t = store.totals()  # the device path's host time is apart (CUDA: test_cuda.py)
         assert t["device_s"] == 0 == t["device_path_calls"] and t["host_s"] > 0
         store.close()
+
+
+def test_the_readme_lists_every_option_and_streaming_flag():
+    """The README's ``StreamConfig(...)`` row names every field, and its streaming flags
+    every flag the commands build from them (both drifted before)."""
+    import argparse
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    from mlx_streaming.commands._args import add_store_args
+
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    listed = re.search(r"`mlx_streaming\.StreamConfig\(([^)]*)\)`", text).group(1)
+    fields = [f.name for f in dataclasses.fields(mlx_streaming.StreamConfig)]
+    assert [x.strip() for x in listed.split(",")] == fields
+    p = argparse.ArgumentParser()
+    add_store_args(p)
+    para = text[text.index("Streaming flags, the same for") :]
+    para = para[: para.index("\n\n")]
+    flags = {o for a in p._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
+    missing = sorted(f for f in flags if not re.search(rf"{f}\b(?!-)", para))
+    assert not missing, missing
