@@ -399,7 +399,7 @@ def test_the_swap_kernels_trade_records_as_the_reference(policy):
     with its victim; `--swap-tier` runs them) on device buffers, a pool full from
     load and a tier of the other records: call by call the plan kernel gives the
     reference's slots, and the pool, the tier and the homes equal the reference's
-    (``plan_reference(swap=True)``, ``copy_reference``). Then the fill kernel's variant
+    (``plan_reference(swap=True)``, ``fill_reference``). Then the fill kernel's variant
     trades the pairs its list names."""
     from mlx_streaming.core.cache.device_plan import (
         constants,
@@ -410,7 +410,7 @@ def test_the_swap_kernels_trade_records_as_the_reference(policy):
     from mlx_streaming.core.cache.plan_kernel import BLOCKS, THREADS, plan_constants, plan_kernel
     from mlx_streaming.core.cache.scored import WEIGHTS
     from mlx_streaming.core.io import cuda
-    from mlx_streaming.core.io.device_reader import _FILL, FILL_NAMES, copy_kernel, copy_reference
+    from mlx_streaming.core.io.device_reader import _FILL, FILL_NAMES, copy_kernel, fill_reference
 
     E, k, cap, stride = 64, 6, 24, 1024
     rng = np.random.default_rng(5)
@@ -437,7 +437,7 @@ def test_the_swap_kernels_trade_records_as_the_reference(policy):
         order = np.roll(hot, step // 20)
         ids = rng.choice(order, size=k, replace=False, p=w / w.sum()).astype(np.uint32)
         want, fills = plan_reference(ref, WEIGHTS[policy], ids[None], swap=True)
-        copy_reference(fills, tier_np, pool_np, swap=True)
+        fill_reference(fills, tier_np, pool_np, swap=True)
         (out,) = plan(
             inputs=[mx.array(ids[None]), ptrs, meta, out],
             grid=(BLOCKS * THREADS, 1, 1),
@@ -452,7 +452,7 @@ def test_the_swap_kernels_trade_records_as_the_reference(policy):
         assert np.array_equal(_host_copy(base + off["home"], ref["home"]), ref["home"]), step
     assert ref["counters"][3] > 20  # calls with misses: the trades were exercised
     fills = np.array([2, 0, 1, 3, 5], np.int32)  # tier rows 0 and 3 with slots 1 and 5
-    copy_reference(fills, tier_np, pool_np, swap=True)
+    fill_reference(fills, tier_np, pool_np, swap=True)
     fill = copy_kernel("mlxs_fill", _FILL, 16, *FILL_NAMES)((("N", 1), ("SWAP", 1)))
     (done,) = fill(
         inputs=[mx.array(fills), mx.zeros((1,), mx.uint32), meta],

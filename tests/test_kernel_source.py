@@ -85,7 +85,7 @@ def kernels() -> dict[str, str]:
                 device_reader._FILL.replace("WORD", c_word),
                 [(n, fill_types[n]) for n in fill_in],
                 [(fill_out[0], "uint32_t")],
-                [("N", 6), ("SWAP", mode)],
+                [("N", 6), ("MODE", mode)],
                 device_reader.COPY_HEADER,
             )
     for ids in ("int32_t", "uint32_t"):

@@ -81,13 +81,13 @@ _FILL = """
     const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long nth = (long long)gridDim.x * blockDim.x;
     if (tid < N) out[tid] = slots[tid];
-    mlxs_copy<WORD, SWAP>(fills, meta, tid, nth);
+    mlxs_copy<WORD, MODE>(fills, meta, tid, nth);
 """
 FILL_NAMES = (["fills", "slots", "meta"], ["out"])  # the fill kernel's inputs, outputs
 _WORDS = {16: "mlxs_w16", 8: "unsigned long long", 4: "unsigned int", 1: "unsigned char"}
 
 
-def copy_reference(fills, source: np.ndarray, pool: np.ndarray, swap: bool = False) -> None:
+def fill_reference(fills, source: np.ndarray, pool: np.ndarray, swap: bool = False) -> None:
     """``mlxs_copy`` on numpy rows of whole records (``source [R, stride]``, ``pool [S,
     stride]``), for tests: each listed record into its slot; with ``swap`` they trade."""
     pairs = np.asarray(fills[1 : 1 + 2 * int(fills[0])], np.int64).reshape(-1, 2)
@@ -102,8 +102,9 @@ def copy_kernel(
     name: str, source: str, word: int, input_names: list[str], output_names, header: str = ""
 ):
     """The variants (``kernels.Kernels``) of a CUDA kernel whose ``source`` calls
-    ``mlxs_copy<WORD, SWAP>``, for copy words of ``word`` bytes (its constants give
-    ``SWAP``); ``header``: more device routines, after ``COPY_HEADER``."""
+    ``mlxs_copy<WORD, MODE>``, for copy words of ``word`` bytes (its constants give
+    ``MODE``: ``COPY_HEADER``'s MLXS_IN, SWAP, OUT or FRESH); ``header``: more device
+    routines, after ``COPY_HEADER``."""
     return Kernels(
         f"{name}_{word}",
         source.replace("WORD", _WORDS[word]),
@@ -222,7 +223,7 @@ class DeviceReader:
         the request ring's entries (``fills`` names entries), read past the caches."""
         meta, word = (self._staged if staged else self._meta)[layer]
         mode = 3 if staged else int(self.swap)  # COPY_HEADER's MLXS_FRESH, SWAP or IN
-        (out,) = self._kernels[word]((("N", slots.size), ("SWAP", mode)))(
+        (out,) = self._kernels[word]((("N", slots.size), ("MODE", mode)))(
             inputs=[fills, slots, meta],
             grid=(FILL_BLOCKS * FILL_THREADS, 1, 1),
             threadgroup=(FILL_THREADS, 1, 1),
