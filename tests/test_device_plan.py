@@ -106,11 +106,11 @@ def test_no_kernel_declares_its_own_inputs_or_outputs():
 @pytest.mark.parametrize("policy", ["lru", "predictive"])
 def test_a_swap_tier_holds_every_record_once(policy):
     """The swap tier's bookkeeping (``plan_reference(swap=True)``) against its data
-    movement (``copy_reference``, the kernel's ``mlxs_copy`` on numpy): a pool full from
+    movement (``fill_reference``, the kernel's ``mlxs_copy`` on numpy): a pool full from
     load and a tier of the other ``E - S`` records, every miss trading places with its
     victim. After each call every slot holds the record its table names, every other
     expert's home holds its record, and the homes are the tier's slots, each once."""
-    from mlx_streaming.core.io.device_reader import copy_reference
+    from mlx_streaming.core.io.device_reader import fill_reference
 
     E, k, cap, pins = 32, 4, 12, 2
     records = np.random.default_rng(3).integers(0, 256, (E, 40), dtype=np.uint8)
@@ -122,7 +122,7 @@ def test_a_swap_tier_holds_every_record_once(policy):
     traded = 0
     for ids in skewed_routing(E, k, 300, seed=4):
         slots, fills = plan_reference(arrays, WEIGHTS[policy], ids, swap=True)
-        copy_reference(fills, tier, pool, swap=True)
+        fill_reference(fills, tier, pool, swap=True)
         traded += int(fills[0])
         slot_of, home = arrays["slot_of"], arrays["home"]
         assert np.array_equal(pool, records[arrays["expert_in"]])

@@ -122,7 +122,11 @@ def plan_hosts(a) -> None:
     except ValueError:
         raise ValueError(f"--machines-gb {a.machines_gb!r}: give GB per host, e.g. 48,24") from None
     model, _ = load_lazy(resolve_model_path(a.model))
-    sp = suggest_split(ModelBytes.from_model(model, not a.cpu_ranks), hosts, a.context)
+    sp = suggest_split(
+        ModelBytes.from_model(model, default_zero_slot("cpu" if a.cpu_ranks else "metal")),
+        hosts,
+        a.context,
+    )
     if a.json:
         print(json.dumps(sp.to_json(), indent=1))
         return
@@ -194,7 +198,8 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
         what = f"{a.memory_gb} GB for pools and the tier beneath them"
     else:  # pools in a GPU's own memory: a zero slot each
         E, k = min(shape.num_experts), shape.top_k
-        slots = a.slots or [plan_budget(shape, g, True).default_slots for g in a.budget_gb]
+        gpu_zero = default_zero_slot("cuda")
+        slots = a.slots or [plan_budget(shape, g, gpu_zero).default_slots for g in a.budget_gb]
         if min(slots) < k:
             raise ValueError(f"--slots {min(slots)} is below top_k={k}: a pool holds one "
                              f"token's experts at least; give --slots {k} or more")  # fmt: skip
@@ -209,7 +214,7 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
         rows = []
         for tier, room in (("page cache", host), ("swap", max(0, host - reserve))):
             rows += split_rows(test, pol, [(s, room) for s in sizes], slot, record, *rates,
-                               beneath=(tier,), zero_slot=True, host_s=host_s,
+                               beneath=(tier,), zero_slot=gpu_zero, host_s=host_s,
                                device_swap=True, **sim)  # fmt: skip
         rows.sort(key=lambda r: -r["predicted_tok_per_s"])
         for r in rows:  # CUDA's default takes a swap tier (whole where it fits)

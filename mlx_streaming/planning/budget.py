@@ -34,13 +34,13 @@ def slots_for_share(share: float, num_experts: int, top_k: int) -> int:
     return min(num_experts, max(top_k, math.ceil(round(share * num_experts, 6))))
 
 
-def default_zero_slot() -> bool:
-    """Whether pools get a zero slot here by default (``Runtime.zero_slot``: on GPU
-    backends, where rows are masked)."""
+def default_zero_slot(backend: str | None = None) -> bool:
+    """Whether pools get a zero slot by default on ``backend`` (default: this machine's)
+    (``Runtime.zero_slot``: on GPU backends, where rows are masked)."""
     from ..core.options import StreamConfig
     from ..core.runtime import pool_zero_slot
 
-    return pool_zero_slot(StreamConfig())
+    return pool_zero_slot(StreamConfig(), backend)
 
 
 @dataclass
