@@ -116,7 +116,7 @@ CONFIGS = {
     },
     # the experts outside the pools in a swap tier, each miss trading with its victim
     "swap_tier": lambda m: {"capacity": m.top_k + 1, "config": StreamConfig(swap_tier=True)},
-    # a tier of a third of the rest: the records the pools gave up last; the others read
+    # a tier of a third of the rest: the hottest records the pools gave up; the others read
     "swap_tier_bounded": lambda m: {
         "capacity": m.top_k + 1,
         "config": StreamConfig(swap_tier=True, swap_tier_gb=_rest_gb(m, m.top_k + 1) / 3),
@@ -551,7 +551,7 @@ def test_a_swap_tier_that_does_not_fit_is_refused_before_it_allocates(models):
 def test_an_auto_swap_tier_takes_what_memory_holds_and_streams_exactly(models, monkeypatch):
     """``swap_tier_gb="auto"``: the tier takes what the available memory holds beside the
     ``MARGIN`` and the trunk's load: whole where that is enough, else the records the
-    pools gave up last, the rest read from the files (a model loaded so streams exactly,
+    pools gave up (the hottest), the rest read from the files (a model loaded so streams exactly,
     saying so); where nothing is left, it says so."""
     from mlx_streaming import load as stream_load
     from mlx_streaming.core import mem

@@ -102,10 +102,11 @@ class StreamConfig:
     swap_tier_gb: float | str | None = option(
         None, "with --swap-tier: at most this many GB of host memory for the tier, or auto: "
         "as much as the available memory holds beside the process's margin and the trunk's "
-        "load (whole where the experts the pools do not hold fit); the records the pools "
-        "gave up last stay in a bounded tier, the rest are read from the files (around "
+        "load (whole where the experts the pools do not hold fit); the hottest records the "
+        "pools gave up stay in a bounded tier, the rest are read from the files (around "
         "the page cache where the tier is auto: see --direct-io): on CUDA asked of the "
-        "native reader by the GPU itself (see --device-reads), elsewhere on the host path",
+        "native reader through its request ring (by the GPU itself on the device path: "
+        "see --device-reads), elsewhere by the store's reader on the host path",
     )  # fmt: skip
     device_reads: bool | None = option(
         None, "CUDA: a decode step's misses are planned and copied by the GPU itself, "
