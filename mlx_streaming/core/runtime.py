@@ -361,16 +361,14 @@ def _tier_fits(meta, slots, avail: int, why: str, reserve=0, ring=False):
     ``reserve`` where the files do not; else a bounded one beside the files' reader and,
     on CUDA (``ring``), the request ring's staging, through which both paths read the
     records beyond it."""
-    from .io.tier import MARGIN, rows_bytes, staging_beside, tier_rows
+    from .io.tier import MARGIN, fits_beside, staging_beside, tier_bytes
 
     if not slots:
         return False, False, why
-    rest = tier_rows(meta, slots)
-    need, beside = rows_bytes(meta, rest), MARGIN + reserve
-    if need + beside <= avail:
+    (need, one), beside = tier_bytes(meta, slots), MARGIN + reserve
+    if fits_beside(need, reserve, avail):
         why += f"; the swap tier fits ({need / GB:.1f} GB of experts the pools do not hold): "
         return True, False, why + "the GPU trades with it (--no-swap-tier: the page cache)"
-    one = rows_bytes(meta, {li: min(1, n) for li, n in rest.items()})  # a record a layer
     beside += staging_beside(meta, ring)  # the readers' beside a bounded one
     room = avail - beside >= one > 0
     trunk = f", {reserve / GB:.1f} GB of them for the trunk as it loads" if reserve else ""

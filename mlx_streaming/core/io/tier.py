@@ -72,8 +72,8 @@ class SwapTier:
         reserve: int = 0,
     ):
         self.meta, self.pools, self._cuda = meta, pools, cuda
-        rest = tier_rows(meta, {li: p.slots for li, p in pools.items()})
-        full = rows_bytes(meta, rest)
+        slots = {li: p.slots for li, p in pools.items()}
+        rest, (full, one) = tier_rows(meta, slots), tier_bytes(meta, slots)
         if available is None:
             from ..mem import machine_memory
 
@@ -94,14 +94,13 @@ class SwapTier:
             "(--no-swap-tier)"
         )
         if auto and full and not need:  # less room than a record for each layer
-            one = rows_bytes(meta, {li: min(1, n) for li, n in rest.items()})
             raise MemoryError(
                 f"no room for a swap tier: {available / 1e9:.2f} GB available, "
                 f"{(MARGIN + reserve) / 1e9:.2f} GB of them left to the process{trunk}, and "
                 f"a record for each layer takes {one / 1e9:.2f} GB: give it more memory, a "
                 "shorter --context (off CUDA), or go without it (--no-swap-tier)"
             )
-        if full and need + MARGIN + reserve > available:  # (the pools may hold them all)
+        if full and not fits_beside(need, reserve, available):  # (pools may hold them all)
             raise MemoryError(self._short)
         self.broken: str | None = None
         self.moves = 0  # moves begun (``moving``)
@@ -275,6 +274,19 @@ def staging_beside(meta, ring: bool) -> int:
     from .ring import ring_staging
 
     return engine_lib.staging(meta)[1] + ring * ring_staging(meta)
+
+
+def tier_bytes(meta, slots: dict[int, int]) -> tuple[int, int]:
+    """Host bytes of a whole tier beside pools of ``slots``, and of its least bounded
+    form (a record for each layer whose pool lacks one)."""
+    rest = tier_rows(meta, slots)
+    return rows_bytes(meta, rest), rows_bytes(meta, {li: min(1, n) for li, n in rest.items()})
+
+
+def fits_beside(need: int, reserve: int, available: int) -> bool:
+    """Whether ``need`` bytes of tier fit in ``available`` beside ``MARGIN`` and
+    ``reserve`` (the one test, for ``runtime.resolve`` and the tier itself)."""
+    return need + MARGIN + reserve <= available
 
 
 def tier_rows(meta, slots: dict[int, int]) -> dict[int, int]:
