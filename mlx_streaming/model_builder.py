@@ -29,11 +29,12 @@ from .prep.hub import resolve_model_path
 from .prep.split_experts import ensure_split
 
 
-def pool_profile_path(expert_dir: str | Path) -> Path | None:
+def pool_profile_path(expert_dir: str | Path, settings: env.Settings | None = None) -> Path | None:
     """The pool profile ``load`` uses for ``expert_dir`` by default, or None:
     ``expert_dir/pool_profile.json`` when present; the environment variable
-    ``EXPERT_POOL_PROFILE`` names another file instead, or ``none`` for no profile."""
-    override = env.settings().pool_profile
+    ``EXPERT_POOL_PROFILE`` (``settings``' default: read now) names another file instead,
+    or ``none`` for no profile."""
+    override = (settings or env.settings()).pool_profile
     if override is not None:
         return None if override.lower() == "none" else Path(override)
     path = Path(expert_dir) / PROFILE_NAME
@@ -46,17 +47,24 @@ def load_pool_profile(expert_dir: str | Path) -> dict[int, int] | None:
     return None if path is None else read_pool_profile(path)
 
 
-def default_expert_dir(model: str | Path) -> Path:
-    """Where ``load`` splits a model when no expert directory is given."""
+def default_expert_dir(model: str | Path, settings: env.Settings | None = None) -> Path:
+    """Where ``load`` splits a model when no expert directory is given (under
+    ``settings``' home, default: the environment's now)."""
     p = Path(model).expanduser()
     key = str(p.resolve()) if p.exists() else str(model)
     name = Path(key).name or "model"
-    return env.settings().home_dir / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+    return (
+        settings or env.settings()
+    ).home_dir / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
-def expert_dir_for(path_or_repo: str | Path, expert_dir: str | Path | None = None) -> Path:
+def expert_dir_for(
+    path_or_repo: str | Path,
+    expert_dir: str | Path | None = None,
+    settings: env.Settings | None = None,
+) -> Path:
     """The expert directory ``load(path_or_repo, expert_dir)`` splits into and reads."""
-    return Path(expert_dir) if expert_dir else default_expert_dir(path_or_repo)
+    return Path(expert_dir) if expert_dir else default_expert_dir(path_or_repo, settings)
 
 
 def load(
@@ -110,8 +118,9 @@ def load(
     from mlx_lm import load as mlx_load
 
     cfg = (config or StreamConfig()).replace(**options)
+    settings = env.settings()  # the environment, read once
     model_dir = resolve_model_path(path_or_repo)
-    expert_dir = expert_dir_for(path_or_repo, expert_dir)
+    expert_dir = expert_dir_for(path_or_repo, expert_dir, settings)
     model, tokenizer = mlx_load(str(model_dir), tokenizer_config=tokenizer_config or {}, lazy=True)
     model_fp, pace, ranks, base = None, None, 1, None
     if pipeline_group is None:
@@ -123,7 +132,7 @@ def load(
         )
         base = machine_memory()[1]  # as the ranks meet, before any takes its share
     p = cfg.pool_profile
-    path = pool_profile_path(expert_dir) if p == "auto" else None if p == "none" else p
+    path = pool_profile_path(expert_dir, settings) if p == "auto" else None if p == "none" else p
     caps, whole = (None, []) if path is None else read_profile(path)
     if cfg.budget_gb == "auto":
         plan = auto_budget_for(model, cfg.context, ranks=ranks, base=base)
@@ -140,7 +149,7 @@ def load(
         store.watch(pipeline_watch.beat)  # a step's progress
     try:  # a failure from here on releases the store (threads, files, page-locked maps)
         if cfg.kernel_check_file is None:
-            cfg = cfg.replace(kernel_check_file=env.settings().kernel_check_file)
+            cfg = cfg.replace(kernel_check_file=settings.kernel_check_file)
         patch_model_filebacked(model, store, config=cfg, model_fingerprint=model_fp, tick=tick)
         mx.set_cache_limit(memory_plan(model, store, cfg.cache_limit_gb).cache_limit_bytes)
         print(store.runtime.line(), file=sys.stderr, flush=True)
