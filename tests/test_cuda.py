@@ -144,6 +144,9 @@ def test_a_swap_tier_streams_exactly_on_cuda(models, size, monkeypatch):
         if size == "default":  # O_DIRECT beneath it: the default, or asked for (the
             direct = True if slots == meta.top_k else None  # patch agrees with both)
             cfg = mlx_streaming.StreamConfig(direct_io=direct)
+            # a ring of top-k entries (a decode call's reads; a prompt's in rounds): 16
+            # records of staging beside so tiny a model would leave room for a whole tier
+            monkeypatch.setattr(ring_module, "DEVICE_ENTRIES", meta.top_k)
             _short_of_a_whole_tier(monkeypatch, ck, meta, rest)
         if size == "host":  # a record a round: a call's reads in rounds, each copied first
             monkeypatch.setattr(ring_module, "DEVICE_ENTRIES", 1)
@@ -253,6 +256,7 @@ def _short_of_a_whole_tier(monkeypatch, ck, meta, rest: int) -> None:
 
     lazy, _ = load(str(ck), lazy=True)
     held = 4096 + trunk_host_bytes(lazy) + rest // 3 + ring_module.ring_staging(meta)
+    assert held - trunk_host_bytes(lazy) < rest, "the ring's staging leaves room for all"
     monkeypatch.setattr(swap, "MARGIN", 4096)  # and no reader's staging
     wave = engine_lib.staging(meta)[0]
     monkeypatch.setattr(engine_lib, "staging", lambda meta, wave=wave: (wave, 0))

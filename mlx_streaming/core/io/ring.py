@@ -58,8 +58,10 @@ def unexplained_failure() -> Exception | None:
     return _closed_failures[-1] if _closed_failures else None
 
 
-def ring_staging(meta, entries: int = DEVICE_ENTRIES) -> int:
-    """Bytes of page-locked staging a ring of ``entries`` over ``meta``'s records takes."""
+def ring_staging(meta, entries: int | None = None) -> int:
+    """Bytes of page-locked staging a ring of ``entries`` (default ``DEVICE_ENTRIES``) over
+    ``meta``'s records takes."""
+    entries = DEVICE_ENTRIES if entries is None else entries
     return entries * max((lay.stride for lay in meta.layers.values()), default=0)
 
 
@@ -211,7 +213,7 @@ class RequestRing:
                 _closed_failures[:] = [e]
 
     def _stop(self) -> None:
-        if self.handle and self.reader.handle == self.handle:
+        if getattr(self, "handle", None) and self.reader.handle == self.handle:  # (made?)
             self.reader.lib.mlxs_ring_stop(self.handle)
         self.handle = None
 
