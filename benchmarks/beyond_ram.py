@@ -34,6 +34,7 @@ compute (read-ahead, the overlap split) may pass it.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import statistics
@@ -124,8 +125,8 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
                 (r, o) for r in residencies for o in [None, *oracles] if r < 1 or not o
             ]:
                 job = {
-                    "method": method, "residency": r, "checkpoint": str(ck),
-                    "expert_dir": str(ed), "trace": trace_file, "start": start, "ids": ids,
+                    "method": method, "residency": r, "checkpoint": str(Path(ck).resolve()),
+                    "expert_dir": str(Path(ed).resolve()), "trace": trace_file, "start": start, "ids": ids,
                     "tokens": a.tokens, "repeat": a.repeat, "stock_tps": stock_tps, "floor_tps": floor_tps,
                     "stream": stream, "want": str(ref_file),
                     "limit": int(a.memory_limit_gb * 1e9) if method == "memlimit" else 0,
@@ -354,7 +355,7 @@ def child(job: dict) -> dict:
     asked = ring.counters() if ring is not None else None
     tps = statistics.median(runs)
     stock_tps = job["stock_tps"]
-    return {
+    row = {
         "method": job["method"],
         "residency": job["residency"],
         "slots": slots,
@@ -404,7 +405,10 @@ def child(job: dict) -> dict:
         },
         "runtime": store.runtime.to_json(),
     }
+    store.close()  # its threads stopped before the process's teardown
+    return row
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a crash in C code prints the Python stack in the row's error
     print(json.dumps(child(json.loads(sys.argv[1]))), flush=True)

@@ -258,6 +258,32 @@ def test_the_ring_stops_with_its_engine_and_when_dropped(models):
     ring.close()  # nothing left to stop
 
 
+def test_a_ring_left_open_stops_as_the_process_exits(models, tmp_path):
+    """A ring no one closed stops at interpreter exit (``io.ring``'s exit handler), before
+    the C library's handlers: on CUDA those free the page-locked entries its poller
+    reads. A handler registered before the ring's module runs after its own."""
+    import subprocess
+    import sys
+
+    _, ed = models.experts("tiny-qwen3_moe")
+    code = f"""
+import atexit
+seen = []
+atexit.register(lambda: print("stopped" if seen[0].handle is None else "running", flush=True))
+from test_ring import reader_over
+from mlx_streaming.core.io.ring import RequestRing
+meta, _, reader = reader_over({str(ed)!r})
+ring = RequestRing(reader, entries=2, readers=2)
+seen.append(ring)
+ring.wait(0, ring.post(0, sorted(meta.layers)[0], 1))
+"""
+    here = os.path.dirname(__file__)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, cwd=here)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "stopped", r.stdout
+
+
 def test_an_idle_ring_still_answers(models):
     """The poller slows to one look every 0.5 ms once idle for a second; a request then
     is still answered."""

@@ -13,6 +13,8 @@ host (tests; a poster without a device); a kernel follows it with the device add
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import time
 import weakref
@@ -36,6 +38,15 @@ DEVICE_ENTRIES, DEVICE_READERS = 16, 8
 READ_WAIT_S = 30
 _rings: weakref.WeakSet = weakref.WeakSet()  # every ring made, for ``unexplained_failure``
 _closed_failures: list[Exception] = []  # ... and what the last closed one left unexplained
+
+
+@atexit.register
+def _stop_every_ring() -> None:
+    """At exit, before C's handlers (CUDA's frees the page-locked entries a ring's poller
+    still reads: a benchmark's process crashed so on an H100 as it exited, 2026-12-07c)."""
+    for ring in list(_rings):
+        with contextlib.suppress(Exception):
+            ring._stop()
 
 
 class RingError(OSError):
