@@ -77,6 +77,20 @@ def test_library_is_built_into_the_package():
 
 
 @needs_library
+def test_a_library_of_other_calls_is_refused_not_called(monkeypatch):
+    """A library built from sources whose calls took other arguments (its ``mlxs_abi``
+    differs, or it has none) is out of date: ``library()`` refuses it and says to
+    reinstall, instead of calling it with the wrong arguments."""
+    from mlx_streaming.core.io import engine_lib
+
+    monkeypatch.setattr(engine_lib, "_lib", None)
+    monkeypatch.setattr(engine_lib, "ABI", engine_lib.ABI + 1)
+    assert engine_lib.library() is None
+    why = engine_lib.why_unavailable()
+    assert "out of date" in why and "pip install the package again" in why, why
+    assert f"this package's {engine_lib.ABI}" in why, why
+
+
 def test_reads_records_into_the_slots_asked(models):
     _, ed = models.experts("tiny-qwen3_moe")
     meta, pools, reader = reader_over(ed, 12, threads=3, wave=4)  # 3 waves

@@ -24,6 +24,7 @@ COUNTERS = ("calls", "records", "bytes", "read_ns", "busy_ns", "pread_ns", "copy
 N_COUNTERS = len(COUNTERS)
 ERR_BYTES = 512  # an engine message's buffer
 MAX_THREADS = 63  # reader threads the engine runs at most (engine.h: MAX_THREADS - 1)
+ABI = 2  # engine.h's MLXS_ABI: raised with it whenever a call's arguments change
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None | bool = None
@@ -104,6 +105,9 @@ def why_unavailable() -> str:
 
 def _declare(lib) -> None:
     P, Int, L, S = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_char_p
+    lib.mlxs_abi.restype, lib.mlxs_abi.argtypes = Int, []
+    if lib.mlxs_abi() != ABI:  # (a library without it raises AttributeError: the same)
+        raise AttributeError(f"its calls are version {lib.mlxs_abi()}, this package's {ABI}")
     # every call that can fail ends with the caller's (err, err_len) for its message
     lib.mlxs_new.restype = P
     lib.mlxs_new.argtypes = [Int, Int, Int, L, L, P, P, P, P, P, S, Int]
