@@ -258,30 +258,37 @@ def test_the_ring_stops_with_its_engine_and_when_dropped(models):
     ring.close()  # nothing left to stop
 
 
-def test_a_ring_left_open_stops_as_the_process_exits(models, tmp_path):
-    """A ring no one closed stops at interpreter exit (``io.ring``'s exit handler), before
-    the C library's handlers: on CUDA those free the page-locked entries its poller
-    reads. A handler registered before the ring's module runs after its own."""
+def test_a_ring_left_open_stops_as_the_process_exits(models):
+    """A ring no one closed stops at exit before the memory made ahead of it is freed: on
+    CUDA its entries are page-locked buffers that ``weakref.finalize`` frees at exit, and
+    its poller reads them (a benchmark's child crashed with SIGSEGV as it ended, 2026-12-07c).
+    Here a finalizer made before the ring looks, as it runs at exit, for the ring's
+    threads; and a handler registered before the ring's module finds the ring stopped."""
     import subprocess
     import sys
 
     _, ed = models.experts("tiny-qwen3_moe")
     code = f"""
-import atexit
+import atexit, os, weakref
+tasks = lambda: len(os.listdir("/proc/self/task"))
 seen = []
-atexit.register(lambda: print("stopped" if seen[0].handle is None else "running", flush=True))
+atexit.register(lambda: print("handler:", "stopped" if seen[1]() == seen[0] else "running"))
 from test_ring import reader_over
 from mlx_streaming.core.io.ring import RequestRing
 meta, _, reader = reader_over({str(ed)!r})
+class Entries: pass
+entries = Entries()  # as the ring's page-locked entries: a finalizer made before it
+weakref.finalize(entries, lambda: print("memory:", "stopped" if tasks() == seen[0] else "running", flush=True))
+seen += [tasks(), tasks]
 ring = RequestRing(reader, entries=2, readers=2)
-seen.append(ring)
 ring.wait(0, ring.post(0, sorted(meta.layers)[0], 1))
 """
     here = os.path.dirname(__file__)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=120, cwd=here)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip().splitlines()[-1] == "stopped", r.stdout
+    lines = r.stdout.strip().splitlines()
+    assert lines[-2:] == ["memory: stopped", "handler: stopped"], r.stdout
 
 
 def test_an_idle_ring_still_answers(models):
@@ -319,4 +326,47 @@ def test_the_host_poster_refuses_what_would_hang(models):
         ring.post(0, li, 1)
     with pytest.raises(RuntimeError, match="the request ring is stopped"):
         ring.wait(0, seq + 1)
+    reader.close()
+
+
+def test_the_host_paths_ring_reads_go_in_rounds_fail_alone_and_give_way(models):
+    """``device_reader.RingReads`` (the host path's reads beyond a bounded tier on CUDA),
+    over a ring in host memory with a copy that keeps each staged record: more records
+    than entries go in rounds, each slot getting its own record; a bad record fails its
+    read alone (the ring serves the next); a read given up for a newer one raises, never
+    posting again over the newer one's entries."""
+    import mlx.core as mx
+
+    from mlx_streaming.core.io.device_reader import RingReads
+
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta, _, reader = reader_over(ed)
+    li = sorted(meta.layers)[0]
+    n = meta.layers[li].record_bytes
+    ring = RequestRing(reader, entries=2, readers=2)
+    got: dict[int, np.ndarray] = {}
+
+    def copy(layer, slots):  # as the fill kernel: entry j's staging into slots[j]
+        assert layer == li
+        for j, s in enumerate(slots):
+            got[s] = ring.staging[j, :n].copy()
+        return mx.array(0)
+
+    reads = RingReads(ring, copy, meta)
+    experts, slots = [5, 0, 7, 3, 1], [10, 11, 12, 13, 14]
+    read = reads.start(li, experts, slots)
+    assert read.result() == 5 * n
+    for e, s in zip(experts, slots):
+        assert np.array_equal(got[s], record(meta, li, e)), (e, s)
+    bad = reads.start(li, [2, meta.layers[li].num_experts + 3], [0, 1])
+    with pytest.raises((ValueError, RecordReadError)):
+        bad.result()
+    got.clear()
+    assert reads.start(li, [4], [9]).result() == n and np.array_equal(got[9], record(meta, li, 4))
+    old = reads.start(li, [6, 2, 3], [0, 1, 2])
+    new = reads.start(li, [1], [5])  # the old one given up (its caller interrupted)
+    with pytest.raises(RuntimeError, match="given up"):
+        old.result()
+    assert new.result() == n and np.array_equal(got[5], record(meta, li, 1))
+    ring.close()
     reader.close()

@@ -255,7 +255,8 @@ class FileExpertStore:
         the next call of the layer finishes them. Returns how many were issued."""
         self._driver.enter("prefetch")  # not a context manager: each call with read-ahead
         try:
-            if self.device is not None:
+            if self.device is not None:  # no plan kernel left queued to post to the ring
+                self.device.run_queued()  # (whose entries a bounded tier's reads reuse)
                 self.device.to_host(layer)
             return self.loads.prefetch(layer, experts, limit)
         finally:
@@ -286,7 +287,8 @@ class FileExpertStore:
                     f"{self.top_k} of its {cache.capacity} slots free; pin at most "
                     f"{cache.capacity - self.top_k} or raise the capacity"
                 )
-            if self.device is not None:
+            if self.device is not None:  # (as prefetch)
+                self.device.run_queued()
                 self.device.to_host(layer)
             self.loads.pin(layer, ids)
             cache.pinned |= set(ids.tolist())

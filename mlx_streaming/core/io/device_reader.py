@@ -17,6 +17,7 @@ checking).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -310,7 +311,8 @@ class RingReads:
         """Finish the read started and not yet waited for (its caller was interrupted):
         every entry answered, so that the next post finds none still reading."""
         read, self._pending = self._pending, None
-        if read is not None:
+        if read is not None:  # its result() raises, not re-posts over the next read's
+            read.outcome = RuntimeError("a ring read was given up (its caller interrupted)")
             self.settle(read.seqs)
             read.seqs = []
 
@@ -326,10 +328,12 @@ class RingReads:
         return all(lib.mlxs_ring_done(words, k) == q for k, q in enumerate(seqs))
 
     def settle(self, seqs: list[int]) -> None:
-        """Wait until each request of ``seqs`` is answered (its outcome dropped)."""
+        """Wait until each request of ``seqs`` is answered (its outcome dropped), for
+        ``READ_WAIT_S`` in all (an entry still unanswered then refuses its next post)."""
+        until = time.monotonic() + READ_WAIT_S
         for k, q in enumerate(seqs):
             with contextlib.suppress(Exception):
-                self.ring.answered(k, q, READ_WAIT_S)
+                self.ring.answered(k, q, max(0.0, until - time.monotonic()))
 
     def rounds(self, read: _RingRead) -> int:
         """``read``'s records, round by round: each answered, then copied; its bytes."""

@@ -13,8 +13,6 @@ host (tests; a poster without a device); a kernel follows it with the device add
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import os
 import time
 import weakref
@@ -38,15 +36,6 @@ DEVICE_ENTRIES, DEVICE_READERS = 16, 8
 READ_WAIT_S = 30
 _rings: weakref.WeakSet = weakref.WeakSet()  # every ring made, for ``unexplained_failure``
 _closed_failures: list[Exception] = []  # ... and what the last closed one left unexplained
-
-
-@atexit.register
-def _stop_every_ring() -> None:
-    """At exit, before C's handlers (CUDA's frees the page-locked entries a ring's poller
-    still reads: a benchmark's process crashed so on an H100 as it exited, 2026-12-07c)."""
-    for ring in list(_rings):
-        with contextlib.suppress(Exception):
-            ring._stop()
 
 
 class RingError(OSError):
@@ -125,6 +114,10 @@ class RequestRing:
         if rc:
             raise OSError(f"the request ring could not start: {err.value.decode()}")
         self.handle, self._told = reader.handle, set()  # failures ``wait`` raised
+        # A ring left running stops when it is dropped or at exit. ``weakref.finalize``
+        # runs its callbacks at exit newest first: this one before those of the
+        # page-locked entries made above, which free what the poller reads.
+        self._left = weakref.finalize(self, _stop_left, reader, self.handle)
         _rings.add(self)
         _closed_failures.clear()  # a new ring: an earlier one's failure is not this run's
 
@@ -224,9 +217,14 @@ class RequestRing:
                 _closed_failures[:] = [e]
 
     def _stop(self) -> None:
-        if getattr(self, "handle", None) and self.reader.handle == self.handle:  # (made?)
-            self.reader.lib.mlxs_ring_stop(self.handle)
+        left = getattr(self, "_left", None)  # (none where the ring never started)
+        if left is not None and left.detach() is not None:  # not yet stopped
+            _stop_left(self.reader, self.handle)
         self.handle = None
 
-    def __del__(self):  # the threads write into this ring's memory: stop them first
-        self._stop()  # (without the lock: a collection may run where its holder is)
+
+def _stop_left(reader, handle) -> None:
+    """Stop the threads of a ring of engine ``handle``, unless its reader has closed (the
+    engine stopped them). Called once per ring: at its close, when dropped, or at exit."""
+    if reader.handle == handle:  # (without the lock: a collection may run where its holder is)
+        reader.lib.mlxs_ring_stop(handle)
