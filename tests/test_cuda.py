@@ -457,7 +457,7 @@ def test_the_swap_kernels_trade_records_as_the_reference(policy):
     assert ref["counters"][3] > 20  # calls with misses: the trades were exercised
     fills = np.array([2, 0, 1, 3, 5], np.int32)  # tier rows 0 and 3 with slots 1 and 5
     fill_reference(fills, tier_np, pool_np, swap=True)
-    fill = copy_kernel("mlxs_fill", _FILL, 16, *FILL_NAMES)((("N", 1), ("SWAP", 1)))
+    fill = copy_kernel("mlxs_fill", _FILL, 16, *FILL_NAMES)((("N", 1), ("MODE", 1)))
     (done,) = fill(
         inputs=[mx.array(fills), mx.zeros((1,), mx.uint32), meta],
         grid=(64 * 256, 1, 1),

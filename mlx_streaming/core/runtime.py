@@ -304,7 +304,8 @@ def resolve(
     if cfg.overlap is not None:
         overlap = cfg.overlap
     elif swap_tier:  # trades precede the layer's kernels; a bounded tier's file reads
-        # land beside them (gated): a second launch there is not measured yet
+        # land after them (on CUDA copied from the ring behind them): a second launch
+        # there is not measured yet
         overlap = False
     else:  # the split's second launch pays only where a record's read outlasts it
         overlap = b == "cpu" and not small

@@ -89,7 +89,7 @@ def _without(runtime: Runtime, cfg: StreamConfig, meta, pools, tick, e: Exceptio
     warnings.warn(f"{e}; the store reads with pread instead", RuntimeWarning, stacklevel=4)
     rt = resolve(cfg.replace(map_files=False, swap_tier=False), meta)
     if isinstance(e, RingError):
-        why = f"the bounded swap tier's {e}"
+        why = f"beside the bounded swap tier, {e}"
     else:
         why = f"the {'swap tier' if tier else 'files'} could not be page-locked ({e})"
     rt = rt.revised({"mapped": why, "decode_path": why, "reader": why})
