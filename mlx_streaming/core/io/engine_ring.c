@@ -46,7 +46,8 @@ typedef struct Ring {
   int32_t taken[MAX_RING]; /* the poller's: the last number handed on per entry */
   int busy[MAX_RING];      /* a reader has entry k */
   Request queue[MAX_RING];
-  int head, count, stop;
+  int head, count, stop; /* stop: the readers leave once the queue is empty */
+  int stop_poll;         /* the poller takes a last look, then leaves */
   pthread_mutex_t m;
   pthread_cond_t cv;
   pthread_t poller, readers[MAX_RING_READERS];
@@ -136,7 +137,7 @@ static int take_requests(Ring *r) {
 static void *poller_main(void *arg) {
   Ring *r = arg;
   int64_t last = mlxs_now_ns();
-  while (!__atomic_load_n(&r->stop, __ATOMIC_ACQUIRE)) {
+  while (!__atomic_load_n(&r->stop_poll, __ATOMIC_ACQUIRE)) {
     int64_t now = mlxs_now_ns();
     if (take_requests(r))
       last = now;
@@ -145,15 +146,19 @@ static void *poller_main(void *arg) {
     else if (now - last >= SPIN_NS)
       pause_ns(POLL_NS);
   }
+  take_requests(r); /* a last look: what was posted before the stop is answered too */
   return NULL;
 }
 
+/* The poller first (its last look hands on every request posted before the stop), then
+ * the readers, once they have answered every request handed on. */
 static void stop_ring(Ring *r) {
+  __atomic_store_n(&r->stop_poll, 1, __ATOMIC_RELEASE);
+  if (r->poller_started) pthread_join(r->poller, NULL);
   pthread_mutex_lock(&r->m);
   __atomic_store_n(&r->stop, 1, __ATOMIC_RELEASE);
   pthread_cond_broadcast(&r->cv);
   pthread_mutex_unlock(&r->m);
-  if (r->poller_started) pthread_join(r->poller, NULL);
   for (int i = 0; i < r->n_started; i++) pthread_join(r->readers[i], NULL);
   pthread_mutex_destroy(&r->m);
   pthread_cond_destroy(&r->cv);
@@ -225,8 +230,10 @@ int mlxs_ring_counters(Engine *e, int64_t *out) {
   return r ? 0 : -1;
 }
 
-/* Stop the ring: every request the poller has handed on is answered first; one posted
- * after its last look, never (nor by a later ring: it starts from the numbers it finds). */
+/* Stop the ring: every request posted before the stop is answered first (the poller's
+ * last look hands on what it had not seen), except one posted again on an entry still
+ * being read; one posted after, never (nor by a later ring: it starts from the numbers
+ * it finds). */
 void mlxs_ring_stop(Engine *e) {
   if (!e) return;
   pthread_mutex_lock(&e->call_lock);

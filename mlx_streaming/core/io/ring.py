@@ -207,7 +207,7 @@ class RequestRing:
         return dict(zip(COUNTERS, out.tolist()))
 
     def close(self) -> None:
-        """Stop the ring's threads (requests being read are answered first); idempotent."""
+        """Stop the ring's threads (every request posted before is answered first); idempotent."""
         with self.reader.lock:  # not beside the reader's close, which frees the engine
             self._stop()
         if self in _rings:  # its entries stay readable: what failed is kept
