@@ -53,9 +53,8 @@ def default_expert_dir(model: str | Path, settings: env.Settings | None = None) 
     p = Path(model).expanduser()
     key = str(p.resolve()) if p.exists() else str(model)
     name = Path(key).name or "model"
-    return (
-        settings or env.settings()
-    ).home_dir / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+    home = (settings or env.settings()).home_dir
+    return home / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
 def expert_dir_for(

@@ -255,12 +255,18 @@ class FileExpertStore:
         the next call of the layer finishes them. Returns how many were issued."""
         self._driver.enter("prefetch")  # not a context manager: each call with read-ahead
         try:
-            if self.device is not None:  # no plan kernel left queued to post to the ring
-                self.device.run_queued()  # (whose entries a bounded tier's reads reuse)
-                self.device.to_host(layer)
+            self._table_to_host(layer)
             return self.loads.prefetch(layer, experts, limit)
         finally:
             self._driver.leave()
+
+    def _table_to_host(self, layer: int) -> None:
+        """Outside a layer call: the device path's queued kernels run first (they post to
+        the request ring whose entries a bounded tier's reads reuse; a call's routing read
+        has run them already), then ``layer``'s table comes back to the host."""
+        if self.device is not None:
+            self.device.run_queued()
+            self.device.to_host(layer)
 
     def note_prediction(self, layer: int, predicted: np.ndarray, routed: np.ndarray) -> None:
         """Score a predictor's guess for ``layer`` against the experts it was routed to."""
@@ -287,9 +293,7 @@ class FileExpertStore:
                     f"{self.top_k} of its {cache.capacity} slots free; pin at most "
                     f"{cache.capacity - self.top_k} or raise the capacity"
                 )
-            if self.device is not None:  # (as prefetch)
-                self.device.run_queued()
-                self.device.to_host(layer)
+            self._table_to_host(layer)
             self.loads.pin(layer, ids)
             cache.pinned |= set(ids.tolist())
 

@@ -60,9 +60,9 @@ static int start_workers(Engine *e, int n, char *err, int err_len) {
   return 0;
 }
 
-/* A new engine, or NULL with ``err`` saying why (all its threads started, or none). */
 int mlxs_abi(void) { return MLXS_ABI; }
 
+/* A new engine, or NULL with ``err`` saying why (all its threads started, or none). */
 Engine *mlxs_new(int n_layers, int n_threads, int wave, int64_t max_stride, int64_t piece_bytes,
                  char *staging, void *copy, void *sync, void **streams, void *hash, char *err,
                  int err_len) {

@@ -58,11 +58,10 @@ def unexplained_failure() -> Exception | None:
     return _closed_failures[-1] if _closed_failures else None
 
 
-def ring_staging(meta, entries: int | None = None) -> int:
-    """Bytes of page-locked staging a ring of ``entries`` (default ``DEVICE_ENTRIES``) over
+def ring_staging(meta) -> int:
+    """Bytes of page-locked staging a ring of ``DEVICE_ENTRIES`` (read when called) over
     ``meta``'s records takes."""
-    entries = DEVICE_ENTRIES if entries is None else entries
-    return entries * max((lay.stride for lay in meta.layers.values()), default=0)
+    return DEVICE_ENTRIES * max((lay.stride for lay in meta.layers.values()), default=0)
 
 
 class RequestRing:
@@ -217,9 +216,7 @@ class RequestRing:
                 _closed_failures[:] = [e]
 
     def _stop(self) -> None:
-        left = getattr(self, "_left", None)  # (none where the ring never started)
-        if left is not None and left.detach() is not None:  # not yet stopped
-            _stop_left(self.reader, self.handle)
+        self._left()  # stops the threads once: here, when dropped, or at exit
         self.handle = None
 
 
