@@ -169,6 +169,7 @@ def test_a_swap_tier_streams_exactly_on_cuda(models, size, monkeypatch):
         if bounded:  # records came from the files through the ring, every one answered
             asked = store.reader.ring.counters()
             assert asked["requests"] > 0 and asked["failed"] == 0, asked
+            assert asked["busy_ns"] > 0 and t["read_gbps"] > 0, (asked, t)  # measured
         for li in store.layers:
             if store.device is not None:
                 store.device.to_host(li)

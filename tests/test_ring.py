@@ -47,7 +47,7 @@ def native_threads() -> int:
 def test_requests_are_answered_with_their_records_beside_ordinary_reads(models):
     _, ed = models.experts("tiny-qwen3_moe")
     meta, pools, reader = reader_over(ed, threads=2, wave=4)
-    ring = RequestRing(reader, entries=6, readers=3)
+    began, ring = time.monotonic_ns(), RequestRing(reader, entries=6, readers=3)
     layers, rng = sorted(meta.layers), np.random.default_rng(0)
     stop, errors = threading.Event(), []
 
@@ -86,6 +86,9 @@ def test_requests_are_answered_with_their_records_beside_ordinary_reads(models):
     c = ring.counters()
     assert c["requests"] == asked and c["failed"] == 0
     assert 0 < c["read_ns"] and c["max_ns"] * asked >= c["answer_ns"] >= c["read_ns"]
+    # the wall time a reader was reading: within the ring's life, and at least one of its
+    # 3 readers' share of their times summed
+    assert time.monotonic_ns() - began >= c["busy_ns"] >= c["read_ns"] / 3 > 0
     ring.close()
     reader.close()
 

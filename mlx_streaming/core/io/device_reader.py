@@ -156,6 +156,7 @@ class DeviceReader:
         self.meta, self.pools, self.tier, self.swap = meta, pools, tier, tier is not None
         self.files = files  # a partial tier's: its engine reads the rest, through the ring
         self.maps = self.ring = self._reads = None
+        self._ring_base = (0, 0)  # the ring's bytes and busy ns at the counters' reset
         try:
             if tier is None:
                 self.maps = FileMaps(meta, sorted(pools), cuda=cuda, tick=tick)
@@ -258,14 +259,29 @@ class DeviceReader:
         mx.async_eval(out)
         return out
 
-    def read_gbps(self) -> float:  # the GPU's copies are timed with its work, not apart
-        return self.files.read_gbps() if self.files is not None else 0.0
+    def read_gbps(self) -> float:
+        """The reads beyond a bounded tier (the files' reader's and the ring's): bytes over
+        the wall time a reader was reading, since the counters' reset (GB/s); 0 with none
+        (the GPU's copies are timed with its work, not apart)."""
+        if self.files is None:
+            return 0.0
+        done, busy = self.files.read_totals()
+        ring = self._ring_totals()
+        done, busy = done + ring[0] - self._ring_base[0], busy + ring[1] - self._ring_base[1]
+        return done / busy if busy else 0.0
+
+    def _ring_totals(self) -> tuple[int, int]:
+        if self.ring is None or not self.ring.handle:
+            return self._ring_base
+        c = self.ring.counters()
+        return c["bytes"], c["busy_ns"]
 
     def reset_counters(self) -> None:
         if self.tier is not None:
             self.tier.traded_bytes = 0
         if self.files is not None:
             self.files.reset_counters()
+            self._ring_base = self._ring_totals()
 
     def close(self) -> None:
         try:

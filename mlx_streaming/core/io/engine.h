@@ -89,7 +89,7 @@ typedef struct Engine {
 /* ------------------------------------------------------------------ the API (ctypes) */
 /* Raised whenever a function's arguments change: engine_lib.ABI must match it, so that a
  * library built from older sources is refused, not called with the wrong arguments. */
-#define MLXS_ABI 2
+#define MLXS_ABI 3
 int mlxs_abi(void);
 Engine *mlxs_new(int n_layers, int n_threads, int wave, int64_t max_stride, int64_t piece_bytes,
                  char *staging, void *copy, void *sync, void **streams, void *hash, char *err,

@@ -24,7 +24,7 @@ COUNTERS = ("calls", "records", "bytes", "read_ns", "busy_ns", "pread_ns", "copy
 N_COUNTERS = len(COUNTERS)
 ERR_BYTES = 512  # an engine message's buffer
 MAX_THREADS = 63  # reader threads the engine runs at most (engine.h: MAX_THREADS - 1)
-ABI = 2  # engine.h's MLXS_ABI: raised with it whenever a call's arguments change
+ABI = 3  # engine.h's MLXS_ABI: raised with it whenever a call's arguments change
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None | bool = None

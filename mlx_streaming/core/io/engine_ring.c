@@ -28,8 +28,18 @@
 
 enum { R_SEQ, R_LAYER, R_EXPERT, R_DONE, R_STATUS, R_ERRNO, RING_WORDS = 16 };
 /* counters: requests answered, bytes read, failed, read ns (summed over readers), answer
- * ns (seen to answered, summed), the longest answer ns */
-enum { RC_REQUESTS, RC_BYTES, RC_FAILED, RC_READ_NS, RC_ANSWER_NS, RC_MAX_NS, N_RING_COUNTERS };
+ * ns (seen to answered, summed), the longest answer ns, busy ns (wall time with a reader
+ * reading) */
+enum {
+  RC_REQUESTS,
+  RC_BYTES,
+  RC_FAILED,
+  RC_READ_NS,
+  RC_ANSWER_NS,
+  RC_MAX_NS,
+  RC_BUSY_NS,
+  N_RING_COUNTERS
+};
 
 typedef struct {
   int k;
@@ -48,6 +58,8 @@ typedef struct Ring {
   Request queue[MAX_RING];
   int head, count, stop; /* stop: the readers leave once the queue is empty */
   int stop_poll;         /* the poller takes a last look, then leaves */
+  int reading;           /* readers reading now, since busy_t0 (under m) */
+  int64_t busy_t0;
   pthread_mutex_t m;
   pthread_cond_t cv;
   pthread_t poller, readers[MAX_RING_READERS];
@@ -97,10 +109,13 @@ static void *reader_main(void *arg) {
     if (!r->count) break; /* stopped, and every request handed on is answered */
     Request q = r->queue[r->head];
     r->head = (r->head + 1) % MAX_RING, r->count--;
+    if (!r->reading++) r->busy_t0 = mlxs_now_ns();
     pthread_mutex_unlock(&r->m);
     serve(r, &q);
     pthread_mutex_lock(&r->m);
     r->busy[q.k] = 0; /* the entry may be handed on again */
+    if (!--r->reading)
+      __atomic_fetch_add(&r->counters[RC_BUSY_NS], mlxs_now_ns() - r->busy_t0, __ATOMIC_RELAXED);
   }
   pthread_mutex_unlock(&r->m);
   return NULL;

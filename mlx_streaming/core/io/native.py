@@ -306,8 +306,13 @@ class NativeReader:
 
     def read_gbps(self) -> float:
         """Bytes over the wall time of the reads (GB/s)."""
+        done, busy = self.read_totals()
+        return done / busy if busy else 0.0
+
+    def read_totals(self) -> tuple[int, int]:
+        """Bytes read and the wall time of the reads (ns), since the counters' reset."""
         c = dict(zip(COUNTERS, self.counters.sum(0).tolist()))
-        return c["bytes"] / c["busy_ns"] if c["busy_ns"] else 0.0
+        return c["bytes"], c["busy_ns"]
 
     def reset_counters(self) -> None:
         self.counters[:] = 0

@@ -25,8 +25,8 @@ RING_WORDS = 16  # an entry's int32 words (engine_ring.c): a cache line each
 SEQ, LAYER, EXPERT, DONE, STATUS, ERRNO = range(6)
 MAX_ENTRIES, MAX_READERS = 64, 16  # engine_ring.c's MAX_RING, MAX_RING_READERS
 # requests answered, bytes read, failed, read ns (summed over readers), answer ns (seen to
-# answered, summed), the longest answer ns
-COUNTERS = ("requests", "bytes", "failed", "read_ns", "answer_ns", "max_ns")
+# answered, summed), the longest answer ns, busy ns (wall time with a reader reading)
+COUNTERS = ("requests", "bytes", "failed", "read_ns", "answer_ns", "max_ns", "busy_ns")
 # a bounded tier's device path: reads one layer call may ask for at once (its ids at most),
 # and the ring threads reading them
 DEVICE_ENTRIES, DEVICE_READERS = 16, 8
