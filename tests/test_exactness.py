@@ -657,6 +657,8 @@ def test_an_auto_swap_tier_takes_what_memory_holds_and_streams_exactly(models, m
     from mlx_streaming.core.runtime import resolve
 
     chosen = resolve(cfg, meta)  # bounded: as CUDA's default resolves it in that memory
+    half = MARGIN + need // 2  # a store alone (no trunk beside it): half the tier
+    monkeypatch.setattr(mem, "machine_memory", lambda: (total, half))
     default = FileExpertStore(ed, meta.top_k, config=StreamConfig(), runtime=chosen)
     try:  # the default's tier (swap_tier left None) takes what memory holds, as auto does
         assert default.reader.tier.partial and default.reader.files is not None
@@ -673,6 +675,14 @@ def test_an_auto_swap_tier_takes_what_memory_holds_and_streams_exactly(models, m
         assert whole.runtime.reason("direct_io") == "the tier is whole: no file reads"
     finally:
         whole.close()
+    held = trunk_host_bytes(lazy) + kv + MARGIN + need  # a whole tier, and no reader's staging
+    monkeypatch.setattr(mem, "machine_memory", lambda: (total, held))
+    _, _, exact = stream_load(ck, ed, cfg, progress=False)
+    try:  # whole, as the runtime said: the staging of reads beyond it counts only beside
+        assert not exact.reader.tier.partial and exact.reader.files is None  # a bounded one
+        assert "whole" in exact.runtime.reason("reader"), exact.runtime.reason("reader")
+    finally:
+        exact.close()
 
 
 def test_the_default_s_swap_tier_falls_back_to_the_page_cache(models, monkeypatch):

@@ -104,6 +104,7 @@ def make_reader(
     tick: Callable[[], None] | None = None,
     host: HostShare | None = None,
     sequential: bool = False,
+    wave: int | None = None,
 ):
     """The reader ``runtime`` names, over ``pools``; a swap tier of at most ``tier_gb``
     (default: all the pools do not hold; ``"auto"``: what memory holds) within ``host``'s
@@ -111,6 +112,8 @@ def make_reader(
     file reader the runtime would have had (``runtime.files_reader``). ``tick()`` after
     each layer's long work (a tier's fill, a file's mapping and check; e.g. a pipeline's
     ``Pace.tick``). ``sequential``: the files are read from start to end (a fill).
+    ``wave``: the native reader's records staged at once (default: a call's misses; a
+    fill's, ``fill_wave``, where ``sequential``).
 
     Raises:
         OSError: the native reader is not installed, or the files could not be mapped.
@@ -120,7 +123,7 @@ def make_reader(
     """
     if runtime.reader == "tier":
         from ..io import cuda
-        from ..io.tier import SwapTier, staging_beside
+        from ..io.tier import SwapTier, fits_beside, staging_beside, tier_bytes
         from ..io.tier_reader import TierReader
 
         on_gpu, share = runtime.pool_mode == "cuda", host or HostShare()
@@ -128,15 +131,19 @@ def make_reader(
             limit = None if runtime.decode_path == "device" and not runtime.bounded else "auto"
         else:
             limit = None if tier_gb is None else int(tier_gb * 1e9)
-        staging = 0  # what the files' reader stages records in, made after the tier
+        staging, available = 0, share.available()  # staging: the files' reader's, after
         if limit == "auto" and runtime.files_reader == "native":
-            staging = staging_beside(meta, on_gpu)  # on CUDA both paths ask the ring
+            whole = tier_bytes(meta, {li: p.slots for li, p in pools.items()})[0]
+            if fits_beside(whole, share.reserve, available):  # as runtime.resolve found
+                limit = None  # whole: no reads beyond it to stage
+            else:
+                staging = staging_beside(meta, on_gpu)  # on CUDA both paths ask the ring
         tier = SwapTier(
             meta,
             pools,
             cuda if on_gpu else None,
             limit=limit,
-            available=share.available(),
+            available=available,
             reserve=share.reserve + staging,
         )
         files = None
@@ -145,8 +152,9 @@ def make_reader(
             fill_tier(tier, files_rt, tick)
             if on_gpu:  # the pools' copies have landed, on any stream
                 cuda.device_synchronize()
-            if tier.partial:  # the rest, read from the files
-                files = make_reader(files_rt, meta, pools, tick=tick)
+            if tier.partial:  # the rest, read from the files; on CUDA all through the
+                # request ring, which stages them itself (the engine's start is not called)
+                files = make_reader(files_rt, meta, pools, tick=tick, wave=1 if on_gpu else None)
             if not on_gpu:
                 return TierReader(tier, files)
             from ..io.device_reader import DeviceReader
@@ -178,7 +186,7 @@ def make_reader(
         direct=runtime.direct_io,
         checksums=runtime.checksums,
         cuda=cuda if runtime.pool_mode == "cuda" else None,
-        wave=fill_wave(meta) if sequential else engine_lib.staging(meta)[0],
+        wave=wave or (fill_wave(meta) if sequential else engine_lib.staging(meta)[0]),
         sequential=sequential,
     )
 

@@ -271,11 +271,13 @@ class SwapTier:
 
 def staging_beside(meta, ring: bool) -> int:
     """Bytes of host memory a bounded tier leaves beside it for the staging of the files'
-    native reader and, for the device path's reads, of its request ring (``io.ring``)."""
+    native reader: a call's misses, or on CUDA (``ring``) a record, as its request ring
+    (``io.ring``) stages the reads of both paths (``cache.readers.make_reader``)."""
     from . import engine_lib
     from .ring import ring_staging
 
-    return engine_lib.staging(meta)[1] + ring * ring_staging(meta)
+    wave, nbytes = engine_lib.staging(meta)
+    return nbytes // wave + ring_staging(meta) if ring else nbytes
 
 
 def tier_bytes(meta, slots: dict[int, int]) -> tuple[int, int]:
