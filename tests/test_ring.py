@@ -330,6 +330,14 @@ def test_the_host_poster_refuses_what_would_hang(models):
     with pytest.raises(RuntimeError, match="the request ring is stopped"):
         ring.wait(0, seq + 1)
     reader.close()
+    meta, _, reader = reader_over(ed)
+    ring = RequestRing(reader, entries=2, readers=1)
+    assert ring.running and ring.counters()["requests"] == 0
+    reader.close()  # its engine freed, the ring stopped with it: nothing reads the engine
+    assert not ring.running
+    with pytest.raises(RuntimeError, match="stopped \\(closed, or its reader closed"):
+        ring.counters()
+    ring.close()
 
 
 def test_the_host_paths_ring_reads_go_in_rounds_fail_alone_and_give_way(models):

@@ -271,7 +271,7 @@ class DeviceReader:
         return done / busy if busy else 0.0
 
     def _ring_totals(self) -> tuple[int, int]:
-        if self.ring is None or not self.ring.handle:
+        if self.ring is None or not self.ring.running:
             return self._ring_base
         c = self.ring.counters()
         return c["bytes"], c["busy_ns"]

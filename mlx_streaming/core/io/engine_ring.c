@@ -58,7 +58,7 @@ typedef struct Ring {
   Request queue[MAX_RING];
   int head, count, stop; /* stop: the readers leave once the queue is empty */
   int stop_poll;         /* the poller takes a last look, then leaves */
-  int reading;           /* readers reading now, since busy_t0 (under m) */
+  int reading;           /* readers reading now; busy_t0: the wall time counted to (under m) */
   int64_t busy_t0;
   pthread_mutex_t m;
   pthread_cond_t cv;
@@ -88,6 +88,11 @@ static void serve(Ring *r, const Request *q) {
     bytes = st == ST_OK ? L->record_bytes : 0;
   }
   int64_t t1 = mlxs_now_ns();
+  pthread_mutex_lock(&r->m); /* the wall time read, counted before the answer is seen */
+  int64_t now = mlxs_now_ns();
+  __atomic_fetch_add(&r->counters[RC_BUSY_NS], now - r->busy_t0, __ATOMIC_RELAXED);
+  r->busy_t0 = now, r->reading--;
+  pthread_mutex_unlock(&r->m);
   __atomic_fetch_add(&r->counters[RC_REQUESTS], 1, __ATOMIC_RELAXED);
   __atomic_fetch_add(&r->counters[RC_BYTES], bytes, __ATOMIC_RELAXED);
   __atomic_fetch_add(&r->counters[RC_FAILED], st != ST_OK, __ATOMIC_RELAXED);
@@ -114,8 +119,6 @@ static void *reader_main(void *arg) {
     serve(r, &q);
     pthread_mutex_lock(&r->m);
     r->busy[q.k] = 0; /* the entry may be handed on again */
-    if (!--r->reading)
-      __atomic_fetch_add(&r->counters[RC_BUSY_NS], mlxs_now_ns() - r->busy_t0, __ATOMIC_RELAXED);
   }
   pthread_mutex_unlock(&r->m);
   return NULL;

@@ -192,8 +192,13 @@ class RequestRing:
         why = os.strerror(int(row[ERRNO])) if row[ERRNO] else f"status {st}"
         return status_error(st, f"{why}: expert {expert}", path, layer, expert)
 
+    @property
+    def running(self) -> bool:
+        """Whether the ring runs: neither it nor its reader (whose engine it runs on) closed."""
+        return bool(self.handle) and self.reader.handle == self.handle
+
     def _check(self, k: int) -> None:
-        if not self.handle or self.reader.handle != self.handle:
+        if not self.running:
             raise RuntimeError("the request ring is stopped (closed, or its reader closed)")
         if not 0 <= k < len(self.words):
             raise ValueError(f"request ring entry {k}: 0 to {len(self.words) - 1}")
@@ -201,8 +206,8 @@ class RequestRing:
     def counters(self) -> dict[str, int]:
         """What the ring has done since it started (``COUNTERS``)."""
         out = np.zeros(len(COUNTERS), np.int64)
-        if not self.handle or self.reader.lib.mlxs_ring_counters(self.handle, out.ctypes.data):
-            raise RuntimeError("the request ring is stopped")
+        if not self.running or self.reader.lib.mlxs_ring_counters(self.handle, out.ctypes.data):
+            raise RuntimeError("the request ring is stopped (closed, or its reader closed)")
         return dict(zip(COUNTERS, out.tolist()))
 
     def close(self) -> None:

@@ -86,7 +86,7 @@ class SwapTier:
         need = rows_bytes(meta, self.rows)
         trunk = (f", {reserve / 1e9:.2f} GB of them for the rest of the load (the trunk; off "
                  "CUDA, an auto tier's KV cache of --context tokens; beside an auto tier, the "
-                 "staging of the reads beyond it: on CUDA the request ring's)"
+                 "staging of the reads beyond it: on CUDA the request ring's and a record)"
                  if reserve else "")  # fmt: skip
         self._short = (
             f"the swap tier needs {need / 1e9:.2f} GB of host memory (the experts the pools "
