@@ -44,10 +44,11 @@ def native_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def test_requests_are_answered_with_their_records_beside_ordinary_reads(models):
+@pytest.mark.parametrize("pieces", [1, 3])  # 3: each 16 KB record in two reads of 8 KB
+def test_requests_are_answered_with_their_records_beside_ordinary_reads(models, pieces):
     _, ed = models.experts("tiny-qwen3_moe")
     meta, pools, reader = reader_over(ed, threads=2, wave=4)
-    began, ring = time.monotonic_ns(), RequestRing(reader, entries=6, readers=3)
+    began, ring = time.monotonic_ns(), RequestRing(reader, entries=6, readers=3, pieces=pieces)
     layers, rng = sorted(meta.layers), np.random.default_rng(0)
     stop, errors = threading.Event(), []
 
@@ -85,6 +86,7 @@ def test_requests_are_answered_with_their_records_beside_ordinary_reads(models):
     assert not errors, errors
     c = ring.counters()
     assert c["requests"] == asked and c["failed"] == 0
+    assert c["reads"] == asked * (2 if pieces > 1 else 1)  # a record in 1 read, or 2
     assert 0 < c["read_ns"] and c["max_ns"] * asked >= c["answer_ns"] >= c["read_ns"]
     # the wall time a reader was reading: within the ring's life, and at least one of its
     # 3 readers' share of their times summed
@@ -134,7 +136,8 @@ def test_bad_requests_are_answered_and_leave_the_ring_usable(models):
     reader.close()
 
 
-def test_corrupt_and_shrunken_files_name_the_file_and_the_expert(models, tmp_path):
+@pytest.mark.parametrize("pieces", [1, 4])  # 4: a read a page, one failing of the record's
+def test_corrupt_and_shrunken_files_name_the_file_and_the_expert(models, tmp_path, pieces):
     _, src = models.experts("tiny-qwen3_moe")
     ed = tmp_path / "e"
     shutil.copytree(src, ed)
@@ -147,13 +150,16 @@ def test_corrupt_and_shrunken_files_name_the_file_and_the_expert(models, tmp_pat
         f.seek(2 * lay.stride + 5)
         f.write(bytes([b[0] ^ 0xFF]))
     _, _, reader = reader_over(ed)
-    with RingOf(reader) as ring:
+    with RingOf(reader, pieces=pieces) as ring:
         with pytest.raises(ExpertChecksumError, match=f"expert 2 of layer {li}.*{meta.file(li)}"):
             ring.wait(0, ring.post(0, li, 2))
         os.truncate(meta.file(li), (meta.num_experts - 1) * lay.stride)  # the last one goes
         with pytest.raises(RecordReadError, match=str(meta.file(li))):
             ring.wait(1, ring.post(1, li, meta.num_experts - 1))
-        ring.wait(0, ring.post(0, li, 1))  # the rest still read
+        got = ring.wait(0, ring.post(0, li, 1))  # the rest still read
+        assert np.array_equal(got[: lay.record_bytes], record(meta, li, 1))
+        c = ring.counters()
+        assert (c["requests"], c["failed"], c["bytes"]) == (3, 2, lay.record_bytes), c
     reader.close()
 
 
@@ -220,6 +226,8 @@ def test_a_failed_read_no_waiter_saw_is_named_for_the_commands(models, tmp_path,
         ({"entries": 65}, "1 to 64 entries"),
         ({"readers": 0}, "1 to 16 readers"),
         ({"readers": 17}, "1 to 16 readers"),
+        ({"pieces": 0}, "0 pieces a record: 1 to the ring's 4 readers"),
+        ({"readers": 2, "pieces": 3}, "3 pieces a record: 1 to the ring's 2 readers"),
     ],
 )
 def test_a_ring_that_cannot_be_made_says_why(models, kw, why):

@@ -1,5 +1,6 @@
 """Records asked for by a kernel through the engine's request ring (``io.ring``), against
-the same records read by the host path's reader: the transport a device path over a
+the same records read by the host path's reader, each record read whole or cut in pieces
+that several ring threads read at once (``--pieces``): the transport a device path over a
 bounded swap tier would use for each miss beyond the tier (benchmarks/RESULTS.md, "The
 design this opens").
 
@@ -124,6 +125,8 @@ def main():
     p.add_argument("--repeat", type=int, default=21)
     p.add_argument("--direct", action="store_true", help="read with O_DIRECT (the disk)")
     p.add_argument("--readers", type=int, default=4, help="the ring's reader threads")
+    p.add_argument("--pieces", default="1",
+                   help="the reads a record is cut in, a ring each (e.g. 1,4,8: side by side)")  # fmt: skip
     a = p.parse_args()
     from mlx_streaming.core.cache.expert_store import FileExpertStore
     from mlx_streaming.core.io import cuda
@@ -136,8 +139,6 @@ def main():
     on_cuda = store.pool_mode == "cuda"
     dev = cuda if on_cuda else None
     reader = NativeReader(meta, store.pools, threads=3, direct=a.direct, cuda=dev)
-    ring = RequestRing(reader, entries=12, readers=a.readers, cuda=dev)
-    ask = Asker(ring, meta, on_cuda)
     layers, rng = sorted(meta.layers), np.random.default_rng(0)
     cache = {}
 
@@ -152,8 +153,13 @@ def main():
         li = layers[int(rng.integers(len(layers)))]
         return li, rng.choice(meta.num_experts, n, replace=False).tolist()
 
-    rows, bad = [], 0
-    for n in (1, 2, 4, 6):
+    rows, bad, ring = [], 0, None
+    for n, pieces in [(n, int(p)) for p in a.pieces.split(",") for n in (1, 2, 4, 6)]:
+        if ring is None or ring.pieces != pieces:  # a ring of its own for each cut
+            if ring is not None:
+                ring.close()
+            ring = RequestRing(reader, entries=12, readers=a.readers, cuda=dev, pieces=pieces)
+            ask = Asker(ring, meta, on_cuda)
         ring_ms, wait_us, host_ms = [], [], []
         for r in range(a.repeat + 1):
             li, es = pick(n)
@@ -171,7 +177,8 @@ def main():
                 ring_ms.append(1e3 * dt)
                 wait_us.append(np.array(info)[:, 1].max() / 1e3)
                 host_ms.append(1e3 * dh)
-        row = {"records": n, "ring_call_ms": round(statistics.median(ring_ms), 3),
+        row = {"records": n, "pieces": pieces,
+               "ring_call_ms": round(statistics.median(ring_ms), 3),
                "kernel_wait_us": round(statistics.median(wait_us), 1),
                "host_read_ms": round(statistics.median(host_ms), 3)}  # fmt: skip
         rows.append(row)
@@ -187,7 +194,8 @@ def main():
         "ring": {"requests": c["requests"], "failed": c["failed"],
                  "read_us_per_request": round(c["read_ns"] / per / 1e3, 1),
                  "answer_us_per_request": round(c["answer_ns"] / per / 1e3, 1),
-                 "longest_answer_ms": round(c["max_ns"] / 1e6, 2)},
+                 "longest_answer_ms": round(c["max_ns"] / 1e6, 2),
+                 "reads_per_request": round(c["reads"] / per, 2)},
     }  # fmt: skip
     ring.close()
     reader.close()

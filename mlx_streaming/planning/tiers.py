@@ -272,8 +272,9 @@ def split_rows(
     first. A row served on the host path adds ``host_s`` seconds per token of its own
     work (routing reads, planning, launches), in series; with ``device_swap`` (CUDA) a
     swap tier runs the device path, which adds none, a bounded one leaving its request
-    ring's staging (``DEVICE_ENTRIES`` records) beside it. ``best_split`` makes the splits of one memory; pools in a GPU's own memory
-    (``plan --host-gb``) have the same host bytes beneath each pool size. Either tier gets
+    ring's staging (``DEVICE_ENTRIES`` records) and the files' reader's record beside it
+    (``io.tier.staging_beside``). ``best_split`` makes the splits of one memory; pools in
+    a GPU's own memory (``plan --host-gb``) have the same host bytes beneath each pool size. Either tier gets
     the host bytes less ``MARGIN``, which the process takes after load; a swap tier of no
     row per layer is left out."""
     unknown = set(beneath) - {"page cache", "swap"}
@@ -306,7 +307,8 @@ def _row(
             return None
         host_s = 0.0 if device_swap else host_s
         if size < room:  # bounded: the flag's GB, as the store reads it, less the request
-            size -= device_swap * DEVICE_ENTRIES * record_bytes  # ring's staging (io.ring)
+            size -= device_swap * (DEVICE_ENTRIES + 1) * record_bytes  # ring's staging and
+            # the files' reader's record (io.tier.staging_beside)
             if size <= 0:
                 return None
             gb = _floor_gb(size)

@@ -41,7 +41,7 @@ int main(void) {
   char *ring_staging = aligned_alloc(4096, (size_t)EXPERTS * STRIDE);
   int bad = 0;
   for (int round = 0; round < ROUNDS; round++) {
-    rc = mlxs_ring_start(e, words, EXPERTS, ring_staging, STRIDE, 1, err, sizeof err);
+    rc = mlxs_ring_start(e, words, EXPERTS, ring_staging, STRIDE, 1, 1, err, sizeof err);
     assert(rc == 0);
     for (int k = 0; k < EXPERTS; k++) mlxs_ring_post(words, k, 0, k);
     struct timespec ts = {0, 1000000};

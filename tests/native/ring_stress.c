@@ -1,8 +1,9 @@
 /* The request ring under ThreadSanitizer (.ci/sanitize): poster threads ask for records of
  * two layers through their own entries (some requests bad) while the engine's ordinary
  * reads run beside them; each answer must carry the record asked for, or ST_ARGS for a
- * bad one, within 10 s. Then rings started and stopped with requests in flight, and an
- * engine freed with its ring running. Exit status 1 on any wrong outcome. */
+ * bad one, within 10 s (each record read in pieces by several readers). Then rings started
+ * and stopped with requests in flight, and an engine freed with its ring running. Exit
+ * status 1 on any wrong outcome. */
 #include <assert.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -109,7 +110,7 @@ int main(void) {
   char *dst = calloc(2 * SLOTS, STRIDE);
   int32_t *words = calloc(POSTERS * PER * RING_WORDS, sizeof(int32_t));
   Engine *e = engine(fds, staging, dst, err);
-  int rc = mlxs_ring_start(e, words, POSTERS * PER, ring_staging, STRIDE, 3, err, sizeof err);
+  int rc = mlxs_ring_start(e, words, POSTERS * PER, ring_staging, STRIDE, 3, 3, err, sizeof err);
   assert(rc == 0);
   Poster ps[POSTERS];
   pthread_t t[POSTERS];
@@ -125,14 +126,15 @@ int main(void) {
     bad += mlxs_finish(e, status, NULL, err, sizeof err) != ST_OK;
   }
   for (int i = 0; i < POSTERS; i++) pthread_join(t[i], NULL), bad += ps[i].bad;
-  int64_t c[6];
+  int64_t c[8];
   bad += mlxs_ring_counters(e, c) != 0 || c[0] != POSTERS * ROUNDS;
   for (int it = 0; it < 20; it++) { /* stopped with a request in flight, started again */
     int32_t seq = __atomic_load_n(at(words, 0, R_SEQ), __ATOMIC_RELAXED) + 1;
     __atomic_store_n(at(words, 0, R_EXPERT), it % EXPERTS, __ATOMIC_RELAXED);
     __atomic_store_n(at(words, 0, R_SEQ), seq, __ATOMIC_RELEASE);
     mlxs_ring_stop(e);
-    bad += mlxs_ring_start(e, words, POSTERS * PER, ring_staging, STRIDE, 2, err, sizeof err) != 0;
+    bad +=
+        mlxs_ring_start(e, words, POSTERS * PER, ring_staging, STRIDE, 2, 2, err, sizeof err) != 0;
   }
   bad += ask(words, 1, 1, 3) != ST_OK;
   __atomic_store_n(at(words, 2, R_SEQ), 99, __ATOMIC_RELEASE);

@@ -196,12 +196,14 @@ class DeviceReader:
         which the plan kernel (device path) or ``RingReads`` (host path) asks for the
         records beyond the tier; each layer's copy description then names it
         (``device_tier.TIER_COPY``'s ``meta``), and a second one copies from its staging."""
-        from .ring import DEVICE_ENTRIES, DEVICE_READERS, RequestRing, RingError
+        from . import ring as rings
 
         try:
-            ring = RequestRing(self.files, DEVICE_ENTRIES, DEVICE_READERS, cuda=cuda)
+            ring = rings.RequestRing(
+                self.files, rings.DEVICE_ENTRIES, rings.DEVICE_READERS, cuda, rings.DEVICE_PIECES
+            )
         except (OSError, MemoryError, cuda.CudaError) as e:
-            raise RingError(e) from e
+            raise rings.RingError(e) from e
         self.ring, self._staged = ring, {}
         for li, (meta, word) in self._meta.items():
             at = [ring.device_words, ring.device_staging, ring.stride, self.files.pos[li]]

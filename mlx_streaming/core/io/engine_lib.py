@@ -123,7 +123,7 @@ def _declare(lib) -> None:
     lib.mlxs_threads.restype = Int
     lib.mlxs_threads.argtypes = [P]
     lib.mlxs_ring_start.restype = Int
-    lib.mlxs_ring_start.argtypes = [P, P, Int, P, L, Int, S, Int]
+    lib.mlxs_ring_start.argtypes = [P, P, Int, P, L, Int, Int, S, Int]
     lib.mlxs_ring_counters.restype = Int
     lib.mlxs_ring_counters.argtypes = [P, P]
     lib.mlxs_ring_stop.argtypes = [P]

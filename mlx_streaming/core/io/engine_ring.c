@@ -15,12 +15,15 @@
  *
  * One poller thread watches the entries (spinning for SPIN_NS after a request, then
  * polling every POLL_NS, then every IDLE_POLL_NS once idle for IDLE_NS) and hands each
- * request to one of ``readers`` threads. The layers must be registered before the ring
- * starts (mlxs_layer refuses while it runs); mlxs_ring_stop (and mlxs_free) joins them. */
+ * request to the ``readers`` threads in ``pieces`` reads of whole pages (a lone record is
+ * read by several threads at once); the reader of its last piece checks it and answers. The layers
+ * must be registered before the ring starts (mlxs_layer refuses while it runs); mlxs_ring_stop (and
+ * mlxs_free) joins them. */
 #include "engine.h"
 
 #define MAX_RING 64
 #define MAX_RING_READERS 16
+#define QUEUE (MAX_RING * MAX_RING_READERS) /* pieces handed on: at most readers a record */
 #define SPIN_NS 2000000LL
 #define POLL_NS 20000LL
 #define IDLE_POLL_NS 500000LL
@@ -29,7 +32,7 @@
 enum { R_SEQ, R_LAYER, R_EXPERT, R_DONE, R_STATUS, R_ERRNO, RING_WORDS = 16 };
 /* counters: requests answered, bytes read, failed, read ns (summed over readers), answer
  * ns (seen to answered, summed), the longest answer ns, busy ns (wall time with a reader
- * reading) */
+ * reading), reads (the pieces read) */
 enum {
   RC_REQUESTS,
   RC_BYTES,
@@ -38,24 +41,27 @@ enum {
   RC_ANSWER_NS,
   RC_MAX_NS,
   RC_BUSY_NS,
+  RC_READS,
   N_RING_COUNTERS
 };
 
 typedef struct {
   int k;
   int32_t seq, layer, expert;
-  int64_t seen_ns;
+  int64_t seen_ns, lo, hi; /* the piece: bytes [lo, hi) of the record */
 } Request;
 
 typedef struct Ring {
   Engine *e;
   int32_t *words;
-  int n, n_readers, n_started, poller_started;
+  int n, n_readers, n_started, poller_started, pieces;
   char *staging;
   int64_t stride;
-  int32_t taken[MAX_RING]; /* the poller's: the last number handed on per entry */
-  int busy[MAX_RING];      /* a reader has entry k */
-  Request queue[MAX_RING];
+  int32_t taken[MAX_RING];            /* the poller's: the last number handed on per entry */
+  int busy[MAX_RING];                 /* a reader has entry k */
+  int left[MAX_RING];                 /* entry k's pieces not yet read (under m) */
+  int st[MAX_RING], errnum[MAX_RING]; /* its first failure (under m) */
+  Request queue[MAX_RING * MAX_RING_READERS];
   int head, count, stop; /* stop: the readers leave once the queue is empty */
   int stop_poll;         /* the poller takes a last look, then leaves */
   int reading;           /* readers reading now; busy_t0: the wall time counted to (under m) */
@@ -74,29 +80,44 @@ static void answer(Ring *r, const Request *q, int st, int errnum) {
   __atomic_store_n(word(r, q->k, R_DONE), q->seq, __ATOMIC_RELEASE);
 }
 
-/* Read a request's record into its staging record and answer it. */
-static void serve(Ring *r, const Request *q) {
+/* The request's layer, or NULL where it names no record the staging holds. */
+static Layer *asked_layer(const Ring *r, int32_t layer, int32_t expert) {
   Engine *e = r->e;
+  Layer *L = layer >= 0 && layer < e->n_layers ? &e->layers[layer] : NULL;
+  return L && L->ready && expert >= 0 && expert < L->num_experts && L->stride <= r->stride ? L
+                                                                                           : NULL;
+}
+
+/* Read a piece of a request's record into its staging record; the reader of the last
+ * piece checks the record and answers. Whether this was the last (the entry is free). */
+static int serve(Ring *r, const Request *q) {
   int st = ST_ARGS, errnum = 0;
-  int64_t t0 = mlxs_now_ns(), bytes = 0;
-  Layer *L = q->layer >= 0 && q->layer < e->n_layers ? &e->layers[q->layer] : NULL;
-  if (L && L->ready && q->expert >= 0 && q->expert < L->num_experts && L->stride <= r->stride) {
-    char *rec = r->staging + (int64_t)q->k * r->stride;
-    int rc = mlxs_read_full(L->fd, rec, L->stride, (int64_t)q->expert * L->stride);
-    st = rc ? (rc < 0 ? ST_SHORT : ST_READ) : mlxs_check_record(e, L, q->expert, rec);
-    errnum = rc > 0 ? rc : 0;
-    bytes = st == ST_OK ? L->record_bytes : 0;
+  int64_t t0 = mlxs_now_ns();
+  Layer *L = asked_layer(r, q->layer, q->expert);
+  char *rec = r->staging + (int64_t)q->k * r->stride;
+  if (L) {
+    int rc =
+        mlxs_read_full(L->fd, rec + q->lo, q->hi - q->lo, (int64_t)q->expert * L->stride + q->lo);
+    st = rc ? (rc < 0 ? ST_SHORT : ST_READ) : ST_OK, errnum = rc > 0 ? rc : 0;
   }
+  pthread_mutex_lock(&r->m);
+  if (st != ST_OK && r->st[q->k] == ST_OK) r->st[q->k] = st, r->errnum[q->k] = errnum;
+  int last = !--r->left[q->k];
+  st = r->st[q->k], errnum = r->errnum[q->k];
+  pthread_mutex_unlock(&r->m);
+  if (last && st == ST_OK) st = mlxs_check_record(r->e, L, q->expert, rec);
   int64_t t1 = mlxs_now_ns();
   pthread_mutex_lock(&r->m); /* the wall time read, counted before the answer is seen */
   int64_t now = mlxs_now_ns();
   __atomic_fetch_add(&r->counters[RC_BUSY_NS], now - r->busy_t0, __ATOMIC_RELAXED);
   r->busy_t0 = now, r->reading--;
   pthread_mutex_unlock(&r->m);
-  __atomic_fetch_add(&r->counters[RC_REQUESTS], 1, __ATOMIC_RELAXED);
-  __atomic_fetch_add(&r->counters[RC_BYTES], bytes, __ATOMIC_RELAXED);
-  __atomic_fetch_add(&r->counters[RC_FAILED], st != ST_OK, __ATOMIC_RELAXED);
   __atomic_fetch_add(&r->counters[RC_READ_NS], t1 - t0, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&r->counters[RC_READS], 1, __ATOMIC_RELAXED);
+  if (!last) return 0;
+  __atomic_fetch_add(&r->counters[RC_REQUESTS], 1, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&r->counters[RC_BYTES], st == ST_OK ? L->record_bytes : 0, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&r->counters[RC_FAILED], st != ST_OK, __ATOMIC_RELAXED);
   __atomic_fetch_add(&r->counters[RC_ANSWER_NS], t1 - q->seen_ns, __ATOMIC_RELAXED);
   int64_t most = __atomic_load_n(&r->counters[RC_MAX_NS], __ATOMIC_RELAXED);
   while (t1 - q->seen_ns > most &&
@@ -104,6 +125,7 @@ static void serve(Ring *r, const Request *q) {
                                       __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
   }
   answer(r, q, st, errnum);
+  return 1;
 }
 
 static void *reader_main(void *arg) {
@@ -113,15 +135,22 @@ static void *reader_main(void *arg) {
     while (!r->count && !r->stop) pthread_cond_wait(&r->cv, &r->m);
     if (!r->count) break; /* stopped, and every request handed on is answered */
     Request q = r->queue[r->head];
-    r->head = (r->head + 1) % MAX_RING, r->count--;
+    r->head = (r->head + 1) % QUEUE, r->count--;
     if (!r->reading++) r->busy_t0 = mlxs_now_ns();
     pthread_mutex_unlock(&r->m);
-    serve(r, &q);
+    int last = serve(r, &q);
     pthread_mutex_lock(&r->m);
-    r->busy[q.k] = 0; /* the entry may be handed on again */
+    if (last) r->busy[q.k] = 0; /* the entry may be handed on again */
   }
   pthread_mutex_unlock(&r->m);
   return NULL;
+}
+
+/* A piece's bytes: ``size`` in ``pieces`` reads of whole pages (the reads of the files
+ * opened with O_DIRECT stay aligned: strides are whole pages). */
+static int64_t piece_bytes(int64_t size, int pieces) {
+  int64_t step = (size + pieces - 1) / pieces;
+  return (step + 4095) / 4096 * 4096;
 }
 
 static void pause_ns(int64_t ns) {
@@ -141,10 +170,21 @@ static int take_requests(Ring *r) {
   for (int k = 0; k < r->n; k++) {
     int32_t seq = __atomic_load_n(word(r, k, R_SEQ), __ATOMIC_ACQUIRE);
     if (seq == r->taken[k] || r->busy[k]) continue;
-    Request q = {k, seq, __atomic_load_n(word(r, k, R_LAYER), __ATOMIC_RELAXED),
-                 __atomic_load_n(word(r, k, R_EXPERT), __ATOMIC_RELAXED), now};
-    r->taken[k] = seq, r->busy[k] = 1;
-    r->queue[(r->head + r->count++) % MAX_RING] = q;
+    Request q = {k,
+                 seq,
+                 __atomic_load_n(word(r, k, R_LAYER), __ATOMIC_RELAXED),
+                 __atomic_load_n(word(r, k, R_EXPERT), __ATOMIC_RELAXED),
+                 now,
+                 0,
+                 0};
+    Layer *L = asked_layer(r, q.layer, q.expert);
+    int64_t size = L ? L->stride : 0, step = piece_bytes(size, r->pieces);
+    r->taken[k] = seq, r->busy[k] = 1, r->st[k] = ST_OK, r->errnum[k] = 0, r->left[k] = 0;
+    do { /* a request naming no record is one empty piece, answered ST_ARGS */
+      q.hi = q.lo + step < size ? q.lo + step : size;
+      r->queue[(r->head + r->count++) % QUEUE] = q, r->left[k]++;
+      q.lo = q.hi;
+    } while (q.lo < size);
     found++;
   }
   if (found) pthread_cond_broadcast(&r->cv);
@@ -184,13 +224,15 @@ static void stop_ring(Ring *r) {
 }
 
 static int check_ring(const Engine *e, const int32_t *words, int n, const char *staging,
-                      int64_t stride, int readers, char *err, int err_len) {
+                      int64_t stride, int readers, int pieces, char *err, int err_len) {
   if (e->ring) return mlxs_say(err, err_len, "a request ring is running already");
   if (!words || !staging) return mlxs_say(err, err_len, "a request ring needs entries and staging");
   if (n < 1 || n > MAX_RING)
     return mlxs_say(err, err_len, "a ring of %d entries: 1 to %d", n, MAX_RING);
   if (readers < 1 || readers > MAX_RING_READERS)
     return mlxs_say(err, err_len, "%d ring readers: 1 to %d", readers, MAX_RING_READERS);
+  if (pieces < 1 || pieces > readers)
+    return mlxs_say(err, err_len, "%d pieces a record: 1 to the %d readers", pieces, readers);
   if (stride < 1 || stride > MAX_BYTES / n)
     return mlxs_say(err, err_len, "staging records of %lld bytes: 1 to %lld", (long long)stride,
                     (long long)(MAX_BYTES / n));
@@ -204,19 +246,25 @@ static int check_ring(const Engine *e, const int32_t *words, int n, const char *
 }
 
 /* Start answering requests in ``n`` entries at ``words`` (the caller's, as ``staging``:
- * both stay valid until mlxs_ring_stop) with ``readers`` threads: 0, or -1 with ``err``
- * saying why (nothing started). Requests already posted are not answered. */
+ * both stay valid until mlxs_ring_stop) with ``readers`` threads, each record read in
+ * ``pieces`` (1 to ``readers``): 0, or -1 with ``err`` saying why (nothing started).
+ * Requests already posted are not answered. */
 int mlxs_ring_start(Engine *e, int32_t *words, int n, char *staging, int64_t stride, int readers,
-                    char *err, int err_len) {
+                    int pieces, char *err, int err_len) {
   mlxs_say(err, err_len, "%s", e ? "" : "no engine");
   if (!e) return -1;
   pthread_mutex_lock(&e->call_lock);
-  int rc = check_ring(e, words, n, staging, stride, readers, err, err_len);
+  int rc = check_ring(e, words, n, staging, stride, readers, pieces, err, err_len);
   Ring *r = rc ? NULL : calloc(1, sizeof(Ring));
   if (!rc && !r) rc = mlxs_say(err, err_len, "out of memory for a request ring");
   if (r) {
-    *r = (Ring){
-        .e = e, .words = words, .n = n, .n_readers = readers, .staging = staging, .stride = stride};
+    *r = (Ring){.e = e,
+                .words = words,
+                .n = n,
+                .n_readers = readers,
+                .pieces = pieces,
+                .staging = staging,
+                .stride = stride};
     for (int k = 0; k < n; k++) r->taken[k] = __atomic_load_n(word(r, k, R_SEQ), __ATOMIC_ACQUIRE);
     pthread_mutex_init(&r->m, NULL);
     pthread_cond_init(&r->cv, NULL);

@@ -25,11 +25,13 @@ RING_WORDS = 16  # an entry's int32 words (engine_ring.c): a cache line each
 SEQ, LAYER, EXPERT, DONE, STATUS, ERRNO = range(6)
 MAX_ENTRIES, MAX_READERS = 64, 16  # engine_ring.c's MAX_RING, MAX_RING_READERS
 # requests answered, bytes read, failed, read ns (summed over readers), answer ns (seen to
-# answered, summed), the longest answer ns, busy ns (wall time with a reader reading)
-COUNTERS = ("requests", "bytes", "failed", "read_ns", "answer_ns", "max_ns", "busy_ns")
+# answered, summed), the longest answer ns, busy ns (wall time with a reader reading),
+# reads (the pieces read)
+COUNTERS = ("requests", "bytes", "failed", "read_ns", "answer_ns", "max_ns", "busy_ns", "reads")
 # a bounded tier's device path: reads one layer call may ask for at once (its ids at most),
-# and the ring threads reading them
-DEVICE_ENTRIES, DEVICE_READERS = 16, 8
+# the ring threads reading them, and the reads a record is cut in (a decode call's lone
+# miss read by several threads at once)
+DEVICE_ENTRIES, DEVICE_READERS, DEVICE_PIECES = 16, 8, 1
 # A read's wait (the plan kernel's and the host path's): long enough for a slow disk's
 # record behind 15 others (a kernel's trap loses the process's CUDA context), short enough
 # that a dead ring fails the call
@@ -72,21 +74,24 @@ class RequestRing:
             must outlive the ring (closing it stops the ring).
         entries: Requests outstanding at once (a layer call's misses: at most its
             distinct routed experts).
-        readers: Threads that read records, each one at a time.
+        readers: Threads that read records, each a piece at a time.
         cuda: The CUDA runtime module (``io.cuda``): entries and staging in page-locked
             host memory mapped into the device; else plain host memory (no device).
+        pieces: The reads each record is cut in (1 to ``readers``; whole pages each).
 
     Raises:
         OSError: the engine refuses the ring (the message says why).
     """
 
-    def __init__(self, reader, entries: int = 8, readers: int = 4, cuda=None):
+    def __init__(self, reader, entries: int = 8, readers: int = 4, cuda=None, pieces: int = 1):
         self.reader, self.handle = reader, None
         if not 1 <= entries <= MAX_ENTRIES or not 1 <= readers <= MAX_READERS:
             raise ValueError(
                 f"a ring of {entries} entries and {readers} readers: 1 to {MAX_ENTRIES} "
                 f"entries, 1 to {MAX_READERS} readers"
             )
+        if not 1 <= pieces <= readers:
+            raise ValueError(f"{pieces} pieces a record: 1 to the ring's {readers} readers")
         if not reader.pos:
             raise ValueError("a request ring needs a reader with layers")
         self.stride = max(reader.meta.layers[li].stride for li in reader.pos)
@@ -108,11 +113,12 @@ class RequestRing:
                 raise OSError("the request ring could not start: its reader is closed")
             rc = reader.lib.mlxs_ring_start(
                 reader.handle, self.words.ctypes.data, entries, self.staging.ctypes.data,
-                self.stride, readers, err, ERR_BYTES,
+                self.stride, readers, pieces, err, ERR_BYTES,
             )  # fmt: skip
         if rc:
             raise OSError(f"the request ring could not start: {err.value.decode()}")
         self.handle, self._told = reader.handle, set()  # failures ``wait`` raised
+        self.pieces = pieces
         # A ring left running stops when it is dropped or at exit. ``weakref.finalize``
         # runs its callbacks at exit newest first: this one before those of the
         # page-locked entries made above, which free what the poller reads.
