@@ -131,6 +131,7 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
                     "stream": stream, "want": str(ref_file),
                     "limit": int(a.memory_limit_gb * 1e9) if method == "memlimit" else 0,
                     "oracle": oracle, "timeline": a.timeline and str(Path(a.timeline).resolve()),
+                    "ring_pieces": getattr(a, "ring_pieces", None),
                 }  # fmt: skip
                 out = subprocess.run(
                     [sys.executable, __file__, json.dumps(job)],
@@ -272,6 +273,10 @@ def child(job: dict) -> dict:
     ck, ed, ids, start = Path(job["checkpoint"]), job["expert_dir"], job["ids"], job["start"]
     meta = load_meta(ed)
     trace = None if job["trace"] in (None, "none") else RoutingTrace.load(job["trace"])
+    if job.get("ring_pieces"):  # the request ring's cut of each record (a measurement)
+        from mlx_streaming.core.io import ring
+
+        ring.DEVICE_PIECES = job["ring_pieces"]
     cfg = StreamConfig(**job["stream"])  # memlimit with --direct-io: both at once
     cfg = cfg.replace(direct_io=job["method"] == "direct" or cfg.direct_io)
     if job["method"] == "direct" and cfg.swap_tier is None:  # every miss from the disk,
@@ -352,7 +357,7 @@ def child(job: dict) -> dict:
     want = Trace(ref["tokens"].tolist(), ref["logits"])
     exact = compare_traces(want, greedy_trace(model, ids, 16)).exact
     ring = getattr(store.reader, "ring", None)  # both paths' reads beyond a bounded tier
-    asked = ring.counters() if ring is not None else None
+    asked = {**ring.counters(), "pieces": ring.pieces} if ring is not None else None
     tps = statistics.median(runs)
     stock_tps = job["stock_tps"]
     row = {

@@ -48,7 +48,8 @@
 #                                           whether it holds while MLX compiles, allocates, syncs
 #   bash benchmarks/gpu_suite.sh ring       records a kernel asks the engine's request ring for (probes/ring_read.py),
 #                                           page cache then O_DIRECT, against the host path's read of
-#                                           the same; then one call a layer inside a graph (NUMLAYERS)
+#                                           the same; then one call a layer inside a graph (NUMLAYERS;
+#                                           READERS ring threads, each cut of PIECES, e.g. "1 8")
 #   bash benchmarks/gpu_suite.sh syncfloor  the host path's floor (probes/sync_floor.py): stock, stock launching
 #                                           each layer's routing apart, and reading it on the host,
 #                                           every expert resident, and the host path at RESIDENCY
@@ -75,7 +76,8 @@
 #                                           RESIDENCY (default 0.25): the host path, then the device
 #                                           path asking the request ring (--device-reads, the
 #                                           default since 2026-12-07b: 1.88x the host path);
-#                                           READS: another order, or one of them
+#                                           READS: another order, or one of them; PIECES (e.g.
+#                                           "1 8"): each row at each cut of a record in the ring
 #   bash benchmarks/gpu_suite.sh tierkernel  the plan kernel's bounded-tier variant against its
 #                                           reference (tests/test_cuda_tier.py; no session fixture)
 #   bash benchmarks/gpu_suite.sh beyondahead  larger than RAM with O_DIRECT at 50% and 25%,
@@ -274,9 +276,12 @@ case "$suite" in
               done ;;
   beyondring) for r in ${RESIDENCY:-0.25}; do  # a bounded tier: the host path, then the device
                 for reads in ${READS:---no-device-reads --device-reads}; do  # path asking the ring
-                  speed gpu-dsv2-ring-$r-${reads#--} --residency "$r" --repeat 3 --beyond-ram memlimit \
-                    --memory-limit-gb "${MEMLIMIT:-6}" $reads \
-                    --timeline "$out/timeline-ring-$r-${reads#--}.json"
+                  for pc in ${PIECES:-default}; do  # the ring's cut of a record (--ring-pieces)
+                    tag=$r-${reads#--}${PIECES:+-pieces$pc}
+                    speed gpu-dsv2-ring-$tag --residency "$r" --repeat 3 --beyond-ram memlimit \
+                      --memory-limit-gb "${MEMLIMIT:-6}" $reads ${PIECES:+--ring-pieces $pc} \
+                      --timeline "$out/timeline-ring-$tag.json"
+                  done
                 done
               done ;;
   tierkernel) timeout "$limit" python3 -m pytest -v -m cuda tests/test_cuda_tier.py 2>&1 \
@@ -335,7 +340,8 @@ case "$suite" in
              | tee "$out/mapped-mailbox.log" | grep -v "^ " | tail -12 ;;
   ring) for d in "" --direct; do
           timeout "$limit" python3 benchmarks/probes/ring_read.py --workdir $work $d \
-            ${NUMLAYERS:+--num-layers $NUMLAYERS} --json "$out/ring-read$d.json" 2>&1 \
+            ${NUMLAYERS:+--num-layers $NUMLAYERS} ${READERS:+--readers $READERS} \
+            ${PIECES:+--pieces ${PIECES// /,}} --json "$out/ring-read$d.json" 2>&1 \
             | tee "$out/ring-read$d.log" | grep -v "^ " | tail -8
         done ;;
   stall) timeout 120 python3 benchmarks/probes/gpu_wait_stall.py 2>&1 | tee "$out/stall.log" | tail -3 ;;

@@ -91,6 +91,12 @@ def main():
     p.add_argument("--timeline", help="write one decode step's host timeline (JSON) here")
     p.add_argument("--profile", help="write a cProfile of one streamed decode run here")
     p.add_argument(
+        "--ring-pieces",
+        type=int,
+        help="with --beyond-ram on CUDA: the reads the request ring cuts each record beyond a "
+        "bounded tier in (io.ring.DEVICE_PIECES; a measurement's knob, not a user's)",
+    )
+    p.add_argument(
         "--oracle",
         help="what-if read-ahead curve (a simulation): also run each residency under 1 with "
         "a predictor that knows the trace's next-layer picks, right with these "
