@@ -97,7 +97,7 @@ def test_requests_are_answered_with_their_records_beside_ordinary_reads(models, 
 
 def test_bytes_counted_are_the_records_read(models):
     _, ed = models.experts("tiny-qwen3_moe")
-    meta, _, reader = reader_over(ed)
+    meta, _, reader = reader_over(ed, threads=0, wave=1)  # as CUDA's files' reader: no workers
     li = sorted(meta.layers)[0]
     with RingOf(reader) as ring:
         for e in range(3):

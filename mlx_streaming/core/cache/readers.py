@@ -153,8 +153,10 @@ def make_reader(
             if on_gpu:  # the pools' copies have landed, on any stream
                 cuda.device_synchronize()
             if tier.partial:  # the rest, read from the files; on CUDA all through the
-                # request ring, which stages them itself (the engine's start is not called)
-                files = make_reader(files_rt, meta, pools, tick=tick, wave=1 if on_gpu else None)
+                # request ring, which stages them and reads on its own threads (the
+                # engine's start is not called: no workers, a record of staging)
+                rest_rt = files_rt.replace(threads=0) if on_gpu else files_rt
+                files = make_reader(rest_rt, meta, pools, tick=tick, wave=1 if on_gpu else None)
             if not on_gpu:
                 return TierReader(tier, files)
             from ..io.device_reader import DeviceReader
