@@ -89,8 +89,9 @@ static Layer *asked_layer(const Ring *r, int32_t layer, int32_t expert) {
 }
 
 /* Read a piece of a request's record into its staging record; the reader of the last
- * piece checks the record and answers. Whether this was the last (the entry is free). */
-static int serve(Ring *r, const Request *q) {
+ * piece checks the record, then frees the entry and answers under the ring's lock (so
+ * that no look of the poller finds it answered but still being read). */
+static void serve(Ring *r, const Request *q) {
   int st = ST_ARGS, errnum = 0;
   int64_t t0 = mlxs_now_ns();
   Layer *L = asked_layer(r, q->layer, q->expert);
@@ -107,25 +108,31 @@ static int serve(Ring *r, const Request *q) {
   pthread_mutex_unlock(&r->m);
   if (last && st == ST_OK) st = mlxs_check_record(r->e, L, q->expert, rec);
   int64_t t1 = mlxs_now_ns();
-  pthread_mutex_lock(&r->m); /* the wall time read, counted before the answer is seen */
+  __atomic_fetch_add(&r->counters[RC_READ_NS], t1 - t0, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&r->counters[RC_READS], 1, __ATOMIC_RELAXED);
+  if (last) { /* counted before the answer is seen */
+    __atomic_fetch_add(&r->counters[RC_REQUESTS], 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&r->counters[RC_BYTES], st == ST_OK ? L->record_bytes : 0, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&r->counters[RC_FAILED], st != ST_OK, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&r->counters[RC_ANSWER_NS], t1 - q->seen_ns, __ATOMIC_RELAXED);
+    int64_t most = __atomic_load_n(&r->counters[RC_MAX_NS], __ATOMIC_RELAXED);
+    while (t1 - q->seen_ns > most &&
+           !__atomic_compare_exchange_n(&r->counters[RC_MAX_NS], &most, t1 - q->seen_ns, 0,
+                                        __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+  }
+  pthread_mutex_lock(&r->m); /* the wall time read, then the answer with the entry freed */
   int64_t now = mlxs_now_ns();
   __atomic_fetch_add(&r->counters[RC_BUSY_NS], now - r->busy_t0, __ATOMIC_RELAXED);
   r->busy_t0 = now, r->reading--;
-  pthread_mutex_unlock(&r->m);
-  __atomic_fetch_add(&r->counters[RC_READ_NS], t1 - t0, __ATOMIC_RELAXED);
-  __atomic_fetch_add(&r->counters[RC_READS], 1, __ATOMIC_RELAXED);
-  if (!last) return 0;
-  __atomic_fetch_add(&r->counters[RC_REQUESTS], 1, __ATOMIC_RELAXED);
-  __atomic_fetch_add(&r->counters[RC_BYTES], st == ST_OK ? L->record_bytes : 0, __ATOMIC_RELAXED);
-  __atomic_fetch_add(&r->counters[RC_FAILED], st != ST_OK, __ATOMIC_RELAXED);
-  __atomic_fetch_add(&r->counters[RC_ANSWER_NS], t1 - q->seen_ns, __ATOMIC_RELAXED);
-  int64_t most = __atomic_load_n(&r->counters[RC_MAX_NS], __ATOMIC_RELAXED);
-  while (t1 - q->seen_ns > most &&
-         !__atomic_compare_exchange_n(&r->counters[RC_MAX_NS], &most, t1 - q->seen_ns, 0,
-                                      __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+  /* freed and answered in one hold of the lock: the poller sees the entry busy, or free
+   * and answered, so a request posted again on the answer is handed on, even by its
+   * last look before a stop */
+  if (last) {
+    r->busy[q->k] = 0;
+    answer(r, q, st, errnum);
   }
-  answer(r, q, st, errnum);
-  return 1;
+  pthread_mutex_unlock(&r->m);
 }
 
 static void *reader_main(void *arg) {
@@ -138,9 +145,8 @@ static void *reader_main(void *arg) {
     r->head = (r->head + 1) % QUEUE, r->count--;
     if (!r->reading++) r->busy_t0 = mlxs_now_ns();
     pthread_mutex_unlock(&r->m);
-    int last = serve(r, &q);
+    serve(r, &q);
     pthread_mutex_lock(&r->m);
-    if (last) r->busy[q.k] = 0; /* the entry may be handed on again */
   }
   pthread_mutex_unlock(&r->m);
   return NULL;
@@ -297,9 +303,9 @@ int mlxs_ring_counters(Engine *e, int64_t *out) {
 }
 
 /* Stop the ring: every request posted before the stop is answered first (the poller's
- * last look hands on what it had not seen), except one posted again on an entry still
- * being read; one posted after, never (nor by a later ring: it starts from the numbers
- * it finds). */
+ * last look hands on what it had not seen; an entry is free before its answer, so a
+ * request posted on an answer is seen); one posted after, never (nor by a later ring: it
+ * starts from the numbers it finds). */
 void mlxs_ring_stop(Engine *e) {
   if (!e) return;
   pthread_mutex_lock(&e->call_lock);
