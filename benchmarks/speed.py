@@ -104,6 +104,11 @@ def main():
         "with --beyond-ram, each residency also runs read-ahead by each such predictor",
     )
     a = p.parse_args()
+    if a.ring_pieces is not None:
+        from mlx_streaming.core.io.ring import DEVICE_READERS
+
+        if not a.beyond_ram or not 1 <= a.ring_pieces <= DEVICE_READERS:
+            p.error(f"--ring-pieces: 1 to {DEVICE_READERS}, with --beyond-ram")
     oracles = oracle_accuracies(a.oracle)
     if oracles and a.trace in (None, "none"):
         p.error("--oracle reads the replayed trace ahead: give --trace")

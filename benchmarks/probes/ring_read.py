@@ -124,7 +124,8 @@ def main():
     p = parser(__doc__, preset="dsv2-lite", workdir="/tmp/mlxs", trace=False)
     p.add_argument("--repeat", type=int, default=21)
     p.add_argument("--direct", action="store_true", help="read with O_DIRECT (the disk)")
-    p.add_argument("--readers", type=int, default=4, help="the ring's reader threads")
+    p.add_argument("--readers", type=int, default=8, help="the ring's reader threads (the "
+                   "device's DEVICE_READERS)")  # fmt: skip
     p.add_argument("--pieces", default="1",
                    help="the reads a record is cut in, a ring each (e.g. 1,4,8: side by side)")  # fmt: skip
     a = p.parse_args()

@@ -134,8 +134,8 @@ def make_reader(
         staging, available = 0, share.available()  # staging: the files' reader's, after
         if limit == "auto" and runtime.files_reader == "native":
             whole = tier_bytes(meta, {li: p.slots for li, p in pools.items()})[0]
-            if fits_beside(whole, share.reserve, available):  # as runtime.resolve found
-                limit = None  # whole: no reads beyond it to stage
+            if not runtime.bounded and fits_beside(whole, share.reserve, available):
+                limit = None  # whole, as runtime.resolve found: no reads beyond it to stage
             else:
                 staging = staging_beside(meta, on_gpu)  # on CUDA both paths ask the ring
         tier = SwapTier(

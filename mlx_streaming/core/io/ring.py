@@ -30,9 +30,8 @@ MAX_ENTRIES, MAX_READERS = 64, 16  # engine_ring.c's MAX_RING, MAX_RING_READERS
 COUNTERS = ("requests", "bytes", "failed", "read_ns", "answer_ns", "max_ns", "busy_ns", "reads")
 # a bounded tier's device path: reads one layer call may ask for at once (its ids at most),
 # the ring threads reading them, and the reads a record is cut in (a decode call's lone
-# miss read by several threads at once: 33.7 tok/s against whole records' 31.3 at 25% in
-# a 6 GB cgroup on an H100, a lone record's wait 3.6 ms from the disk against 4.6,
-# 2026-12-07d)
+# miss read by several threads at once: 1.08x whole records beyond RAM on an H100,
+# benchmarks/RESULTS.md 2026-12-07d)
 DEVICE_ENTRIES, DEVICE_READERS, DEVICE_PIECES = 16, 8, 8
 # A read's wait (the plan kernel's and the host path's): long enough for a slow disk's
 # record behind 15 others (a kernel's trap loses the process's CUDA context), short enough
