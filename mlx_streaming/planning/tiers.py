@@ -23,8 +23,7 @@ import numpy as np
 
 from ..core.cache.policy import make_policy
 from ..core.cache.slots import SlotCache
-from ..core.io.ring import DEVICE_ENTRIES
-from ..core.io.tier import MARGIN
+from ..core.io.tier import MARGIN, ring_records
 from ..core.io.tier_moves import bounded_rows, plan_moves
 from .budget import pool_slots
 from .simulate import layer_lookups
@@ -272,11 +271,11 @@ def split_rows(
     first. A row served on the host path adds ``host_s`` seconds per token of its own
     work (routing reads, planning, launches), in series; with ``device_swap`` (CUDA) a
     swap tier runs the device path, which adds none, a bounded one leaving its request
-    ring's staging (``DEVICE_ENTRIES`` records) and the files' reader's record beside it
-    (``io.tier.staging_beside``). ``best_split`` makes the splits of one memory; pools in
-    a GPU's own memory (``plan --host-gb``) have the same host bytes beneath each pool size. Either tier gets
-    the host bytes less ``MARGIN``, which the process takes after load; a swap tier of no
-    row per layer is left out."""
+    ring's staging and the files' reader's record beside it (``io.tier.ring_records``).
+    ``best_split`` makes the splits of one memory; pools in a GPU's own memory (``plan
+    --host-gb``) have the same host bytes beneath each pool size. Either tier gets the
+    host bytes less ``MARGIN``, which the process takes after load; a swap tier of no row
+    per layer is left out."""
     unknown = set(beneath) - {"page cache", "swap"}
     if unknown:
         raise ValueError(f"unknown tier {sorted(unknown)}; known: 'page cache', 'swap'")
@@ -307,8 +306,7 @@ def _row(
             return None
         host_s = 0.0 if device_swap else host_s
         if size < room:  # bounded: the flag's GB, as the store reads it, less the request
-            size -= device_swap * (DEVICE_ENTRIES + 1) * record_bytes  # ring's staging and
-            # the files' reader's record (io.tier.staging_beside)
+            size -= device_swap * ring_records() * record_bytes  # ring's staging (io.tier)
             if size <= 0:
                 return None
             gb = _floor_gb(size)

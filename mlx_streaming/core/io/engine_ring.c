@@ -16,9 +16,9 @@
  * One poller thread watches the entries (spinning for SPIN_NS after a request, then
  * polling every POLL_NS, then every IDLE_POLL_NS once idle for IDLE_NS) and hands each
  * request to the ``readers`` threads in ``pieces`` reads of whole pages (a lone record is
- * read by several threads at once); the reader of its last piece checks it and answers. The layers
- * must be registered before the ring starts (mlxs_layer refuses while it runs); mlxs_ring_stop (and
- * mlxs_free) joins them. */
+ * read by several threads at once); the reader of its last piece checks it and answers.
+ * The layers must be registered before the ring starts (mlxs_layer refuses while it
+ * runs); mlxs_ring_stop (and mlxs_free) joins them. */
 #include "engine.h"
 
 #define MAX_RING 64
@@ -61,7 +61,7 @@ typedef struct Ring {
   int busy[MAX_RING];                 /* a reader has entry k */
   int left[MAX_RING];                 /* entry k's pieces not yet read (under m) */
   int st[MAX_RING], errnum[MAX_RING]; /* its first failure (under m) */
-  Request queue[MAX_RING * MAX_RING_READERS];
+  Request queue[QUEUE];
   int head, count, stop; /* stop: the readers leave once the queue is empty */
   int stop_poll;         /* the poller takes a last look, then leaves */
   int reading;           /* readers reading now; busy_t0: the wall time counted to (under m) */

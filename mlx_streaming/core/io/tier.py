@@ -270,14 +270,21 @@ class SwapTier:
 
 
 def staging_beside(meta, ring: bool) -> int:
-    """Bytes of host memory a bounded tier leaves beside it for the staging of the files'
-    native reader: a call's misses, or on CUDA (``ring``) a record, as its request ring
-    (``io.ring``) stages the reads of both paths (``cache.readers.make_reader``)."""
+    """Bytes of host memory a bounded tier leaves beside it for the staging of the reads
+    beyond it: the files' native reader's wave, or on CUDA (``ring``) ``ring_records``."""
     from . import engine_lib
-    from .ring import ring_staging
 
     wave, nbytes = engine_lib.staging(meta)
-    return nbytes // wave + ring_staging(meta) if ring else nbytes
+    return ring_records() * (nbytes // wave) if ring else nbytes
+
+
+def ring_records() -> int:
+    """Records of staging beside a bounded tier on CUDA: the request ring's entries
+    (``io.ring.DEVICE_ENTRIES``, read when called), through which both paths read, and
+    the files' reader's one (its own reads are never started: ``cache.readers``)."""
+    from . import ring
+
+    return ring.DEVICE_ENTRIES + 1
 
 
 def tier_bytes(meta, slots: dict[int, int]) -> tuple[int, int]:
