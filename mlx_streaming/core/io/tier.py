@@ -274,8 +274,9 @@ def staging_beside(meta, ring: bool) -> int:
     beyond it: the files' native reader's wave, or on CUDA (``ring``) ``ring_records``."""
     from . import engine_lib
 
-    wave, nbytes = engine_lib.staging(meta)
-    return ring_records() * (nbytes // wave) if ring else nbytes
+    if not ring:
+        return engine_lib.staging(meta)[1]
+    return ring_records() * max((lay.stride for lay in meta.layers.values()), default=0)
 
 
 def ring_records() -> int:
