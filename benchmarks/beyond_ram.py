@@ -262,7 +262,12 @@ def child(job: dict) -> dict:
     from harness import ahead_label, decode_run, follow, read_ahead, rewind, slots_at, streamed
 
     from mlx_streaming.analysis.verify import Trace, compare_traces, greedy_trace
-    from mlx_streaming.bench.measure import bounds, drop_page_cache, store_read_gbps
+    from mlx_streaming.bench.measure import (
+        bounds,
+        drop_page_cache,
+        ring_read_gbps,
+        store_read_gbps,
+    )
     from mlx_streaming.core.mem import Sampler
     from mlx_streaming.core.meta import load_meta
     from mlx_streaming.core.options import StreamConfig
@@ -274,9 +279,9 @@ def child(job: dict) -> dict:
     meta = load_meta(ed)
     trace = None if job["trace"] in (None, "none") else RoutingTrace.load(job["trace"])
     if job.get("ring_pieces"):  # the request ring's cut of each record (a measurement)
-        from mlx_streaming.core.io import ring
+        from mlx_streaming.core.io import ring as rings
 
-        ring.DEVICE_PIECES = job["ring_pieces"]
+        rings.DEVICE_PIECES = job["ring_pieces"]
     cfg = StreamConfig(**job["stream"])  # memlimit with --direct-io: both at once
     cfg = cfg.replace(direct_io=job["method"] == "direct" or cfg.direct_io)
     if job["method"] == "direct" and cfg.swap_tier is None:  # every miss from the disk,
@@ -299,8 +304,16 @@ def child(job: dict) -> dict:
     load_s = time.perf_counter() - t0
     in_use(job, "loaded")
     rt = store.runtime  # as the store weighed it (with its pools: CUDA's default tier)
-    if rt.direct_io and not measured_direct:  # the store weighed the trunk's load too: read
-        # as it reads (O_DIRECT: no page cache to drop), fewer records beside the tier
+    ring = getattr(store.reader, "ring", None)  # both paths' reads beyond a bounded tier
+    probe, lone = "engine", None
+    if ring is not None:  # the disk as the ring reads it: its queue full, then a lone miss
+        gbps = store_read_gbps(meta, rt, cold=True, ring=ring)
+        lone = ring_read_gbps(ring, meta, records=16, depth=1, seed=2)
+        probe = "ring"
+        if not rt.direct_io:
+            drop_page_cache(files)
+    elif rt.direct_io and not measured_direct:  # the store weighed the trunk's load too:
+        # read as it reads (O_DIRECT: no page cache to drop), fewer records beside the tier
         gbps = store_read_gbps(meta, rt, records=16, cold=True)
     tier_bytes = store.reader.mapped_bytes if rt.reader == "tier" else 0  # a swap tier
     bounded = bool(tier_bytes) and store.reader.tier.partial  # --swap-tier-gb: the rest read
@@ -311,6 +324,7 @@ def child(job: dict) -> dict:
     in_use(job, "first token")
     runs, per_run, wall, disk, detail = [], [], 0.0, 0, []
     room = Sampler(lambda: (page_cache_room(),), 0.05) if job["limit"] else nullcontext()
+    ring_at = ring.counters() if ring is not None else None  # the runs' own reads
     with room:
         for _ in range(job["repeat"]):
             run = decode_window(model, tok, ids, job["tokens"], store)
@@ -319,6 +333,12 @@ def child(job: dict) -> dict:
             detail.append(run_detail(run))
             wall, disk = wall + run["wall_s"], disk + run["disk_bytes"]
             in_use(job, "a run")
+    ran = None  # what the ring read in the runs, over the wall time a reader was reading
+    if ring is not None:
+        c = ring.counters()
+        busy = c["busy_ns"] - ring_at["busy_ns"]
+        ran = (c["bytes"] - ring_at["bytes"]) / busy if busy else None
+    bound_gbps = max(gbps, ran or 0)
     tokens_run = sum(n for _, n in per_run)  # decode steps, the prompts left out
     disk_tok = disk / tokens_run
     bytes_tok = sum(t["bytes_read"] for t, _ in per_run) / tokens_run
@@ -356,7 +376,6 @@ def child(job: dict) -> dict:
     ref = np.load(job["want"])
     want = Trace(ref["tokens"].tolist(), ref["logits"])
     exact = compare_traces(want, greedy_trace(model, ids, 16)).exact
-    ring = getattr(store.reader, "ring", None)  # both paths' reads beyond a bounded tier
     asked = {**ring.counters(), "pieces": ring.pieces} if ring is not None else None
     tps = statistics.median(runs)
     stock_tps = job["stock_tps"]
@@ -388,20 +407,29 @@ def child(job: dict) -> dict:
         "predicted_disk_bytes_per_token": predicted
         and (0 if tier_bytes and not bounded else round(predicted.disk_bytes_per_token)),
         "predicted_pool_hit_rate": predicted and round(predicted.shares()["pool"], 4),
+        # the disk's rate in this run: the probe (``storage_probe``: the ring's queue full,
+        # else the engine's reads), and a lone record through the ring (what a decode
+        # call with one miss waits); the bounds take the probe, or the rate the ring
+        # reached in the runs where that is higher (``bound_gbps``)
         "storage_gbps": round(gbps, 3),
+        "storage_probe": probe,
+        "lone_record_ms": lone and round(lone[1], 3),
+        "lone_record_gbps": lone and round(lone[0], 3),
+        "ring_runs_gbps": ran and round(ran, 3),
+        "bound_gbps": round(bound_gbps, 3),
         # the runs' decode time (from each first token on) with demand reads in flight:
         # the rest, the storage idles unless read-ahead fills it
         "demand_reads_share": round(demand / wall, 4) if wall else None,
         "host_ms_per_token": split,
         "step_phases_ms": phases,  # one decode step's timeline, by phase (--timeline)
-        **bounds(1 / stock_tps, disk_tok, gbps, tps),  # the disk's bound: its bytes
-        **host_bound(job["floor_tps"], store.runtime.decode_path, disk_tok, gbps, tps),
+        **bounds(1 / stock_tps, disk_tok, bound_gbps, tps),  # the disk's bound: its bytes
+        **host_bound(job["floor_tps"], store.runtime.decode_path, disk_tok, bound_gbps, tps),
         "ttft_cold_s": round(ttft, 3),
         "prompt_tps_cold": round(first[1], 2),
         "load_cold_s": round(load_s, 2),
         "exact_vs_stock": exact,
-        # the request ring since load (the prompts' and the check's reads too): whether a
-        # record's wait is its read or the queue before it
+        # the request ring since load (the probes', the prompts' and the check's reads
+        # too): whether a record's wait is its read or the queue before it
         "ring": asked
         and {
             **asked,

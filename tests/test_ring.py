@@ -106,6 +106,24 @@ def test_bytes_counted_are_the_records_read(models):
     reader.close()
 
 
+def test_the_storage_probe_reads_through_the_ring_what_it_reports(models):
+    from mlx_streaming.bench.measure import ring_read_gbps
+
+    _, ed = models.experts("tiny-qwen3_moe")
+    meta, _, reader = reader_over(ed, threads=0, wave=1)
+    (size,) = {lay.record_bytes for lay in meta.layers.values()}  # one record size
+    with RingOf(reader, entries=4, readers=2, pieces=2) as ring:
+        for depth, records in ((None, 10), (1, 3)):  # the queue full, then a lone record
+            before, t0 = ring.counters(), time.perf_counter()
+            gbps, ms = ring_read_gbps(ring, meta, records, depth)
+            wall, c = time.perf_counter() - t0, ring.counters()
+            assert c["requests"] - before["requests"] == records and c["failed"] == 0
+            assert c["bytes"] - before["bytes"] == records * size
+            assert c["reads"] - before["reads"] == 2 * records  # in the ring's pieces
+            assert records * size / wall / 1e9 <= gbps and 0 < ms <= 1e3 * wall
+    reader.close()
+
+
 class RingOf:
     """A ring stopped on leaving the block."""
 

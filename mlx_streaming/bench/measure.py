@@ -179,12 +179,56 @@ def measure_read_gbps(
         reader.close()
 
 
-def store_read_gbps(meta, runtime, records: int = 64, cold: bool = False) -> float:
+def store_read_gbps(meta, runtime, records: int = 64, cold: bool = False, ring=None) -> float:
     """``measure_read_gbps`` as the store reads its files: ``runtime``'s threads and
     direct reads, through the native reader unless its files are read by Python (a swap
-    tier's files reader, else its own)."""
+    tier's files reader, else its own); through ``ring`` where the store reads by one (a
+    bounded tier's, ``DeviceReader.ring``), at its queue depth (``ring_read_gbps``)."""
+    if ring is not None:
+        if cold:
+            drop_page_cache([meta.file(li) for li in meta.layers])
+        gbps, _ = ring_read_gbps(ring, meta, records)
+        if cold and not runtime.direct_io:  # leave the cache as the probe found it
+            drop_page_cache([meta.file(li) for li in meta.layers])
+        return gbps
     python = (runtime.files_reader or runtime.reader) == "python"
     return measure_read_gbps(meta, runtime.threads, runtime.direct_io, records, cold, not python)
+
+
+def ring_read_gbps(ring, meta, records: int = 64, depth: int | None = None, seed: int = 1):
+    """Random records asked of a request ring (``io.ring``) from the host, ``depth`` in
+    flight (its entries by default: the most its device path keeps asked; 1: a lone
+    miss's), each read in the ring's pieces by its threads: the disk at the reader's own
+    queue depth. Returns (GB/s, the median ms from a record's post to its answer).
+
+    Raises:
+        TimeoutError, RuntimeError: the ring did not answer or stopped (``RequestRing``).
+    """
+    from ..core.io.ring import READ_WAIT_S
+
+    rng, layers = np.random.default_rng(seed), sorted(meta.layers)
+    picks = []
+    for i in range(records):
+        li = layers[i % len(layers)]
+        picks.append((li, int(rng.integers(meta.layers[li].num_experts))))
+    todo, live, waits, total = iter(picks), {}, [], 0
+    t0 = time.perf_counter()
+
+    def post(k):
+        nxt = next(todo, None)
+        if nxt is not None:
+            live[k] = (ring.post(k, *nxt), time.perf_counter(), meta.layers[nxt[0]].record_bytes)
+
+    for k in range(max(1, min(depth or ring.entries, ring.entries))):
+        post(k)
+    while live:  # each entry asked again as soon as it is answered: the queue kept full
+        for k in sorted(live):
+            seq, at, nbytes = live.pop(k)
+            ring.answered(k, seq, READ_WAIT_S)
+            waits.append(time.perf_counter() - at)
+            total += nbytes
+            post(k)
+    return total / (time.perf_counter() - t0) / 1e9, 1e3 * float(np.median(waits))
 
 
 class _HostRows:

@@ -293,7 +293,8 @@ def _run(cfg: BenchConfig, group=None, watch=None, armed=None) -> dict:
         out.update(_compare_stock(cfg, model, tokenizer, ids, routing, files))
     rt = store.runtime  # the store's own reader, threads and direct reads
     cold = cfg.cold or bool(cfg.memory_limit_gb)  # larger than RAM: the disk's own rate
-    gbps = cfg.read_gbps or store_read_gbps(meta, rt, cold=cold)
+    ring = getattr(store.reader, "ring", None)  # a bounded tier's: the reads beyond it
+    gbps = cfg.read_gbps or store_read_gbps(meta, rt, cold=cold, ring=ring)
     out["storage_gbps"] = round(gbps, 3)
     t_compute = (
         cfg.t_compute_ms / 1e3
