@@ -132,6 +132,7 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
                     "limit": int(a.memory_limit_gb * 1e9) if method == "memlimit" else 0,
                     "oracle": oracle, "timeline": a.timeline and str(Path(a.timeline).resolve()),
                     "ring_pieces": getattr(a, "ring_pieces", None),
+                    "ring_readers": getattr(a, "ring_readers", None),
                 }  # fmt: skip
                 out = subprocess.run(
                     [sys.executable, __file__, json.dumps(job)],
@@ -278,10 +279,11 @@ def child(job: dict) -> dict:
     ck, ed, ids, start = Path(job["checkpoint"]), job["expert_dir"], job["ids"], job["start"]
     meta = load_meta(ed)
     trace = None if job["trace"] in (None, "none") else RoutingTrace.load(job["trace"])
-    if job.get("ring_pieces"):  # the request ring's cut of each record (a measurement)
-        from mlx_streaming.core.io import ring as rings
+    from mlx_streaming.core.io import ring as rings
 
-        rings.DEVICE_PIECES = job["ring_pieces"]
+    # the request ring's threads and cut of each record (a measurement's knobs)
+    rings.DEVICE_READERS = job.get("ring_readers") or rings.DEVICE_READERS
+    rings.DEVICE_PIECES = job.get("ring_pieces") or min(rings.DEVICE_PIECES, rings.DEVICE_READERS)
     cfg = StreamConfig(**job["stream"])  # memlimit with --direct-io: both at once
     cfg = cfg.replace(direct_io=job["method"] == "direct" or cfg.direct_io)
     if job["method"] == "direct" and cfg.swap_tier is None:  # every miss from the disk,

@@ -76,8 +76,8 @@
 #                                           RESIDENCY (default 0.25): the host path, then the device
 #                                           path asking the request ring (--device-reads, the
 #                                           default since 2026-12-07b: 1.88x the host path);
-#                                           READS: another order, or one of them; PIECES (e.g.
-#                                           "1 8"): each row at each cut of a record in the ring
+#                                           READS: another order, or one of them; CUTS (e.g.
+#                                           "8x8 16x16"): each row at each ring of READERSxPIECES
 #   bash benchmarks/gpu_suite.sh tierkernel  the plan kernel's bounded-tier variant against its
 #                                           reference (tests/test_cuda_tier.py; no session fixture)
 #   bash benchmarks/gpu_suite.sh beyondahead  larger than RAM with O_DIRECT at 50% and 25%,
@@ -276,11 +276,11 @@ case "$suite" in
               done ;;
   beyondring) for r in ${RESIDENCY:-0.25}; do  # a bounded tier: the host path, then the device
                 for reads in ${READS:---no-device-reads --device-reads}; do  # path asking the ring
-                  for pc in ${PIECES:-default}; do  # the ring's cut of a record (--ring-pieces)
-                    tag=$r-${reads#--}${PIECES:+-pieces$pc}
+                  for cut in ${CUTS:-default}; do  # the ring's threads x its cut of a record
+                    tag=$r-${reads#--}${CUTS:+-cut$cut}
                     speed gpu-dsv2-ring-$tag --residency "$r" --repeat 3 --beyond-ram memlimit \
-                      --memory-limit-gb "${MEMLIMIT:-6}" $reads ${PIECES:+--ring-pieces $pc} \
-                      --timeline "$out/timeline-ring-$tag.json"
+                      --memory-limit-gb "${MEMLIMIT:-6}" $reads --timeline "$out/timeline-ring-$tag.json" \
+                      ${CUTS:+--ring-readers ${cut%x*} --ring-pieces ${cut#*x}}
                   done
                 done
               done ;;

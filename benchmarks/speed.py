@@ -97,6 +97,12 @@ def main():
         "bounded tier in (io.ring.DEVICE_PIECES; a measurement's knob, not a user's)",
     )
     p.add_argument(
+        "--ring-readers",
+        type=int,
+        help="with --beyond-ram on CUDA: the request ring's reader threads "
+        "(io.ring.DEVICE_READERS; a measurement's knob, not a user's)",
+    )
+    p.add_argument(
         "--oracle",
         help="what-if read-ahead curve (a simulation): also run each residency under 1 with "
         "a predictor that knows the trace's next-layer picks, right with these "
@@ -104,11 +110,14 @@ def main():
         "with --beyond-ram, each residency also runs read-ahead by each such predictor",
     )
     a = p.parse_args()
-    if a.ring_pieces is not None:
-        from mlx_streaming.core.io.ring import DEVICE_READERS
+    if a.ring_pieces is not None or a.ring_readers is not None:
+        from mlx_streaming.core.io.ring import DEVICE_READERS, MAX_READERS
 
-        if not a.beyond_ram or not 1 <= a.ring_pieces <= DEVICE_READERS:
-            p.error(f"--ring-pieces: 1 to {DEVICE_READERS}, with --beyond-ram")
+        readers = a.ring_readers or DEVICE_READERS
+        if not a.beyond_ram or not 1 <= readers <= MAX_READERS:
+            p.error(f"--ring-readers: 1 to {MAX_READERS}, with --beyond-ram")
+        if a.ring_pieces is not None and not 1 <= a.ring_pieces <= readers:
+            p.error(f"--ring-pieces: 1 to the ring's readers ({readers}), with --beyond-ram")
     oracles = oracle_accuracies(a.oracle)
     if oracles and a.trace in (None, "none"):
         p.error("--oracle reads the replayed trace ahead: give --trace")

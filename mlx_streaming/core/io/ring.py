@@ -30,9 +30,10 @@ MAX_ENTRIES, MAX_READERS = 64, 16  # engine_ring.c's MAX_RING, MAX_RING_READERS
 COUNTERS = ("requests", "bytes", "failed", "read_ns", "answer_ns", "max_ns", "busy_ns", "reads")
 # a bounded tier's device path: reads one layer call may ask for at once (its ids at most),
 # the ring threads reading them, and the reads a record is cut in (a decode call's lone
-# miss read by several threads at once: 1.08x whole records beyond RAM on an H100,
-# benchmarks/RESULTS.md 2026-12-07d)
-DEVICE_ENTRIES, DEVICE_READERS, DEVICE_PIECES = 16, 8, 8
+# miss read by several threads at once: 8 pieces 1.08x whole records beyond RAM on an
+# H100; 16 threads in 16 pieces read a lone record with O_DIRECT in 2.05 ms against 3.85
+# in 8, six in 12.3 against 18.1 ms, benchmarks/RESULTS.md 2026-12-07e)
+DEVICE_ENTRIES, DEVICE_READERS, DEVICE_PIECES = 16, 16, 16
 # A read's wait (the plan kernel's and the host path's): long enough for a slow disk's
 # record behind 15 others (a kernel's trap loses the process's CUDA context), short enough
 # that a dead ring fails the call
