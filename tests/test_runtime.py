@@ -62,6 +62,7 @@ def test_a_swap_tier_takes_the_device_path_on_cuda_whatever_the_memory(meta):
     assert (bounded.reader, bounded.decode_path, bounded.direct_io) == ("tier", "device", True)
     assert "asked of the request ring" in bounded.reason("decode_path")
     assert "at most 1 GB: the rest read by the native reader" in bounded.reason("reader")
+    assert "the request ring's 16 threads, 16 pieces a record" in bounded.reason("threads")
     host = cuda(StreamConfig(swap_tier=True, swap_tier_gb=1.0, device_reads=False), meta)
     assert (host.reader, host.decode_path, host.bounded) == ("tier", "host", True)
 

@@ -321,6 +321,11 @@ def resolve(
         why["threads"] = size + ": read inline"
     else:
         threads = min(15, (os.cpu_count() or 2) - 1) if pool_mode == "cuda" else 4
+    if swap_tier and bounded and ring:  # the threads fill the tier; the ring reads past it
+        from .io.ring import DEVICE_PIECES, DEVICE_READERS
+
+        why["threads"] = (f"they fill the tier at load; the records beyond it: the request "
+                          f"ring's {DEVICE_READERS} threads, {DEVICE_PIECES} pieces a record")  # fmt: skip
     return Runtime(
         backend=b,
         pool_mode=pool_mode,
