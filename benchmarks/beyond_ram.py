@@ -374,6 +374,10 @@ def child(job: dict) -> dict:
             layers=range(min(moe, trace.layers)), model_layers=moe, start=cursor,
             calls=calls, counted=counted, exclusive=bounded,
         )  # fmt: skip
+    step_bytes = None  # each decode step's disk bytes, as the simulator replays them
+    if predicted is not None and not (tier_bytes and not bounded):
+        by_call = predicted.disk_bytes_by_call()
+        step_bytes = [by_call[i] for i, (n, on) in enumerate(zip(calls, counted)) if on and n == 1]
     rewind(start, routing)
     ref = np.load(job["want"])
     want = Trace(ref["tokens"].tolist(), ref["logits"])
@@ -424,7 +428,8 @@ def child(job: dict) -> dict:
         "demand_reads_share": round(demand / wall, 4) if wall else None,
         "host_ms_per_token": split,
         "step_phases_ms": phases,  # one decode step's timeline, by phase (--timeline)
-        **bounds(1 / stock_tps, disk_tok, bound_gbps, tps),  # the disk's bound: its bytes
+        # the disk's bounds: its bytes; per step, the simulator's (it matches the disk)
+        **bounds(1 / stock_tps, disk_tok, bound_gbps, tps, step_bytes),
         **host_bound(job["floor_tps"], store.runtime.decode_path, disk_tok, bound_gbps, tps),
         "ttft_cold_s": round(ttft, 3),
         "prompt_tps_cold": round(first[1], 2),

@@ -332,3 +332,15 @@ def test_a_thousand_requests_leak_nothing(tmp_path):
         proc.wait(timeout=30)
     print(f"RSS after 100 requests {after_100 / 1e6:.1f} MB, after 1,000 {end / 1e6:.1f} MB")
     assert end <= 1.05 * after_100, f"RSS (MB) every 100 requests: {series}"
+
+
+def test_the_bounds_of_decode_and_the_step_bound_of_bursty_reads():
+    """``bounds``: compute 10 ms a token, 10 MB a token at 1 GB/s: 100 tok/s overlapped,
+    50 serial. The same bytes in one burst every third step: the quiet steps cannot lend
+    the disk to the burst, so each step's own reads under its compute give 60."""
+    from mlx_streaming.bench.measure import bounds
+
+    b = bounds(0.01, 10e6, 1.0, 40.0, step_bytes=[0, 0, 30e6])
+    assert (b["bound_tok_per_s"], b["serial_bound_tok_per_s"]) == (100.0, 50.0)
+    assert b["step_bound_tok_per_s"] == 60.0 and b["efficiency_vs_step"] == round(40 / 60, 4)
+    assert "step_bound_tok_per_s" not in bounds(0.01, 10e6, 1.0, 40.0)

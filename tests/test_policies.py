@@ -786,6 +786,14 @@ def test_the_page_cache_tier_beneath_the_pools():
     assert whole.disk_reads == E * trace.layers
     warm = [False, *[True] * 49]  # the first call fills the pools uncounted
     assert simulate_tiers(trace, "lru", E, 0, 1000, calls=[1] * 50, counted=warm).disk_reads == 0
+    # each call's disk reads by layer: they sum to the total, an uncounted call's are 0,
+    # and its bytes are every layer's where a share of the layers is replayed
+    counted = [i % 3 > 0 for i in range(60)]
+    some = simulate_tiers(trace, "lru", 8, 0, 1000, calls=[1] * 60, counted=counted)
+    assert some.disk_by_call.shape == (60, trace.layers)
+    assert some.disk_by_call.sum() == some.disk_reads > 0 and not some.disk_by_call[::3].any()
+    half = simulate_tiers(trace, "lru", 8, 0, 1000, layers=[0], model_layers=2)
+    assert half.disk_bytes_by_call().sum() == half.disk_reads * 2000
 
 
 def test_an_exclusive_host_tier_holds_no_record_twice():

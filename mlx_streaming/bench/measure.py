@@ -286,15 +286,23 @@ def measure_h2d_gbps(nbytes: int = 64 << 20, repeat: int = 5) -> float | None:
 
 
 def bounds(
-    t_compute: float | None, bytes_per_token: float, gbps: float | None, decode_tps: float
+    t_compute: float | None,
+    bytes_per_token: float,
+    gbps: float | None,
+    decode_tps: float,
+    step_bytes=None,
 ) -> dict:
-    """The overlap and serial bounds of decode and the efficiency against them."""
+    """The overlap and serial bounds of decode and the efficiency against them; with
+    ``step_bytes`` (each decode step's disk bytes, e.g. the tier simulator's), the step
+    bound too: each step's reads hidden under its own compute, ``mean(max(t_compute,
+    bytes_s / B))`` a step (reads that come in bursts leave the disk idle in the quiet
+    steps between, which the overlap bound, on the mean, does not see)."""
     if not t_compute or not gbps:
         return {}
     io = bytes_per_token / (gbps * 1e9)
     overlap, serial = max(t_compute, io), t_compute + io
     actual = 1.0 / decode_tps if decode_tps else float("inf")
-    return {
+    out = {
         "t_compute_ms": round(t_compute * 1e3, 3),
         "t_io_ms": round(io * 1e3, 3),
         "bound_tok_per_s": round(1 / overlap, 2),
@@ -302,3 +310,8 @@ def bounds(
         "efficiency": round(overlap / actual, 4),
         "efficiency_vs_serial": round(serial / actual, 4),
     }
+    if step_bytes is not None and len(step_bytes):
+        step = float(np.mean(np.maximum(t_compute, np.asarray(step_bytes) / (gbps * 1e9))))
+        out["step_bound_tok_per_s"] = round(1 / step, 2)
+        out["efficiency_vs_step"] = round(step / actual, 4)
+    return out

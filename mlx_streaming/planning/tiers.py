@@ -39,6 +39,14 @@ class TierResult:
     page_cache_bytes_per_token: float  # bytes copied from the tier beneath
     disk_bytes_per_token: float  # bytes read from the disk
     tier_write_bytes_per_token: float = 0.0  # victims copied into a swap tier
+    # disk reads per call and replayed layer ([calls, layers]; uncounted calls' rows 0):
+    # when in a step each read is asked (``benchmarks/probes/ahead_horizon.py``)
+    disk_by_call: np.ndarray | None = None
+    read_bytes: float = 0.0  # a disk read's bytes, scaled to every layer of the model
+
+    def disk_bytes_by_call(self) -> np.ndarray:
+        """Each call's disk bytes, every layer of the model (uncounted calls 0)."""
+        return self.disk_by_call.sum(axis=1) * self.read_bytes
 
     @property
     def lookups(self) -> int:
@@ -171,9 +179,11 @@ def simulate_tiers(
     T = min(len(s) for s in seqs.values())
     if counted is None:
         counted = [True] * T
+    by_call = np.zeros((T, len(layers)), np.int32)
     for t in range(T):
         before = (hits, pc, disk, writes)
-        for li in layers:
+        for j, li in enumerate(layers):
+            on_disk = disk
             cache = caches[li]
             whole = cache.whole and not cache.complete  # as the store: a pool with a slot
             if whole:  # per expert loads its whole layer at its first call
@@ -188,11 +198,15 @@ def simulate_tiers(
                 pc += sum(found)
                 disk += len(found) - sum(found)
                 writes += beneath.keep(li, placed, found, cache.heat)
+            by_call[t, j] = disk - on_disk
         if not counted[t]:
             hits, pc, disk, writes = before
+            by_call[t] = 0
     n_tokens = sum(c for c, on in zip(calls or [1] * T, counted[:T]) if on)
-    scale = record_bytes * model_layers / len(layers) / max(1, n_tokens)
-    return TierResult(n_tokens, hits, pc, disk, pc * scale, disk * scale, writes * scale)
+    per_read = record_bytes * model_layers / len(layers)
+    scale = per_read / max(1, n_tokens)
+    return TierResult(n_tokens, hits, pc, disk, pc * scale, disk * scale, writes * scale,
+                      by_call, per_read)  # fmt: skip
 
 
 def best_split(
