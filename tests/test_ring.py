@@ -128,7 +128,7 @@ def test_guess_entries_are_answered_and_taken_back_without_failing(models):
     """A ring's guesses' entries follow its demand entries and read their records as any
     entry does (tests/native/ring_drain.c checks that a demand read goes first). A guess
     taken back before its read is answered ``Dropped``, counted, and no failure; one taken
-    back after its answer stays read."""
+    back after its answer stays read; one wanted ``now`` is read as any."""
     from mlx_streaming.core.io.ring import Dropped
 
     _, ed = models.experts("tiny-qwen3_moe")
@@ -153,6 +153,10 @@ def test_guess_entries_are_answered_and_taken_back_without_failing(models):
         assert c["bytes"] == size
         got = ring.wait(4, ring.post(4, li, 7))  # the entry asks again as usual
         assert np.array_equal(got[:size], record(meta, li, 7))
+        seq = ring.post(2, li, 8)
+        ring.now(2, seq)  # a guess wanted now: read, and counted a guess
+        assert np.array_equal(ring.wait(2, seq)[:size], record(meta, li, 8))
+        assert ring.counters()["guesses"] == 3
     with pytest.raises(ValueError, match="guesses"):
         RequestRing(reader, entries=2, guesses=-1)
     with pytest.raises(ValueError, match="64 entries in all"):

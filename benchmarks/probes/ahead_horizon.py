@@ -93,6 +93,29 @@ def decode_time(steps, c: float, split: float, r: float, lead: int, recall: floa
     return t
 
 
+def row_steps(path, trace_path):
+    """A measured row's run and row (``speed.py --beyond-ram`` JSON), the simulator's
+    replay of its calls, and each decode step's disk reads by layer (the module's text)."""
+    from beyond_ram import run_calls
+
+    from mlx_streaming.planning.tiers import simulate_tiers
+    from mlx_streaming.planning.trace import RoutingTrace
+
+    run = json.loads(Path(path).read_text())
+    row = (run.get("rows") or run.get("results"))[0]
+    trace = RoutingTrace.load(trace_path)
+    layers = run["moe_layers"]
+    calls, counted = run_calls(run["prompt_tokens"], run["tokens"], run["repeat"])
+    bounded = bool(row["swap_tier_gb"]) and row["runtime"].get("bounded", False)
+    sim = simulate_tiers(
+        trace, row["runtime"]["policy"], row["slots"], int(row["swap_tier_gb"] * 1e9),
+        run["record_bytes"], layers=range(min(layers, trace.layers)), model_layers=layers,
+        start=run["trace_start"], calls=calls, counted=counted, exclusive=bounded,
+    )  # fmt: skip
+    steps = [sim.disk_by_call[i] for i, (n, on) in enumerate(zip(calls, counted)) if on and n == 1]
+    return run, row, sim, steps
+
+
 def main():
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -103,23 +126,8 @@ def main():
     p.add_argument("--gbps", type=float, help="the disk's rate (default: the row's bound_gbps)")
     p.add_argument("--json", help="write the table here")
     a = p.parse_args()
-    from beyond_ram import run_calls
-
-    from mlx_streaming.planning.tiers import simulate_tiers
-    from mlx_streaming.planning.trace import RoutingTrace
-
-    run = json.loads(Path(a.row).read_text())
-    row = (run.get("rows") or run.get("results"))[0]
-    trace = RoutingTrace.load(a.trace)
+    run, row, sim, steps = row_steps(a.row, a.trace)
     layers = run["moe_layers"]
-    calls, counted = run_calls(run["prompt_tokens"], run["tokens"], run["repeat"])
-    bounded = bool(row["swap_tier_gb"]) and row["runtime"].get("bounded", False)
-    sim = simulate_tiers(
-        trace, row["runtime"]["policy"], row["slots"], int(row["swap_tier_gb"] * 1e9),
-        run["record_bytes"], layers=range(min(layers, trace.layers)), model_layers=layers,
-        start=run["trace_start"], calls=calls, counted=counted, exclusive=bounded,
-    )  # fmt: skip
-    steps = [sim.disk_by_call[i] for i, (n, on) in enumerate(zip(calls, counted)) if on and n == 1]
     gbps = a.gbps or row.get("bound_gbps") or row["storage_gbps"]
     t_c = row["t_compute_ms"] / 1e3
     c, r = t_c / layers, run["record_bytes"] / (gbps * 1e9)

@@ -3,8 +3,9 @@
  * reads run beside them; each answer must carry the record asked for, or ST_ARGS for a
  * bad one, within 10 s (each record read in pieces by several readers); the last
  * poster's entries are guesses', and it takes every third of its requests back at once
- * (answered whole or ST_DROPPED). Then rings started and stopped with requests in flight,
- * and an engine freed with its ring running. Exit status 1 on any wrong outcome. */
+ * (answered whole or ST_DROPPED) and wants the next third now. Then rings started and stopped with
+ * requests in flight, and an engine freed with its ring running. Exit status 1 on any wrong
+ * outcome. */
 #include <assert.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -45,14 +46,15 @@ static int write_file(const char *path, int layer) {
 
 static int32_t *at(int32_t *words, int k, int w) { return &words[k * RING_WORDS + w]; }
 
-/* Ask entry k for (layer, expert), taking it back at once where ``drop``, and wait for the
- * answer (at most 10 s): its status, or -1 on no answer. */
+/* Ask entry k for (layer, expert), taking it back at once where ``drop`` (1), or wanting it
+ * now (2), and wait for the answer (at most 10 s): its status, or -1 on no answer. */
 static int ask(int32_t *words, int k, int layer, int expert, int drop) {
   int32_t seq = __atomic_load_n(at(words, k, R_SEQ), __ATOMIC_RELAXED) + 1;
   __atomic_store_n(at(words, k, R_LAYER), layer, __ATOMIC_RELAXED);
   __atomic_store_n(at(words, k, R_EXPERT), expert, __ATOMIC_RELAXED);
   __atomic_store_n(at(words, k, R_SEQ), seq, __ATOMIC_RELEASE);
-  if (drop) mlxs_ring_drop(words, k, seq);
+  if (drop == 1) mlxs_ring_drop(words, k, seq);
+  if (drop == 2) mlxs_ring_now(words, k, seq);
   for (long i = 0; i < 10000000; i++) {
     if (__atomic_load_n(at(words, k, R_DONE), __ATOMIC_ACQUIRE) == seq)
       return __atomic_load_n(at(words, k, R_STATUS), __ATOMIC_RELAXED);
@@ -67,10 +69,10 @@ static void *post(void *arg) {
   for (int it = 0; it < ROUNDS; it++) {
     int k = p->first + it % PER, layer = rand_r(&p->seed) % 2;
     int expert = rand_r(&p->seed) % (EXPERTS + 1) - (it % 50 == 0); /* -1 and 16: bad */
-    int drop = p->guess && it % 3 == 0;
+    int drop = p->guess ? (it % 3 == 0) + 2 * (it % 3 == 1) : 0;
     int st = ask(p->words, k, layer, expert, drop);
     int ok_expert = expert >= 0 && expert < EXPERTS;
-    if (drop && st == ST_DROPPED) continue; /* taken back before its last piece was read */
+    if (drop == 1 && st == ST_DROPPED) continue; /* taken back before its last piece was read */
     if (st != (ok_expert ? ST_OK : ST_ARGS)) {
       fprintf(stderr, "entry %d: layer %d expert %d answered %d\n", k, layer, expert, st);
       p->bad++;

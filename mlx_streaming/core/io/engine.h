@@ -120,6 +120,7 @@ void mlxs_ring_stop(Engine *e);
 int32_t mlxs_ring_post(int32_t *words, int k, int32_t layer, int32_t expert);
 int32_t mlxs_ring_done(const int32_t *words, int k);
 void mlxs_ring_drop(int32_t *words, int k, int32_t seq);
+void mlxs_ring_now(int32_t *words, int k, int32_t seq);
 
 /* ------------------------------------------------------------------ inside the engine */
 #pragma GCC visibility push(hidden) /* not exported: the API above is all there is */

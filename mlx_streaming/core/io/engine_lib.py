@@ -131,6 +131,7 @@ def _declare(lib) -> None:
     lib.mlxs_ring_post.argtypes = [P, Int, ctypes.c_int32, ctypes.c_int32]
     lib.mlxs_ring_done.argtypes = [P, Int]
     lib.mlxs_ring_drop.argtypes = [P, Int, ctypes.c_int32]
+    lib.mlxs_ring_now.argtypes = [P, Int, ctypes.c_int32]
 
 
 def error_buffer() -> ctypes.Array:

@@ -20,9 +20,10 @@
  *
  * The last ``guesses`` entries are guesses' (read-ahead): their pieces are read only while
  * no demand piece waits, by at most half the readers at once, so a demand read finds
- * readers free. A poster takes a request back by writing its number into R_DROP: its
- * pieces not yet begun are not read, and it is answered ST_DROPPED (its staging record is
- * not whole).
+ * readers free. A poster that needs a guess now writes its number into R_NOW: its pieces
+ * not yet begun join the demand reads. A poster takes a request back by writing its number
+ * into R_DROP: its pieces not yet begun are not read, and it is answered ST_DROPPED (its
+ * staging record is not whole).
  * The layers must be registered before the ring starts (mlxs_layer refuses while it
  * runs); mlxs_ring_stop (and mlxs_free) joins them. */
 #include "engine.h"
@@ -35,7 +36,7 @@
 #define IDLE_POLL_NS 500000LL
 #define IDLE_NS 1000000000LL
 
-enum { R_SEQ, R_LAYER, R_EXPERT, R_DONE, R_STATUS, R_ERRNO, R_DROP, RING_WORDS = 16 };
+enum { R_SEQ, R_LAYER, R_EXPERT, R_DONE, R_STATUS, R_ERRNO, R_DROP, R_NOW, RING_WORDS = 16 };
 /* counters: requests answered, bytes read, failed, read ns (summed over readers), answer
  * ns (seen to answered, summed), the longest answer ns, busy ns (wall time with a reader
  * reading), reads (the pieces read), guesses read whole, requests taken back */
@@ -67,6 +68,7 @@ typedef struct Ring {
   char *staging;
   int64_t stride;
   int32_t taken[MAX_RING];            /* the poller's: the last number handed on per entry */
+  int promoted[MAX_RING];             /* the poller's: its guess joined the demand reads */
   int busy[MAX_RING];                 /* a reader has entry k */
   int left[MAX_RING];                 /* entry k's pieces not yet read (under m) */
   int st[MAX_RING], errnum[MAX_RING]; /* its first failure (under m) */
@@ -118,7 +120,7 @@ static void count_answer(Ring *r, const Request *q, const Layer *L, int st, int6
  * taken back); the reader of the last piece checks the record, then frees the entry and
  * answers under the ring's lock (so that no look of the poller finds it answered but
  * still being read). */
-static void serve(Ring *r, const Request *q) {
+static void serve(Ring *r, const Request *q, int guessing) {
   int st = ST_ARGS, errnum = 0;
   int64_t t0 = mlxs_now_ns();
   Layer *L = asked_layer(r, q->layer, q->expert);
@@ -144,7 +146,7 @@ static void serve(Ring *r, const Request *q) {
   int64_t now = mlxs_now_ns();
   __atomic_fetch_add(&r->counters[RC_BUSY_NS], now - r->busy_t0, __ATOMIC_RELAXED);
   r->busy_t0 = now, r->reading--;
-  if (q->guess) {
+  if (guessing) {
     r->guessing--;
     if (r->count[1]) pthread_cond_broadcast(&r->cv); /* a reader held back may take one */
   }
@@ -177,7 +179,7 @@ static void *reader_main(void *arg) {
     r->head[c] = (r->head[c] + 1) % QUEUE, r->count[c]--, r->guessing += c;
     if (!r->reading++) r->busy_t0 = mlxs_now_ns();
     pthread_mutex_unlock(&r->m);
-    serve(r, &q);
+    serve(r, &q, c);
     pthread_mutex_lock(&r->m);
   }
   pthread_mutex_unlock(&r->m);
@@ -196,35 +198,61 @@ static void pause_ns(int64_t ns) {
   nanosleep(&ts, NULL);
 }
 
-/* Hand on each entry's new request (one not handed on, whose entry no reader has); the
- * number handed on. */
+/* Entry k's guess pieces not yet begun join the demand reads, in their order (under m). */
+static void promote(Ring *r, int k) {
+  int n = r->count[1], kept = 0, h = r->head[1];
+  for (int i = 0; i < n; i++) {
+    Request q = r->queue[1][(h + i) % QUEUE];
+    if (q.k == k)
+      r->queue[0][(r->head[0] + r->count[0]++) % QUEUE] = q;
+    else
+      r->queue[1][(h + kept++) % QUEUE] = q; /* kept <= i: nothing unread is overwritten */
+  }
+  r->count[1] = kept;
+}
+
+/* Whether entry k has a guess to promote that is not yet (the poller's own state). */
+static int to_promote(Ring *r, int k) {
+  return k >= r->first_guess && !r->promoted[k] &&
+         __atomic_load_n(word(r, k, R_NOW), __ATOMIC_RELAXED) == r->taken[k];
+}
+
+/* Hand on each entry's new request (one not handed on, whose entry no reader has), and
+ * promote the guesses asked for now; the number of either. */
 static int take_requests(Ring *r) {
   int found = 0, fresh = 0;
   for (int k = 0; k < r->n && !fresh; k++) /* taken is the poller's own: no lock to look */
-    fresh = __atomic_load_n(word(r, k, R_SEQ), __ATOMIC_RELAXED) != r->taken[k];
+    fresh = __atomic_load_n(word(r, k, R_SEQ), __ATOMIC_RELAXED) != r->taken[k] || to_promote(r, k);
   if (!fresh) return 0;
   int64_t now = mlxs_now_ns();
   pthread_mutex_lock(&r->m);
   for (int k = 0; k < r->n; k++) {
     int32_t seq = __atomic_load_n(word(r, k, R_SEQ), __ATOMIC_ACQUIRE);
-    if (seq == r->taken[k] || r->busy[k]) continue;
-    Request q = {k,
-                 k >= r->first_guess,
-                 seq,
-                 __atomic_load_n(word(r, k, R_LAYER), __ATOMIC_RELAXED),
-                 __atomic_load_n(word(r, k, R_EXPERT), __ATOMIC_RELAXED),
-                 now,
-                 0,
-                 0};
-    Layer *L = asked_layer(r, q.layer, q.expert);
-    int64_t size = L ? L->stride : 0, step = piece_bytes(size, r->pieces);
-    r->taken[k] = seq, r->busy[k] = 1, r->st[k] = ST_OK, r->errnum[k] = 0, r->left[k] = 0;
-    do { /* a request naming no record is one empty piece, answered ST_ARGS */
-      q.hi = q.lo + step < size ? q.lo + step : size;
-      r->queue[q.guess][(r->head[q.guess] + r->count[q.guess]++) % QUEUE] = q, r->left[k]++;
-      q.lo = q.hi;
-    } while (q.lo < size);
-    found++;
+    if (seq != r->taken[k] && !r->busy[k]) {
+      Request q = {k,
+                   k >= r->first_guess,
+                   seq,
+                   __atomic_load_n(word(r, k, R_LAYER), __ATOMIC_RELAXED),
+                   __atomic_load_n(word(r, k, R_EXPERT), __ATOMIC_RELAXED),
+                   now,
+                   0,
+                   0};
+      Layer *L = asked_layer(r, q.layer, q.expert);
+      int64_t size = L ? L->stride : 0, step = piece_bytes(size, r->pieces);
+      r->taken[k] = seq, r->busy[k] = 1, r->st[k] = ST_OK, r->errnum[k] = 0, r->left[k] = 0;
+      r->promoted[k] = 0;
+      do { /* a request naming no record is one empty piece, answered ST_ARGS */
+        q.hi = q.lo + step < size ? q.lo + step : size;
+        r->queue[q.guess][(r->head[q.guess] + r->count[q.guess]++) % QUEUE] = q, r->left[k]++;
+        q.lo = q.hi;
+      } while (q.lo < size);
+      found++;
+    }
+    if (to_promote(r, k)) {
+      r->promoted[k] = 1;
+      if (r->busy[k]) promote(r, k); /* (answered already: nothing left to move) */
+      found++;
+    }
   }
   if (found) pthread_cond_broadcast(&r->cv);
   pthread_mutex_unlock(&r->m);
@@ -363,6 +391,12 @@ int32_t mlxs_ring_post(int32_t *words, int k, int32_t layer, int32_t expert) {
   __atomic_store_n(&w[R_EXPERT], expert, __ATOMIC_RELAXED);
   __atomic_store_n(&w[R_SEQ], seq, __ATOMIC_RELEASE);
   return seq;
+}
+
+/* Ask for request ``seq`` of guess entry ``k`` now: its pieces not yet begun join the
+ * demand reads (one answered already is as it was). */
+void mlxs_ring_now(int32_t *words, int k, int32_t seq) {
+  __atomic_store_n(&words[(size_t)k * RING_WORDS + R_NOW], seq, __ATOMIC_RELEASE);
 }
 
 /* Take back request ``seq`` of entry ``k`` (a guess no longer wanted): its pieces not yet

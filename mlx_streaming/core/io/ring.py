@@ -7,8 +7,8 @@ An entry is ``RING_WORDS`` int32 words: the poster writes the layer position and
 expert, then a new number into ``SEQ``; the engine reads the record (whole, as laid out
 in its file) into the entry's staging record, writes ``STATUS`` and ``ERRNO``, then the
 same number into ``DONE``. A ring's last ``guesses`` entries are read-ahead's: read only
-while no demand read waits, by half the readers at most, and taken back (``drop``) when
-no longer wanted. ``RequestRing.post`` and ``wait`` are that protocol on the
+while no demand read waits, by half the readers at most, asked for at once (``now``) when
+a guess proves right, and taken back (``drop``) when no longer wanted. ``RequestRing.post`` and ``wait`` are that protocol on the
 host (tests; a poster without a device); a kernel follows it with the device addresses
 ``device_words`` and ``device_staging``.
 """
@@ -24,7 +24,7 @@ import numpy as np
 from .engine_lib import ERR_BYTES, error_buffer, status_error
 
 RING_WORDS = 16  # an entry's int32 words (engine_ring.c): a cache line each
-SEQ, LAYER, EXPERT, DONE, STATUS, ERRNO, DROP = range(7)
+SEQ, LAYER, EXPERT, DONE, STATUS, ERRNO, DROP, NOW = range(8)
 DROPPED = 6  # engine.h's ST_DROPPED: a request taken back before it was read
 MAX_ENTRIES, MAX_READERS = 64, 16  # engine_ring.c's MAX_RING, MAX_RING_READERS
 # requests answered, bytes read, failed, read ns (summed over readers), answer ns (seen to
@@ -165,6 +165,12 @@ class RequestRing:
             raise RuntimeError(f"request ring entry {k} still has a request unanswered")
         pos = self.reader.pos.get(layer, -1)
         return int(self.reader.lib.mlxs_ring_post(self.words.ctypes.data, k, pos, expert))
+
+    def now(self, k: int, seq: int) -> None:
+        """Ask for guess ``seq`` of entry ``k`` now: its pieces not yet begun are read
+        with the demand reads' priority."""
+        self._check(k)
+        self.reader.lib.mlxs_ring_now(self.words.ctypes.data, k, seq)
 
     def drop(self, k: int, seq: int) -> None:
         """Take request ``seq`` of entry ``k`` back: its pieces not yet begun are not read,
