@@ -199,13 +199,17 @@ def ring_read_gbps(ring, meta, records: int = 64, depth: int | None = None, seed
     """Random records asked of a request ring (``io.ring``) from the host, ``depth`` in
     flight (its entries by default: the most its device path keeps asked; 1: a lone
     miss's), each read in the ring's pieces by its threads: the disk at the reader's own
-    queue depth. Returns (GB/s, the median ms from a record's post to its answer).
+    queue depth. Returns (GB/s, the median ms from a record's post to its answer, its
+    wait in the queue included).
 
     Raises:
         TimeoutError, RuntimeError: the ring did not answer or stopped (``RequestRing``).
     """
     from ..core.io.ring import READ_WAIT_S
 
+    depth = ring.entries if depth is None else depth
+    if not 1 <= depth <= ring.entries:
+        raise ValueError(f"depth={depth}: 1 to the ring's {ring.entries} entries")
     rng, layers = np.random.default_rng(seed), sorted(meta.layers)
     picks = []
     for i in range(records):
@@ -219,15 +223,20 @@ def ring_read_gbps(ring, meta, records: int = 64, depth: int | None = None, seed
         if nxt is not None:
             live[k] = (ring.post(k, *nxt), time.perf_counter(), meta.layers[nxt[0]].record_bytes)
 
-    for k in range(max(1, min(depth or ring.entries, ring.entries))):
-        post(k)
-    while live:  # each entry asked again as soon as it is answered: the queue kept full
-        for k in sorted(live):
-            seq, at, nbytes = live.pop(k)
-            ring.answered(k, seq, READ_WAIT_S)
-            waits.append(time.perf_counter() - at)
-            total += nbytes
+    try:
+        for k in range(depth):
             post(k)
+        while live:  # each entry asked again once answered (in order: they are answered so)
+            for k in sorted(live):
+                seq, at, nbytes = live.pop(k)
+                ring.answered(k, seq, READ_WAIT_S)
+                waits.append(time.perf_counter() - at)
+                total += nbytes
+                post(k)
+    finally:  # a failure leaves no entry of the store's ring asked
+        for k, (seq, _, _) in live.items():
+            with contextlib.suppress(Exception):
+                ring.answered(k, seq, READ_WAIT_S)
     return total / (time.perf_counter() - t0) / 1e9, 1e3 * float(np.median(waits))
 
 

@@ -19,8 +19,8 @@
  * read by several threads at once); the reader of its last piece checks it and answers.
  *
  * The last ``guesses`` entries are guesses' (read-ahead): their pieces are read only while
- * no demand piece waits, by at most half the readers at once, so a demand read finds
- * readers free. A poster that needs a guess now writes its number into R_NOW: its pieces
+ * no demand piece waits, by at most half the readers at once (rounded up: a lone reader
+ * reads them too), so a demand read finds readers free. A poster that needs a guess now writes its number into R_NOW: its pieces
  * not yet begun join the demand reads. A poster takes a request back by writing its number
  * into R_DROP: its pieces not yet begun are not read, and it is answered ST_DROPPED (its
  * staging record is not whole).
@@ -132,6 +132,7 @@ static void serve(Ring *r, const Request *q, int guessing) {
         mlxs_read_full(L->fd, rec + q->lo, q->hi - q->lo, (int64_t)q->expert * L->stride + q->lo);
     st = rc ? (rc < 0 ? ST_SHORT : ST_READ) : ST_OK, errnum = rc > 0 ? rc : 0;
   }
+  int was_read = L && st != ST_DROPPED; /* this piece's own, before the request's */
   pthread_mutex_lock(&r->m);
   if (st != ST_OK && r->st[q->k] == ST_OK) r->st[q->k] = st, r->errnum[q->k] = errnum;
   int last = !--r->left[q->k];
@@ -140,7 +141,7 @@ static void serve(Ring *r, const Request *q, int guessing) {
   if (last && st == ST_OK) st = mlxs_check_record(r->e, L, q->expert, rec);
   int64_t t1 = mlxs_now_ns();
   __atomic_fetch_add(&r->counters[RC_READ_NS], t1 - t0, __ATOMIC_RELAXED);
-  __atomic_fetch_add(&r->counters[RC_READS], st != ST_DROPPED, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&r->counters[RC_READS], was_read, __ATOMIC_RELAXED);
   if (last) count_answer(r, q, L, st, t1);
   pthread_mutex_lock(&r->m); /* the wall time read, then the answer with the entry freed */
   int64_t now = mlxs_now_ns();
@@ -161,7 +162,7 @@ static void serve(Ring *r, const Request *q, int guessing) {
 }
 
 /* The queue a free reader takes its next piece from: demand first, a guess's while fewer
- * than half the readers read guesses; -1: none it may take now. */
+ * than half the readers (rounded up) read guesses; -1: none it may take now. */
 static int next_queue(const Ring *r) {
   if (r->count[0]) return 0;
   return r->count[1] && r->guessing < (r->n_readers + 1) / 2 ? 1 : -1;

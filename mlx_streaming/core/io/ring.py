@@ -219,7 +219,7 @@ class RequestRing:
             failed = row[STATUS] and row[STATUS] != DROPPED
             if failed and done[k] == row[SEQ] and (k, int(row[SEQ])) not in self._told:
                 return self._error(k)
-        for k, row in enumerate(self.words):
+        for k, row in enumerate(self.words[: self._demand]):  # (a guess may wait its turn)
             if done[k] != row[SEQ]:
                 (layer, path), e = self._where(k), int(row[EXPERT])
                 why = "was asked of the request ring and not read in time"
