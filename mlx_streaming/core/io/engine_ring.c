@@ -20,10 +20,11 @@
  *
  * The last ``guesses`` entries are guesses' (read-ahead): their pieces are read only while
  * no demand piece waits, by at most half the readers at once (rounded up: a lone reader
- * reads them too), so a demand read finds readers free. A poster that needs a guess now writes its number into R_NOW: its pieces
- * not yet begun join the demand reads. A poster takes a request back by writing its number
- * into R_DROP: its pieces not yet begun are not read, and it is answered ST_DROPPED (its
- * staging record is not whole).
+ * reads them too), so a demand read finds readers free. A poster that needs a guess now
+ * writes its number into R_NOW: its pieces not yet begun join the demand reads. A poster
+ * takes a request back by writing its number into R_DROP: its pieces not yet begun are
+ * not read, and it is answered ST_DROPPED (its staging record is not whole).
+ *
  * The layers must be registered before the ring starts (mlxs_layer refuses while it
  * runs); mlxs_ring_stop (and mlxs_free) joins them. */
 #include "engine.h"
