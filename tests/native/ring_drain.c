@@ -25,7 +25,6 @@
 #include "../../mlx_streaming/core/io/engine.h"
 
 enum { EXPERTS = 8, STRIDE = 4 << 20, ROUNDS = 5, AGAIN = 200 };
-enum { R_SEQ, R_LAYER, R_EXPERT, R_DONE, R_STATUS, R_ERRNO, R_DROP, R_NOW, RING_WORDS = 16 };
 
 static int in_flight, most_in_flight; /* the engine's preads at once, and the most */
 

@@ -17,7 +17,6 @@
 #include "../../mlx_streaming/core/io/engine.h"
 
 enum { EXPERTS = 16, STRIDE = 1 << 14, SLOTS = 4, POSTERS = 3, PER = 2, ROUNDS = 400 };
-enum { R_SEQ, R_LAYER, R_EXPERT, R_DONE, R_STATUS, R_ERRNO, RING_WORDS = 16 };
 
 typedef struct {
   int32_t *words;

@@ -65,6 +65,8 @@ typedef struct { /* one piece of one record */
 } Job;
 
 struct Ring; /* engine_ring.c */
+/* A request ring entry's int32 words (engine_ring.c; io.ring mirrors them), a cache line */
+enum { R_SEQ, R_LAYER, R_EXPERT, R_DONE, R_STATUS, R_ERRNO, R_DROP, R_NOW, RING_WORDS = 16 };
 
 typedef struct Engine {
   int n_layers, n_threads, wave;

@@ -37,7 +37,6 @@
 #define IDLE_POLL_NS 500000LL
 #define IDLE_NS 1000000000LL
 
-enum { R_SEQ, R_LAYER, R_EXPERT, R_DONE, R_STATUS, R_ERRNO, R_DROP, R_NOW, RING_WORDS = 16 };
 /* counters: requests answered, bytes read, failed, read ns (summed over readers), answer
  * ns (seen to answered, summed), the longest answer ns, busy ns (wall time with a reader
  * reading), reads (the pieces read), guesses read whole, requests taken back */
@@ -380,35 +379,4 @@ void mlxs_ring_stop(Engine *e) {
   if (e->ring) stop_ring(e->ring);
   e->ring = NULL;
   pthread_mutex_unlock(&e->call_lock);
-}
-
-/* A host poster's side of an entry (io.ring's post and wait; a kernel does the same with
- * its own instructions): ask for ``expert`` of layer position ``layer`` through entry
- * ``k`` of ``words``, the number after the entry's last in R_SEQ with release order, so
- * that the request's words are seen first on any machine; the number. */
-int32_t mlxs_ring_post(int32_t *words, int k, int32_t layer, int32_t expert) {
-  int32_t *w = words + (size_t)k * RING_WORDS;
-  int32_t seq = __atomic_load_n(&w[R_SEQ], __ATOMIC_RELAXED) % 2147483647 + 1;
-  __atomic_store_n(&w[R_LAYER], layer, __ATOMIC_RELAXED);
-  __atomic_store_n(&w[R_EXPERT], expert, __ATOMIC_RELAXED);
-  __atomic_store_n(&w[R_SEQ], seq, __ATOMIC_RELEASE);
-  return seq;
-}
-
-/* Ask for request ``seq`` of guess entry ``k`` now: its pieces not yet begun join the
- * demand reads (one answered already is as it was). */
-void mlxs_ring_now(int32_t *words, int k, int32_t seq) {
-  __atomic_store_n(&words[(size_t)k * RING_WORDS + R_NOW], seq, __ATOMIC_RELEASE);
-}
-
-/* Take back request ``seq`` of entry ``k`` (a guess no longer wanted): its pieces not yet
- * begun are not read, and it is answered ST_DROPPED; one answered already is as it was. */
-void mlxs_ring_drop(int32_t *words, int k, int32_t seq) {
-  __atomic_store_n(&words[(size_t)k * RING_WORDS + R_DROP], seq, __ATOMIC_RELEASE);
-}
-
-/* Entry ``k``'s R_DONE with acquire order: once it equals the poster's number, the
- * entry's status and staging record are the answer's. */
-int32_t mlxs_ring_done(const int32_t *words, int k) {
-  return __atomic_load_n(&words[(size_t)k * RING_WORDS + R_DONE], __ATOMIC_ACQUIRE);
 }
