@@ -309,11 +309,9 @@ def child(job: dict) -> dict:
     ring = getattr(store.reader, "ring", None)  # both paths' reads beyond a bounded tier
     probe, lone = "engine", None
     if ring is not None:  # the disk as the ring reads it: its queue full, then a lone miss
-        gbps = store_read_gbps(meta, rt, cold=True, ring=ring)
         lone = ring_read_gbps(ring, meta, records=16, depth=1, seed=2)
+        gbps = store_read_gbps(meta, rt, cold=True, ring=ring)  # (which leaves it cold)
         probe = "ring"
-        if not rt.direct_io:
-            drop_page_cache(files)
     elif rt.direct_io and not measured_direct:  # the store weighed the trunk's load too:
         # read as it reads (O_DIRECT: no page cache to drop), fewer records beside the tier
         gbps = store_read_gbps(meta, rt, records=16, cold=True)

@@ -249,7 +249,7 @@ def test_a_failed_read_no_waiter_saw_is_named_for_the_commands(models, tmp_path,
     ring.wait(1, ring.post(1, li, 1))
     assert ring.failed() is None and ring_mod.unexplained_failure() is None
     seq, until = ring.post(1, li, 2), time.monotonic() + 10  # as a kernel posts: no wait
-    while reader.lib.mlxs_ring_done(ring.words.ctypes.data, 1) != seq:
+    while ring.done(1) != seq:
         assert time.monotonic() < until, "the ring did not answer"
         time.sleep(1e-3)
     named = f"expert 2 of layer {li} in {meta.file(li)} fails its checksum"

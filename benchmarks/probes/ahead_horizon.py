@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -126,15 +125,17 @@ def main():
     p.add_argument("--gbps", type=float, help="the disk's rate (default: the row's bound_gbps)")
     p.add_argument("--json", help="write the table here")
     a = p.parse_args()
+    from mlx_streaming.bench.measure import bounds
+
     run, row, sim, steps = row_steps(a.row, a.trace)
     layers = run["moe_layers"]
     gbps = a.gbps or row.get("bound_gbps") or row["storage_gbps"]
     t_c = row["t_compute_ms"] / 1e3
     c, r = t_c / layers, run["record_bytes"] / (gbps * 1e9)
-    io = statistics.mean(int(s.sum()) for s in steps) * r
-    bound = 1 / max(t_c, io)
-    step_bound = 1 / statistics.mean(max(t_c, int(s.sum()) * r) for s in steps)
     reads = np.array([int(s.sum()) for s in steps])
+    io = float(reads.mean()) * r
+    b = bounds(t_c, io * gbps * 1e9, gbps, row["tok_per_s"], reads * run["record_bytes"])
+    bound = b["bound_tok_per_s"]
     out = {
         "row": a.row, "measured_tok_per_s": row["tok_per_s"], "gbps": gbps,
         "t_compute_ms": round(t_c * 1e3, 3), "record_read_ms": round(r * 1e3, 3),
@@ -143,9 +144,8 @@ def main():
         "measured_disk_mb_per_token": round(row["disk_bytes_per_token"] / 1e6, 2),
         "reads_per_step_p50_p90_max": [int(np.percentile(reads, 50)),
                                        int(np.percentile(reads, 90)), int(reads.max())],
-        "overlap_bound_tok_per_s": round(bound, 2),
-        "step_bound_tok_per_s": round(step_bound, 2),
-        "serial_bound_tok_per_s": round(1 / (t_c + io), 2), "rows": [],
+        "overlap_bound_tok_per_s": bound, "step_bound_tok_per_s": b["step_bound_tok_per_s"],
+        "serial_bound_tok_per_s": b["serial_bound_tok_per_s"], "rows": [],
     }  # fmt: skip
     print({k: v for k, v in out.items() if k != "rows"})
     cases = [(0, 0.0, 1.0, False)]  # no read-ahead: the row as measured

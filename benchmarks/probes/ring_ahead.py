@@ -56,10 +56,6 @@ class Player:
         self.free_guess = list(
             ring.guess_entries if guess_class else range(DEMAND, DEMAND + GUESSES)
         )
-        self.lib, self.words = ring.reader.lib, ring.words
-
-    def answered(self, k: int) -> bool:
-        return self.lib.mlxs_ring_done(self.words.ctypes.data, k) == self.words[k, 0]
 
     def picks(self, g: int, n: int, avoid=()) -> list[int]:
         E = self.meta.layers[self.layers[g % len(self.layers)]].num_experts
@@ -112,7 +108,7 @@ class Player:
     def guess(self, g, experts, guesses) -> None:
         li = self.layers[g % len(self.layers)]
         for e in experts:
-            k = next((k for k in self.free_guess if self.answered(k)), None)
+            k = next((k for k in self.free_guess if self.ring.free(k)), None)
             if k is None:
                 return  # no entry free: the rest unguessed
             self.free_guess.remove(k)

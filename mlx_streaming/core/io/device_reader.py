@@ -342,8 +342,7 @@ class RingReads:
         return [self.ring.post(k, layer, int(e)) for k, e in enumerate(experts)]
 
     def answered(self, seqs: list[int]) -> bool:
-        lib, words = self.ring.reader.lib, self.ring.words.ctypes.data
-        return all(lib.mlxs_ring_done(words, k) == q for k, q in enumerate(seqs))
+        return all(self.ring.done(k) == q for k, q in enumerate(seqs))
 
     def settle(self, seqs: list[int]) -> None:
         """Wait until each request of ``seqs`` is answered (its outcome dropped), for

@@ -161,10 +161,20 @@ class RequestRing:
             RuntimeError: the ring is stopped, or entry ``k``'s last request is unanswered.
         """
         self._check(k)
-        if self.reader.lib.mlxs_ring_done(self.words.ctypes.data, k) != self.words[k, SEQ]:
+        if not self.free(k):
             raise RuntimeError(f"request ring entry {k} still has a request unanswered")
         pos = self.reader.pos.get(layer, -1)
         return int(self.reader.lib.mlxs_ring_post(self.words.ctypes.data, k, pos, expert))
+
+    def done(self, k: int) -> int:
+        """The number of entry ``k``'s last answered request (its ``DONE`` word, read with
+        acquire order: once it is a poster's number, the entry's status and staging
+        record are that request's answer)."""
+        return self.reader.lib.mlxs_ring_done(self.words.ctypes.data, k)
+
+    def free(self, k: int) -> bool:
+        """Whether entry ``k``'s last request is answered: it may be asked again."""
+        return self.done(k) == self.words[k, SEQ]
 
     def now(self, k: int, seq: int) -> None:
         """Ask for guess ``seq`` of entry ``k`` now: its pieces not yet begun are read
@@ -196,7 +206,7 @@ class RequestRing:
             Dropped: the request was taken back before it was read whole.
         """
         row, until = self.words[k], time.monotonic() + timeout
-        while self.reader.lib.mlxs_ring_done(self.words.ctypes.data, k) != seq:
+        while self.done(k) != seq:
             self._check(k)
             if time.monotonic() > until:
                 raise TimeoutError(f"the request ring did not answer entry {k} in {timeout} s")
@@ -213,8 +223,7 @@ class RequestRing:
         after ``plan_kernel.READ_WAIT_MS``), naming its file, layer and expert; else None."""
         from .reader import RecordReadError
 
-        at = self.words.ctypes.data
-        done = [self.reader.lib.mlxs_ring_done(at, k) for k in range(len(self.words))]
+        done = [self.done(k) for k in range(len(self.words))]
         for k, row in enumerate(self.words):  # (one taken back did not fail)
             failed = row[STATUS] and row[STATUS] != DROPPED
             if failed and done[k] == row[SEQ] and (k, int(row[SEQ])) not in self._told:
