@@ -137,13 +137,13 @@ def test_cuda_takes_a_whole_swap_tier_where_the_files_do_not_fit_and_it_does(met
     assert (short.reader, short.decode_path, short.files_reader) == ("tier", "device", "native")
     assert "nor does a whole swap tier" in short.line() and "a bounded one" in short.line()
     assert "at most what memory holds" in short.line() and "--no-swap-tier" in short.line()
-    from mlx_streaming.core.io.ring import ring_staging
+    from mlx_streaming.core.io.ring import DEVICE_ENTRIES
     from mlx_streaming.core.io.tier import staging_beside
 
     # the least tier: a record a layer, beside the margin and the request ring's staging,
     # through which both paths read the records beyond it (the files' reader stages one)
     stride = max(lay.stride for lay in meta.layers.values())
-    assert staging_beside(meta, True) == stride + ring_staging(meta)
+    assert staging_beside(meta, True) == stride + DEVICE_ENTRIES * stride
     one = sum(meta.layers[li].stride for li in slots) + staging_beside(meta, True)
     none = cuda(StreamConfig(), meta, (one + 999, one + 999), slots=slots)
     assert (none.reader, none.decode_path) == ("native", "host")

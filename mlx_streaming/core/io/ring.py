@@ -70,12 +70,6 @@ def unexplained_failure() -> Exception | None:
     return _closed_failures[-1] if _closed_failures else None
 
 
-def ring_staging(meta) -> int:
-    """Bytes of page-locked staging a ring of ``DEVICE_ENTRIES`` (read when called) over
-    ``meta``'s records takes."""
-    return DEVICE_ENTRIES * max((lay.stride for lay in meta.layers.values()), default=0)
-
-
 class RequestRing:
     """Answers requests for records posted into shared memory, on the engine's threads.
 
