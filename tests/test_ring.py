@@ -124,46 +124,6 @@ def test_the_storage_probe_reads_through_the_ring_what_it_reports(models):
     reader.close()
 
 
-def test_guess_entries_are_answered_and_taken_back_without_failing(models):
-    """A ring's guesses' entries follow its demand entries and read their records as any
-    entry does (tests/native/ring_drain.c checks that a demand read goes first). A guess
-    taken back before its read is answered ``Dropped``, counted, and no failure; one taken
-    back after its answer stays read; one wanted ``now`` is read as any."""
-    from mlx_streaming.core.io.ring import Dropped
-
-    _, ed = models.experts("tiny-qwen3_moe")
-    meta, _, reader = reader_over(ed, threads=0, wave=1)
-    li = sorted(meta.layers)[0]
-    size = meta.layers[li].record_bytes
-    with RingOf(reader, entries=2, readers=2, guesses=3) as ring:
-        assert ring.entries == 2 and list(ring.guess_entries) == [2, 3, 4]
-        got = ring.wait(3, ring.post(3, li, 5))
-        assert np.array_equal(got[:size], record(meta, li, 5))
-        seq = int(ring.words[3, SEQ])
-        ring.drop(3, seq)  # after its answer: nothing changes
-        ring.answered(3, seq)
-        ahead = int(ring.words[4, SEQ]) % 2147483647 + 1
-        ring.drop(4, ahead)  # taken back before the poller could see it: never read
-        assert ring.post(4, li, 6) == ahead
-        with pytest.raises(Dropped, match="entry 4"):
-            ring.answered(4, ahead)
-        assert ring.failed() is None  # taken back is not a failure
-        c = ring.counters()
-        assert (c["requests"], c["guesses"], c["dropped"], c["failed"]) == (2, 1, 1, 0)
-        assert c["bytes"] == size
-        got = ring.wait(4, ring.post(4, li, 7))  # the entry asks again as usual
-        assert np.array_equal(got[:size], record(meta, li, 7))
-        seq = ring.post(2, li, 8)
-        ring.now(2, seq)  # a guess wanted now: read, and counted a guess
-        assert np.array_equal(ring.wait(2, seq)[:size], record(meta, li, 8))
-        assert ring.counters()["guesses"] == 3
-    with pytest.raises(ValueError, match="guesses"):
-        RequestRing(reader, entries=2, guesses=-1)
-    with pytest.raises(ValueError, match="64 entries in all"):
-        RequestRing(reader, entries=60, guesses=5)
-    reader.close()
-
-
 class RingOf:
     """A ring stopped on leaving the block."""
 

@@ -21,15 +21,7 @@
 #define EAGAIN_TRIES 1000
 #define MAX_BYTES ((int64_t)1 << 40) /* bound on any size, so that no product overflows */
 
-enum {
-  ST_OK = 0,
-  ST_READ = 1,
-  ST_CHECKSUM = 2,
-  ST_SHORT = 3,
-  ST_ARGS = 4,
-  ST_COPY = 5,
-  ST_DROPPED = 6 /* a ring's request taken back before it was read */
-};
+enum { ST_OK = 0, ST_READ = 1, ST_CHECKSUM = 2, ST_SHORT = 3, ST_ARGS = 4, ST_COPY = 5 };
 /* counters per layer: read ns is pread plus copy calls, summed over threads; busy ns is
  * wall time from mlxs_start to mlxs_finish; pread, copy-call and sync ns split the
  * threads' time */
@@ -66,7 +58,7 @@ typedef struct { /* one piece of one record */
 
 struct Ring; /* engine_ring.c */
 /* A request ring entry's int32 words (engine_ring.c; io.ring mirrors them), a cache line */
-enum { R_SEQ, R_LAYER, R_EXPERT, R_DONE, R_STATUS, R_ERRNO, R_DROP, R_NOW, RING_WORDS = 16 };
+enum { R_SEQ, R_LAYER, R_EXPERT, R_DONE, R_STATUS, R_ERRNO, RING_WORDS = 16 };
 
 typedef struct Engine {
   int n_layers, n_threads, wave;
@@ -99,7 +91,7 @@ typedef struct Engine {
 /* ------------------------------------------------------------------ the API (ctypes) */
 /* Raised whenever a function's arguments change: engine_lib.ABI must match it, so that a
  * library built from older sources is refused, not called with the wrong arguments. */
-#define MLXS_ABI 4
+#define MLXS_ABI 5
 int mlxs_abi(void);
 Engine *mlxs_new(int n_layers, int n_threads, int wave, int64_t max_stride, int64_t piece_bytes,
                  char *staging, void *copy, void *sync, void **streams, void *hash, char *err,
@@ -116,13 +108,11 @@ void mlxs_free(Engine *e);
 int mlxs_threads(const Engine *e);
 /* the request ring (engine_ring.c) */
 int mlxs_ring_start(Engine *e, int32_t *words, int n, char *staging, int64_t stride, int readers,
-                    int pieces, int guesses, char *err, int err_len);
+                    int pieces, char *err, int err_len);
 int mlxs_ring_counters(Engine *e, int64_t *out);
 void mlxs_ring_stop(Engine *e);
 int32_t mlxs_ring_post(int32_t *words, int k, int32_t layer, int32_t expert);
 int32_t mlxs_ring_done(const int32_t *words, int k);
-void mlxs_ring_drop(int32_t *words, int k, int32_t seq);
-void mlxs_ring_now(int32_t *words, int k, int32_t seq);
 
 /* ------------------------------------------------------------------ inside the engine */
 #pragma GCC visibility push(hidden) /* not exported: the API above is all there is */

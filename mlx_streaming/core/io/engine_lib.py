@@ -24,7 +24,7 @@ COUNTERS = ("calls", "records", "bytes", "read_ns", "busy_ns", "pread_ns", "copy
 N_COUNTERS = len(COUNTERS)
 ERR_BYTES = 512  # an engine message's buffer
 MAX_THREADS = 63  # reader threads the engine runs at most (engine.h: MAX_THREADS - 1)
-ABI = 4  # engine.h's MLXS_ABI: raised with it whenever a call's arguments change
+ABI = 5  # engine.h's MLXS_ABI: raised with it whenever a call's arguments change
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None | bool = None
@@ -123,15 +123,13 @@ def _declare(lib) -> None:
     lib.mlxs_threads.restype = Int
     lib.mlxs_threads.argtypes = [P]
     lib.mlxs_ring_start.restype = Int
-    lib.mlxs_ring_start.argtypes = [P, P, Int, P, L, Int, Int, Int, S, Int]
+    lib.mlxs_ring_start.argtypes = [P, P, Int, P, L, Int, Int, S, Int]
     lib.mlxs_ring_counters.restype = Int
     lib.mlxs_ring_counters.argtypes = [P, P]
     lib.mlxs_ring_stop.argtypes = [P]
     lib.mlxs_ring_post.restype = lib.mlxs_ring_done.restype = ctypes.c_int32
     lib.mlxs_ring_post.argtypes = [P, Int, ctypes.c_int32, ctypes.c_int32]
     lib.mlxs_ring_done.argtypes = [P, Int]
-    lib.mlxs_ring_drop.argtypes = [P, Int, ctypes.c_int32]
-    lib.mlxs_ring_now.argtypes = [P, Int, ctypes.c_int32]
 
 
 def error_buffer() -> ctypes.Array:

@@ -18,13 +18,6 @@
  * request to the ``readers`` threads in ``pieces`` reads of whole pages (a lone record is
  * read by several threads at once); the reader of its last piece checks it and answers.
  *
- * The last ``guesses`` entries are guesses' (read-ahead): their pieces are read only while
- * no demand piece waits, by at most half the readers at once (rounded up: a lone reader
- * reads them too), so a demand read finds readers free. A poster that needs a guess now
- * writes its number into R_NOW: its pieces not yet begun join the demand reads. A poster
- * takes a request back by writing its number into R_DROP: its pieces not yet begun are
- * not read, and it is answered ST_DROPPED (its staging record is not whole).
- *
  * The layers must be registered before the ring starts (mlxs_layer refuses while it
  * runs); mlxs_ring_stop (and mlxs_free) joins them. */
 #include "engine.h"
@@ -39,7 +32,7 @@
 
 /* counters: requests answered, bytes read, failed, read ns (summed over readers), answer
  * ns (seen to answered, summed), the longest answer ns, busy ns (wall time with a reader
- * reading), reads (the pieces read), guesses read whole, requests taken back */
+ * reading), reads (the pieces read) */
 enum {
   RC_REQUESTS,
   RC_BYTES,
@@ -49,13 +42,11 @@ enum {
   RC_MAX_NS,
   RC_BUSY_NS,
   RC_READS,
-  RC_GUESSES,
-  RC_DROPPED,
   N_RING_COUNTERS
 };
 
 typedef struct {
-  int k, guess;
+  int k;
   int32_t seq, layer, expert;
   int64_t seen_ns, lo, hi; /* the piece: bytes [lo, hi) of the record */
 } Request;
@@ -64,20 +55,16 @@ typedef struct Ring {
   Engine *e;
   int32_t *words;
   int n, n_readers, n_started, poller_started, pieces;
-  int first_guess; /* entries from it on are guesses' */
   char *staging;
   int64_t stride;
   int32_t taken[MAX_RING];            /* the poller's: the last number handed on per entry */
-  int promoted[MAX_RING];             /* the poller's: its guess joined the demand reads */
   int busy[MAX_RING];                 /* a reader has entry k */
   int left[MAX_RING];                 /* entry k's pieces not yet read (under m) */
   int st[MAX_RING], errnum[MAX_RING]; /* its first failure (under m) */
-  Request queue[2][QUEUE];            /* demand pieces, guesses' pieces */
-  int head[2], count[2];
-  int guessing;  /* readers reading a guess's piece (under m) */
-  int stop;      /* the readers leave once both queues are empty */
-  int stop_poll; /* the poller takes a last look, then leaves */
-  int reading;   /* readers reading now; busy_t0: the wall time counted to (under m) */
+  Request queue[QUEUE];
+  int head, count, stop; /* stop: the readers leave once the queue is empty */
+  int stop_poll;         /* the poller takes a last look, then leaves */
+  int reading;           /* readers reading now; busy_t0: the wall time counted to (under m) */
   int64_t busy_t0;
   pthread_mutex_t m;
   pthread_cond_t cv;
@@ -105,9 +92,7 @@ static Layer *asked_layer(const Ring *r, int32_t layer, int32_t expert) {
 static void count_answer(Ring *r, const Request *q, const Layer *L, int st, int64_t t1) {
   __atomic_fetch_add(&r->counters[RC_REQUESTS], 1, __ATOMIC_RELAXED);
   __atomic_fetch_add(&r->counters[RC_BYTES], st == ST_OK ? L->record_bytes : 0, __ATOMIC_RELAXED);
-  __atomic_fetch_add(&r->counters[RC_FAILED], st != ST_OK && st != ST_DROPPED, __ATOMIC_RELAXED);
-  __atomic_fetch_add(&r->counters[RC_GUESSES], q->guess && st == ST_OK, __ATOMIC_RELAXED);
-  __atomic_fetch_add(&r->counters[RC_DROPPED], st == ST_DROPPED, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&r->counters[RC_FAILED], st != ST_OK, __ATOMIC_RELAXED);
   __atomic_fetch_add(&r->counters[RC_ANSWER_NS], t1 - q->seen_ns, __ATOMIC_RELAXED);
   int64_t most = __atomic_load_n(&r->counters[RC_MAX_NS], __ATOMIC_RELAXED);
   while (t1 - q->seen_ns > most &&
@@ -116,23 +101,20 @@ static void count_answer(Ring *r, const Request *q, const Layer *L, int st, int6
   }
 }
 
-/* Read a piece of a request's record into its staging record (unless the request was
- * taken back); the reader of the last piece checks the record, then frees the entry and
- * answers under the ring's lock (so that no look of the poller finds it answered but
- * still being read). */
-static void serve(Ring *r, const Request *q, int guessing) {
+/* Read a piece of a request's record into its staging record; the reader of the last
+ * piece checks the record, then frees the entry and answers under the ring's lock (so
+ * that no look of the poller finds it answered but still being read). */
+static void serve(Ring *r, const Request *q) {
   int st = ST_ARGS, errnum = 0;
   int64_t t0 = mlxs_now_ns();
   Layer *L = asked_layer(r, q->layer, q->expert);
   char *rec = r->staging + (int64_t)q->k * r->stride;
-  if (__atomic_load_n(word(r, q->k, R_DROP), __ATOMIC_ACQUIRE) == q->seq)
-    st = ST_DROPPED;
-  else if (L) {
+  if (L) {
     int rc =
         mlxs_read_full(L->fd, rec + q->lo, q->hi - q->lo, (int64_t)q->expert * L->stride + q->lo);
     st = rc ? (rc < 0 ? ST_SHORT : ST_READ) : ST_OK, errnum = rc > 0 ? rc : 0;
   }
-  int was_read = L && st != ST_DROPPED; /* this piece's own, before the request's */
+  int was_read = L != NULL; /* this piece's own, before the request's */
   pthread_mutex_lock(&r->m);
   if (st != ST_OK && r->st[q->k] == ST_OK) r->st[q->k] = st, r->errnum[q->k] = errnum;
   int last = !--r->left[q->k];
@@ -147,10 +129,6 @@ static void serve(Ring *r, const Request *q, int guessing) {
   int64_t now = mlxs_now_ns();
   __atomic_fetch_add(&r->counters[RC_BUSY_NS], now - r->busy_t0, __ATOMIC_RELAXED);
   r->busy_t0 = now, r->reading--;
-  if (guessing) {
-    r->guessing--;
-    if (r->count[1]) pthread_cond_broadcast(&r->cv); /* a reader held back may take one */
-  }
   /* freed and answered in one hold of the lock: the poller sees the entry busy, or free
    * and answered, so a request posted again on the answer is handed on, even by its
    * last look before a stop */
@@ -161,26 +139,17 @@ static void serve(Ring *r, const Request *q, int guessing) {
   pthread_mutex_unlock(&r->m);
 }
 
-/* The queue a free reader takes its next piece from: demand first, a guess's while fewer
- * than half the readers (rounded up) read guesses; -1: none it may take now. */
-static int next_queue(const Ring *r) {
-  if (r->count[0]) return 0;
-  return r->count[1] && r->guessing < (r->n_readers + 1) / 2 ? 1 : -1;
-}
-
 static void *reader_main(void *arg) {
   Ring *r = arg;
   pthread_mutex_lock(&r->m);
   for (;;) {
-    int c;
-    while ((c = next_queue(r)) < 0 && !(r->stop && !r->count[0] && !r->count[1]))
-      pthread_cond_wait(&r->cv, &r->m);
-    if (c < 0) break; /* stopped, and every request handed on is answered */
-    Request q = r->queue[c][r->head[c]];
-    r->head[c] = (r->head[c] + 1) % QUEUE, r->count[c]--, r->guessing += c;
+    while (!r->count && !r->stop) pthread_cond_wait(&r->cv, &r->m);
+    if (!r->count) break; /* stopped, and every request handed on is answered */
+    Request q = r->queue[r->head];
+    r->head = (r->head + 1) % QUEUE, r->count--;
     if (!r->reading++) r->busy_t0 = mlxs_now_ns();
     pthread_mutex_unlock(&r->m);
-    serve(r, &q, c);
+    serve(r, &q);
     pthread_mutex_lock(&r->m);
   }
   pthread_mutex_unlock(&r->m);
@@ -199,31 +168,12 @@ static void pause_ns(int64_t ns) {
   nanosleep(&ts, NULL);
 }
 
-/* Entry k's guess pieces not yet begun join the demand reads, in their order (under m). */
-static void promote(Ring *r, int k) {
-  int n = r->count[1], kept = 0, h = r->head[1];
-  for (int i = 0; i < n; i++) {
-    Request q = r->queue[1][(h + i) % QUEUE];
-    if (q.k == k)
-      r->queue[0][(r->head[0] + r->count[0]++) % QUEUE] = q;
-    else
-      r->queue[1][(h + kept++) % QUEUE] = q; /* kept <= i: nothing unread is overwritten */
-  }
-  r->count[1] = kept;
-}
-
-/* Whether entry k has a guess to promote that is not yet (the poller's own state). */
-static int to_promote(Ring *r, int k) {
-  return k >= r->first_guess && !r->promoted[k] &&
-         __atomic_load_n(word(r, k, R_NOW), __ATOMIC_RELAXED) == r->taken[k];
-}
-
-/* Hand on each entry's new request (one not handed on, whose entry no reader has), and
- * promote the guesses asked for now; the number of either. */
+/* Hand on each entry's new request (one not handed on, whose entry no reader has): the
+ * number handed on. */
 static int take_requests(Ring *r) {
   int found = 0, fresh = 0;
   for (int k = 0; k < r->n && !fresh; k++) /* taken is the poller's own: no lock to look */
-    fresh = __atomic_load_n(word(r, k, R_SEQ), __ATOMIC_RELAXED) != r->taken[k] || to_promote(r, k);
+    fresh = __atomic_load_n(word(r, k, R_SEQ), __ATOMIC_RELAXED) != r->taken[k];
   if (!fresh) return 0;
   int64_t now = mlxs_now_ns();
   pthread_mutex_lock(&r->m);
@@ -231,7 +181,6 @@ static int take_requests(Ring *r) {
     int32_t seq = __atomic_load_n(word(r, k, R_SEQ), __ATOMIC_ACQUIRE);
     if (seq != r->taken[k] && !r->busy[k]) {
       Request q = {k,
-                   k >= r->first_guess,
                    seq,
                    __atomic_load_n(word(r, k, R_LAYER), __ATOMIC_RELAXED),
                    __atomic_load_n(word(r, k, R_EXPERT), __ATOMIC_RELAXED),
@@ -241,17 +190,11 @@ static int take_requests(Ring *r) {
       Layer *L = asked_layer(r, q.layer, q.expert);
       int64_t size = L ? L->stride : 0, step = piece_bytes(size, r->pieces);
       r->taken[k] = seq, r->busy[k] = 1, r->st[k] = ST_OK, r->errnum[k] = 0, r->left[k] = 0;
-      r->promoted[k] = 0;
       do { /* a request naming no record is one empty piece, answered ST_ARGS */
         q.hi = q.lo + step < size ? q.lo + step : size;
-        r->queue[q.guess][(r->head[q.guess] + r->count[q.guess]++) % QUEUE] = q, r->left[k]++;
+        r->queue[(r->head + r->count++) % QUEUE] = q, r->left[k]++;
         q.lo = q.hi;
       } while (q.lo < size);
-      found++;
-    }
-    if (to_promote(r, k)) {
-      r->promoted[k] = 1;
-      if (r->busy[k]) promote(r, k); /* (answered already: nothing left to move) */
       found++;
     }
   }
@@ -292,8 +235,7 @@ static void stop_ring(Ring *r) {
 }
 
 static int check_ring(const Engine *e, const int32_t *words, int n, const char *staging,
-                      int64_t stride, int readers, int pieces, int guesses, char *err,
-                      int err_len) {
+                      int64_t stride, int readers, int pieces, char *err, int err_len) {
   if (e->ring) return mlxs_say(err, err_len, "a request ring is running already");
   if (!words || !staging) return mlxs_say(err, err_len, "a request ring needs entries and staging");
   if (n < 1 || n > MAX_RING)
@@ -302,8 +244,6 @@ static int check_ring(const Engine *e, const int32_t *words, int n, const char *
     return mlxs_say(err, err_len, "%d ring readers: 1 to %d", readers, MAX_RING_READERS);
   if (pieces < 1 || pieces > readers)
     return mlxs_say(err, err_len, "%d pieces a record: 1 to the %d readers", pieces, readers);
-  if (guesses < 0 || guesses >= n)
-    return mlxs_say(err, err_len, "%d guesses' entries of %d: 0 to %d", guesses, n, n - 1);
   if (stride < 1 || stride > MAX_BYTES / n)
     return mlxs_say(err, err_len, "staging records of %lld bytes: 1 to %lld", (long long)stride,
                     (long long)(MAX_BYTES / n));
@@ -318,15 +258,14 @@ static int check_ring(const Engine *e, const int32_t *words, int n, const char *
 
 /* Start answering requests in ``n`` entries at ``words`` (the caller's, as ``staging``:
  * both stay valid until mlxs_ring_stop) with ``readers`` threads, each record read in
- * ``pieces`` (1 to ``readers``), the last ``guesses`` entries (0 to n - 1) guesses': 0,
- * or -1 with ``err`` saying why (nothing started). Requests already posted are not
- * answered. */
+ * ``pieces`` (1 to ``readers``): 0, or -1 with ``err`` saying why (nothing started).
+ * Requests already posted are not answered. */
 int mlxs_ring_start(Engine *e, int32_t *words, int n, char *staging, int64_t stride, int readers,
-                    int pieces, int guesses, char *err, int err_len) {
+                    int pieces, char *err, int err_len) {
   mlxs_say(err, err_len, "%s", e ? "" : "no engine");
   if (!e) return -1;
   pthread_mutex_lock(&e->call_lock);
-  int rc = check_ring(e, words, n, staging, stride, readers, pieces, guesses, err, err_len);
+  int rc = check_ring(e, words, n, staging, stride, readers, pieces, err, err_len);
   Ring *r = rc ? NULL : calloc(1, sizeof(Ring));
   if (!rc && !r) rc = mlxs_say(err, err_len, "out of memory for a request ring");
   if (r) {
@@ -335,7 +274,6 @@ int mlxs_ring_start(Engine *e, int32_t *words, int n, char *staging, int64_t str
                 .n = n,
                 .n_readers = readers,
                 .pieces = pieces,
-                .first_guess = n - guesses,
                 .staging = staging,
                 .stride = stride};
     for (int k = 0; k < n; k++) r->taken[k] = __atomic_load_n(word(r, k, R_SEQ), __ATOMIC_ACQUIRE);

@@ -15,18 +15,6 @@ int32_t mlxs_ring_post(int32_t *words, int k, int32_t layer, int32_t expert) {
   return seq;
 }
 
-/* Ask for request ``seq`` of guess entry ``k`` now: its pieces not yet begun join the
- * demand reads (one answered already is as it was). */
-void mlxs_ring_now(int32_t *words, int k, int32_t seq) {
-  __atomic_store_n(&words[(size_t)k * RING_WORDS + R_NOW], seq, __ATOMIC_RELEASE);
-}
-
-/* Take back request ``seq`` of entry ``k`` (a guess no longer wanted): its pieces not yet
- * begun are not read, and it is answered ST_DROPPED; one answered already is as it was. */
-void mlxs_ring_drop(int32_t *words, int k, int32_t seq) {
-  __atomic_store_n(&words[(size_t)k * RING_WORDS + R_DROP], seq, __ATOMIC_RELEASE);
-}
-
 /* Entry ``k``'s R_DONE with acquire order: once it equals the poster's number, the
  * entry's status and staging record are the answer's. */
 int32_t mlxs_ring_done(const int32_t *words, int k) {

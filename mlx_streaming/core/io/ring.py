@@ -6,10 +6,8 @@ with no CUDA call on the host's side.
 An entry is ``RING_WORDS`` int32 words: the poster writes the layer position and the
 expert, then a new number into ``SEQ``; the engine reads the record (whole, as laid out
 in its file) into the entry's staging record, writes ``STATUS`` and ``ERRNO``, then the
-same number into ``DONE``. A ring's last ``guesses`` entries are read-ahead's: read only
-while no demand read waits, by half the readers at most, asked for at once (``now``) when
-a guess proves right, and taken back (``drop``) when no longer wanted. ``RequestRing.post`` and ``wait`` are that protocol on the
-host (tests; a poster without a device); a kernel follows it with the device addresses
+same number into ``DONE``. ``RequestRing.post`` and ``wait`` are that protocol on the host
+(tests; a poster without a device); a kernel follows it with the device addresses
 ``device_words`` and ``device_staging``.
 """
 
@@ -24,14 +22,12 @@ import numpy as np
 from .engine_lib import ERR_BYTES, error_buffer, status_error
 
 RING_WORDS = 16  # an entry's int32 words (engine_ring.c): a cache line each
-SEQ, LAYER, EXPERT, DONE, STATUS, ERRNO, DROP, NOW = range(8)
-DROPPED = 6  # engine.h's ST_DROPPED: a request taken back before it was read
+SEQ, LAYER, EXPERT, DONE, STATUS, ERRNO = range(6)
 MAX_ENTRIES, MAX_READERS = 64, 16  # engine_ring.c's MAX_RING, MAX_RING_READERS
 # requests answered, bytes read, failed, read ns (summed over readers), answer ns (seen to
 # answered, summed), the longest answer ns, busy ns (wall time with a reader reading),
-# reads (the pieces read), guesses read whole, requests taken back (answered DROPPED)
-COUNTERS = ("requests", "bytes", "failed", "read_ns", "answer_ns", "max_ns", "busy_ns", "reads",
-            "guesses", "dropped")  # fmt: skip
+# reads (the pieces read)
+COUNTERS = ("requests", "bytes", "failed", "read_ns", "answer_ns", "max_ns", "busy_ns", "reads")
 # a bounded tier's device path: reads one layer call may ask for at once (its ids at most),
 # the ring threads reading them, and the reads a record is cut in (a decode call's lone
 # miss read by several threads at once: 8 pieces 1.08x whole records beyond RAM on an
@@ -44,10 +40,6 @@ DEVICE_ENTRIES, DEVICE_READERS, DEVICE_PIECES = 16, 16, 16
 READ_WAIT_S = 30
 _rings: weakref.WeakSet = weakref.WeakSet()  # every ring made, for ``unexplained_failure``
 _closed_failures: list[Exception] = []  # ... and what the last closed one left unexplained
-
-
-class Dropped(RuntimeError):
-    """A request was taken back (``RequestRing.drop``) before its record was read whole."""
 
 
 class RingError(OSError):
@@ -82,25 +74,18 @@ class RequestRing:
         cuda: The CUDA runtime module (``io.cuda``): entries and staging in page-locked
             host memory mapped into the device; else plain host memory (no device).
         pieces: The reads each record is cut in (1 to ``readers``; whole pages each).
-        guesses: Entries after the ``entries`` for read-ahead (``guess_entries``):
-            read only while no other request waits.
 
     Raises:
         OSError: the engine refuses the ring (the message says why).
     """
 
-    def __init__(
-        self, reader, entries: int = 8, readers: int = 4, cuda=None, pieces: int = 1, guesses=0
-    ):
+    def __init__(self, reader, entries: int = 8, readers: int = 4, cuda=None, pieces: int = 1):
         self.reader, self.handle = reader, None
-        if not 1 <= entries <= MAX_ENTRIES - guesses or not 1 <= readers <= MAX_READERS:
+        if not 1 <= entries <= MAX_ENTRIES or not 1 <= readers <= MAX_READERS:
             raise ValueError(
-                f"a ring of {entries} entries, {guesses} guesses' and {readers} readers: "
-                f"1 to {MAX_ENTRIES} entries in all, 1 to {MAX_READERS} readers"
+                f"a ring of {entries} entries and {readers} readers: "
+                f"1 to {MAX_ENTRIES} entries, 1 to {MAX_READERS} readers"
             )
-        if guesses < 0:
-            raise ValueError(f"{guesses} guesses' entries: 0 or more")
-        self._demand, entries = entries, entries + guesses
         if not 1 <= pieces <= readers:
             raise ValueError(f"{pieces} pieces a record: 1 to the ring's {readers} readers")
         if not reader.pos:
@@ -124,7 +109,7 @@ class RequestRing:
                 raise OSError("the request ring could not start: its reader is closed")
             rc = reader.lib.mlxs_ring_start(
                 reader.handle, self.words.ctypes.data, entries, self.staging.ctypes.data,
-                self.stride, readers, pieces, guesses, err, ERR_BYTES,
+                self.stride, readers, pieces, err, ERR_BYTES,
             )  # fmt: skip
         if rc:
             raise OSError(f"the request ring could not start: {err.value.decode()}")
@@ -139,13 +124,8 @@ class RequestRing:
 
     @property
     def entries(self) -> int:
-        """The entries for demand reads, 0 to ``entries - 1``."""
-        return self._demand
-
-    @property
-    def guess_entries(self) -> range:
-        """The entries for read-ahead, after the demand reads'."""
-        return range(self._demand, len(self.words))
+        """The ring's entries, 0 to ``entries - 1``."""
+        return len(self.words)
 
     def post(self, k: int, layer: int, expert: int) -> int:
         """Ask for record ``expert`` of model layer ``layer`` through entry ``k`` (whose
@@ -170,18 +150,6 @@ class RequestRing:
         """Whether entry ``k``'s last request is answered: it may be asked again."""
         return self.done(k) == self.words[k, SEQ]
 
-    def now(self, k: int, seq: int) -> None:
-        """Ask for guess ``seq`` of entry ``k`` now: its pieces not yet begun are read
-        with the demand reads' priority."""
-        self._check(k)
-        self.reader.lib.mlxs_ring_now(self.words.ctypes.data, k, seq)
-
-    def drop(self, k: int, seq: int) -> None:
-        """Take request ``seq`` of entry ``k`` back: its pieces not yet begun are not read,
-        and it is answered ``Dropped`` (one answered already stays as it was)."""
-        self._check(k)
-        self.reader.lib.mlxs_ring_drop(self.words.ctypes.data, k, seq)
-
     def wait(self, k: int, seq: int, timeout: float = 10.0) -> np.ndarray:
         """A copy of entry ``k``'s staging record once request ``seq`` is answered
         (``answered``)."""
@@ -197,7 +165,6 @@ class RequestRing:
             RuntimeError: the ring is stopped.
             ExpertChecksumError, RecordReadError, ValueError: the record failed (the
                 message names the file, the layer and the expert).
-            Dropped: the request was taken back before it was read whole.
         """
         row, until = self.words[k], time.monotonic() + timeout
         while self.done(k) != seq:
@@ -205,8 +172,6 @@ class RequestRing:
             if time.monotonic() > until:
                 raise TimeoutError(f"the request ring did not answer entry {k} in {timeout} s")
             time.sleep(20e-6)
-        if row[STATUS] == DROPPED:
-            raise Dropped(f"request ring entry {k}: request {seq} was taken back")
         if row[STATUS]:
             self._told.add((k, seq))
             raise self._error(k)
@@ -218,11 +183,10 @@ class RequestRing:
         from .reader import RecordReadError
 
         done = [self.done(k) for k in range(len(self.words))]
-        for k, row in enumerate(self.words):  # (one taken back did not fail)
-            failed = row[STATUS] and row[STATUS] != DROPPED
-            if failed and done[k] == row[SEQ] and (k, int(row[SEQ])) not in self._told:
+        for k, row in enumerate(self.words):
+            if row[STATUS] and done[k] == row[SEQ] and (k, int(row[SEQ])) not in self._told:
                 return self._error(k)
-        for k, row in enumerate(self.words[: self._demand]):  # (a guess may wait its turn)
+        for k, row in enumerate(self.words):
             if done[k] != row[SEQ]:
                 (layer, path), e = self._where(k), int(row[EXPERT])
                 why = "was asked of the request ring and not read in time"
