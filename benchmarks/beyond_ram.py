@@ -131,8 +131,6 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
                     "stream": stream, "want": str(ref_file),
                     "limit": int(a.memory_limit_gb * 1e9) if method == "memlimit" else 0,
                     "oracle": oracle, "timeline": a.timeline and str(Path(a.timeline).resolve()),
-                    "ring_pieces": getattr(a, "ring_pieces", None),
-                    "ring_readers": getattr(a, "ring_readers", None),
                 }  # fmt: skip
                 out = subprocess.run(
                     [sys.executable, __file__, json.dumps(job)],
@@ -279,11 +277,6 @@ def child(job: dict) -> dict:
     ck, ed, ids, start = Path(job["checkpoint"]), job["expert_dir"], job["ids"], job["start"]
     meta = load_meta(ed)
     trace = None if job["trace"] in (None, "none") else RoutingTrace.load(job["trace"])
-    from mlx_streaming.core.io import ring as rings
-
-    # the request ring's threads and cut of each record (a measurement's knobs)
-    rings.DEVICE_READERS = job.get("ring_readers") or rings.DEVICE_READERS
-    rings.DEVICE_PIECES = job.get("ring_pieces") or min(rings.DEVICE_PIECES, rings.DEVICE_READERS)
     cfg = StreamConfig(**job["stream"])  # memlimit with --direct-io: both at once
     cfg = cfg.replace(direct_io=job["method"] == "direct" or cfg.direct_io)
     if job["method"] == "direct" and cfg.swap_tier is None:  # every miss from the disk,
@@ -380,7 +373,11 @@ def child(job: dict) -> dict:
     ref = np.load(job["want"])
     want = Trace(ref["tokens"].tolist(), ref["logits"])
     exact = compare_traces(want, greedy_trace(model, ids, 16)).exact
-    asked = {**ring.counters(), "pieces": ring.pieces} if ring is not None else None
+    asked = (
+        {**ring.counters(), "readers": ring.readers, "pieces": ring.pieces}
+        if ring is not None
+        else None
+    )
     tps = statistics.median(runs)
     stock_tps = job["stock_tps"]
     row = {

@@ -78,6 +78,9 @@
 #                                           default since 2026-12-07b: 1.88x the host path);
 #                                           READS: another order, or one of them; CUTS (e.g.
 #                                           "8x8 16x16"): each row at each ring of READERSxPIECES
+#                                           (a row takes ~95 s on a seeded cache, the first one
+#                                           22 s more to build the model: LIMIT=200 at least;
+#                                           120 cut the first row off twice, 2026-12-07f)
 #   bash benchmarks/gpu_suite.sh tierkernel  the plan kernel's bounded-tier variant against its
 #                                           reference (tests/test_cuda_tier.py; no session fixture)
 #   bash benchmarks/gpu_suite.sh beyondahead  larger than RAM with O_DIRECT at 50% and 25%,

@@ -94,13 +94,13 @@ def main():
         "--ring-pieces",
         type=int,
         help="with --beyond-ram on CUDA: the reads the request ring cuts each record beyond a "
-        "bounded tier in (io.ring.DEVICE_PIECES; a measurement's knob, not a user's)",
+        "bounded tier in (StreamConfig.ring_pieces; a measurement's knob, not a user's)",
     )
     p.add_argument(
         "--ring-readers",
         type=int,
         help="with --beyond-ram on CUDA: the request ring's reader threads "
-        "(io.ring.DEVICE_READERS; a measurement's knob, not a user's)",
+        "(StreamConfig.ring_readers; a measurement's knob, not a user's)",
     )
     p.add_argument(
         "--oracle",
@@ -110,14 +110,8 @@ def main():
         "with --beyond-ram, each residency also runs read-ahead by each such predictor",
     )
     a = p.parse_args()
-    if a.ring_pieces is not None or a.ring_readers is not None:
-        from mlx_streaming.core.io.ring import DEVICE_READERS, MAX_READERS
-
-        readers = a.ring_readers or DEVICE_READERS
-        if not a.beyond_ram or not 1 <= readers <= MAX_READERS:
-            p.error(f"--ring-readers: 1 to {MAX_READERS}, with --beyond-ram")
-        if a.ring_pieces is not None and not 1 <= a.ring_pieces <= readers:
-            p.error(f"--ring-pieces: 1 to the ring's readers ({readers}), with --beyond-ram")
+    if (a.ring_pieces is not None or a.ring_readers is not None) and not a.beyond_ram:
+        p.error("--ring-readers and --ring-pieces apply with --beyond-ram")
     oracles = oracle_accuracies(a.oracle)
     if oracles and a.trace in (None, "none"):
         p.error("--oracle reads the replayed trace ahead: give --trace")
@@ -156,9 +150,11 @@ def main():
         def progress(res):  # each row on disk as it comes: a run cut short keeps its rows
             save(a, stamped(a, "speed-beyond-ram", {**extra, **res}, t0))
 
-        res = beyond_ram.run(
-            a, ck, ed, meta, trace, start, stream_config(a), prompt_ids, progress
-        )  # fmt: skip
+        try:  # the ring's cut, a measurement's knob: StreamConfig checks it
+            cfg = stream_config(a).replace(ring_readers=a.ring_readers, ring_pieces=a.ring_pieces)
+        except ValueError as e:
+            p.error(str(e))
+        res = beyond_ram.run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress)
         finish(a, "speed-beyond-ram", {**extra, **res}, t0)
         return
     ref, tok, ref_routing = stock(ck, trace, start)

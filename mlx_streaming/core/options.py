@@ -117,6 +117,14 @@ class StreamConfig:
         "the host path's tok/s at 25%% in a 6 GB cgroup on an H100; forced on where it "
         "cannot run: refused)",
     )  # fmt: skip
+    ring_readers: int | None = option(
+        None, "CUDA beyond a bounded swap tier: the request ring's reader threads, 1 to 16 "
+        "(default 16; a measurement's knob: benchmarks/speed.py --ring-readers)", flag=None,
+    )  # fmt: skip
+    ring_pieces: int | None = option(
+        None, "CUDA beyond a bounded swap tier: the reads the request ring cuts each record "
+        "in, 1 to its readers (default: one a reader, at most 16)", flag=None,
+    )  # fmt: skip
     checksums: bool = option(
         True, "check each record's checksum the first time it is read (--no-checksums: "
         "skip, for benchmarks of the raw read path)", flag="--no-checksums",
@@ -163,6 +171,13 @@ class StreamConfig:
         g = self.swap_tier_gb
         if g is not None and g != "auto" and (isinstance(g, str) or not g > 0):
             raise ValueError(f"swap_tier_gb must be a positive number of GB or 'auto', got {g!r}")
+        readers, pieces = self.ring_readers, self.ring_pieces
+        if readers is not None and not (isinstance(readers, int) and 1 <= readers <= 16):
+            raise ValueError(f"ring_readers must be 1 to 16 threads, got {readers!r}")
+        if pieces is not None and not (isinstance(pieces, int) and 1 <= pieces <= (readers or 16)):
+            raise ValueError(
+                f"ring_pieces must be 1 to the ring's readers ({readers or 16}), got {pieces!r}"
+            )
         if self.policy not in POLICIES:
             raise ValueError(
                 f"unknown cache policy {self.policy!r}; choose one of {sorted(POLICIES)}"

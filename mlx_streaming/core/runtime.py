@@ -68,6 +68,8 @@ class Runtime:
     kernel_check: bool
     files_reader: str = ""  # a bounded swap tier's reader of the rest (native | python)
     bounded: bool = False  # the swap tier holds part of the rest: the others in the files
+    ring_readers: int = 0  # the request ring's threads beyond a bounded tier (0: no ring)
+    ring_pieces: int = 0  # ... and the reads it cuts each record in
     why: tuple[tuple[str, str], ...] = ()
 
     def reason(self, choice: str) -> str:
@@ -321,11 +323,16 @@ def resolve(
         why["threads"] = size + ": read inline"
     else:
         threads = min(15, (os.cpu_count() or 2) - 1) if pool_mode == "cuda" else 4
+    ring_readers = ring_pieces = 0
     if swap_tier and bounded and ring:  # the threads fill the tier; the ring reads past it
         from .io.ring import DEVICE_PIECES, DEVICE_READERS
 
+        ring_readers = cfg.ring_readers or DEVICE_READERS
+        ring_pieces = cfg.ring_pieces or min(DEVICE_PIECES, ring_readers)
         why["threads"] = (f"they fill the tier at load; the records beyond it: the request "
-                          f"ring's {DEVICE_READERS} threads, {DEVICE_PIECES} pieces a record")  # fmt: skip
+                          f"ring's {ring_readers} threads, {ring_pieces} pieces a record")  # fmt: skip
+    elif cfg.ring_readers or cfg.ring_pieces:
+        why["ring"] = "no request ring here (CUDA beyond a bounded swap tier): ring_* unused"
     return Runtime(
         backend=b,
         pool_mode=pool_mode,
@@ -343,6 +350,8 @@ def resolve(
         kernel_check=bool(cfg.kernel_check if cfg.kernel_check is not None else b != "cpu"),
         files_reader=files_reader,
         bounded=bool(swap_tier and bounded),
+        ring_readers=ring_readers,
+        ring_pieces=ring_pieces,
         why=tuple(sorted((k, v) for k, v in why.items() if v)),
     )
 

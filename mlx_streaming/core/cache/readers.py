@@ -161,7 +161,10 @@ def make_reader(
                 return TierReader(tier, files)
             from ..io.device_reader import DeviceReader
 
-            return DeviceReader(meta, pools, tier=tier, files=files)  # closes both on failure
+            ring = (runtime.ring_readers, runtime.ring_pieces)
+            return DeviceReader(
+                meta, pools, tier=tier, files=files, ring=ring
+            )  # closes both on failure
         except BaseException:
             try:
                 if files is not None:

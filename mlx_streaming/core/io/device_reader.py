@@ -135,6 +135,8 @@ class DeviceReader:
             the reader closes both.
         tick: Called after each layer's file is mapped and after each is checked (e.g.
             a pipeline's ``Pace.tick``).
+        ring: The request ring's (readers, pieces) for ``files`` (default: ``io.ring``'s
+            ``DEVICE_READERS`` and ``DEVICE_PIECES``; the runtime resolves them).
 
     Raises:
         OSError: a file could not be mapped or page-locked (the message says which).
@@ -152,9 +154,11 @@ class DeviceReader:
         tier=None,
         files=None,
         tick: Callable[[], None] | None = None,
+        ring: tuple[int, int] | None = None,
     ):
         self.meta, self.pools, self.tier, self.swap = meta, pools, tier, tier is not None
         self.files = files  # a partial tier's: its engine reads the rest, through the ring
+        self._ring_cut = ring or (0, 0)
         self.maps = self.ring = self._reads = None
         self._ring_base = (0, 0)  # the ring's bytes and busy ns at the counters' reset
         try:
@@ -199,9 +203,9 @@ class DeviceReader:
         from . import ring as rings
 
         try:
-            ring = rings.RequestRing(
-                self.files, rings.DEVICE_ENTRIES, rings.DEVICE_READERS, cuda, rings.DEVICE_PIECES
-            )
+            readers = self._ring_cut[0] or rings.DEVICE_READERS
+            pieces = self._ring_cut[1] or min(rings.DEVICE_PIECES, readers)
+            ring = rings.RequestRing(self.files, rings.DEVICE_ENTRIES, readers, cuda, pieces)
         except (OSError, MemoryError, cuda.CudaError) as e:
             raise rings.RingError(e) from e
         self.ring, self._staged = ring, {}

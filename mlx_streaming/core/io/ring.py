@@ -114,7 +114,7 @@ class RequestRing:
         if rc:
             raise OSError(f"the request ring could not start: {err.value.decode()}")
         self.handle, self._told = reader.handle, set()  # failures ``wait`` raised
-        self.pieces = pieces
+        self.readers, self.pieces = readers, pieces
         # A ring left running stops when it is dropped or at exit. ``weakref.finalize``
         # runs its callbacks at exit newest first: this one before those of the
         # page-locked entries made above, which free what the poller reads.
