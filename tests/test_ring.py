@@ -103,6 +103,10 @@ def test_bytes_counted_are_the_records_read(models):
         for e in range(3):
             ring.wait(0, ring.post(0, li, e))
         assert ring.counters()["bytes"] == 3 * meta.layers[li].record_bytes
+        # a caller that counts other counters than the engine's is refused, not overrun
+        room = np.zeros(len(ring.counters()) + 8, np.int64)
+        got = [reader.lib.mlxs_ring_counters(ring.handle, room.ctypes.data, n) for n in (7, 9)]
+        assert got == [-2, -2] and not room.any()
     reader.close()
 
 

@@ -126,7 +126,7 @@ int main(void) {
   }
   for (int i = 0; i < POSTERS; i++) pthread_join(t[i], NULL), bad += ps[i].bad;
   int64_t c[8];
-  bad += mlxs_ring_counters(e, c) != 0 || c[0] != POSTERS * ROUNDS;
+  bad += mlxs_ring_counters(e, c, 8) != 0 || c[0] != POSTERS * ROUNDS;
   for (int it = 0; it < 20; it++) { /* stopped with a request in flight, started again */
     int32_t seq = __atomic_load_n(at(words, 0, R_SEQ), __ATOMIC_RELAXED) + 1;
     __atomic_store_n(at(words, 0, R_EXPERT), it % EXPERTS, __ATOMIC_RELAXED);

@@ -109,7 +109,7 @@ int mlxs_threads(const Engine *e);
 /* the request ring (engine_ring.c) */
 int mlxs_ring_start(Engine *e, int32_t *words, int n, char *staging, int64_t stride, int readers,
                     int pieces, char *err, int err_len);
-int mlxs_ring_counters(Engine *e, int64_t *out);
+int mlxs_ring_counters(Engine *e, int64_t *out, int n);
 void mlxs_ring_stop(Engine *e);
 int32_t mlxs_ring_post(int32_t *words, int k, int32_t layer, int32_t expert);
 int32_t mlxs_ring_done(const int32_t *words, int k);

@@ -125,7 +125,7 @@ def _declare(lib) -> None:
     lib.mlxs_ring_start.restype = Int
     lib.mlxs_ring_start.argtypes = [P, P, Int, P, L, Int, Int, S, Int]
     lib.mlxs_ring_counters.restype = Int
-    lib.mlxs_ring_counters.argtypes = [P, P]
+    lib.mlxs_ring_counters.argtypes = [P, P, Int]
     lib.mlxs_ring_stop.argtypes = [P]
     lib.mlxs_ring_post.restype = lib.mlxs_ring_done.restype = ctypes.c_int32
     lib.mlxs_ring_post.argtypes = [P, Int, ctypes.c_int32, ctypes.c_int32]

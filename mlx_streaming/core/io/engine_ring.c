@@ -296,8 +296,10 @@ int mlxs_ring_start(Engine *e, int32_t *words, int n, char *staging, int64_t str
   return rc;
 }
 
-/* The ring's counters (N_RING_COUNTERS) into ``out``: 0, or -1 with no ring running. */
-int mlxs_ring_counters(Engine *e, int64_t *out) {
+/* The ring's counters into ``out``, room for ``n``: 0, -1 with no ring running, or -2
+ * where ``n`` is not N_RING_COUNTERS (a caller built against other sources). */
+int mlxs_ring_counters(Engine *e, int64_t *out, int n) {
+  if (n != N_RING_COUNTERS) return -2;
   if (!e || !out) return -1;
   pthread_mutex_lock(&e->call_lock);
   Ring *r = e->ring;

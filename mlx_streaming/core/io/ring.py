@@ -124,7 +124,7 @@ class RequestRing:
 
     @property
     def entries(self) -> int:
-        """The ring's entries, 0 to ``entries - 1``."""
+        """The number of the ring's entries (indices 0 to ``entries - 1``)."""
         return len(self.words)
 
     def post(self, k: int, layer: int, expert: int) -> int:
@@ -218,7 +218,16 @@ class RequestRing:
     def counters(self) -> dict[str, int]:
         """What the ring has done since it started (``COUNTERS``)."""
         out = np.zeros(len(COUNTERS), np.int64)
-        if not self.running or self.reader.lib.mlxs_ring_counters(self.handle, out.ctypes.data):
+        rc = (
+            self.reader.lib.mlxs_ring_counters(self.handle, out.ctypes.data, len(out))
+            if self.running
+            else -1
+        )
+        if rc == -2:
+            raise RuntimeError(
+                f"the engine keeps other counters than {COUNTERS}: reinstall the package"
+            )
+        if rc:
             raise RuntimeError("the request ring is stopped (closed, or its reader closed)")
         return dict(zip(COUNTERS, out.tolist()))
 
