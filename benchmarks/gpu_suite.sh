@@ -183,8 +183,8 @@
 # it to /tmp (/tmp/ptx-seed.tgz, /tmp/nv.tgz.part-*), where this script finds them. With
 # ptx.tgz seeded, `warmup` took 106 s and `tests` then 209 s on a fresh H100 (2026-12-06d).
 # A call carries at most 64 MiB with the repository (22 MiB with its trained checkpoint):
-# the MLX CUDA wheel travels in three parts (2026-12-02): .mlxcuda1 and .mlxcuda1b (29 MiB
-# each, parked in /tmp by their stage1.sh), then .mlxcuda2 (30 MiB, with .gpu's 9 MiB
+# the MLX CUDA wheel travels in three parts (2026-12-07f): .mlxcuda1 and .mlxcuda1b (32 MiB
+# each, parked in /tmp by their stage1.sh), then .mlxcuda2 (22 MiB, with .gpu's 9 MiB
 # trace beside it) whose stage2.sh installs; three calls within 30 s of each other
 # (`bash benchmarks/gpu_stage.sh` makes all of it in a fresh checkout). Build
 # the compiled extensions in the same call (`python3 setup.py -q build_ext --inplace`).
