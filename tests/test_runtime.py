@@ -63,13 +63,13 @@ def test_a_swap_tier_takes_the_device_path_on_cuda_whatever_the_memory(meta):
     assert "asked of the request ring" in bounded.reason("decode_path")
     assert "at most 1 GB: the rest read by the native reader" in bounded.reason("reader")
     assert "the request ring's 16 threads, 16 pieces a record" in bounded.reason("threads")
-    assert (bounded.ring_readers, bounded.ring_pieces) == (16, 16)
+    assert bounded.ring_cut == (16, 16)
     cut = StreamConfig(swap_tier=True, swap_tier_gb=1.0, ring_readers=8, ring_pieces=4)
-    assert (cuda(cut, meta).ring_readers, cuda(cut, meta).ring_pieces) == (8, 4)
+    assert cuda(cut, meta).ring_cut == (8, 4)
     few = cuda(StreamConfig(swap_tier=True, swap_tier_gb=1.0, ring_readers=4), meta)
-    assert few.ring_pieces == 4 and "ring's 4 threads, 4 pieces" in few.reason("threads")
+    assert few.ring_cut == (4, 4) and "ring's 4 threads, 4 pieces" in few.reason("threads")
     whole = cuda(StreamConfig(swap_tier=True, ring_readers=4), meta)  # no ring: said so
-    assert whole.ring_readers == 0 and "ring_* unused" in whole.reason("ring")
+    assert whole.ring_cut == (0, 0) and "ring_* unused" in whole.reason("ring")
     with pytest.raises(ValueError, match="ring_readers must be 1 to 16 threads, got 17"):
         StreamConfig(ring_readers=17)
     with pytest.raises(

@@ -68,8 +68,7 @@ class Runtime:
     kernel_check: bool
     files_reader: str = ""  # a bounded swap tier's reader of the rest (native | python)
     bounded: bool = False  # the swap tier holds part of the rest: the others in the files
-    ring_readers: int = 0  # the request ring's threads beyond a bounded tier (0: no ring)
-    ring_pieces: int = 0  # ... and the reads it cuts each record in
+    ring_cut: tuple[int, int] = (0, 0)  # the request ring's (threads, pieces a record), or none
     why: tuple[tuple[str, str], ...] = ()
 
     def reason(self, choice: str) -> str:
@@ -323,14 +322,13 @@ def resolve(
         why["threads"] = size + ": read inline"
     else:
         threads = min(15, (os.cpu_count() or 2) - 1) if pool_mode == "cuda" else 4
-    ring_readers = ring_pieces = 0
+    ring_cut = (0, 0)
     if swap_tier and bounded and ring:  # the threads fill the tier; the ring reads past it
-        from .io.ring import DEVICE_PIECES, DEVICE_READERS
+        from .io.ring import device_cut
 
-        ring_readers = cfg.ring_readers or DEVICE_READERS
-        ring_pieces = cfg.ring_pieces or min(DEVICE_PIECES, ring_readers)
+        ring_cut = device_cut(cfg.ring_readers, cfg.ring_pieces)
         why["threads"] = (f"they fill the tier at load; the records beyond it: the request "
-                          f"ring's {ring_readers} threads, {ring_pieces} pieces a record")  # fmt: skip
+                          f"ring's {ring_cut[0]} threads, {ring_cut[1]} pieces a record")  # fmt: skip
     elif cfg.ring_readers or cfg.ring_pieces:
         why["ring"] = "no request ring here (CUDA beyond a bounded swap tier): ring_* unused"
     return Runtime(
@@ -350,18 +348,14 @@ def resolve(
         kernel_check=bool(cfg.kernel_check if cfg.kernel_check is not None else b != "cpu"),
         files_reader=files_reader,
         bounded=bool(swap_tier and bounded),
-        ring_readers=ring_readers,
-        ring_pieces=ring_pieces,
+        ring_cut=ring_cut,
         why=tuple(sorted((k, v) for k, v in why.items() if v)),
     )
 
 
 def _rows(cfg: StreamConfig, b: str) -> str:
-    return (
-        cfg.rows.value
-        if cfg.rows is not None
-        else {"cpu": "subset", "metal": "masked"}.get(b, "mixed")
-    )
+    default = {"cpu": "subset", "metal": "masked"}.get(b, "mixed")
+    return cfg.rows.value if cfg.rows is not None else default
 
 
 def pool_zero_slot(cfg: StreamConfig, backend: str | None = None) -> bool:
@@ -399,9 +393,7 @@ def _tier_fits(meta, slots, avail: int, why: str, reserve=0, ring=False):
 
 def files_bytes(meta) -> int:
     """Bytes of the expert files of ``meta``'s layers (0 without a meta)."""
-    if meta is None:
-        return 0
-    return sum(meta.file(li).stat().st_size for li in meta.layers)
+    return sum(meta.file(li).stat().st_size for li in meta.layers) if meta is not None else 0
 
 
 def _linux() -> bool:

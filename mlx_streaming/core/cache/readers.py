@@ -161,10 +161,8 @@ def make_reader(
                 return TierReader(tier, files)
             from ..io.device_reader import DeviceReader
 
-            ring = (runtime.ring_readers, runtime.ring_pieces)
-            return DeviceReader(
-                meta, pools, tier=tier, files=files, ring=ring
-            )  # closes both on failure
+            # (it closes both on failure)
+            return DeviceReader(meta, pools, tier=tier, files=files, ring=runtime.ring_cut)
         except BaseException:
             try:
                 if files is not None:

@@ -28,7 +28,7 @@ from . import cuda
 from .filemap import FileMaps
 from .futures import Done
 from .kernels import Kernels
-from .ring import READ_WAIT_S
+from .ring import READ_WAIT_S, device_cut
 
 FILL_BLOCKS, FILL_THREADS = 1024, 256
 
@@ -135,8 +135,8 @@ class DeviceReader:
             the reader closes both.
         tick: Called after each layer's file is mapped and after each is checked (e.g.
             a pipeline's ``Pace.tick``).
-        ring: The request ring's (readers, pieces) for ``files`` (default: ``io.ring``'s
-            ``DEVICE_READERS`` and ``DEVICE_PIECES``; the runtime resolves them).
+        ring: The request ring's (readers, pieces) for ``files`` (``Runtime.ring_cut``;
+            default: ``io.ring.device_cut()``).
 
     Raises:
         OSError: a file could not be mapped or page-locked (the message says which).
@@ -158,7 +158,7 @@ class DeviceReader:
     ):
         self.meta, self.pools, self.tier, self.swap = meta, pools, tier, tier is not None
         self.files = files  # a partial tier's: its engine reads the rest, through the ring
-        self._ring_cut = ring or (0, 0)
+        self._ring_cut = ring if ring and ring[0] else device_cut()
         self.maps = self.ring = self._reads = None
         self._ring_base = (0, 0)  # the ring's bytes and busy ns at the counters' reset
         try:
@@ -203,8 +203,7 @@ class DeviceReader:
         from . import ring as rings
 
         try:
-            readers = self._ring_cut[0] or rings.DEVICE_READERS
-            pieces = self._ring_cut[1] or min(rings.DEVICE_PIECES, readers)
+            readers, pieces = self._ring_cut
             ring = rings.RequestRing(self.files, rings.DEVICE_ENTRIES, readers, cuda, pieces)
         except (OSError, MemoryError, cuda.CudaError) as e:
             raise rings.RingError(e) from e

@@ -34,6 +34,15 @@ COUNTERS = ("requests", "bytes", "failed", "read_ns", "answer_ns", "max_ns", "bu
 # H100; 16 threads in 16 pieces read a lone record with O_DIRECT in 2.05 ms against 3.85
 # in 8, six in 12.3 against 18.1 ms, benchmarks/RESULTS.md 2026-12-07e)
 DEVICE_ENTRIES, DEVICE_READERS, DEVICE_PIECES = 16, 16, 16
+
+
+def device_cut(readers: int | None = None, pieces: int | None = None) -> tuple[int, int]:
+    """A device path's ring: ``(readers, pieces)`` as given (``StreamConfig.ring_readers``,
+    ``ring_pieces``), else ``DEVICE_READERS`` and a piece a reader, ``DEVICE_PIECES`` at most."""
+    readers = readers or DEVICE_READERS
+    return readers, pieces or min(DEVICE_PIECES, readers)
+
+
 # A read's wait (the plan kernel's and the host path's): long enough for a slow disk's
 # record behind 15 others (a kernel's trap loses the process's CUDA context), short enough
 # that a dead ring fails the call
