@@ -16,7 +16,6 @@ setup(
                 "mlx_streaming/core/io/engine_setup.c",
                 "mlx_streaming/core/io/engine_io.c",
                 "mlx_streaming/core/io/engine_ring.c",
-                "mlx_streaming/core/io/engine_ring_post.c",
             ],
             depends=["mlx_streaming/core/io/engine.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-pthread"],

@@ -17,7 +17,6 @@
  * polling every POLL_NS, then every IDLE_POLL_NS once idle for IDLE_NS) and hands each
  * request to the ``readers`` threads in ``pieces`` reads of whole pages (a lone record is
  * read by several threads at once); the reader of its last piece checks it and answers.
- *
  * The layers must be registered before the ring starts (mlxs_layer refuses while it
  * runs); mlxs_ring_stop (and mlxs_free) joins them. */
 #include "engine.h"
@@ -88,19 +87,6 @@ static Layer *asked_layer(const Ring *r, int32_t layer, int32_t expert) {
                                                                                            : NULL;
 }
 
-/* A request's answer in the counters, before it is seen. */
-static void count_answer(Ring *r, const Request *q, const Layer *L, int st, int64_t t1) {
-  __atomic_fetch_add(&r->counters[RC_REQUESTS], 1, __ATOMIC_RELAXED);
-  __atomic_fetch_add(&r->counters[RC_BYTES], st == ST_OK ? L->record_bytes : 0, __ATOMIC_RELAXED);
-  __atomic_fetch_add(&r->counters[RC_FAILED], st != ST_OK, __ATOMIC_RELAXED);
-  __atomic_fetch_add(&r->counters[RC_ANSWER_NS], t1 - q->seen_ns, __ATOMIC_RELAXED);
-  int64_t most = __atomic_load_n(&r->counters[RC_MAX_NS], __ATOMIC_RELAXED);
-  while (t1 - q->seen_ns > most &&
-         !__atomic_compare_exchange_n(&r->counters[RC_MAX_NS], &most, t1 - q->seen_ns, 0,
-                                      __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
-  }
-}
-
 /* Read a piece of a request's record into its staging record; the reader of the last
  * piece checks the record, then frees the entry and answers under the ring's lock (so
  * that no look of the poller finds it answered but still being read). */
@@ -114,7 +100,6 @@ static void serve(Ring *r, const Request *q) {
         mlxs_read_full(L->fd, rec + q->lo, q->hi - q->lo, (int64_t)q->expert * L->stride + q->lo);
     st = rc ? (rc < 0 ? ST_SHORT : ST_READ) : ST_OK, errnum = rc > 0 ? rc : 0;
   }
-  int was_read = L != NULL; /* this piece's own, before the request's */
   pthread_mutex_lock(&r->m);
   if (st != ST_OK && r->st[q->k] == ST_OK) r->st[q->k] = st, r->errnum[q->k] = errnum;
   int last = !--r->left[q->k];
@@ -123,8 +108,18 @@ static void serve(Ring *r, const Request *q) {
   if (last && st == ST_OK) st = mlxs_check_record(r->e, L, q->expert, rec);
   int64_t t1 = mlxs_now_ns();
   __atomic_fetch_add(&r->counters[RC_READ_NS], t1 - t0, __ATOMIC_RELAXED);
-  __atomic_fetch_add(&r->counters[RC_READS], was_read, __ATOMIC_RELAXED);
-  if (last) count_answer(r, q, L, st, t1);
+  __atomic_fetch_add(&r->counters[RC_READS], L != NULL, __ATOMIC_RELAXED); /* none: no record */
+  if (last) { /* counted before the answer is seen */
+    __atomic_fetch_add(&r->counters[RC_REQUESTS], 1, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&r->counters[RC_BYTES], st == ST_OK ? L->record_bytes : 0, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&r->counters[RC_FAILED], st != ST_OK, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&r->counters[RC_ANSWER_NS], t1 - q->seen_ns, __ATOMIC_RELAXED);
+    int64_t most = __atomic_load_n(&r->counters[RC_MAX_NS], __ATOMIC_RELAXED);
+    while (t1 - q->seen_ns > most &&
+           !__atomic_compare_exchange_n(&r->counters[RC_MAX_NS], &most, t1 - q->seen_ns, 0,
+                                        __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+  }
   pthread_mutex_lock(&r->m); /* the wall time read, then the answer with the entry freed */
   int64_t now = mlxs_now_ns();
   __atomic_fetch_add(&r->counters[RC_BUSY_NS], now - r->busy_t0, __ATOMIC_RELAXED);
@@ -168,7 +163,7 @@ static void pause_ns(int64_t ns) {
   nanosleep(&ts, NULL);
 }
 
-/* Hand on each entry's new request (one not handed on, whose entry no reader has): the
+/* Hand on each entry's new request (one not handed on, whose entry no reader has); the
  * number handed on. */
 static int take_requests(Ring *r) {
   int found = 0, fresh = 0;
@@ -179,24 +174,23 @@ static int take_requests(Ring *r) {
   pthread_mutex_lock(&r->m);
   for (int k = 0; k < r->n; k++) {
     int32_t seq = __atomic_load_n(word(r, k, R_SEQ), __ATOMIC_ACQUIRE);
-    if (seq != r->taken[k] && !r->busy[k]) {
-      Request q = {k,
-                   seq,
-                   __atomic_load_n(word(r, k, R_LAYER), __ATOMIC_RELAXED),
-                   __atomic_load_n(word(r, k, R_EXPERT), __ATOMIC_RELAXED),
-                   now,
-                   0,
-                   0};
-      Layer *L = asked_layer(r, q.layer, q.expert);
-      int64_t size = L ? L->stride : 0, step = piece_bytes(size, r->pieces);
-      r->taken[k] = seq, r->busy[k] = 1, r->st[k] = ST_OK, r->errnum[k] = 0, r->left[k] = 0;
-      do { /* a request naming no record is one empty piece, answered ST_ARGS */
-        q.hi = q.lo + step < size ? q.lo + step : size;
-        r->queue[(r->head + r->count++) % QUEUE] = q, r->left[k]++;
-        q.lo = q.hi;
-      } while (q.lo < size);
-      found++;
-    }
+    if (seq == r->taken[k] || r->busy[k]) continue;
+    Request q = {k,
+                 seq,
+                 __atomic_load_n(word(r, k, R_LAYER), __ATOMIC_RELAXED),
+                 __atomic_load_n(word(r, k, R_EXPERT), __ATOMIC_RELAXED),
+                 now,
+                 0,
+                 0};
+    Layer *L = asked_layer(r, q.layer, q.expert);
+    int64_t size = L ? L->stride : 0, step = piece_bytes(size, r->pieces);
+    r->taken[k] = seq, r->busy[k] = 1, r->st[k] = ST_OK, r->errnum[k] = 0, r->left[k] = 0;
+    do { /* a request naming no record is one empty piece, answered ST_ARGS */
+      q.hi = q.lo + step < size ? q.lo + step : size;
+      r->queue[(r->head + r->count++) % QUEUE] = q, r->left[k]++;
+      q.lo = q.hi;
+    } while (q.lo < size);
+    found++;
   }
   if (found) pthread_cond_broadcast(&r->cv);
   pthread_mutex_unlock(&r->m);
@@ -319,4 +313,23 @@ void mlxs_ring_stop(Engine *e) {
   if (e->ring) stop_ring(e->ring);
   e->ring = NULL;
   pthread_mutex_unlock(&e->call_lock);
+}
+
+/* A host poster's side of an entry (io.ring's post and wait; a kernel does the same with
+ * its own instructions): ask for ``expert`` of layer position ``layer`` through entry
+ * ``k`` of ``words``, the number after the entry's last in R_SEQ with release order, so
+ * that the request's words are seen first on any machine; the number. */
+int32_t mlxs_ring_post(int32_t *words, int k, int32_t layer, int32_t expert) {
+  int32_t *w = words + (size_t)k * RING_WORDS;
+  int32_t seq = __atomic_load_n(&w[R_SEQ], __ATOMIC_RELAXED) % 2147483647 + 1;
+  __atomic_store_n(&w[R_LAYER], layer, __ATOMIC_RELAXED);
+  __atomic_store_n(&w[R_EXPERT], expert, __ATOMIC_RELAXED);
+  __atomic_store_n(&w[R_SEQ], seq, __ATOMIC_RELEASE);
+  return seq;
+}
+
+/* Entry ``k``'s R_DONE with acquire order: once it equals the poster's number, the
+ * entry's status and staging record are the answer's. */
+int32_t mlxs_ring_done(const int32_t *words, int k) {
+  return __atomic_load_n(&words[(size_t)k * RING_WORDS + R_DONE], __ATOMIC_ACQUIRE);
 }
