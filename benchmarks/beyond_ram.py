@@ -302,6 +302,8 @@ def child(job: dict) -> dict:
     ring = getattr(store.reader, "ring", None)  # both paths' reads beyond a bounded tier
     probe, lone = "engine", None
     if ring is not None:  # the disk as the ring reads it: its queue full, then a lone miss
+        if not rt.direct_io:  # the tier's fill read through the page cache: from the disk
+            drop_page_cache(files)
         lone = ring_read_gbps(ring, meta, records=16, depth=1, seed=2)
         gbps = store_read_gbps(meta, rt, cold=True, ring=ring)  # (which leaves it cold)
         probe = "ring"
