@@ -18,7 +18,11 @@ disk serves in order of asking (``fifo``) or demand first (``priority``: a guess
 while a demand read is queued; a read begun is not cut).
 
 Lead 0 is the row as measured (no read-ahead): its predicted tok/s against the row's
-measured tok/s is the model's check. The table: predicted tok/s by lead and guess
+measured tok/s is the model's check. Real reads did not bear the model out at lead 1:
+it gave 1.21x for a perfect guess and 1.15x at a router's quality, where the same
+steps played through the real ring gave 1.03x and 0.96x on an H100's disk
+(benchmarks/RESULTS.md, 2026-12-07f). The disk shares its rate among the reads in
+flight, where the model serves one at a time; take its longer leads as an upper bound. The table: predicted tok/s by lead and guess
 quality, against the overlap bound ``1 / max(t_compute, bytes / B)``.
 
     python benchmarks/probes/ahead_horizon.py --row results/gpu/.../speed-...json \

@@ -172,12 +172,20 @@ class StreamConfig:
         if g is not None and g != "auto" and (isinstance(g, str) or not g > 0):
             raise ValueError(f"swap_tier_gb must be a positive number of GB or 'auto', got {g!r}")
         readers, pieces = self.ring_readers, self.ring_pieces
-        if readers is not None and not (isinstance(readers, int) and 1 <= readers <= 16):
-            raise ValueError(f"ring_readers must be 1 to 16 threads, got {readers!r}")
-        if pieces is not None and not (isinstance(pieces, int) and 1 <= pieces <= (readers or 16)):
-            raise ValueError(
-                f"ring_pieces must be 1 to the ring's readers ({readers or 16}), got {pieces!r}"
-            )
+        if readers is not None or pieces is not None:
+            from .io.ring import MAX_READERS
+
+            if readers is not None and not (
+                isinstance(readers, int) and 1 <= readers <= MAX_READERS
+            ):
+                raise ValueError(
+                    f"ring_readers must be 1 to {MAX_READERS} threads, got {readers!r}"
+                )
+            most = readers or MAX_READERS
+            if pieces is not None and not (isinstance(pieces, int) and 1 <= pieces <= most):
+                raise ValueError(
+                    f"ring_pieces must be 1 to the ring's readers ({most}), got {pieces!r}"
+                )
         if self.policy not in POLICIES:
             raise ValueError(
                 f"unknown cache policy {self.policy!r}; choose one of {sorted(POLICIES)}"
