@@ -62,10 +62,12 @@ def test_a_swap_tier_takes_the_device_path_on_cuda_whatever_the_memory(meta):
     assert (bounded.reader, bounded.decode_path, bounded.direct_io) == ("tier", "device", True)
     assert "asked of the request ring" in bounded.reason("decode_path")
     assert "at most 1 GB: the rest read by the native reader" in bounded.reason("reader")
-    assert "the request ring's 16 threads, 16 pieces a record" in bounded.reason("threads")
-    assert bounded.ring_cut == (16, 16)
-    cut = StreamConfig(swap_tier=True, swap_tier_gb=1.0, ring_readers=8, ring_pieces=4)
-    assert cuda(cut, meta).ring_cut == (8, 4)
+    assert "the request ring's 8 threads, 8 pieces a record" in bounded.reason("threads")
+    assert bounded.ring_cut == (8, 8)
+    cut = StreamConfig(swap_tier=True, swap_tier_gb=1.0, ring_readers=16, ring_pieces=4)
+    assert cuda(cut, meta).ring_cut == (16, 4)
+    wide = cuda(StreamConfig(swap_tier=True, swap_tier_gb=1.0, ring_readers=16), meta)
+    assert wide.ring_cut == (16, 8)  # a piece a reader, 8 at most
     few = cuda(StreamConfig(swap_tier=True, swap_tier_gb=1.0, ring_readers=4), meta)
     assert few.ring_cut == (4, 4) and "ring's 4 threads, 4 pieces" in few.reason("threads")
     whole = cuda(StreamConfig(swap_tier=True, ring_readers=4), meta)  # no ring: said so

@@ -119,11 +119,11 @@ class StreamConfig:
     )  # fmt: skip
     ring_readers: int | None = option(
         None, "CUDA beyond a bounded swap tier: the request ring's reader threads, 1 to 16 "
-        "(default 16; a measurement's knob: benchmarks/speed.py --ring-readers)", flag=None,
+        "(default 8; a measurement's knob: benchmarks/speed.py --ring-readers)", flag=None,
     )  # fmt: skip
     ring_pieces: int | None = option(
         None, "CUDA beyond a bounded swap tier: the reads the request ring cuts each record "
-        "in, 1 to its readers (default: one a reader, at most 16)", flag=None,
+        "in, 1 to its readers (default: one a reader, at most 8)", flag=None,
     )  # fmt: skip
     checksums: bool = option(
         True, "check each record's checksum the first time it is read (--no-checksums: "

@@ -30,10 +30,11 @@ MAX_ENTRIES, MAX_READERS = 64, 16  # engine_ring.c's MAX_RING, MAX_RING_READERS
 COUNTERS = ("requests", "bytes", "failed", "read_ns", "answer_ns", "max_ns", "busy_ns", "reads")
 # a bounded tier's device path: reads one layer call may ask for at once (its ids at most),
 # the ring threads reading them, and the reads a record is cut in (a decode call's lone
-# miss read by several threads at once: 8 pieces 1.08x whole records beyond RAM on an
-# H100; 16 threads in 16 pieces read a lone record with O_DIRECT in 2.05 ms against 3.85
-# in 8, six in 12.3 against 18.1 ms, benchmarks/RESULTS.md 2026-12-07e)
-DEVICE_ENTRIES, DEVICE_READERS, DEVICE_PIECES = 16, 16, 16
+# miss read by several threads at once). 8 threads in 8 pieces decoded 1.19x and 1.16x
+# 16 in 16 on one H100 in either order, every run faster, its lone record 3.5-3.9 ms
+# against 4.8-4.9 (benchmarks/RESULTS.md 2026-12-07g); 16x16 had won only a probe of
+# the lone record on another machine (2.05 against 3.85 ms, 2026-12-07e)
+DEVICE_ENTRIES, DEVICE_READERS, DEVICE_PIECES = 16, 8, 8
 
 
 def device_cut(readers: int | None = None, pieces: int | None = None) -> tuple[int, int]:
