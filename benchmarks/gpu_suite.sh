@@ -14,7 +14,10 @@
 #   bash benchmarks/gpu_suite.sh tests      the cuda-marked tests (every CUDA path's exactness,
 #                                           the plan kernel against its reference, verify, /health);
 #                                           K selects some (pytest -k), MLXS_WARMUP_ONLY the
-#                                           presets the session fixture compiles for. Without
+#                                           presets the session fixture compiles for. After
+#                                           warmup on the same machine and tree the fixture
+#                                           skips its replay (a mark in MLX_PTX_CACHE_DIR;
+#                                           before 2026-12-07g it cost 120-176 s a run). Without
 #                                           a seeded kernel cache run warmup1 first: tests with
 #                                           MLXS_WARMUP_ONLY=tiny-mixtral timed out in the
 #                                           fixture at 290 s (2026-12-06c); the whole suite on
@@ -213,7 +216,7 @@ for parts in .gpu /tmp; do  # the driver's cache, in parts (a former run's $OUT/
 done
 bundle() {  # the device returns only a few files per call: the results go back as one
   # files come back at 16 MiB each, 8 a call: MLX's cache in one, the driver's in parts
-  tar czf "$out/ptx.tgz" -C /tmp --exclude mlxs-ptx/nv mlxs-ptx 2>/dev/null
+  tar czf "$out/ptx.tgz" -C /tmp --exclude mlxs-ptx/nv --exclude 'mlxs-warmup-*' mlxs-ptx 2>/dev/null
   du -sk $CUDA_CACHE_PATH $MLX_PTX_CACHE_DIR > "$out/cache-kb.txt" 2>&1
   rm -f "$out"/nv.tgz.part-*
   [ -d $CUDA_CACHE_PATH ] && tar czf /tmp/nv.tgz -C $MLX_PTX_CACHE_DIR nv \
