@@ -3,6 +3,10 @@
 # (the staged files are git-ignored, so a new checkout has none). The repository is ~25 MiB
 # and a device call carries at most 64 MiB, so the CUDA wheel travels in three parts:
 #   call 1: carry [".mlxcuda1"]   command: bash .mlxcuda1/stage1.sh
+#     with a former call's driver cache ($OUT/nv.tgz.part-aa, kept as .gpu/nv.tgz.part-aa,
+#     ~13 MB) beside it: carry [".mlxcuda1", ".gpu/nv.tgz.part-aa"], command
+#     bash .mlxcuda1/stage1.sh; cp .gpu/nv.tgz.part-* /tmp/
+#     (the PTX seed alone still left 176 s of the driver's compiling in warmup, 2026-12-07g)
 #   call 2: carry [".mlxcuda1b"]  command: bash .mlxcuda1b/stage1.sh
 #     with a former call's kernel cache ($OUT/ptx.tgz, kept as .gpu/ptx.tgz, ~5 MB) beside
 #     it: carry [".mlxcuda1b", ".gpu/ptx.tgz"], command
