@@ -30,16 +30,15 @@ from dataclasses import dataclass
 from . import mem
 from .io import engine_lib
 from .io.reader import INLINE_BYTES
+from .io.ring import device_cut
 from .mem import HostShare
 from .options import StreamConfig
 
 GB = 1e9
-# On the CPU, records of at most INLINE_BYTES (the reader's own threshold) are read inline,
-# without the overlap split: its second launch (an ``async_eval``, ~100 µs on two cores)
-# and waking the reader's threads (~40 µs) pay only for longer reads. The trained demo
-# model (31 KiB records): 0.85 of stock without the split, 0.77-0.79 with it; 0.903/0.912
-# inline against 0.889/0.880 on 4 threads (benchmarks/demo_gap.py, 2026-12-02/03).
-# DeepSeek-V2-Lite's 4-bit shape (0.55 MB records): 0.854 with the split, 0.811 without.
+# On the CPU, records of at most INLINE_BYTES (the reader's threshold) are read inline, without
+# the overlap split (its second launch ~100 µs on two cores, waking the threads ~40 µs): the demo
+# model's 31 KiB records 0.85 of stock so, 0.77-0.79 split; DS2-Lite's 0.55 MB 0.854 split, 0.811
+# not (benchmarks/demo_gap.py, 2026-12-02/03).
 
 
 class RuntimeChoiceError(ValueError):
@@ -68,7 +67,7 @@ class Runtime:
     kernel_check: bool
     files_reader: str = ""  # a bounded swap tier's reader of the rest (native | python)
     bounded: bool = False  # the swap tier holds part of the rest: the others in the files
-    ring_cut: tuple[int, int] = (0, 0)  # the request ring's (threads, pieces a record), or none
+    ring_cut: tuple[int, int] = (0, 0)  # the request ring's (threads, pieces), a CUDA tier's
     why: tuple[tuple[str, str], ...] = ()
 
     def reason(self, choice: str) -> str:
@@ -322,15 +321,16 @@ def resolve(
         why["threads"] = size + ": read inline"
     else:
         threads = min(15, (os.cpu_count() or 2) - 1) if pool_mode == "cuda" else 4
-    ring_cut = (0, 0)
-    if swap_tier and bounded and ring:  # the threads fill the tier; the ring reads past it
-        from .io.ring import device_cut
-
+    ring_cut = (0, 0)  # any CUDA tier's: one found partial at load reads past itself too
+    if swap_tier and ring:
         ring_cut = device_cut(cfg.ring_readers, cfg.ring_pieces)
+    if ring_cut[0] and bounded:  # the threads fill the tier; the ring reads past it
         why["threads"] = (f"they fill the tier at load; the records beyond it: the request "
                           f"ring's {ring_cut[0]} threads, {ring_cut[1]} pieces a record")  # fmt: skip
     elif cfg.ring_readers or cfg.ring_pieces:
-        why["ring"] = "no request ring here (CUDA beyond a bounded swap tier): ring_* unused"
+        why["ring"] = ("the swap tier is whole: ring_* used only if memory bounds it at load"
+                       if ring_cut[0] else "no request ring here (CUDA beyond a bounded swap "
+                       "tier): ring_* unused")  # fmt: skip
     return Runtime(
         backend=b,
         pool_mode=pool_mode,

@@ -28,7 +28,7 @@ from . import cuda
 from .filemap import FileMaps
 from .futures import Done
 from .kernels import Kernels
-from .ring import READ_WAIT_S, device_cut
+from .ring import READ_WAIT_S
 
 FILL_BLOCKS, FILL_THREADS = 1024, 256
 
@@ -135,8 +135,7 @@ class DeviceReader:
             the reader closes both.
         tick: Called after each layer's file is mapped and after each is checked (e.g.
             a pipeline's ``Pace.tick``).
-        ring: The request ring's (readers, pieces) for ``files`` (``Runtime.ring_cut``;
-            default: ``io.ring.device_cut()``).
+        ring: The request ring's (readers, pieces), needed with ``files`` (``Runtime.ring_cut``).
 
     Raises:
         OSError: a file could not be mapped or page-locked (the message says which).
@@ -158,7 +157,9 @@ class DeviceReader:
     ):
         self.meta, self.pools, self.tier, self.swap = meta, pools, tier, tier is not None
         self.files = files  # a partial tier's: its engine reads the rest, through the ring
-        self._ring_cut = ring if ring and ring[0] else device_cut()
+        if files is not None and not (ring and ring[0]):
+            raise ValueError("a partial tier's reader needs the ring's cut (Runtime.ring_cut)")
+        self._ring_cut = ring
         self.maps = self.ring = self._reads = None
         self._ring_base = (0, 0)  # the ring's bytes and busy ns at the counters' reset
         try:
