@@ -71,7 +71,7 @@ def _warmup_stamp(presets):
     """Where a finished warm-up leaves its mark, so that a later pytest process on the
     same machine skips it (it replays every path of every preset: 120-176 s even on a
     warm cache, 2026-12-07g): in ``MLX_PTX_CACHE_DIR``, named by the presets, MLX's
-    version and every source file of the package and the warm-up. None where that cache
+    version and every source file of the package (Python and C) and the warm-up. None where that cache
     is not set (the warm-up then runs every time). ``gpu_suite.sh`` leaves the marks out
     of the cache it carries to the next machine, whose driver has compiled nothing."""
     import hashlib
@@ -83,7 +83,8 @@ def _warmup_stamp(presets):
         return None
     h = hashlib.sha256(f"{mx.__version__} {sorted(presets)}".encode())
     root = Path(mlx_streaming.__file__).parent
-    for f in sorted(root.rglob("*.py")) + [Path(__file__).with_name("cuda_warmup.py")]:
+    sources = [f for f in root.rglob("*") if f.suffix in (".py", ".c", ".h")]
+    for f in sorted(sources) + [Path(__file__).with_name("cuda_warmup.py")]:
         h.update(f.read_bytes())
     return Path(cache) / f"mlxs-warmup-{h.hexdigest()[:16]}.ok"
 
