@@ -71,9 +71,10 @@ def _warmup_stamp(presets):
     """Where a finished warm-up leaves its mark, so that a later pytest process on the
     same machine skips it (it replays every path of every preset: 120-176 s even on a
     warm cache, 2026-12-07g): in ``MLX_PTX_CACHE_DIR``, named by the presets, MLX's
-    version and every source file of the package (Python and C) and the warm-up. None where that cache
-    is not set (the warm-up then runs every time). ``gpu_suite.sh`` leaves the marks out
-    of the cache it carries to the next machine, whose driver has compiled nothing."""
+    version and every source file of the package (Python and C) and the warm-up. None
+    where that cache is not set (the warm-up then runs every time). ``gpu_suite.sh``
+    leaves the marks out of the cache it carries on: the next machine's driver has
+    compiled nothing."""
     import hashlib
     import os
     from pathlib import Path
