@@ -1,13 +1,21 @@
-"""Which record a full bounded swap tier should drop: the coldest (the store's, by the
-slot tables' decayed lookups, ``SlotCache.heat``) against the one written longest ago
-(before 2026-12-06), on real routing; and against the one whose expert is next used
-furthest ahead (Belady's choice among the rows, which no store can know: the headroom
-left to the tier's rule; the victim itself always takes a row, as in the store).
+"""Which record a full bounded swap tier should drop, on real routing. Rules (``--rules``):
+
+- ``coldest``: the store's, by the slot tables' decayed lookups (``SlotCache.heat``);
+- ``oldest``: the row written longest ago (the store's before 2026-12-06);
+- ``lru``: the record whose expert was looked up longest ago;
+- ``decay:D``: lookups decayed by D per token (the store's heat decays by 0.97);
+- ``ridge-own`` / ``ridge-all``: a learned guess of each expert's use over the next
+  tokens (lookups discounted by 0.97 a token), a ridge regression on the trace's first
+  half from the layer's own decayed lookups, or every layer's;
+- ``furthest``: the expert next used furthest ahead, Belady's choice among the rows,
+  which no store can know: the headroom left to the tier's rule (the victim itself
+  always takes a row, as in the store).
 
 The two-tier simulator (``planning.tiers.simulate_tiers``, exclusive: the store's swap
-tier, which the store matches call for call) replays the trace's second half through the
-default policy's pools and a bounded tier beneath them, both ways, side by side; each row
-is disk MB per token at DeepSeek-V2-Lite's record size and the ratio.
+tier, which the store matches call for call) replays two windows of the trace's second
+half, one token a call, through the default policy's pools and a bounded tier beneath
+them, every other layer; each row is disk MB per token at DeepSeek-V2-Lite's record size
+per rule, and each rule's ratio to ``coldest``.
 
     python benchmarks/probes/tier_heat.py --json /tmp/tier-heat.json
 """
@@ -28,44 +36,96 @@ from mlx_streaming.planning.trace import RoutingTrace  # noqa: E402
 
 RECORD = 4_866_048  # DS2-Lite's 4-bit expert record, bytes
 SPLITS = ((8, 4.43), (16, 4.43), (16, 2.0), (32, 3.0))  # slots per layer, tier GB
+DISCOUNT = 0.97  # the learned rules' target: lookups over the next tokens, discounted
 
 
-class _Oldest(tiers._SwapRows):
-    """The tier as it was: the row written longest ago out first (all equally cold)."""
+class _Rule(tiers._SwapRows):
+    """The tier with the rows ranked by ``score(layer, call)`` (lowest out first) in
+    place of the heat; one token a call, so a layer's k-th ``keep`` is its k-th call."""
 
-    def keep(self, li, placed, found, heat):
-        return super().keep(li, placed, found, [0.0] * len(heat))
-
-
-class _Furthest(tiers._SwapRows):
-    """The row whose expert is next used furthest ahead out first (one token a call, so
-    a layer's k-th ``keep`` is its k-th call)."""
-
-    seqs: dict = {}  # trace layer: each call's distinct experts (set by ``disk_mb``)
+    score = None  # (layer, call in the window) -> a score per expert; None: the heat
 
     def __init__(self, layers, slots, rows, num_experts):
         super().__init__(layers, slots, rows, num_experts)
-        self.calls, self.next = dict.fromkeys(layers, 0), {}
-        for li in layers:  # each call's next use per expert, strictly after it
-            seq, ahead = self.seqs[li], np.full(num_experts, np.inf)
-            self.next[li] = np.empty((len(seq), num_experts))
-            for t in range(len(seq) - 1, -1, -1):
-                self.next[li][t] = ahead
-                ahead[seq[t]] = t
+        self.calls = dict.fromkeys(layers, 0)
 
     def keep(self, li, placed, found, heat):
         t, self.calls[li] = self.calls[li], self.calls[li] + 1
-        return super().keep(li, placed, found, -self.next[li][t])
+        return super().keep(li, placed, found, heat if self.score is None else self.score(li, t))
 
 
-def disk_mb(trace, slots: int, gb: float, start: int, tokens: int, rule: str) -> float:
+def usage(trace) -> np.ndarray:
+    """Each token's lookups, one-hot per (layer, expert): [tokens, layers * experts]."""
+    T, L, E = trace.tokens, trace.layers, trace.num_experts
+    ex = trace.experts.astype(np.int64)
+    x = np.zeros((T, L * E), np.float32)
+    x[np.repeat(np.arange(T), L * ex.shape[2]), (np.arange(L)[None, :, None] * E + ex).ravel()] = 1
+    return x
+
+
+def decayed(x: np.ndarray, d: float, ahead: bool = False) -> np.ndarray:
+    """Lookups decayed by ``d`` a token: up to each token (itself included), or after it."""
+    out, acc = np.empty_like(x), np.zeros(x.shape[1], np.float32)
+    for t in range(len(x) - 1, -1, -1) if ahead else range(len(x)):
+        if ahead:
+            out[t] = acc
+        acc *= d
+        acc += x[t]
+        if not ahead:
+            out[t] = acc
+    return out
+
+
+def ridge(x: np.ndarray, y: np.ndarray, lam: float = 10.0) -> np.ndarray:
+    """Weights (with a bias row last) fitting ``y`` from ``x``."""
+    a = np.hstack([x, np.ones((len(x), 1), np.float32)]).astype(np.float64)
+    return np.linalg.solve(a.T @ a + lam * np.eye(a.shape[1]), a.T @ y.astype(np.float64))
+
+
+def scores(trace, rule: str, start: int, tokens: int, x, past):
+    """``rule``'s ``_Rule.score`` over the window at ``start`` (None: the store's heat)."""
+    E = trace.num_experts
+    own = lambda li: slice(li * E, (li + 1) * E)  # noqa: E731
+    if rule == "coldest":
+        return None
+    if rule == "oldest":
+        return lambda li, t: np.zeros(E)  # all equal: the oldest written out first
+    if rule == "lru":
+        last = np.full((trace.tokens, trace.layers * E), -np.inf, np.float32)
+        seen = np.full(trace.layers * E, -np.inf, np.float32)
+        for t in range(start, start + tokens):
+            seen[x[t] > 0] = t
+            last[t] = seen
+        return lambda li, t: last[start + t, own(li)]
+    if rule.startswith("decay:"):
+        h = decayed(x[: start + tokens], float(rule.split(":")[1]))
+        return lambda li, t: h[start + t, own(li)]
+    if rule == "furthest":
+        nxt = {}
+        for li in range(0, trace.layers, 2):
+            seq, ahead = layer_lookups(trace, li, start, tokens), np.full(E, np.inf)
+            nxt[li] = np.empty((len(seq), E))
+            for t in range(len(seq) - 1, -1, -1):  # each call's next use, after it
+                nxt[li][t], ahead[seq[t]] = ahead, t
+        return lambda li, t: -nxt[li][t]
+    half = trace.tokens // 2  # the learned rules fit the first half only
+    future = decayed(x[:half], DISCOUNT, ahead=True)
+    if rule == "ridge-all":
+        w = ridge(past[:half], future)
+        return lambda li, t: np.append(past[start + t], 1.0) @ w[:, own(li)]
+    if rule == "ridge-own":
+        w = {li: ridge(past[:half, own(li)], future[:, own(li)]) for li in range(trace.layers)}
+        return lambda li, t: np.append(past[start + t, own(li)], 1.0) @ w[li]
+    raise SystemExit(f"unknown rule {rule!r}: see --help")
+
+
+def disk_mb(trace, slots: int, gb: float, start: int, tokens: int, score) -> float:
     real = tiers._SwapRows
-    layers = range(0, trace.layers, 2)
-    _Furthest.seqs = {li: layer_lookups(trace, li, start, tokens) for li in layers}
-    tiers._SwapRows = {"oldest": _Oldest, "coldest": real, "furthest": _Furthest}[rule]
+    _Rule.score = staticmethod(score) if score is not None else None
+    tiers._SwapRows = _Rule
     try:
         r = tiers.simulate_tiers(
-            trace, "predictive", slots, int(gb * 1e9), RECORD, layers=layers,
+            trace, "predictive", slots, int(gb * 1e9), RECORD, layers=range(0, trace.layers, 2),
             model_layers=trace.layers, start=start, tokens=tokens, exclusive=True,
         )  # fmt: skip
     finally:
@@ -76,21 +136,28 @@ def disk_mb(trace, slots: int, gb: float, start: int, tokens: int, rule: str) ->
 def main() -> None:
     p = parser(__doc__, preset=None)
     p.add_argument("--tokens", type=int, default=2000, help="tokens replayed per window")
+    p.add_argument("--rules", default="oldest,coldest,furthest",
+                   help="comma-separated, of: coldest, oldest, lru, decay:D, ridge-own, "
+                   "ridge-all, furthest")  # fmt: skip
     a = p.parse_args()
     trace = RoutingTrace.load(a.trace or TRACE)
-    half = trace.tokens // 2
-    rows = []
+    rules = a.rules.split(",")
+    x = usage(trace)
+    past = decayed(x, DISCOUNT) if any(r.startswith("ridge") for r in rules) else None
+    half, rows = trace.tokens // 2, []
     for start in (half, half + (trace.tokens - half) // 2):  # two held-out windows
+        score = {r: scores(trace, r, start, a.tokens, x, past) for r in rules}
         for slots, gb in SPLITS:
-            old, cold, far = (disk_mb(trace, slots, gb, start, a.tokens, rule)
-                              for rule in ("oldest", "coldest", "furthest"))  # fmt: skip
-            rows.append({
-                "start": start, "slots": slots, "tier_gb": gb, "oldest_mb": round(old, 2),
-                "coldest_mb": round(cold, 2), "ratio": round(cold / old, 3),
-                "furthest_mb": round(far, 2), "furthest_ratio": round(far / cold, 3),
-            })  # fmt: skip
-            print(rows[-1], file=sys.stderr, flush=True)
-    finish(a, "tier_heat", {"record_bytes": RECORD, "tokens": a.tokens, "rows": rows})
+            mb = {r: disk_mb(trace, slots, gb, start, a.tokens, score[r]) for r in rules}
+            row = {"start": start, "slots": slots, "tier_gb": gb}
+            row.update({f"{r}_mb": round(v, 2) for r, v in mb.items()})
+            if "coldest" in mb:
+                row.update({f"{r}_vs_coldest": round(v / mb["coldest"], 3) for r, v in mb.items()})
+            rows.append(row)
+            print(row, file=sys.stderr, flush=True)
+    finish(
+        a, "tier_heat", {"record_bytes": RECORD, "tokens": a.tokens, "rules": rules, "rows": rows}
+    )
 
 
 if __name__ == "__main__":
