@@ -71,10 +71,10 @@ def _warmup_stamp(presets):
     """Where a finished warm-up leaves its mark, so that a later pytest process on the
     same machine skips it (it replays every path of every preset: 120-176 s even on a
     warm cache, 2026-12-07g): in ``MLX_PTX_CACHE_DIR``, named by the presets, MLX's
-    version and every source file of the package (Python and C) and the warm-up. None
-    where that cache is not set (the warm-up then runs every time). ``gpu_suite.sh``
-    leaves the marks out of the cache it carries on: the next machine's driver has
-    compiled nothing."""
+    version and every source file of the package (Python and C), this suite (its prompt,
+    its models' dtype) and the warm-up. None where that cache is not set (the warm-up
+    then runs every time). ``gpu_suite.sh`` leaves the marks out of the cache it carries
+    on: the next machine's driver has compiled nothing."""
     import hashlib
     import os
     from pathlib import Path
@@ -85,7 +85,7 @@ def _warmup_stamp(presets):
     h = hashlib.sha256(f"{mx.__version__} {sorted(presets)}".encode())
     root = Path(mlx_streaming.__file__).parent
     sources = [f for f in root.rglob("*") if f.suffix in (".py", ".c", ".h")]
-    for f in sorted(sources) + [Path(__file__).with_name("cuda_warmup.py")]:
+    for f in sorted(sources) + [Path(__file__), Path(__file__).with_name("cuda_warmup.py")]:
         h.update(f.read_bytes())
     return Path(cache) / f"mlxs-warmup-{h.hexdigest()[:16]}.ok"
 

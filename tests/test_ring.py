@@ -411,3 +411,14 @@ def test_the_host_paths_ring_reads_go_in_rounds_fail_alone_and_give_way(models):
     assert new.result() == n and np.array_equal(got[5], record(meta, li, 1))
     ring.close()
     reader.close()
+
+
+def test_a_partial_tier_s_device_reader_needs_the_ring_s_cut():
+    """The runtime resolves the ring's cut (``Runtime.ring_cut``); a device reader over a
+    partial tier given none refuses at once, before it opens anything, rather than
+    choose a cut of its own."""
+    from mlx_streaming.core.io.device_reader import DeviceReader
+
+    for cut in (None, (0, 0)):
+        with pytest.raises(ValueError, match=r"needs the ring's cut \(Runtime.ring_cut\)"):
+            DeviceReader(None, {}, tier=object(), files=object(), ring=cut)

@@ -70,9 +70,8 @@ def test_a_swap_tier_takes_the_device_path_on_cuda_whatever_the_memory(meta):
     assert wide.ring_cut == (16, 8)  # a piece a reader, 8 at most
     few = cuda(StreamConfig(swap_tier=True, swap_tier_gb=1.0, ring_readers=4), meta)
     assert few.ring_cut == (4, 4) and "ring's 4 threads, 4 pieces" in few.reason("threads")
-    # a whole tier reads nothing past itself, unless memory at load bounds it: said so
-    whole = cuda(StreamConfig(swap_tier=True, ring_readers=4), meta)
-    assert whole.ring_cut == (4, 4) and "used only if memory bounds it" in whole.reason("ring")
+    whole = cuda(StreamConfig(swap_tier=True, ring_readers=4), meta)  # whole or refused
+    assert whole.ring_cut == (0, 0) and "ring_* unused" in whole.reason("ring")
     none = cuda(StreamConfig(ring_readers=4, map_files=True), meta)  # no tier, no ring
     assert none.ring_cut == (0, 0) and "ring_* unused" in none.reason("ring")
     with pytest.raises(ValueError, match="ring_readers must be 1 to 16 threads, got 17"):
@@ -109,7 +108,8 @@ def test_an_auto_swap_tier_is_whole_where_memory_holds_it_and_bounded_where_not(
     # ... and it may be bounded at load (less memory by then): the ring's cut is resolved
     # for it, the config's choice included (before, the reader fell back to the default)
     assert whole.ring_cut == (8, 8) and not whole.reason("threads")
-    assert at(need + 1000 + 7, 7, cfg.replace(ring_readers=4)).ring_cut == (4, 4)
+    few = at(need + 1000 + 7, 7, cfg.replace(ring_readers=4))
+    assert few.ring_cut == (4, 4) and "used only if memory bounds it" in few.reason("ring")
     part = at(need + 1000 + 7, reserve=8)
     assert (part.reader, part.decode_path, part.bounded) == ("tier", "device", True)
     assert "at most what memory holds: the rest read by the native reader" in part.line()

@@ -8,8 +8,9 @@ the request ring's queue full). The two-tier simulator replays the same calls an
 which layer of which decode step reads how many records from the disk. A step's timeline
 is then played out: each MoE layer computes ``t_compute / layers``, its routing known
 after ``--split`` of that; its misses are asked then (demand), and the disk reads one
-record at a time at ``B`` (a lone record through the ring in 16 pieces reads at the
-disk's full rate: benchmarks/RESULTS.md, 2026-12-07e). With read-ahead, a guess for
+record at a time at ``B`` (a lone record through 16 threads in 16 pieces read at the
+disk's full rate on one H100, 2026-12-07e, but not on another, 2026-12-07g: the model
+assumes it). With read-ahead, a guess for
 layer ``j`` is asked ``lead`` layers earlier (after layer ``j - lead``'s routing; at the
 step's start for the first ``lead`` layers): each miss was guessed with probability
 ``recall``; for each right guess ``1 / precision - 1`` wrong ones are read too (a guess

@@ -6,7 +6,8 @@
 - ``decay:D``: lookups decayed by D per token (the store's heat decays by 0.97);
 - ``ridge-own`` / ``ridge-all``: a learned guess of each expert's use over the next
   tokens (lookups discounted by 0.97 a token), a ridge regression on the trace's first
-  half from the layer's own decayed lookups, or every layer's;
+  half from the layer's own decayed lookups, or every layer's (each rule, as the store's
+  heat, counts from the window's start);
 - ``furthest``: the expert next used furthest ahead, Belady's choice among the rows,
   which no store can know: the headroom left to the tier's rule (the victim itself
   always takes a row, as in the store).
@@ -83,23 +84,24 @@ def ridge(x: np.ndarray, y: np.ndarray, lam: float = 10.0) -> np.ndarray:
 
 
 def scores(trace, rule: str, start: int, tokens: int, x, past):
-    """``rule``'s ``_Rule.score`` over the window at ``start`` (None: the store's heat)."""
-    E = trace.num_experts
+    """``rule``'s ``_Rule.score`` over the window at ``start`` (None: the store's heat),
+    from its lookups since ``start`` (``past``: the first half's decayed lookups, to fit)."""
+    E, window = trace.num_experts, x[start : start + tokens]
     own = lambda li: slice(li * E, (li + 1) * E)  # noqa: E731
     if rule == "coldest":
         return None
     if rule == "oldest":
         return lambda li, t: np.zeros(E)  # all equal: the oldest written out first
     if rule == "lru":
-        last = np.full((trace.tokens, trace.layers * E), -np.inf, np.float32)
-        seen = np.full(trace.layers * E, -np.inf, np.float32)
-        for t in range(start, start + tokens):
-            seen[x[t] > 0] = t
+        last = np.full(window.shape, -np.inf, np.float32)
+        seen = np.full(window.shape[1], -np.inf, np.float32)
+        for t in range(len(window)):
+            seen[window[t] > 0] = t
             last[t] = seen
-        return lambda li, t: last[start + t, own(li)]
+        return lambda li, t: last[t, own(li)]
     if rule.startswith("decay:"):
-        h = decayed(x[: start + tokens], float(rule.split(":")[1]))
-        return lambda li, t: h[start + t, own(li)]
+        h = decayed(window, float(rule.split(":")[1]))
+        return lambda li, t: h[t, own(li)]
     if rule == "furthest":
         nxt = {}
         for li in range(0, trace.layers, 2):
@@ -109,13 +111,13 @@ def scores(trace, rule: str, start: int, tokens: int, x, past):
                 nxt[li][t], ahead[seq[t]] = ahead, t
         return lambda li, t: -nxt[li][t]
     half = trace.tokens // 2  # the learned rules fit the first half only
-    future = decayed(x[:half], DISCOUNT, ahead=True)
+    future, now = decayed(x[:half], DISCOUNT, ahead=True), decayed(window, DISCOUNT)
     if rule == "ridge-all":
-        w = ridge(past[:half], future)
-        return lambda li, t: np.append(past[start + t], 1.0) @ w[:, own(li)]
+        w = ridge(past, future)
+        return lambda li, t: np.append(now[t], 1.0) @ w[:, own(li)]
     if rule == "ridge-own":
-        w = {li: ridge(past[:half, own(li)], future[:, own(li)]) for li in range(trace.layers)}
-        return lambda li, t: np.append(past[start + t, own(li)], 1.0) @ w[li]
+        w = {li: ridge(past[:, own(li)], future[:, own(li)]) for li in range(trace.layers)}
+        return lambda li, t: np.append(now[t, own(li)], 1.0) @ w[li]
     raise SystemExit(f"unknown rule {rule!r}: see --help")
 
 
@@ -143,8 +145,9 @@ def main() -> None:
     trace = RoutingTrace.load(a.trace or TRACE)
     rules = a.rules.split(",")
     x = usage(trace)
-    past = decayed(x, DISCOUNT) if any(r.startswith("ridge") for r in rules) else None
-    half, rows = trace.tokens // 2, []
+    half = trace.tokens // 2
+    past = decayed(x[:half], DISCOUNT) if any(r.startswith("ridge") for r in rules) else None
+    rows = []
     for start in (half, half + (trace.tokens - half) // 2):  # two held-out windows
         score = {r: scores(trace, r, start, a.tokens, x, past) for r in rules}
         for slots, gb in SPLITS:
@@ -152,7 +155,8 @@ def main() -> None:
             row = {"start": start, "slots": slots, "tier_gb": gb}
             row.update({f"{r}_mb": round(v, 2) for r, v in mb.items()})
             if "coldest" in mb:
-                row.update({f"{r}_vs_coldest": round(v / mb["coldest"], 3) for r, v in mb.items()})
+                row.update({f"{r}_vs_coldest": round(v / mb["coldest"], 3)
+                            for r, v in mb.items() if r != "coldest"})  # fmt: skip
             rows.append(row)
             print(row, file=sys.stderr, flush=True)
     finish(

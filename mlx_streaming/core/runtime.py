@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from . import mem
 from .io import engine_lib
 from .io.reader import INLINE_BYTES
-from .io.ring import device_cut
+from .io.ring import cut_said, device_cut
 from .mem import HostShare
 from .options import StreamConfig
 
@@ -67,7 +67,7 @@ class Runtime:
     kernel_check: bool
     files_reader: str = ""  # a bounded swap tier's reader of the rest (native | python)
     bounded: bool = False  # the swap tier holds part of the rest: the others in the files
-    ring_cut: tuple[int, int] = (0, 0)  # the request ring's (threads, pieces), a CUDA tier's
+    ring_cut: tuple[int, int] = (0, 0)  # the request ring's (threads, pieces) if a tier needs it
     why: tuple[tuple[str, str], ...] = ()
 
     def reason(self, choice: str) -> str:
@@ -321,12 +321,11 @@ def resolve(
         why["threads"] = size + ": read inline"
     else:
         threads = min(15, (os.cpu_count() or 2) - 1) if pool_mode == "cuda" else 4
-    ring_cut = (0, 0)  # any CUDA tier's: one found partial at load reads past itself too
-    if swap_tier and ring:
+    ring_cut = (0, 0)  # a CUDA tier's that is bounded or may be at load (auto, the default)
+    if swap_tier and ring and (bounded or cfg.swap_tier_gb == "auto" or cfg.swap_tier is None):
         ring_cut = device_cut(cfg.ring_readers, cfg.ring_pieces)
     if ring_cut[0] and bounded:  # the threads fill the tier; the ring reads past it
-        why["threads"] = (f"they fill the tier at load; the records beyond it: the request "
-                          f"ring's {ring_cut[0]} threads, {ring_cut[1]} pieces a record")  # fmt: skip
+        why["threads"] = cut_said(ring_cut)
     elif cfg.ring_readers or cfg.ring_pieces:
         why["ring"] = ("the swap tier is whole: ring_* used only if memory bounds it at load"
                        if ring_cut[0] else "no request ring here (CUDA beyond a bounded swap "

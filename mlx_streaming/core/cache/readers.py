@@ -14,6 +14,7 @@ import numpy as np
 
 from ..format import ExpertMeta
 from ..io import engine_lib
+from ..io.ring import cut_said
 from ..mem import HostShare
 from ..options import StreamConfig
 from ..runtime import Runtime, resolve
@@ -55,12 +56,17 @@ def open_reader(
         return _without(runtime, cfg, meta, pools, tick, e)
     if auto and runtime.reader == "tier":  # the size memory gave it
         t, gb = reader.tier, f"{reader.tier.nbytes / 1e9:.2f} GB"
+        said = {}
         if t.partial:
             how = f"bounded to {gb}, the rest read by the {runtime.files_reader} reader"
+            if runtime.ring_cut[0] and not runtime.bounded:  # resolved whole: the ring's words
+                said = {"threads": cut_said(runtime.ring_cut)}
+                if runtime.reason("ring"):
+                    said["ring"] = "memory bounded the tier at load: ring_* used"
         else:  # nothing is read from the files after load
             how = f"whole, {gb}"
         asked = "swap_tier asked for" if not default else "the files do not fit in half of memory"
-        runtime = runtime.revised({"reader": f"{asked}, as large as memory holds: {how}"})
+        runtime = runtime.revised({"reader": f"{asked}, as large as memory holds: {how}", **said})
     elif runtime.reader == "tier" and not reader.tier.partial and cfg.swap_tier_gb:
         most = f"at most {cfg.swap_tier_gb:g} GB"  # a bound above what the pools leave
         whole = f"whole, {reader.tier.nbytes / 1e9:.2f} GB: nothing read from the files"

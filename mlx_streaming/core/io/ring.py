@@ -44,6 +44,12 @@ def device_cut(readers: int | None = None, pieces: int | None = None) -> tuple[i
     return readers, pieces or min(DEVICE_PIECES, readers)
 
 
+def cut_said(cut: tuple[int, int]) -> str:
+    """The load line's words for a ring of ``cut`` (``device_cut``) past a bounded tier."""
+    return (f"they fill the tier at load; the records beyond it: the request ring's {cut[0]} "
+            f"threads, {cut[1]} pieces a record")  # fmt: skip
+
+
 # A read's wait (the plan kernel's and the host path's): long enough for a slow disk's
 # record behind 15 others (a kernel's trap loses the process's CUDA context), short enough
 # that a dead ring fails the call
