@@ -33,7 +33,7 @@ COUNTERS = ("requests", "bytes", "failed", "read_ns", "answer_ns", "max_ns", "bu
 # miss read by several threads at once). 8 threads in 8 pieces decoded 1.19x and 1.16x
 # 16 in 16 on one H100 in either order, every run faster, its lone record 3.5-3.9 ms
 # against 4.8-4.9 (benchmarks/RESULTS.md 2026-12-07g); 16x16 had won only a probe of
-# the lone record on another machine (2.05 against 3.85 ms, 2026-12-07e)
+# the lone record against 16 threads in 8 pieces, on a faster disk (2.05 against 3.85 ms)
 DEVICE_ENTRIES, DEVICE_READERS, DEVICE_PIECES = 16, 8, 8
 
 
