@@ -80,6 +80,8 @@ def test_a_swap_tier_takes_the_device_path_on_cuda_whatever_the_memory(meta):
         ValueError, match=r"ring_pieces must be 1 to the ring's readers \(8\), got 9"
     ):
         StreamConfig(ring_readers=8, ring_pieces=9)
+    with pytest.raises(ValueError, match=r"ring's readers \(8\), got 12"):  # the default's
+        StreamConfig(ring_pieces=12)  # (before, refused only as the ring started, at load)
     host = cuda(StreamConfig(swap_tier=True, swap_tier_gb=1.0, device_reads=False), meta)
     assert (host.reader, host.decode_path, host.bounded) == ("tier", "host", True)
 

@@ -173,7 +173,7 @@ class StreamConfig:
             raise ValueError(f"swap_tier_gb must be a positive number of GB or 'auto', got {g!r}")
         readers, pieces = self.ring_readers, self.ring_pieces
         if readers is not None or pieces is not None:
-            from .io.ring import MAX_READERS
+            from .io.ring import DEVICE_READERS, MAX_READERS
 
             if readers is not None and not (
                 isinstance(readers, int) and 1 <= readers <= MAX_READERS
@@ -181,7 +181,7 @@ class StreamConfig:
                 raise ValueError(
                     f"ring_readers must be 1 to {MAX_READERS} threads, got {readers!r}"
                 )
-            most = readers or MAX_READERS
+            most = readers or DEVICE_READERS  # the cut the ring would take (device_cut)
             if pieces is not None and not (isinstance(pieces, int) and 1 <= pieces <= most):
                 raise ValueError(
                     f"ring_pieces must be 1 to the ring's readers ({most}), got {pieces!r}"
