@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # Stage MLX's CUDA build and the routing trace for the device machine, in a fresh checkout
-# (the staged files are git-ignored, so a new checkout has none). The repository is ~25 MiB
+# (the staged files are git-ignored, so a new checkout has none). The repository is ~27 MiB
 # and a device call carries at most 64 MiB, so the CUDA wheel travels in three parts:
 #   call 1: carry [".mlxcuda1"]   command: bash .mlxcuda1/stage1.sh
-#     with a former call's driver cache ($OUT/nv.tgz.part-aa, kept as .gpu/nv.tgz.part-aa,
-#     ~13 MB) beside it: carry [".mlxcuda1", ".gpu/nv.tgz.part-aa"], command
-#     bash .mlxcuda1/stage1.sh; cp .gpu/nv.tgz.part-* /tmp/
-#     (the PTX seed alone still left 176 s of the driver's compiling in warmup, 2026-12-07g)
 #   call 2: carry [".mlxcuda1b"]  command: bash .mlxcuda1b/stage1.sh
 #     with a former call's kernel cache ($OUT/ptx.tgz, kept as .gpu/ptx.tgz, ~5 MB) beside
 #     it: carry [".mlxcuda1b", ".gpu/ptx.tgz"], command
 #     bash .mlxcuda1b/stage1.sh; cp .gpu/ptx.tgz /tmp/ptx-seed.tgz
 #     (gpu_suite.sh seeds an empty cache from it: 450 s of compiling saved, 2026-12-07f)
-#   call 3: carry [".mlxcuda2", ".gpu/deepseek-v2-lite.npz"]: source .mlxcuda2/stage2.sh && ...
-# The third part is the smallest (~22 MB): it travels beside the 9 MB trace.
+#   call 3 (where a former call's driver cache is kept: its $OUT/nv.tgz.part-*, saved as
+#     .gpu/nv.tgz.part-*, 18.5 MB in two parts on 2026-12-07h): carry [".gpu/nv.tgz.part-aa",
+#     ".gpu/nv.tgz.part-ab"], command cp .gpu/nv.tgz.part-* /tmp/ (beside .mlxcuda1 it
+#     passed the 64 MiB, the repository being 27 MiB, 2026-12-07h; with both seeds warmup
+#     took 148 s against 176-178 s with the PTX seed alone)
+#   call 4: carry [".mlxcuda2", ".gpu/deepseek-v2-lite.npz"]: source .mlxcuda2/stage2.sh && ...
+# The last part is the smallest (~22 MB): it travels beside the 9 MB trace,
 # each within 30 s of the one before (benchmarks/gpu_suite.sh says what runs next).
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)

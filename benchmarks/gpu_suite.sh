@@ -17,7 +17,8 @@
 #                                           presets the session fixture compiles for. After
 #                                           warmup on the same machine and tree the fixture
 #                                           skips its replay (a mark in MLX_PTX_CACHE_DIR;
-#                                           before 2026-12-07g it cost 120-176 s a run). Without
+#                                           before 2026-12-07g it cost 120-176 s a run, 1.3 s
+#                                           after it, 2026-12-07h). Without
 #                                           a seeded kernel cache run warmup1 first: tests with
 #                                           MLXS_WARMUP_ONLY=tiny-mixtral timed out in the
 #                                           fixture at 290 s (2026-12-06c); the whole suite on
@@ -181,10 +182,11 @@
 # (default .gpu/deepseek-v2-lite.npz, copied from ../shared/traces). MLX compiles each
 # kernel variant on first use; .gpu/ptx.tgz (a former run's $OUT/ptx.tgz) seeds its cache,
 # .gpu/nv.tgz.part-* (its $OUT/nv.tgz.part-*, where they fit) the driver's. Neither fits
-# beside .mlxcuda2 and the trace: carry ptx.tgz with .mlxcuda1b and nv.tgz.part-aa with
-# .mlxcuda1 (one part of at most ~11 MB; two did not fit, 2026-12-06d), each call copying
-# it to /tmp (/tmp/ptx-seed.tgz, /tmp/nv.tgz.part-*), where this script finds them. With
-# ptx.tgz seeded, `warmup` took 106 s and `tests` then 209 s on a fresh H100 (2026-12-06d).
+# beside .mlxcuda2 and the trace: carry ptx.tgz with .mlxcuda1b and the nv parts in a call
+# of their own (gpu_stage.sh), each call copying them to /tmp (/tmp/ptx-seed.tgz,
+# /tmp/nv.tgz.part-*), where this script finds them. With ptx.tgz seeded, `warmup` took
+# 106 s and `tests` then 209 s on a fresh H100 (2026-12-06d); with both seeds, 148 s and
+# then 175 s for the whole suite in one process, its fixture skipped (2026-12-07h).
 # A call carries at most 64 MiB with the repository (22 MiB with its trained checkpoint):
 # the MLX CUDA wheel travels in three parts (2026-12-07f): .mlxcuda1 and .mlxcuda1b (32 MiB
 # each, parked in /tmp by their stage1.sh), then .mlxcuda2 (22 MiB, with .gpu's 9 MiB
