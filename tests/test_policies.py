@@ -757,6 +757,65 @@ def test_a_planned_swap_tier_is_one_the_store_takes(models, tmp_path, capsys):
             tier.close()
 
 
+def test_plan_sets_precisions_side_by_side(models, tmp_path, capsys):
+    """``plan --bits 4 3``: each precision's rows, its experts' bytes those ``requantize``
+    writes at those bits (one requantized here to check), each at its own compute time;
+    with ``--memory-gb`` all rows best first, a precision that does not fit said and
+    skipped; in the budget mode fewer miss bytes at fewer bits for the same hits; bad
+    input named."""
+    from mlx_streaming.commands import plan as cmd
+    from mlx_streaming.core.io.tier import MARGIN
+    from mlx_streaming.core.meta import load_meta
+    from mlx_streaming.planning.budget import PoolShape
+    from mlx_streaming.prep.requantize import requantize
+
+    _, ed = models.experts("tiny-qwen3_moe")  # 3 MoE layers, 16 experts, top-4
+    requantize(ed, tmp_path / "q3", bits=3, progress=False)
+    three = PoolShape.from_meta(load_meta(tmp_path / "q3"))
+    four = PoolShape.from_meta(load_meta(ed))
+    local_trace(T=400, E=16).save(tmp_path / "t.npz")
+    base = ["--trace", str(tmp_path / "t.npz"), "--expert-dir", str(ed), "--tokens", "100",
+            "--read-gbps", "1"]  # fmt: skip
+    memory = MARGIN + 3 * 16 * (four.strides[0] + three.strides[0]) // 2  # between the two
+    mem = ["--memory-gb", str(memory / 1e9)]
+    cmd.main([*base, *mem, "--bits", "4", "3", "--t-compute-ms", "1", "1.5", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["bits"] for r in rows} == {4, 3}
+    assert [r["predicted_tok_per_s"] for r in rows] == sorted(
+        (r["predicted_tok_per_s"] for r in rows), reverse=True
+    )
+    for r in rows:
+        shape = three if r["bits"] == 3 else four
+        assert r["expert_mb"] == round(float(np.mean(shape.slot_bytes)) / 1e6, 3)
+        assert r["t_compute_ms"] == (1.5 if r["bits"] == 3 else 1.0)
+    whole = {r["bits"] for r in rows if r["tier"] == "swap" and r["disk_share"] == 0}
+    assert whole == {3}  # this memory holds every 3-bit record beside the pools, not 4-bit's
+    cmd.main([*base, *mem, "--bits", "4", "3", "--t-compute-ms", "1"])
+    out = capsys.readouterr().out
+    assert "bits slots" in out and "requantize --src" in out and "--bits B" in out
+    assert "every row at one compute time" in out
+    little = MARGIN + 3 * 4 * (four.slot_bytes[0] + three.slot_bytes[0]) // 2  # top-k slots
+    cmd.main([*base, "--memory-gb", str(little / 1e9), "--bits", "4", "3", "--t-compute-ms", "1"])
+    out = capsys.readouterr().out
+    assert "(4 bits: " in out and "raise it" in out and "\n   3 " in out  # 3-bit rows only
+    cmd.main([*base, "--slots", "6", "--bits", "4", "3", "--t-compute-ms", "1", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    by = {(r["bits"], r["policy"]): r for r in rows}
+    for pol in {r["policy"] for r in rows}:
+        assert by[3, pol]["hit_rate"] == by[4, pol]["hit_rate"]
+        if by[4, pol]["miss_bytes_per_token"]:
+            assert by[3, pol]["miss_bytes_per_token"] < by[4, pol]["miss_bytes_per_token"]
+    assert sum(r["best"] for r in rows) == 2  # one best a precision
+    cmd.main([*base, "--slots", "6", "--bits", "3", "--t-compute-ms", "1"])
+    assert "at 3 bits (" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--bits needs the experts' layouts"):
+        cmd.main([*base[:2], "--expert-bytes", "4096", "--slots", "6", "--bits", "3"])
+    with pytest.raises(ValueError, match=r"--t-compute-ms has 3 values: .* per precision"):
+        cmd.main([*base, "--slots", "6", "--bits", "4", "3", "--t-compute-ms", "1", "2", "3"])
+    with pytest.raises(ValueError, match="--bits 7: bits 7 for layer .* is not supported"):
+        cmd.main([*base, "--slots", "6", "--bits", "7"])
+
+
 def test_the_page_cache_tier_beneath_the_pools():
     """``simulate_tiers``: with no page cache (O_DIRECT) every pool miss is a disk read
     and the pool's hits are the simulator's; with room for every record only the first

@@ -8,12 +8,12 @@ import sys
 
 import numpy as np
 
-from ..core.cache.policy import DEFAULT_POLICY
 from ..core.options import StreamConfig
-from ..planning.budget import PoolShape, default_zero_slot, plan_budget
-from ..planning.planner import PlanRow, plan, resolve_policies, sample_layers, shared_layers
+from ..planning.budget import PoolShape, default_zero_slot
+from ..planning.planner import PlanRow, plan, resolve_policies
 from ..planning.trace import RoutingTrace
 from ._args import nonneg_float, nonneg_int, positive_float, positive_int
+from ._plan_tiers import plan_tiers, print_tiers, say_bits, tagged
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -85,8 +85,24 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         default=0,
         help="pin each layer's N statically hottest experts (from the first half)",
     )
+    p.add_argument(
+        "--bits",
+        type=positive_int,
+        nargs="+",
+        help="plan the experts at each of these precisions, as `requantize --bits B` would "
+        "write them (each record's bytes from its layout; needs --model or --expert-dir), "
+        "their rows side by side; give --t-compute-ms one value per precision where you "
+        "have measured them (bench on each requantized model: MLX's kernels differ by bits, "
+        "an H100's 3-bit decode computed 13.8 ms a token against 4-bit's 9.5), else the "
+        "one compute time serves every row",
+    )
     p.add_argument("--bench", help="a `bench --json` result: t_compute and read bandwidth")
-    p.add_argument("--t-compute-ms", type=positive_float)
+    p.add_argument(
+        "--t-compute-ms",
+        type=positive_float,
+        nargs="+",
+        help="compute time per token (one value; with --bits, one per precision or one for all)",
+    )
     p.add_argument("--read-gbps", type=positive_float)
     p.add_argument("--json", action="store_true", help="print a JSON list")
     p.add_argument("--plot", help="write a PNG of hit rate against budget (needs matplotlib)")
@@ -143,106 +159,58 @@ def plan_hosts(a) -> None:
         )
 
 
-def _shape(a, trace: RoutingTrace) -> PoolShape:
-    if a.expert_bytes:
-        return PoolShape([a.expert_bytes] * trace.layers, trace.num_experts, a.top_k or trace.top_k)
+def _layouts(a) -> tuple[dict, int]:
+    """The expert records' layouts (MoE layer -> ``LayerLayout``) of ``--expert-dir`` or
+    ``--model``, and top-k."""
     if a.expert_dir:
         from ..core.meta import load_meta
 
-        return PoolShape.from_meta(load_meta(a.expert_dir))
+        meta = load_meta(a.expert_dir)
+        return dict(meta.layers), meta.top_k
     from ..core.discovery import find_expert_sites
     from ..prep.hub import load_lazy, resolve_model_path
     from ..prep.split_experts import layer_layout
 
     model, config = load_lazy(resolve_model_path(a.model))
     sites = find_expert_sites(model, config)
-    layouts = [layer_layout(s, "x") for s in sites]
-    return PoolShape(
-        [sum(p.nbytes for p in lay.parts) for lay in layouts],
-        [s.num_experts for s in sites],
-        next(s.top_k for s in sites if s.top_k),
-        [s.layer for s in sites],
-        [lay.stride for lay in layouts],
-    )
+    return {s.layer: layer_layout(s, "x") for s in sites}, next(s.top_k for s in sites if s.top_k)
 
 
-def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> None:
-    """``--memory-gb``: the pools against the tier beneath them; ``--host-gb``: the tier
-    beneath pools of their own (``planning.tiers``)."""
-    from ..core.io.tier import MARGIN
-    from ..planning.tiers import best_split, split_rows
+def _shapes(a, trace: RoutingTrace) -> list[tuple[int | None, PoolShape]]:
+    """The pools' shape of each precision planned: ``(bits, shape)``, bits None for the
+    experts as they are."""
+    if a.expert_bytes:
+        if a.bits:
+            raise ValueError("--bits needs the experts' layouts: give --model or "
+                             "--expert-dir in place of --expert-bytes")  # fmt: skip
+        k = a.top_k or trace.top_k
+        return [(None, PoolShape([a.expert_bytes] * trace.layers, trace.num_experts, k))]
+    layouts, top_k = _layouts(a)
+    if not a.bits:
+        return [(None, PoolShape.from_layouts(layouts, top_k))]
+    from ..prep.requantize import requantized_layouts
 
-    flag = "--memory-gb" if a.memory_gb else "--host-gb"
-    if t is None or b is None:
-        raise ValueError(f"{flag} needs a compute time and the disk's bandwidth: --bench, "
-                         "or --t-compute-ms and --read-gbps")  # fmt: skip
-    if a.policy == "all" or a.policy == "belady":
-        raise ValueError(f"{flag} plans one policy the store runs, not --policy "
-                         f"{a.policy}: name one (e.g. predictive)")  # fmt: skip
-    pol = DEFAULT_POLICY if a.policy == "auto" else a.policy
-    L = shared_layers(trace, shape)  # a trace of another model is refused, as in plan
-    sim = dict(layers=sample_layers(L, a.layer_sample or None),
-               model_layers=len(shape.slot_bytes), tokens=a.tokens)  # fmt: skip
-    _, test = trace.split(0.5)
-    slot, record = int(np.mean(shape.slot_bytes[:L])), int(np.mean(shape.strides[:L]))
-    rates = (t, a.mem_gbps, b)
-    host_s = a.host_ms_per_call / 1e3 * len(shape.slot_bytes)  # per token: a call a layer
-    if a.memory_gb:  # pools in this machine's memory: its zero slot rule (GPUs: one each)
-        zero = default_zero_slot()
+    out = []
+    for bits in dict.fromkeys(a.bits):
         try:
-            rows = best_split(test, pol, int(a.memory_gb * 1e9), slot, record, shape.top_k,
-                              *rates, beneath=("page cache", "swap"), zero_slot=zero,
-                              host_s=host_s, **sim)  # fmt: skip
+            out.append((bits, PoolShape.from_layouts(requantized_layouts(layouts, bits), top_k)))
         except ValueError as e:
-            raise ValueError(f"--memory-gb {a.memory_gb}: {e}; raise it") from None
-        what = f"{a.memory_gb} GB for pools and the tier beneath them"
-    else:  # pools in a GPU's own memory: a zero slot each
-        E, k = min(shape.num_experts), shape.top_k
-        gpu_zero = default_zero_slot("cuda")
-        slots = a.slots or [plan_budget(shape, g, gpu_zero).default_slots for g in a.budget_gb]
-        if min(slots) < k:
-            raise ValueError(f"--slots {min(slots)} is below top_k={k}: a pool holds one "
-                             f"token's experts at least; give --slots {k} or more")  # fmt: skip
-        host, what, reserve = int(a.host_gb * 1e9), f"{a.host_gb} GB of host memory", 0
-        if a.model:  # what loading its trunk takes beside a swap tier (load's reserve)
-            from ..model_builder import trunk_host_bytes
-            from ..prep.hub import load_lazy, resolve_model_path
+            raise ValueError(f"--bits {bits}: {e}") from None
+    return out
 
-            reserve = trunk_host_bytes(load_lazy(resolve_model_path(a.model))[0], "cuda")
-            what += f" (less {reserve / 1e9:.2f} GB for the trunk as it loads, beside a swap tier)"
-        sizes = sorted({min(s, E) for s in slots})[::-1]
-        rows = []
-        for tier, room in (("page cache", host), ("swap", max(0, host - reserve))):
-            rows += split_rows(test, pol, [(s, room) for s in sizes], slot, record, *rates,
-                               beneath=(tier,), zero_slot=gpu_zero, host_s=host_s,
-                               device_swap=True, **sim)  # fmt: skip
-        rows.sort(key=lambda r: -r["predicted_tok_per_s"])
-        for r in rows:  # CUDA's default takes a swap tier (whole where it fits)
-            r["flags"] += " --no-swap-tier" if r["tier"] == "page cache" else ""
-        what = f"pools on the device, {what} beneath them"
-    if a.json:
-        print(json.dumps(rows, indent=1))
-        return
-    print(f"policy {pol}; {what} (the page cache, or the store's swap tier, each less "
-          f"{MARGIN / 1e9:.2f} GB left to the process); best first")  # fmt: skip
-    print(f"{'slots':>5} {'beneath':<10} {'pool GB':>8} {'tier GB':>8} {'pool':>6} {'tier':>6} "
-          f"{'disk':>6} {'disk MB/tok':>11} {'tok/s':>8} {'serial':>8}  flags")  # fmt: skip
-    for r in rows:
-        print(f"{r['slots']:>5} {r['tier']:<10} {r['pool_gb']:>8.2f} {r['tier_gb']:>8.2f} "
-              f"{r['pool_share']:6.3f} {r['tier_share']:6.3f} {r['disk_share']:6.3f} "
-              f"{r['disk_mb_per_token']:>11.2f} {r['predicted_tok_per_s']:>8.2f} "
-              f"{r['serial_tok_per_s']:>8.2f}  "
-              f"{r['flags']}")  # fmt: skip
-    print("(tok/s: the reads and copies hidden under compute; serial: after it, as a "
-          "layer's misses wait for its routing without read-ahead)")  # fmt: skip
-    if a.host_gb and not a.host_ms_per_call:
-        print("(on CUDA the page cache runs the host path, whose own work per layer call "
-              "these tok/s leave out: give --host-ms-per-call; a swap tier, whole or "
-              "bounded, the device path)")  # fmt: skip
+
+def _compute_times(a, t: float | None, n: int) -> list[float | None]:
+    """The compute time of each of ``n`` precisions: ``--t-compute-ms``'s one value per
+    precision, else ``t`` for all."""
+    given = a.t_compute_ms or []
+    if len(given) > 1 and len(given) != n:
+        raise ValueError(f"--t-compute-ms has {len(given)} values: give one, or one per "
+                         f"precision of --bits ({n})")  # fmt: skip
+    return [v / 1e3 for v in given] if len(given) == n > 1 else [t] * n
 
 
 def _bounds(a) -> tuple[float | None, float | None]:
-    t, b = (a.t_compute_ms / 1e3 if a.t_compute_ms else None), a.read_gbps
+    t, b = (a.t_compute_ms[0] / 1e3 if a.t_compute_ms else None), a.read_gbps
     if a.bench:
         try:
             with open(a.bench) as f:
@@ -295,46 +263,75 @@ def main(argv=None) -> None:
             "plan needs --trace and --budget-gb, --slots or --memory-gb (or --machines-gb)"
         )
     trace = RoutingTrace.load(a.trace)
-    shape = _shape(a, trace)
+    shapes = _shapes(a, trace)
     t, b = _bounds(a)
+    times = _compute_times(a, t, len(shapes))
     if a.memory_gb or a.host_gb:
         if a.plot or a.pin_hot:
             raise ValueError(
                 "--memory-gb and --host-gb plan the two tiers without --plot or --pin-hot: "
                 "drop them"
             )
-        return plan_tiers(a, trace, shape, t, b)
-    rows = plan(
-        trace,
-        shape,
-        budgets_gb=a.budget_gb or (),
-        slots=a.slots or (),
-        policies=resolve_policies(a.policy),
-        t_compute_s=t,
-        read_gbps=b,
-        tokens=a.tokens,
-        layer_sample=a.layer_sample or None,
-        pin_hot=a.pin_hot,
-    )
-    best = {}
-    for r in rows:
-        if r.policy != "belady" and (r.slots not in best or r.hit_rate > best[r.slots].hit_rate):
-            best[r.slots] = r
-    if a.json:
-        print(json.dumps([{**r.to_json(), "best": best[r.slots] is r} for r in rows], indent=1))
-    else:
-        print(
-            f"{'policy':<11} {'slots':>5} {'GB':>8} {'hit':>6} {'MB miss/tok':>12} "
-            f"{'tok/s':>8} {'serial':>8}"
+        rows, skipped, first = [], [], None
+        for (bits, shape), tb in zip(shapes, times):
+            try:
+                got, pol, what = plan_tiers(a, trace, shape, tb, b)
+            except ValueError as e:  # one precision may not fit where another does
+                if bits is None or len(shapes) == 1:
+                    raise
+                skipped.append(f"{bits} bits: {e}")
+                first = first or e
+                continue
+            rows += tagged(got, bits, shape, tb)
+        if not rows:
+            raise first
+        rows.sort(key=lambda r: -r["predicted_tok_per_s"])
+        return print_tiers(a, rows, pol, what, skipped)
+    rows, tags = [], []
+    for (bits, shape), tb in zip(shapes, times):
+        got = plan(
+            trace,
+            shape,
+            budgets_gb=a.budget_gb or (),
+            slots=a.slots or (),
+            policies=resolve_policies(a.policy),
+            t_compute_s=tb,
+            read_gbps=b,
+            tokens=a.tokens,
+            layer_sample=a.layer_sample or None,
+            pin_hot=a.pin_hot,
         )
-        for r in rows:
+        rows += got
+        tags += [(bits, shape, tb)] * len(got)
+    best = {}
+    for r, (bits, _, _) in zip(rows, tags):
+        key = (bits, r.slots)
+        if r.policy != "belady" and (key not in best or r.hit_rate > best[key].hit_rate):
+            best[key] = r
+    if a.json:
+        out = []
+        for r, (bits, shape, tb) in zip(rows, tags):
+            out += tagged([{**r.to_json(), "best": best[bits, r.slots] is r}], bits, shape, tb)
+        print(json.dumps(out, indent=1))
+    else:
+        for i, (r, (bits, shape, _)) in enumerate(zip(rows, tags)):
+            if i == 0 or bits != tags[i - 1][0]:
+                if bits is not None:
+                    mb = np.mean(shape.slot_bytes) / 1e6
+                    print(f"at {bits} bits ({mb:.3f} MB an expert)")
+                print(
+                    f"{'policy':<11} {'slots':>5} {'GB':>8} {'hit':>6} {'MB miss/tok':>12} "
+                    f"{'tok/s':>8} {'serial':>8}"
+                )
             tps = f"{r.predicted_tok_per_s:8.2f}" if r.predicted_tok_per_s else f"{'-':>8}"
             ser = f"{r.serial_tok_per_s:8.2f}" if r.serial_tok_per_s else f"{'-':>8}"
-            mark = " *" if best[r.slots] is r and a.policy == "auto" else ""
+            mark = " *" if best[bits, r.slots] is r and a.policy == "auto" else ""
             print(
                 f"{r.policy:<11} {r.slots:>5} {r.budget_gb:>8.3f} {r.hit_rate:6.3f} "
                 f"{r.miss_bytes_per_token / 1e6:12.2f} {tps} {ser}{mark}"
             )
+        if a.bits:
+            say_bits(a, [])
         if t is None or b is None:
             print("(tok/s: give --bench, or --t-compute-ms and --read-gbps)", file=sys.stderr)
     if a.plot:

@@ -64,13 +64,18 @@ class PoolShape:
 
     @classmethod
     def from_meta(cls, meta: ExpertMeta) -> PoolShape:
-        layers = sorted(meta.layers)
+        return cls.from_layouts(meta.layers, meta.top_k)
+
+    @classmethod
+    def from_layouts(cls, layouts: dict, top_k: int) -> PoolShape:
+        """The shape of records laid out as ``layouts`` (MoE layer -> ``LayerLayout``)."""
+        layers = sorted(layouts)
         return cls(
-            [slot_bytes(meta, li) for li in layers],
-            [meta.layers[li].num_experts for li in layers],
-            meta.top_k,
+            [sum(p.nbytes for p in layouts[li].parts) for li in layers],
+            [layouts[li].num_experts for li in layers],
+            top_k,
             layers,
-            [meta.layers[li].stride for li in layers],
+            [layouts[li].stride for li in layers],
         )
 
     def pool_bytes(self, slots: dict[int, int], zero_slot: bool) -> int:

@@ -187,6 +187,25 @@ def _dst_layout(src: LayerLayout, target: dict) -> LayerLayout:
     return plan_layout(src.layer, src.module, src.file, src.num_experts, tensors, target)
 
 
+def requantized_layouts(
+    layouts: dict[int, LayerLayout],
+    bits: int,
+    group_size: int | None = None,
+    mode: str = "affine",
+) -> dict[int, LayerLayout]:
+    """Each layer's record layout as ``requantize`` would write it at ``bits`` (sizes only:
+    one zero expert a layer runs through the requantization, nothing is read or written).
+
+    Raises:
+        ValueError: ``bits`` is not one MLX quantizes to, or a projection's width is not a
+            multiple of the group size.
+    """
+    return {
+        li: _dst_layout(lay, _targets(lay, bits, group_size, None, None, mode))
+        for li, lay in layouts.items()
+    }
+
+
 def requantize(
     src: str | Path,
     out: str | Path,

@@ -1,0 +1,120 @@
+"""``plan --memory-gb`` and ``--host-gb``: the pools against the tier beneath them, each
+row's hits per tier, disk bytes, predicted tok/s and flags; with ``--bits``, every
+precision's rows side by side."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from ..core.cache.policy import DEFAULT_POLICY
+from ..planning.budget import PoolShape, default_zero_slot, plan_budget
+from ..planning.planner import sample_layers, shared_layers
+from ..planning.trace import RoutingTrace
+
+
+def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> tuple[list[dict], str, str]:
+    """``--memory-gb``: the pools against the tier beneath them; ``--host-gb``: the tier
+    beneath pools of their own (``planning.tiers``). Returns the rows, best first, the
+    policy and what memory they share."""
+    from ..planning.tiers import best_split, split_rows
+
+    flag = "--memory-gb" if a.memory_gb else "--host-gb"
+    if t is None or b is None:
+        raise ValueError(f"{flag} needs a compute time and the disk's bandwidth: --bench, "
+                         "or --t-compute-ms and --read-gbps")  # fmt: skip
+    if a.policy == "all" or a.policy == "belady":
+        raise ValueError(f"{flag} plans one policy the store runs, not --policy "
+                         f"{a.policy}: name one (e.g. predictive)")  # fmt: skip
+    pol = DEFAULT_POLICY if a.policy == "auto" else a.policy
+    L = shared_layers(trace, shape)  # a trace of another model is refused, as in plan
+    sim = dict(layers=sample_layers(L, a.layer_sample or None),
+               model_layers=len(shape.slot_bytes), tokens=a.tokens)  # fmt: skip
+    _, test = trace.split(0.5)
+    slot, record = int(np.mean(shape.slot_bytes[:L])), int(np.mean(shape.strides[:L]))
+    rates = (t, a.mem_gbps, b)
+    host_s = a.host_ms_per_call / 1e3 * len(shape.slot_bytes)  # per token: a call a layer
+    if a.memory_gb:  # pools in this machine's memory: its zero slot rule (GPUs: one each)
+        zero = default_zero_slot()
+        try:
+            rows = best_split(test, pol, int(a.memory_gb * 1e9), slot, record, shape.top_k,
+                              *rates, beneath=("page cache", "swap"), zero_slot=zero,
+                              host_s=host_s, **sim)  # fmt: skip
+        except ValueError as e:
+            raise ValueError(f"--memory-gb {a.memory_gb}: {e}; raise it") from None
+        what = f"{a.memory_gb} GB for pools and the tier beneath them"
+    else:  # pools in a GPU's own memory: a zero slot each
+        E, k = min(shape.num_experts), shape.top_k
+        gpu_zero = default_zero_slot("cuda")
+        slots = a.slots or [plan_budget(shape, g, gpu_zero).default_slots for g in a.budget_gb]
+        if min(slots) < k:
+            raise ValueError(f"--slots {min(slots)} is below top_k={k}: a pool holds one "
+                             f"token's experts at least; give --slots {k} or more")  # fmt: skip
+        host, what, reserve = int(a.host_gb * 1e9), f"{a.host_gb} GB of host memory", 0
+        if a.model:  # what loading its trunk takes beside a swap tier (load's reserve)
+            from ..model_builder import trunk_host_bytes
+            from ..prep.hub import load_lazy, resolve_model_path
+
+            reserve = trunk_host_bytes(load_lazy(resolve_model_path(a.model))[0], "cuda")
+            what += f" (less {reserve / 1e9:.2f} GB for the trunk as it loads, beside a swap tier)"
+        sizes = sorted({min(s, E) for s in slots})[::-1]
+        rows = []
+        for tier, room in (("page cache", host), ("swap", max(0, host - reserve))):
+            rows += split_rows(test, pol, [(s, room) for s in sizes], slot, record, *rates,
+                               beneath=(tier,), zero_slot=gpu_zero, host_s=host_s,
+                               device_swap=True, **sim)  # fmt: skip
+        rows.sort(key=lambda r: -r["predicted_tok_per_s"])
+        for r in rows:  # CUDA's default takes a swap tier (whole where it fits)
+            r["flags"] += " --no-swap-tier" if r["tier"] == "page cache" else ""
+        what = f"pools on the device, {what} beneath them"
+    return rows, pol, what
+
+
+def print_tiers(a, rows: list[dict], pol: str, what: str, skipped: list[str]) -> None:
+    """The rows of ``plan_tiers`` (of every precision of ``--bits``), best first."""
+    from ..core.io.tier import MARGIN
+
+    if a.json:
+        print(json.dumps(rows, indent=1))
+        return
+    bits = "bits" in rows[0]
+    print(f"policy {pol}; {what} (the page cache, or the store's swap tier, each less "
+          f"{MARGIN / 1e9:.2f} GB left to the process); best first")  # fmt: skip
+    print(f"{'bits ' if bits else ''}{'slots':>5} {'beneath':<10} {'pool GB':>8} {'tier GB':>8} "
+          f"{'pool':>6} {'tier':>6} {'disk':>6} {'disk MB/tok':>11} {'tok/s':>8} "
+          f"{'serial':>8}  flags")  # fmt: skip
+    for r in rows:
+        print(f"{r['bits']:>4} " if bits else "", end="")
+        print(f"{r['slots']:>5} {r['tier']:<10} {r['pool_gb']:>8.2f} {r['tier_gb']:>8.2f} "
+              f"{r['pool_share']:6.3f} {r['tier_share']:6.3f} {r['disk_share']:6.3f} "
+              f"{r['disk_mb_per_token']:>11.2f} {r['predicted_tok_per_s']:>8.2f} "
+              f"{r['serial_tok_per_s']:>8.2f}  "
+              f"{r['flags']}")  # fmt: skip
+    print("(tok/s: the reads and copies hidden under compute; serial: after it, as a "
+          "layer's misses wait for its routing without read-ahead)")  # fmt: skip
+    if a.host_gb and not a.host_ms_per_call:
+        print("(on CUDA the page cache runs the host path, whose own work per layer call "
+              "these tok/s leave out: give --host-ms-per-call; a swap tier, whole or "
+              "bounded, the device path)")  # fmt: skip
+    if bits:
+        say_bits(a, skipped)
+
+
+def say_bits(a, skipped: list[str]) -> None:
+    for line in skipped:
+        print(f"({line})")
+    src = a.expert_dir or "<the expert directory>"
+    print(f"(a row at B bits runs on its experts requantized: mlx-streaming requantize "
+          f"--src {src} --out <dir> --bits B, then load with --expert-dir <dir>"
+          + ("" if len(set(a.t_compute_ms or [])) > 1 else "; every row at one compute time: "
+             "give --t-compute-ms one per precision, as bench measures each")
+          + ")")  # fmt: skip
+
+
+def tagged(rows: list[dict], bits: int | None, shape: PoolShape, t: float | None) -> list:
+    if bits is None:
+        return rows
+    mb = round(float(np.mean(shape.slot_bytes)) / 1e6, 3)
+    ms = t and round(t * 1e3, 3)
+    return [{"bits": bits, "expert_mb": mb, "t_compute_ms": ms, **r} for r in rows]
