@@ -759,10 +759,10 @@ def test_a_planned_swap_tier_is_one_the_store_takes(models, tmp_path, capsys):
 
 def test_plan_sets_precisions_side_by_side(models, tmp_path, capsys):
     """``plan --bits 4 3``: each precision's rows, its experts' bytes those ``requantize``
-    writes at those bits (one requantized here to check), each at its own compute time;
-    with ``--memory-gb`` all rows best first, a precision that does not fit said and
-    skipped; in the budget mode fewer miss bytes at fewer bits for the same hits; bad
-    input named."""
+    writes at those bits and group size (requantized here to check), each at its own
+    compute time; with ``--memory-gb`` all rows best first, interleaved; a precision the
+    memory (or budget) cannot hold said and skipped, on stderr beside JSON; in the budget
+    mode fewer miss bytes at fewer bits for the same hits; bad input named."""
     from mlx_streaming.commands import plan as cmd
     from mlx_streaming.core.io.tier import MARGIN
     from mlx_streaming.core.meta import load_meta
@@ -771,19 +771,19 @@ def test_plan_sets_precisions_side_by_side(models, tmp_path, capsys):
 
     _, ed = models.experts("tiny-qwen3_moe")  # 3 MoE layers, 16 experts, top-4
     requantize(ed, tmp_path / "q3", bits=3, progress=False)
+    requantize(ed, tmp_path / "q3g32", bits=3, group_size=32, progress=False)
     three = PoolShape.from_meta(load_meta(tmp_path / "q3"))
     four = PoolShape.from_meta(load_meta(ed))
     local_trace(T=400, E=16).save(tmp_path / "t.npz")
-    base = ["--trace", str(tmp_path / "t.npz"), "--expert-dir", str(ed), "--tokens", "100",
-            "--read-gbps", "1"]  # fmt: skip
+    base = ["--trace", str(tmp_path / "t.npz"), "--expert-dir", str(ed), "--tokens", "100"]
     memory = MARGIN + 3 * 16 * (four.strides[0] + three.strides[0]) // 2  # between the two
-    mem = ["--memory-gb", str(memory / 1e9)]
+    mem = ["--memory-gb", str(memory / 1e9), "--read-gbps", "0.001"]  # a slow disk
     cmd.main([*base, *mem, "--bits", "4", "3", "--t-compute-ms", "1", "1.5", "--json"])
     rows = json.loads(capsys.readouterr().out)
     assert {r["bits"] for r in rows} == {4, 3}
-    assert [r["predicted_tok_per_s"] for r in rows] == sorted(
-        (r["predicted_tok_per_s"] for r in rows), reverse=True
-    )
+    tps = [r["predicted_tok_per_s"] for r in rows]
+    assert tps == sorted(tps, reverse=True)
+    assert sum(x["bits"] != y["bits"] for x, y in zip(rows, rows[1:])) >= 2  # interleaved
     for r in rows:
         shape = three if r["bits"] == 3 else four
         assert r["expert_mb"] == round(float(np.mean(shape.slot_bytes)) / 1e6, 3)
@@ -792,12 +792,29 @@ def test_plan_sets_precisions_side_by_side(models, tmp_path, capsys):
     assert whole == {3}  # this memory holds every 3-bit record beside the pools, not 4-bit's
     cmd.main([*base, *mem, "--bits", "4", "3", "--t-compute-ms", "1"])
     out = capsys.readouterr().out
-    assert "bits slots" in out and "requantize --src" in out and "--bits B" in out
+    assert "bits slots" in out and f"requantize --src {ed} " in out and "--bits B" in out
     assert "every row at one compute time" in out
+    cmd.main([*base, *mem, "--bits", "3", "--group-size", "32", "--t-compute-ms", "1", "--json"])
+    g32 = PoolShape.from_meta(load_meta(tmp_path / "q3g32"))
+    mb = {r["expert_mb"] for r in json.loads(capsys.readouterr().out)}
+    assert (
+        mb == {round(float(np.mean(g32.slot_bytes)) / 1e6, 3)} and g32.slot_bytes > three.slot_bytes
+    )
     little = MARGIN + 3 * 4 * (four.slot_bytes[0] + three.slot_bytes[0]) // 2  # top-k slots
-    cmd.main([*base, "--memory-gb", str(little / 1e9), "--bits", "4", "3", "--t-compute-ms", "1"])
+    tight = ["--memory-gb", str(little / 1e9), "--read-gbps", "1", "--t-compute-ms", "1"]
+    cmd.main([*base, *tight, "--bits", "4", "3"])
     out = capsys.readouterr().out
-    assert "(4 bits: " in out and "raise it" in out and "\n   3 " in out  # 3-bit rows only
+    assert "(skipped: 4 bits: " in out and "raise it" in out and "\n   3 " in out
+    assert "\n   4 " not in out
+    cmd.main([*base, *tight, "--bits", "4", "3", "--json"])
+    got = capsys.readouterr()
+    assert {r["bits"] for r in json.loads(got.out)} == {3} and "plan: skipped 4 bits" in got.err
+    with pytest.raises(ValueError, match="no precision of --bits fits: 4 bits: .*; 3 bits: "):
+        cmd.main([*base, *tight[:1], str((MARGIN + 1000) / 1e9), *tight[2:], "--bits", "4", "3"])
+    budget = 3 * 4 * (four.slot_bytes[0] + three.slot_bytes[0]) / 2e9  # top-k: 3-bit only
+    cmd.main([*base, "--budget-gb", str(budget), "--bits", "4", "3", "--json"])
+    got = capsys.readouterr()
+    assert {r["bits"] for r in json.loads(got.out)} == {3} and "skipped 4 bits: budget" in got.err
     cmd.main([*base, "--slots", "6", "--bits", "4", "3", "--t-compute-ms", "1", "--json"])
     rows = json.loads(capsys.readouterr().out)
     by = {(r["bits"], r["policy"]): r for r in rows}
@@ -807,13 +824,22 @@ def test_plan_sets_precisions_side_by_side(models, tmp_path, capsys):
             assert by[3, pol]["miss_bytes_per_token"] < by[4, pol]["miss_bytes_per_token"]
     assert sum(r["best"] for r in rows) == 2  # one best a precision
     cmd.main([*base, "--slots", "6", "--bits", "3", "--t-compute-ms", "1"])
-    assert "at 3 bits (" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "at 3 bits (" in out and "one compute time" not in out  # one precision
     with pytest.raises(ValueError, match="--bits needs the experts' layouts"):
         cmd.main([*base[:2], "--expert-bytes", "4096", "--slots", "6", "--bits", "3"])
     with pytest.raises(ValueError, match=r"--t-compute-ms has 3 values: .* per precision"):
         cmd.main([*base, "--slots", "6", "--bits", "4", "3", "--t-compute-ms", "1", "2", "3"])
-    with pytest.raises(ValueError, match="--bits 7: bits 7 for layer .* is not supported"):
+    with pytest.raises(ValueError, match=r"--t-compute-ms has 2 values: give one \(several"):
+        cmd.main([*base, "--slots", "6", "--t-compute-ms", "1", "2"])
+    with pytest.raises(ValueError, match="--bits 4 4 3: name each precision once"):
+        cmd.main([*base, "--slots", "6", "--bits", "4", "4", "3"])
+    with pytest.raises(ValueError, match="--bits 7: bits 7 for layer .* not supported"):
         cmd.main([*base, "--slots", "6", "--bits", "7"])
+    with pytest.raises(ValueError, match="--plot draws one precision"):
+        cmd.main([*base, "--slots", "6", "--bits", "4", "3", "--plot", str(tmp_path / "p.png")])
+    with pytest.raises(ValueError, match="--memory-gb needs a compute time"):  # not "fits"
+        cmd.main([*base, *mem[:2], "--bits", "4", "3"])
 
 
 def test_the_page_cache_tier_beneath_the_pools():

@@ -4,7 +4,9 @@ precision's rows side by side."""
 
 from __future__ import annotations
 
+import functools
 import json
+import sys
 
 import numpy as np
 
@@ -14,12 +16,9 @@ from ..planning.planner import sample_layers, shared_layers
 from ..planning.trace import RoutingTrace
 
 
-def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> tuple[list[dict], str, str]:
-    """``--memory-gb``: the pools against the tier beneath them; ``--host-gb``: the tier
-    beneath pools of their own (``planning.tiers``). Returns the rows, best first, the
-    policy and what memory they share."""
-    from ..planning.tiers import best_split, split_rows
-
+def check_tiers(a, t: float | None, b: float | None) -> None:
+    """Refuse what ``plan_tiers`` cannot plan: no compute time or bandwidth, or a policy
+    the store does not run."""
     flag = "--memory-gb" if a.memory_gb else "--host-gb"
     if t is None or b is None:
         raise ValueError(f"{flag} needs a compute time and the disk's bandwidth: --bench, "
@@ -27,6 +26,15 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> tuple[list[dic
     if a.policy == "all" or a.policy == "belady":
         raise ValueError(f"{flag} plans one policy the store runs, not --policy "
                          f"{a.policy}: name one (e.g. predictive)")  # fmt: skip
+
+
+def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> tuple[list[dict], str, str]:
+    """``--memory-gb``: the pools against the tier beneath them; ``--host-gb``: the tier
+    beneath pools of their own (``planning.tiers``). Returns the rows, best first, the
+    policy and what memory they share."""
+    from ..planning.tiers import best_split, split_rows
+
+    check_tiers(a, t, b)
     pol = DEFAULT_POLICY if a.policy == "auto" else a.policy
     L = shared_layers(trace, shape)  # a trace of another model is refused, as in plan
     sim = dict(layers=sample_layers(L, a.layer_sample or None),
@@ -53,10 +61,7 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> tuple[list[dic
                              f"token's experts at least; give --slots {k} or more")  # fmt: skip
         host, what, reserve = int(a.host_gb * 1e9), f"{a.host_gb} GB of host memory", 0
         if a.model:  # what loading its trunk takes beside a swap tier (load's reserve)
-            from ..model_builder import trunk_host_bytes
-            from ..prep.hub import load_lazy, resolve_model_path
-
-            reserve = trunk_host_bytes(load_lazy(resolve_model_path(a.model))[0], "cuda")
+            reserve = _trunk_reserve(a.model)
             what += f" (less {reserve / 1e9:.2f} GB for the trunk as it loads, beside a swap tier)"
         sizes = sorted({min(s, E) for s in slots})[::-1]
         rows = []
@@ -71,11 +76,20 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> tuple[list[dic
     return rows, pol, what
 
 
+@functools.cache
+def _trunk_reserve(model: str) -> int:
+    from ..model_builder import trunk_host_bytes
+    from ..prep.hub import load_lazy, resolve_model_path
+
+    return trunk_host_bytes(load_lazy(resolve_model_path(model))[0], "cuda")
+
+
 def print_tiers(a, rows: list[dict], pol: str, what: str, skipped: list[str]) -> None:
     """The rows of ``plan_tiers`` (of every precision of ``--bits``), best first."""
     from ..core.io.tier import MARGIN
 
     if a.json:
+        say_skipped(skipped)
         print(json.dumps(rows, indent=1))
         return
     bits = "bits" in rows[0]
@@ -102,14 +116,23 @@ def print_tiers(a, rows: list[dict], pol: str, what: str, skipped: list[str]) ->
 
 
 def say_bits(a, skipped: list[str]) -> None:
+    """Under a table of ``--bits`` rows: the precisions skipped, and how to run a row."""
     for line in skipped:
-        print(f"({line})")
-    src = a.expert_dir or "<the expert directory>"
+        print(f"(skipped: {line})")
+    one_time = len(a.bits) > 1 and len(a.t_compute_ms or []) < 2
+    group = f" --group-size {a.group_size}" if a.group_size else ""
     print(f"(a row at B bits runs on its experts requantized: mlx-streaming requantize "
-          f"--src {src} --out <dir> --bits B, then load with --expert-dir <dir>"
-          + ("" if len(set(a.t_compute_ms or [])) > 1 else "; every row at one compute time: "
-             "give --t-compute-ms one per precision, as bench measures each")
+          f"--src {a.expert_dir or a.model} --out <dir> --bits B{group}, then load with "
+          f"--expert-dir <dir>"
+          + ("; every row at one compute time: give --t-compute-ms one per precision, as "
+             "bench measures each" if one_time else "")
           + ")")  # fmt: skip
+
+
+def say_skipped(skipped: list[str]) -> None:
+    """Beside JSON on stdout: the precisions skipped, on stderr."""
+    for line in skipped:
+        print(f"plan: skipped {line}", file=sys.stderr)
 
 
 def tagged(rows: list[dict], bits: int | None, shape: PoolShape, t: float | None) -> list:

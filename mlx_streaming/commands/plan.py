@@ -13,7 +13,7 @@ from ..planning.budget import PoolShape, default_zero_slot
 from ..planning.planner import PlanRow, plan, resolve_policies
 from ..planning.trace import RoutingTrace
 from ._args import nonneg_float, nonneg_int, positive_float, positive_int
-from ._plan_tiers import plan_tiers, print_tiers, say_bits, tagged
+from ._plan_tiers import check_tiers, plan_tiers, print_tiers, say_bits, say_skipped, tagged
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -91,10 +91,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         nargs="+",
         help="plan the experts at each of these precisions, as `requantize --bits B` would "
         "write them (each record's bytes from its layout; needs --model or --expert-dir), "
-        "their rows side by side; give --t-compute-ms one value per precision where you "
-        "have measured them (bench on each requantized model: MLX's kernels differ by bits, "
-        "an H100's 3-bit decode computed 13.8 ms a token against 4-bit's 9.5), else the "
-        "one compute time serves every row",
+        "their rows side by side; a precision the memory cannot hold is said and skipped. "
+        "Give --t-compute-ms one value per precision where you have measured them (bench on "
+        "each requantized model: stock mlx-lm decoded 3-bit experts at 72 tok/s against "
+        "4-bit's 106 in one H100 call), else the one compute time serves every row",
+    )
+    p.add_argument(
+        "--group-size",
+        type=positive_int,
+        help="with --bits, the group size requantize would write (default: the source's, else 64)",
     )
     p.add_argument("--bench", help="a `bench --json` result: t_compute and read bandwidth")
     p.add_argument(
@@ -190,12 +195,15 @@ def _shapes(a, trace: RoutingTrace) -> list[tuple[int | None, PoolShape]]:
         return [(None, PoolShape.from_layouts(layouts, top_k))]
     from ..prep.requantize import requantized_layouts
 
+    if len(set(a.bits)) < len(a.bits):
+        raise ValueError(f"--bits {' '.join(map(str, a.bits))}: name each precision once")
     out = []
-    for bits in dict.fromkeys(a.bits):
+    for bits in a.bits:
         try:
-            out.append((bits, PoolShape.from_layouts(requantized_layouts(layouts, bits), top_k)))
+            lay = requantized_layouts(layouts, bits, a.group_size)
         except ValueError as e:
-            raise ValueError(f"--bits {bits}: {e}") from None
+            raise ValueError(f"--bits {bits}: {e} (--group-size sets another)") from None
+        out.append((bits, PoolShape.from_layouts(lay, top_k)))
     return out
 
 
@@ -203,10 +211,30 @@ def _compute_times(a, t: float | None, n: int) -> list[float | None]:
     """The compute time of each of ``n`` precisions: ``--t-compute-ms``'s one value per
     precision, else ``t`` for all."""
     given = a.t_compute_ms or []
+    if len(given) > 1 and not a.bits:
+        raise ValueError(f"--t-compute-ms has {len(given)} values: give one (several only "
+                         "with --bits, one per precision)")  # fmt: skip
     if len(given) > 1 and len(given) != n:
         raise ValueError(f"--t-compute-ms has {len(given)} values: give one, or one per "
                          f"precision of --bits ({n})")  # fmt: skip
     return [v / 1e3 for v in given] if len(given) == n > 1 else [t] * n
+
+
+def _each_precision(shapes, times, fn) -> tuple[list, list[str]]:
+    """``fn(shape, t)`` of each precision, as ``(bits, shape, t, result)``; a precision
+    the memory cannot hold (``ValueError``) is skipped where another is planned, its
+    reason kept. Raises the ``ValueError`` where none is left."""
+    done, skipped = [], []
+    for (bits, shape), t in zip(shapes, times):
+        try:
+            done.append((bits, shape, t, fn(shape, t)))
+        except ValueError as e:
+            if len(shapes) == 1:
+                raise
+            skipped.append(f"{bits} bits: {e}")
+    if not done:
+        raise ValueError("no precision of --bits fits: " + "; ".join(skipped))
+    return done, skipped
 
 
 def _bounds(a) -> tuple[float | None, float | None]:
@@ -251,6 +279,9 @@ def plot(rows: list[PlanRow], path: str) -> None:
 def main(argv=None) -> None:
     a = setup_arg_parser().parse_args(argv)
     if a.machines_gb:
+        if a.bits:
+            raise ValueError("--bits plans pools, not a pipeline's split: drop it with "
+                             "--machines-gb")  # fmt: skip
         return plan_hosts(a)
     if a.host_gb and a.memory_gb:
         raise ValueError("give --memory-gb (pools and the tier beneath share one memory) or "
@@ -262,6 +293,8 @@ def main(argv=None) -> None:
         raise ValueError(
             "plan needs --trace and --budget-gb, --slots or --memory-gb (or --machines-gb)"
         )
+    if a.plot and a.bits and len(a.bits) > 1:
+        raise ValueError("--plot draws one precision: give one --bits value, or drop --plot")
     trace = RoutingTrace.load(a.trace)
     shapes = _shapes(a, trace)
     t, b = _bounds(a)
@@ -272,43 +305,28 @@ def main(argv=None) -> None:
                 "--memory-gb and --host-gb plan the two tiers without --plot or --pin-hot: "
                 "drop them"
             )
-        rows, skipped, first = [], [], None
-        for (bits, shape), tb in zip(shapes, times):
-            try:
-                got, pol, what = plan_tiers(a, trace, shape, tb, b)
-            except ValueError as e:  # one precision may not fit where another does
-                if bits is None or len(shapes) == 1:
-                    raise
-                skipped.append(f"{bits} bits: {e}")
-                first = first or e
-                continue
-            rows += tagged(got, bits, shape, tb)
-        if not rows:
-            raise first
-        rows.sort(key=lambda r: -r["predicted_tok_per_s"])
-        return print_tiers(a, rows, pol, what, skipped)
-    rows, tags = [], []
-    for (bits, shape), tb in zip(shapes, times):
-        got = plan(
-            trace,
-            shape,
-            budgets_gb=a.budget_gb or (),
-            slots=a.slots or (),
-            policies=resolve_policies(a.policy),
-            t_compute_s=tb,
-            read_gbps=b,
-            tokens=a.tokens,
-            layer_sample=a.layer_sample or None,
-            pin_hot=a.pin_hot,
-        )
-        rows += got
-        tags += [(bits, shape, tb)] * len(got)
+        check_tiers(a, times[0], b)  # what no precision changes, before any is planned
+        done, skipped = _each_precision(shapes, times, lambda s, tb: plan_tiers(a, trace, s, tb, b))
+        rows = [r for bits, shape, tb, (got, _, _) in done for r in tagged(got, bits, shape, tb)]
+        rows.sort(key=lambda r: (-r["predicted_tok_per_s"], -r["serial_tok_per_s"]))
+        return print_tiers(a, rows, *done[0][3][1:], skipped)
+    pols = resolve_policies(a.policy)
+
+    def rows_of(shape, tb):
+        return plan(trace, shape, budgets_gb=a.budget_gb or (), slots=a.slots or (),
+                    policies=pols, t_compute_s=tb, read_gbps=b, tokens=a.tokens,
+                    layer_sample=a.layer_sample or None, pin_hot=a.pin_hot)  # fmt: skip
+
+    done, skipped = _each_precision(shapes, times, rows_of)
+    rows = [r for *_, got in done for r in got]
+    tags = [(bits, shape, tb) for bits, shape, tb, got in done for _ in got]
     best = {}
     for r, (bits, _, _) in zip(rows, tags):
         key = (bits, r.slots)
         if r.policy != "belady" and (key not in best or r.hit_rate > best[key].hit_rate):
             best[key] = r
     if a.json:
+        say_skipped(skipped)
         out = []
         for r, (bits, shape, tb) in zip(rows, tags):
             out += tagged([{**r.to_json(), "best": best[bits, r.slots] is r}], bits, shape, tb)
@@ -331,7 +349,7 @@ def main(argv=None) -> None:
                 f"{r.miss_bytes_per_token / 1e6:12.2f} {tps} {ser}{mark}"
             )
         if a.bits:
-            say_bits(a, [])
+            say_bits(a, skipped)
         if t is None or b is None:
             print("(tok/s: give --bench, or --t-compute-ms and --read-gbps)", file=sys.stderr)
     if a.plot:
