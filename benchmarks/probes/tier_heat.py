@@ -8,6 +8,8 @@
   tokens (lookups discounted by 0.97 a token), a ridge regression on the trace's first
   half from the layer's own decayed lookups, or every layer's (each rule, as the store's
   heat, counts from the window's start);
+- ``prior:W``: each expert's share of the lookups in the trace's first half (a recorded
+  trace's popularity, fixed), plus W times the window's lookups decayed by 0.97;
 - ``furthest``: the expert next used furthest ahead, Belady's choice among the rows,
   which no store can know: the headroom left to the tier's rule (the victim itself
   always takes a row, as in the store).
@@ -102,6 +104,11 @@ def scores(trace, rule: str, start: int, tokens: int, x, past):
     if rule.startswith("decay:"):
         h = decayed(window, float(rule.split(":")[1]))
         return lambda li, t: h[t, own(li)]
+    if rule.startswith("prior:"):  # the first half's share of lookups, a recorded trace's
+        half, w = trace.tokens // 2, float(rule.split(":")[1])
+        prior = x[:half].mean(0)
+        h = decayed(window, DISCOUNT)
+        return lambda li, t: (prior + w * h[t])[own(li)]
     if rule == "furthest":
         nxt = {}
         for li in range(0, trace.layers, 2):
@@ -139,8 +146,8 @@ def main() -> None:
     p = parser(__doc__, preset=None)
     p.add_argument("--tokens", type=int, default=2000, help="tokens replayed per window")
     p.add_argument("--rules", default="oldest,coldest,furthest",
-                   help="comma-separated, of: coldest, oldest, lru, decay:D, ridge-own, "
-                   "ridge-all, furthest")  # fmt: skip
+                   help="comma-separated, of: coldest, oldest, lru, decay:D, prior:W, "
+                   "ridge-own, ridge-all, furthest")  # fmt: skip
     a = p.parse_args()
     trace = RoutingTrace.load(a.trace or TRACE)
     rules = a.rules.split(",")
