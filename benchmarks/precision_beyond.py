@@ -27,12 +27,25 @@ from harness import build, finish, log, parser
 FORMATS = {
     "8-bit": {"bits": 8},
     "4-bit": None,  # the preset's own experts
-    "mixed gate=3,up=3,down=4": {"bits": 4, "proj_bits": "gate=3,up=3,down=4"},
+    "mixed-3/3/4": {"bits": 4, "proj_bits": "gate=3,up=3,down=4"},  # gate, up, down
     "3-bit": {"bits": 3},
 }
 KEEP = ("tok_per_s", "decode_runs", "ratio_vs_stock", "hit_rate", "bytes_read_per_token",
         "disk_bytes_per_token", "swap_tier_gb", "storage_gbps", "t_compute_ms", "t_io_ms",
         "efficiency", "efficiency_vs_serial", "exact_vs_stock", "runtime")  # fmt: skip
+
+
+def chosen(spec: str) -> list[str]:
+    """The formats ``--formats`` names, in ``FORMATS``' order.
+
+    Raises:
+        ValueError: a name not in ``FORMATS``.
+    """
+    wanted = [f.strip() for f in spec.split(",")]
+    unknown = [f for f in wanted if f not in FORMATS]
+    if unknown:
+        raise ValueError(f"unknown formats {unknown}; choose from {list(FORMATS)}")
+    return [f for f in FORMATS if f in wanted]
 
 
 def main() -> None:
@@ -43,7 +56,8 @@ def main() -> None:
     p.add_argument(
         "--formats",
         default=",".join(FORMATS),
-        help="which formats, comma-separated (a device call may fit only some)",
+        help=f"which formats, comma-separated, of {', '.join(FORMATS)} (a device call "
+        "may fit only some)",
     )
     p.add_argument(
         "--method",
@@ -58,10 +72,10 @@ def main() -> None:
         p.error("--method memlimit needs --memory-limit-gb")
     if a.method == "direct" and a.memory_limit_gb:
         p.error("--memory-limit-gb is the cgroup of --method memlimit: add it, or drop the limit")
-    wanted = [f.strip() for f in a.formats.split(",")]
-    unknown = [f for f in wanted if f not in FORMATS]
-    if unknown:
-        p.error(f"unknown formats {unknown}; choose from {list(FORMATS)}")
+    try:
+        wanted = chosen(a.formats)
+    except ValueError as e:
+        p.error(str(e))
     from mlx_streaming.core.meta import load_meta
     from mlx_streaming.prep.requantize import requantize
 
@@ -69,12 +83,10 @@ def main() -> None:
     ck, src, meta = build(a)
     root = Path(a.workdir)
     rows = []
-    for name, spec in FORMATS.items():
-        if name not in wanted:
-            continue
-        model = ck
+    for name in wanted:
+        spec, model = FORMATS[name], ck
         if spec is not None:
-            tag = name.split()[0]
+            tag = name.replace("/", "")
             model = root / f"model-{tag}"
             if not (model / "config.json").exists():
                 requantize(src, root / f"experts-{tag}", model_out=model, model=ck, **spec)

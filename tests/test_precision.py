@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from mlx_lm import load
 from test_policies import local_trace
 
@@ -73,3 +74,20 @@ def test_study_rows(models):
     assert u2["mean_expert_bytes"] < mix["mean_expert_bytes"] < u4["mean_expert_bytes"]
     assert u4["kl"] < 1e-9 and u2["kl"] > 0
     assert u2["hit_rate"] >= mix["hit_rate"] >= u4["hit_rate"]
+
+
+def test_precision_beyond_takes_its_own_default_formats(monkeypatch):
+    """``benchmarks/precision_beyond.py``'s default ``--formats`` (every format) parses:
+    a format named with commas once made the script refuse its own default."""
+    import importlib.util
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    spec = importlib.util.spec_from_file_location("precision_beyond", bench / "precision_beyond.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.chosen(",".join(mod.FORMATS)) == list(mod.FORMATS)
+    assert mod.chosen("3-bit, 4-bit") == ["4-bit", "3-bit"]
+    with pytest.raises(ValueError, match=r"unknown formats \['5-bit'\]"):
+        mod.chosen("4-bit,5-bit")
