@@ -94,7 +94,9 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
     stream = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     stream = {k: (v.value if hasattr(v, "value") else v) for k, v in stream.items()}
     stream = {k: v for k, v in stream.items() if isinstance(v, (int, float, str, bool, type(None)))}
-    trace_file = str(Path(a.trace).resolve()) if a.trace else None  # the child runs elsewhere
+    trace_file = (
+        None if a.trace in (None, "none") else str(Path(a.trace).resolve())
+    )  # runs elsewhere
     rows = []
     # read-ahead as asked, then (--oracle, below every expert) by a simulated predictor
     # of each accuracy
@@ -447,5 +449,8 @@ def child(job: dict) -> dict:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2 or not sys.argv[1].startswith("{"):
+        raise SystemExit("beyond_ram.py is speed.py's child, given one row as JSON: run "
+                         "python benchmarks/speed.py --beyond-ram direct|memlimit|both ...")  # fmt: skip
     faulthandler.enable()  # a crash in C code prints the Python stack in the row's error
     print(json.dumps(child(json.loads(sys.argv[1]))), flush=True)

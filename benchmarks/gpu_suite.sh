@@ -133,11 +133,11 @@
 #   bash benchmarks/gpu_suite.sh launch     MLX's host cost per evaluation call and per op, with and
 #                                           without CUDA graphs
 #   bash benchmarks/gpu_suite.sh split      one decode step's build / launch / wait, stock against
-#                                           streamed at RESIDENCY (default 0.5; e.g. "0.5 0.125"):
+#                                           streamed at RESIDENCY (default 0.5; e.g. "0.5,0.125"):
 #                                           as loaded, copies dropped, no kernel, a second empty
 #                                           kernel per call, 1,024 blocks, every expert resident;
 #                                           ROUNDS alternating rounds (default 5)
-#   bash benchmarks/gpu_suite.sh precision  larger than RAM (O_DIRECT; METHOD=memlimit MEMLIMIT=G: a cgroup) at 25% by precision:
+#   bash benchmarks/gpu_suite.sh precision  larger than RAM (O_DIRECT; METHOD=memlimit: a MEMLIMIT-GB cgroup, default 6) at 25% by precision:
 #                                           FORMATS (default "4-bit,3-bit"; see precision_beyond.py)
 #   bash benchmarks/gpu_suite.sh hostprof   cProfile of decode, stock against 50% and 25%: where the
 #                                           host's time goes, MLX's eval calls shown apart
@@ -242,6 +242,8 @@ quality() {  # the quality table of the float model that train left in /tmp/tiny
   rm -rf /tmp/tq; timeout 300 python3 benchmarks/trained_quality.py --model /tmp/tiny-float \
     --workdir /tmp/tq --json "$out/quality-trained.json" 2>&1 | tail -3
 }
+# RESIDENCY in one form for every suite, commas (spaces once worked for some suites only)
+[ -z "${RESIDENCY:-}" ] || RESIDENCY=$(echo "$RESIDENCY" | tr -s ", " ",,")
 for suite in "$@"; do
 case "$suite" in
   warmup1) MLXS_WARMUP_ONLY=tiny-mixtral,thresholds-qwen3_moe timeout "$limit" python3 -m pytest \
@@ -269,20 +271,20 @@ case "$suite" in
            --timeline "$out/timeline-gpu-dsv2-final.json" ;;
   beyond) speed gpu-dsv2-beyond --residency "${RESIDENCY:-0.5,0.25,0.125}" --repeat 3 \
             --beyond-ram "${METHOD:-both}" --memory-limit-gb "${MEMLIMIT:-10}" \
-            ${PAGECACHE:+--no-swap-tier} --timeline "$out/timeline-beyond.json" ;;
+            $([ "${PAGECACHE:-}" = 1 ] && echo --no-swap-tier) --timeline "$out/timeline-beyond.json" ;;
   beyondtier) speed gpu-dsv2-beyond-tier${TIERGB:+-$TIERGB}${DIRECT:+-direct$DIRECT} \
                 --residency "${RESIDENCY:-0.5}" --repeat 3 --beyond-ram "${METHOD:-memlimit}" \
                 --memory-limit-gb "${MEMLIMIT:-6}" --swap-tier ${TIERGB:+--swap-tier-gb $TIERGB} \
                 $([ "${DIRECT:-}" = 1 ] && echo --direct-io) $([ "${DIRECT:-}" = 0 ] && echo --no-direct-io) \
                 --timeline "$out/timeline-beyond-tier.json" ;;
-  beyondpair) for r in ${RESIDENCY:-0.25 0.125}; do  # one machine, one call: the pair
+  beyondpair) for r in $(echo "${RESIDENCY:-0.25,0.125}" | tr , " "); do  # one machine, one call: the pair
                 speed gpu-dsv2-pair-$r-default --residency "$r" --repeat 3 --beyond-ram memlimit \
                   --memory-limit-gb "${MEMLIMIT:-6}" --timeline "$out/timeline-pair-$r-default.json"
                 speed gpu-dsv2-pair-$r-buffered --residency "$r" --repeat 3 --beyond-ram memlimit \
                   --memory-limit-gb "${MEMLIMIT:-6}" --no-direct-io \
                   --timeline "$out/timeline-pair-$r-buffered.json"
               done ;;
-  beyondring) for r in ${RESIDENCY:-0.25}; do  # a bounded tier: the host path, then the device
+  beyondring) for r in $(echo "${RESIDENCY:-0.25}" | tr , " "); do  # a bounded tier: the host path, then the device
                 for reads in ${READS:---no-device-reads --device-reads}; do  # path asking the ring
                   for cut in ${CUTS:-default}; do  # the ring's threads x its cut of a record
                     tag=$r-${reads#--}${CUTS:+-cut$cut}
@@ -407,7 +409,7 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
             MLX_USE_CUDA_GRAPHS=$g timeout 200 python3 benchmarks/probes/mlx_launch.py \
               --json "$out/mlx-launch-graphs$g.json" 2>&1 | tail -8
           done ;;
-  split) for r in ${RESIDENCY:-0.5}; do
+  split) for r in $(echo "${RESIDENCY:-0.5}" | tr , " "); do
            timeout "$limit" python3 benchmarks/probes/decode_split.py --workdir $work \
              --trace "$trace" --residency $r --rounds "${ROUNDS:-5}" \
              --json "$out/decode-split-$r.json" 2>&1 \
@@ -416,20 +418,20 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
   precision) timeout "$limit" python3 benchmarks/precision_beyond.py --preset dsv2-lite \
                --workdir $work --trace "$trace" --residency 0.25 --tokens 32 --repeat 3 \
                --formats "${FORMATS:-4-bit,3-bit}" --method "${METHOD:-direct}" \
-               ${MEMLIMIT:+--memory-limit-gb $MEMLIMIT} --json "$out/precision-beyond-gpu.json" 2>&1 \
+               $([ "${METHOD:-direct}" = memlimit ] && echo --memory-limit-gb "${MEMLIMIT:-6}") --json "$out/precision-beyond-gpu.json" 2>&1 \
                | grep -v "PyTorch was not found" | tee "$out/precision-beyond-gpu.log" | tail -4 ;;
   hostprof) timeout "$limit" python3 benchmarks/probes/host_profile.py --workdir $work \
               --trace "$trace" --residency "${RESIDENCY:-0.5,0.25}" ${TIERGB:+--swap-tier-gb $TIERGB} \
-              ${DIRECT:+--direct-io} --json "$out/host-profile${TIERGB:+-tier$TIERGB}.json" 2>&1 \
+              $([ "${DIRECT:-}" = 1 ] && echo --direct-io) --json "$out/host-profile${TIERGB:+-tier$TIERGB}.json" 2>&1 \
               | tail -3 ;;
   syncfloor) timeout "$limit" python3 benchmarks/probes/sync_floor.py --workdir $work --trace "$trace" \
                --residency "${RESIDENCY:-0.25}" --json "$out/sync-floor.json" 2>&1 \
                | tee "$out/sync-floor.log" | tail -3 ;;
   opcount) timeout "$limit" python3 benchmarks/probes/graph_ops.py --preset dsv2-lite --workdir $work \
              --trace "$trace" --residency "${RESIDENCY:-0.25}" ${TIERGB:+--swap-tier-gb $TIERGB} \
-             ${DIRECT:+--direct-io} --json "$out/graph-ops.json" 2>&1 | tee "$out/graph-ops.log" | tail -3 ;;
+             $([ "${DIRECT:-}" = 1 ] && echo --direct-io) --json "$out/graph-ops.json" 2>&1 | tee "$out/graph-ops.log" | tail -3 ;;
   gated) timeout "$limit" python3 benchmarks/probes/gated_read.py --preset dsv2-lite --workdir $work \
-           ${DIRECT:+--direct} --json "$out/gated-read${DIRECT:+-direct}.json" 2>&1 | tail -3 ;;
+           $([ "${DIRECT:-}" = 1 ] && echo --direct) --json "$out/gated-read$([ "${DIRECT:-}" = 1 ] && echo -direct).json" 2>&1 | tail -3 ;;
   hmm) timeout "$limit" python3 benchmarks/probes/hmm_read.py --mb 512 \
          --json "$out/hmm-read.json" 2>&1 | tee "$out/hmm-read.log" | tail -4 ;;
   kernelcost) timeout "$limit" python3 benchmarks/probes/kernel_call_cost.py \

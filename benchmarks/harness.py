@@ -28,14 +28,22 @@ def log(*a) -> None:
     print(*a, file=sys.stderr, flush=True)
 
 
+def recorded_trace(s: str) -> str:
+    """``--trace`` of a benchmark that replays a recorded trace: a file, not ``none``."""
+    if s == "none":
+        raise argparse.ArgumentTypeError("this benchmark replays a recorded trace: give a .npz")
+    return s
+
+
 def parser(
     doc: str,
     preset: str | None = "dsv2-lite-cpu",
-    trace: bool = True,
-    workdir: str = "scratch/bench",
+    trace: bool | str = True,
+    workdir: str | None = "scratch/bench",
 ) -> argparse.ArgumentParser:
-    """Flags every benchmark has: the checkpoint (--preset, --num-layers, --workdir), the
-    routing trace (--trace, 'none' for the model's own routing) and --json."""
+    """Flags every benchmark has: the checkpoint (--preset, --num-layers, --workdir; no
+    --workdir where ``workdir`` is None), the routing trace (--trace, 'none' for the
+    model's own routing; ``trace="required"``: a recorded trace only) and --json."""
     p = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -47,8 +55,12 @@ def parser(
             help="an MLX model directory to measure instead of a preset (e.g. the trained "
             "checkpoints/tiny-stdlib-moe, with --trace none)",
         )
-    p.add_argument("--workdir", default=workdir, help="checkpoints and expert directories")
-    if trace:
+    if workdir is not None:
+        p.add_argument("--workdir", default=workdir, help="checkpoints and expert directories")
+    if trace == "required":
+        p.add_argument("--trace", type=recorded_trace, default=str(TRACE),
+                       help="routing trace to replay (.npz)")  # fmt: skip
+    elif trace:
         p.add_argument("--trace", default=str(TRACE), help="routing trace to replay, or none")
     p.add_argument("--json", dest="json_out", help="write the result here")
     return p

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from harness import TRACE, finish, parser
+from harness import finish, parser
 
 
 def planning(store, trace, tokens: int, start: int = 5000) -> dict:
@@ -49,7 +49,7 @@ def planning(store, trace, tokens: int, start: int = 5000) -> dict:
 
 
 def main():
-    p = parser(__doc__, preset=None, workdir="scratch/host_cost")
+    p = parser(__doc__, preset=None, trace="required", workdir="scratch/host_cost")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--plan-tokens", type=int, default=400)
     a = p.parse_args()
@@ -63,7 +63,7 @@ def main():
     ck = make_checkpoint(f"{a.workdir}/trace-deepseek_v2", "trace-deepseek_v2")
     ed = f"{a.workdir}/trace-deepseek_v2-experts"
     ensure_split(ck, ed)
-    trace = RoutingTrace.load(a.trace if a.trace != "none" else TRACE)
+    trace = RoutingTrace.load(a.trace)
     rows = []
     for reader in ("native", "python"):
         for policy in ("predictive", "lru"):

@@ -17,7 +17,7 @@ from harness import build, finish, log, parser, routing_trace
 
 
 def main():
-    p = parser(__doc__, workdir="scratch/hotcold")
+    p = parser(__doc__, trace="required", workdir="scratch/hotcold")
     p.set_defaults(num_layers=7)  # 1 dense + 6 MoE layers
     p.add_argument("--budget-fraction", type=float, default=0.25)
     a = p.parse_args()

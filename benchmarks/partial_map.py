@@ -97,7 +97,7 @@ def model(row: dict, residency: float) -> dict:
 
 
 def main() -> None:
-    p = parser(__doc__, preset=None)
+    p = parser(__doc__, preset=None, trace="required", workdir=None)
     p.add_argument("--tokens", type=int, default=4000, help="held-out tokens replayed")
     a = p.parse_args()
     from mlx_streaming.planning.simulate import routing_counts

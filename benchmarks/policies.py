@@ -88,7 +88,7 @@ def e128(t):
 
 
 def main():
-    p = parser(__doc__, preset=None)
+    p = parser(__doc__, preset=None, trace="required", workdir=None)
     p.add_argument("--tokens", type=int, default=20000)
     a = p.parse_args()
     t0 = time.perf_counter()

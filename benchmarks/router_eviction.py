@@ -187,7 +187,7 @@ def layer_misses(top: np.ndarray, probs: np.ndarray, capacity: int, policy: str,
 
 
 def main() -> None:
-    p = parser(__doc__)
+    p = parser(__doc__, preset=None, trace=False, workdir=None)
     p.add_argument("--windows", type=int, default=48, help="held-out windows of 256 tokens")
     a = p.parse_args()
     t0 = time.perf_counter()

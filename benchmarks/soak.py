@@ -33,6 +33,8 @@ def main():
         "to tell the library's drift from MLX's and the allocator's",
     )
     a = p.parse_args()
+    if a.tokens < 900:  # drift is read from token 500 on, a quarter at each end
+        p.error(f"--tokens {a.tokens}: give 900 or more (drift is read from token 500 on)")
     from mlx_lm import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler

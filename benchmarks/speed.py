@@ -50,7 +50,7 @@ from harness import (
     streamed,
 )
 
-from mlx_streaming.commands._args import add_store_args, stream_config
+from mlx_streaming.commands._args import add_store_args, positive_int, stream_config
 from mlx_streaming.core.cache.stats import per_call_us
 
 # the host's phases of a layer call, as the store's stats name them
@@ -62,7 +62,7 @@ def main():
     p.add_argument("--residency", default="1,0.5,0.25,0.125")
     p.add_argument("--tokens", type=int, default=32, help="decode tokens per run")
     p.add_argument("--prompt-tokens", type=int, help="cut or repeat the prompt to this length")
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=positive_int, default=3)
     p.add_argument("--cold", default="both", choices=["warm", "cold", "both"])
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--prefill-residency", type=float, default=0.25)
@@ -125,6 +125,12 @@ def main():
     )
     from mlx_streaming.core.runtime import resolve
 
+    if a.beyond_ram and a.beyond_ram != "direct" and not a.memory_limit_gb:
+        p.error("--beyond-ram memlimit needs --memory-limit-gb")  # before the build
+    try:  # the ring's cut, a measurement's knob: StreamConfig checks it
+        cfg = stream_config(a).replace(ring_readers=a.ring_readers, ring_pieces=a.ring_pieces)
+    except ValueError as e:
+        p.error(str(e))
     t0 = time.perf_counter()
     ck, ed, meta = build(a)
     trace, start = routing_trace(a)
@@ -140,8 +146,6 @@ def main():
     if a.beyond_ram:
         import beyond_ram
 
-        if a.beyond_ram != "direct" and not a.memory_limit_gb:
-            p.error("--beyond-ram memlimit needs --memory-limit-gb")
         extra = {"preset": None if a.checkpoint else a.preset, "checkpoint": str(ck),
                  "expert_mb": round(meta.expert_bytes() / 1e6, 3), "trace": a.trace,
                  "trace_start": start, "tokens": a.tokens, "repeat": a.repeat,
@@ -150,10 +154,6 @@ def main():
         def progress(res):  # each row on disk as it comes: a run cut short keeps its rows
             save(a, stamped(a, "speed-beyond-ram", {**extra, **res}, t0))
 
-        try:  # the ring's cut, a measurement's knob: StreamConfig checks it
-            cfg = stream_config(a).replace(ring_readers=a.ring_readers, ring_pieces=a.ring_pieces)
-        except ValueError as e:
-            p.error(str(e))
         res = beyond_ram.run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress)
         finish(a, "speed-beyond-ram", {**extra, **res}, t0)
         return

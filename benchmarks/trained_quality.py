@@ -58,6 +58,9 @@ def main():
     root = Path(a.workdir)
     info = json.loads((Path(a.model) / "training.json").read_text())
     cfg = info["config"]
+    if a.positions < cfg["seq"]:
+        raise SystemExit(f"--positions {a.positions} is below one window of the model's "
+                         f"{cfg['seq']} tokens: give {cfg['seq']} or more")  # fmt: skip
     held_text = held_out_text(a.model)
     stock, tok = mlx_load(a.model)
     ids = np.array(tok.encode(held_text), dtype=np.int32)

@@ -8,7 +8,14 @@ the count of runs with a non-finite output is printed beside the CPU's.
 
 from __future__ import annotations
 
+import sys
+
 import mlx.core as mx
+
+if __name__ == "__main__" and (
+    {"-h", "--help"} & set(sys.argv[1:]) or not mx.cuda.is_available()
+):  # a probe of MLX's CUDA backend: its docstring is its help
+    raise SystemExit(__doc__ + ("" if mx.cuda.is_available() else "\n(needs MLX's CUDA backend)"))
 import mlx.nn as nn
 
 

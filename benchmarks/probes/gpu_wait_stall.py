@@ -10,10 +10,16 @@ copy needs, or waits for the device, the answer only lands once the spin times o
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 
 import mlx.core as mx
+
+if __name__ == "__main__" and (
+    {"-h", "--help"} & set(sys.argv[1:]) or not mx.cuda.is_available()
+):  # a probe of MLX's CUDA backend: its docstring is its help
+    raise SystemExit(__doc__ + ("" if mx.cuda.is_available() else "\n(needs MLX's CUDA backend)"))
 import numpy as np
 
 from mlx_streaming.core.cache.pool import device_address

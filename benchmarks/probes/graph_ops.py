@@ -38,6 +38,8 @@ from harness import (  # noqa: E402
 )
 from mlx.utils import tree_flatten  # noqa: E402
 
+from mlx_streaming.commands._args import budget_value  # noqa: E402
+
 _NODE = re.compile(r'\{ (\d+) \[label ="([^"]+)", shape=rectangle\]; \}')
 # primitives that launch no kernel of their own (views and shape changes)
 VIEWS = {"Broadcast", "Reshape", "ExpandDims", "Squeeze", "Slice", "Transpose",
@@ -103,7 +105,9 @@ def main():
     p = parser(__doc__, preset="dsv2-lite-cpu", workdir="scratch/bench")
     p.add_argument("--residency", default="0.25")
     p.add_argument("--tokens", type=int, default=4)
-    p.add_argument("--swap-tier-gb", type=float, help="a swap tier of at most this many GB")
+    p.add_argument(
+        "--swap-tier-gb", type=budget_value, help="a swap tier of at most this many GB, or auto"
+    )
     p.add_argument("--direct-io", action=argparse.BooleanOptionalAction, default=None)
     a = p.parse_args()
     load_kw = {"direct_io": a.direct_io, "device_reads": False}  # the host path, on CUDA too

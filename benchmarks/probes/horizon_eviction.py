@@ -81,7 +81,7 @@ def misses(seq, num_experts: int, slots: int, h: int, base: str) -> int:
 
 
 def main():
-    p = parser(__doc__, preset=None)
+    p = parser(__doc__, preset=None, trace="required", workdir=None)
     p.add_argument("--tokens", type=int, default=4000, help="held-out tokens replayed")
     a = p.parse_args()
     tr = RoutingTrace.load(a.trace or TRACE)

@@ -38,6 +38,8 @@ from harness import (  # noqa: E402
     streamed,
 )
 
+from mlx_streaming.commands._args import budget_value  # noqa: E402
+
 
 def _wrap_mlx() -> None:
     """Make MLX's evaluation calls visible to cProfile under their own names."""
@@ -91,7 +93,9 @@ def main():
     p.add_argument("--residency", default="0.5,0.25")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--top", type=int, default=30)
-    p.add_argument("--swap-tier-gb", type=float, help="a swap tier of at most this many GB")
+    p.add_argument(
+        "--swap-tier-gb", type=budget_value, help="a swap tier of at most this many GB, or auto"
+    )
     p.add_argument("--direct-io", action=argparse.BooleanOptionalAction, default=None,
                    help="read the files with O_DIRECT (default: the package's)")  # fmt: skip
     a = p.parse_args()

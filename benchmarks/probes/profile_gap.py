@@ -19,7 +19,7 @@ from harness import finish, log, parser  # noqa: E402
 
 
 def main():
-    p = parser(__doc__, preset=None)
+    p = parser(__doc__, preset=None, trace="required", workdir=None)
     p.add_argument("--slots", default="8,16,32", help="uniform slots per layer")
     p.add_argument("--tokens", type=int, default=4000, help="held-out tokens replayed")
     a = p.parse_args()

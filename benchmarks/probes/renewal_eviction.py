@@ -64,7 +64,7 @@ def renewal_misses(seq, num_experts: int, slots: int, prior: float, surv: bool) 
 
 
 def main():
-    p = parser(__doc__, preset=None)
+    p = parser(__doc__, preset=None, trace="required", workdir=None)
     p.add_argument("--tokens", type=int, default=4000, help="held-out tokens replayed")
     p.add_argument("--prior", type=float, default=4.0)
     a = p.parse_args()

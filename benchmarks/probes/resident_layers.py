@@ -28,7 +28,7 @@ from harness import finish, log, parser  # noqa: E402
 
 
 def main():
-    p = parser(__doc__, preset=None)
+    p = parser(__doc__, preset=None, trace="required", workdir=None)
     p.add_argument("--residency", type=float, default=0.5)
     p.add_argument("--full", default="0,2,4,6,8,10,12", help="whole layers, F")
     p.add_argument("--policy", default="predictive")

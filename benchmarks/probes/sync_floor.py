@@ -70,15 +70,13 @@ def _shared_ahead_switch() -> None:
 
 def main():
     """Run every row in alternating rounds and print (and write) their medians."""
-    p = parser(__doc__, preset="dsv2-lite", workdir="/tmp/mlxs")
+    p = parser(__doc__, preset="dsv2-lite", trace="required", workdir="/tmp/mlxs")
     p.add_argument("--residency", default="0.25", help="streamed residencies beside 1")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=5)
     a = p.parse_args()
     ck, ed, meta = build(a)
     trace, start = routing_trace(a)
-    if trace is None:
-        p.error("the stock rows read the routing where a trace replay routes: give --trace")
     _shared_ahead_switch()
     ids_read = routing_read_through()
     runs = {}  # name -> (model, tokenizer, routing, the patches' flags)

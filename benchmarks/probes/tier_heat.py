@@ -143,7 +143,7 @@ def disk_mb(trace, slots: int, gb: float, start: int, tokens: int, score) -> flo
 
 
 def main() -> None:
-    p = parser(__doc__, preset=None)
+    p = parser(__doc__, preset=None, trace="required", workdir=None)
     p.add_argument("--tokens", type=int, default=2000, help="tokens replayed per window")
     p.add_argument("--rules", default="oldest,coldest,furthest",
                    help="comma-separated, of: coldest, oldest, lru, decay:D, prior:W, "
