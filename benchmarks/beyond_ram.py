@@ -122,7 +122,7 @@ def run(a, ck, ed, meta, trace, start, cfg, prompt_ids, progress=None) -> dict:
         ref_file = Path(tmp) / "want.npz"
         np.savez(ref_file, tokens=np.array(want.tokens), logits=want.logits)
         for method in methods:
-            residencies = [float(x) for x in a.residency.split(",")]
+            residencies = list(a.residency)
             for r, oracle in [
                 (r, o) for r in residencies for o in [None, *oracles] if r < 1 or not o
             ]:

@@ -225,7 +225,7 @@ def recall(top: np.ndarray, S: np.ndarray, capacity: int) -> tuple[int, int]:
 
 
 def main() -> None:
-    p = parser(__doc__, preset=None, trace=False)
+    p = parser(__doc__, preset=None, trace=False, workdir=None)
     p.add_argument("--windows", type=int, default=48, help="held-out windows of 256 tokens")
     a = p.parse_args()
     from mlx_streaming.core.cache.scored import PREDICTIVE_WEIGHTS

@@ -35,6 +35,19 @@ def recorded_trace(s: str) -> str:
     return s
 
 
+def numbers(kind=float):
+    """An argparse type: a comma-separated list of ``kind``, checked as the flags are read
+    (before any build), e.g. ``--pieces 1,4,8``."""
+
+    def parse(s: str) -> list:
+        try:
+            return [kind(x) for x in s.replace(" ", ",").split(",") if x]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{s!r}: give {kind.__name__}s, e.g. 1,2") from None
+
+    return parse
+
+
 def parser(
     doc: str,
     preset: str | None = "dsv2-lite-cpu",

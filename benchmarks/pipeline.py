@@ -129,7 +129,7 @@ def main() -> None:
     p.add_argument("--port", type=int, default=38400)
     p.add_argument("--hop-iters", type=int, default=200)
     p.add_argument("--hop-probe", action="store_true", help=argparse_hidden())
-    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--hidden", type=int, default=2048, help=argparse_hidden())  # the probe's
     p.add_argument("--chunk", type=int, default=512)
     a = p.parse_args()
     if a.hop_probe:

@@ -38,6 +38,7 @@ from harness import (
     finish,
     follow,
     log,
+    numbers,
     oracle_accuracies,
     parser,
     read_ahead,
@@ -59,7 +60,7 @@ PHASES = ("ahead_s", "sync_s", "host_s", "read_s", "graph_s")
 
 def main():
     p = parser(__doc__, workdir="scratch/speed")
-    p.add_argument("--residency", default="1,0.5,0.25,0.125")
+    p.add_argument("--residency", type=numbers(), default=[1, 0.5, 0.25, 0.125])
     p.add_argument("--tokens", type=int, default=32, help="decode tokens per run")
     p.add_argument("--prompt-tokens", type=int, help="cut or repeat the prompt to this length")
     p.add_argument("--repeat", type=positive_int, default=3)
@@ -170,7 +171,7 @@ def main():
     read = {t: store_read_gbps(meta, runtime, cold=t == "cold") for t in ("warm", "cold")}
     gbps = {t: min(v, h2d or v) for t, v in read.items()}
     configs = []
-    for r in [float(x) for x in a.residency.split(",")]:
+    for r in a.residency:
         temps = (
             ["warm"]
             if r >= 1

@@ -30,7 +30,7 @@ READ_ONLY = 8  # cudaHostRegisterReadOnly
 
 
 def main():
-    p = parser(__doc__, preset="dsv2-lite", workdir="/tmp/mlxs")
+    p = parser(__doc__, preset="dsv2-lite", trace=False, workdir="/tmp/mlxs")
     p.add_argument("--repeat", type=int, default=21)
     a = p.parse_args()
     from mlx_streaming.core.io import cuda

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from harness import build, finish, log, parser  # noqa: E402
+from harness import build, finish, log, numbers, parser  # noqa: E402
 
 
 def trade_of(ms: float, on_cuda: bool):
@@ -45,10 +45,10 @@ def trade_of(ms: float, on_cuda: bool):
 
 
 def main():
-    p = parser(__doc__, preset="dsv2-lite-cpu", workdir="/tmp/mlxs")
+    p = parser(__doc__, preset="dsv2-lite-cpu", trace=False, workdir="/tmp/mlxs")
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--direct", action="store_true", help="read with O_DIRECT (the disk)")
-    p.add_argument("--trade-ms", default="0.5,1,2")
+    p.add_argument("--trade-ms", type=numbers(), default=[0.5, 1.0, 2.0])
     a = p.parse_args()
     from mlx_streaming.core.cache.expert_store import FileExpertStore
     from mlx_streaming.core.io import cuda
@@ -63,7 +63,7 @@ def main():
                      cuda=cuda if on_cuda else None)  # fmt: skip
     rng = np.random.default_rng(0)
     rows = []
-    for ms in [float(x) for x in a.trade_ms.split(",")]:
+    for ms in a.trade_ms:
         for n in (1, 2, 4):
             times = {"serial": [], "gated": []}
             for i in range(a.repeat):

@@ -29,6 +29,7 @@ from harness import (  # noqa: E402
     build,
     finish,
     log,
+    numbers,
     parser,
     rewind,
     routing_trace,
@@ -103,7 +104,7 @@ def _count(counter: OpCounter, model, tok, tokens: int) -> dict:
 def main():
     """Count stock's ops, then each residency's (the host path), and print them."""
     p = parser(__doc__, preset="dsv2-lite-cpu", workdir="scratch/bench")
-    p.add_argument("--residency", default="0.25")
+    p.add_argument("--residency", type=numbers(), default=[0.25])
     p.add_argument("--tokens", type=int, default=4)
     p.add_argument(
         "--swap-tier-gb", type=budget_value, help="a swap tier of at most this many GB, or auto"
@@ -123,7 +124,7 @@ def main():
         out["stock"] = _count(counter, model, tok, a.tokens)
         log("stock", {k: v for k, v in out["stock"].items() if k != "ops_by_kind_per_token"})
         del model
-        for r in [float(x) for x in a.residency.split(",")]:
+        for r in a.residency:
             model, tok, store, routing = streamed(
                 ck, ed, trace, start, slots=slots_at(meta, r), **load_kw
             )

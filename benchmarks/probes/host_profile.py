@@ -30,6 +30,7 @@ from harness import (  # noqa: E402
     build,
     finish,
     log,
+    numbers,
     parser,
     rewind,
     routing_trace,
@@ -90,7 +91,7 @@ def _profile(model, tok, ids, tokens: int, layers: int, top: int) -> dict:
 
 def main():
     p = parser(__doc__, preset="dsv2-lite", workdir="/tmp/mlxs")
-    p.add_argument("--residency", default="0.5,0.25")
+    p.add_argument("--residency", type=numbers(), default=[0.5, 0.25])
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--top", type=int, default=30)
     p.add_argument(
@@ -113,7 +114,7 @@ def main():
     out["stock"] = _profile(model, tok, ids, a.tokens, layers, a.top)
     log("stock", out["stock"]["tok_per_s"], out["stock"]["top"][:8])
     del model
-    for r in [float(x) for x in a.residency.split(",")]:
+    for r in a.residency:
         slots = slots_at(meta, r)
         model, tok, store, routing = streamed(ck, ed, trace, start, slots=slots, **load_kw)
         rewind(start, routing)

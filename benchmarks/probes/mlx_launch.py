@@ -152,7 +152,7 @@ def _custom_kernels(n: int = 26) -> list[dict]:
 
 
 def main():
-    p = parser(__doc__, preset=None, trace=False)
+    p = parser(__doc__, preset=None, trace=False, workdir=None)
     p.add_argument("--repeat", type=int, default=50)
     a = p.parse_args()
     x = mx.random.normal((8, 2048))

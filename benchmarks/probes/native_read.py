@@ -31,7 +31,7 @@ from harness import build, finish, log, parser  # noqa: E402
 
 
 def main():
-    p = parser(__doc__, preset="dsv2-lite", workdir="/tmp/mlxs")
+    p = parser(__doc__, preset="dsv2-lite", trace=False, workdir="/tmp/mlxs")
     p.add_argument("--repeat", type=int, default=21)
     p.add_argument("--direct", action="store_true", help="read with O_DIRECT (the disk)")
     a = p.parse_args()

@@ -82,7 +82,7 @@ def recall(guess: np.ndarray, truth: np.ndarray, layers) -> float:
 
 
 def main() -> None:
-    p = parser(__doc__, preset=None, trace=False)
+    p = parser(__doc__, preset=None, trace=False, workdir=None)
     p.add_argument("--windows", type=int, default=16, help="held-out windows of 256 tokens")
     a = p.parse_args()
     t0 = time.perf_counter()

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from harness import build, finish, log, parser  # noqa: E402
+from harness import build, finish, log, numbers, parser  # noqa: E402
 
 TIMEOUT_MS = 2000
 BLOCKS = 16  # copy blocks per record
@@ -126,7 +126,7 @@ def main():
     p.add_argument("--direct", action="store_true", help="read with O_DIRECT (the disk)")
     p.add_argument("--readers", type=int, default=8, help="the ring's reader threads (the "
                    "device's DEVICE_READERS)")  # fmt: skip
-    p.add_argument("--pieces", default="1",
+    p.add_argument("--pieces", type=numbers(int), default=[1],
                    help="the reads a record is cut in, a ring each (e.g. 1,4,8: side by side)")  # fmt: skip
     a = p.parse_args()
     from mlx_streaming.core.cache.expert_store import FileExpertStore
@@ -155,7 +155,7 @@ def main():
         return li, rng.choice(meta.num_experts, n, replace=False).tolist()
 
     rows, bad, ring = [], 0, None
-    for n, pieces in [(n, int(p)) for p in a.pieces.split(",") for n in (1, 2, 4, 6)]:
+    for n, pieces in [(n, p) for p in a.pieces for n in (1, 2, 4, 6)]:
         if ring is None or ring.pieces != pieces:  # a ring of its own for each cut
             if ring is not None:
                 ring.close()

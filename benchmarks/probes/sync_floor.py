@@ -42,6 +42,7 @@ from harness import (  # noqa: E402
     decode_run,
     finish,
     log,
+    numbers,
     parser,
     rewind,
     routing_on_host,
@@ -71,7 +72,9 @@ def _shared_ahead_switch() -> None:
 def main():
     """Run every row in alternating rounds and print (and write) their medians."""
     p = parser(__doc__, preset="dsv2-lite", trace="required", workdir="/tmp/mlxs")
-    p.add_argument("--residency", default="0.25", help="streamed residencies beside 1")
+    p.add_argument(
+        "--residency", type=numbers(), default=[0.25], help="streamed residencies beside 1"
+    )
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=5)
     a = p.parse_args()
@@ -85,7 +88,7 @@ def main():
     runs["stock, launched per layer"] = (model, tok, routing, {"launch_only": True})
     runs["stock, synced per layer"] = (model, tok, routing, {"read": True})
     stores = []
-    for r in [1.0] + sorted({float(x) for x in a.residency.split(",") if x} - {1.0}):
+    for r in [1.0] + sorted(set(a.residency) - {1.0}):
         name = "streamed, all resident" if r == 1.0 else f"streamed {r}"
         m, t, store, rt = streamed(ck, ed, trace, start, slots=slots_at(meta, r),
                                    device_reads=False)  # fmt: skip

@@ -37,6 +37,7 @@ from mlx_streaming.planning import tiers  # noqa: E402
 from mlx_streaming.planning.simulate import layer_lookups  # noqa: E402
 from mlx_streaming.planning.trace import RoutingTrace  # noqa: E402
 
+KNOWN = ("coldest", "oldest", "lru", "ridge-own", "ridge-all", "furthest")
 RECORD = 4_866_048  # DS2-Lite's 4-bit expert record, bytes
 SPLITS = ((8, 4.43), (16, 4.43), (16, 2.0), (32, 3.0))  # slots per layer, tier GB
 DISCOUNT = 0.97  # the learned rules' target: lookups over the next tokens, discounted
@@ -151,6 +152,12 @@ def main() -> None:
     a = p.parse_args()
     trace = RoutingTrace.load(a.trace or TRACE)
     rules = a.rules.split(",")
+    for r in rules:  # before any work: a bad rule or number stops here
+        name, _, arg = r.partition(":")
+        if name in ("decay", "prior") and not arg.replace(".", "", 1).isdigit():
+            p.error(f"--rules {r}: give {name}:NUMBER, e.g. {name}:0.99")
+        if name not in ("decay", "prior") and r not in KNOWN:
+            p.error(f"--rules names {r!r}: choose from {', '.join(KNOWN)}, decay:D, prior:W")
     x = usage(trace)
     half = trace.tokens // 2
     past = decayed(x[:half], DISCOUNT) if any(r.startswith("ridge") for r in rules) else None

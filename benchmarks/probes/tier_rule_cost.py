@@ -44,7 +44,7 @@ def us_per_call(E: int, slots: int, rows: int, k: int, calls: int, seed: int) ->
 
 
 def main(argv=None) -> dict:
-    p = parser(__doc__, preset=None, trace=False)
+    p = parser(__doc__, preset=None, trace=False, workdir=None)
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=5)
     a = p.parse_args(argv)
