@@ -137,7 +137,7 @@
 #                                           as loaded, copies dropped, no kernel, a second empty
 #                                           kernel per call, 1,024 blocks, every expert resident;
 #                                           ROUNDS alternating rounds (default 5)
-#   bash benchmarks/gpu_suite.sh precision  larger than RAM (O_DIRECT; METHOD=memlimit: a MEMLIMIT-GB cgroup, default 6) at 25% by precision:
+#   bash benchmarks/gpu_suite.sh precision  larger than RAM (O_DIRECT; METHOD=memlimit: a MEMLIMIT-GB cgroup, default 6) at RESIDENCY (0.25) by precision:
 #                                           FORMATS (default "4-bit,3-bit"; see precision_beyond.py)
 #   bash benchmarks/gpu_suite.sh hostprof   cProfile of decode, stock against 50% and 25%: where the
 #                                           host's time goes, MLX's eval calls shown apart
@@ -416,7 +416,7 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
              | grep -v "PyTorch was not found" | tee "$out/decode-split-$r.log" | grep -E "^(stock|streamed)"
          done ;;
   precision) timeout "$limit" python3 benchmarks/precision_beyond.py --preset dsv2-lite \
-               --workdir $work --trace "$trace" --residency 0.25 --tokens 32 --repeat 3 \
+               --workdir $work --trace "$trace" --residency "${RESIDENCY:-0.25}" --tokens 32 --repeat 3 \
                --formats "${FORMATS:-4-bit,3-bit}" --method "${METHOD:-direct}" \
                $([ "${METHOD:-direct}" = memlimit ] && echo --memory-limit-gb "${MEMLIMIT:-6}") --json "$out/precision-beyond-gpu.json" 2>&1 \
                | grep -v "PyTorch was not found" | tee "$out/precision-beyond-gpu.log" | tail -4 ;;
