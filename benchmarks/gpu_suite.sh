@@ -242,7 +242,8 @@ quality() {  # the quality table of the float model that train left in /tmp/tiny
   rm -rf /tmp/tq; timeout 300 python3 benchmarks/trained_quality.py --model /tmp/tiny-float \
     --workdir /tmp/tq --json "$out/quality-trained.json" 2>&1 | tail -3
 }
-# RESIDENCY in one form for every suite, commas (spaces once worked for some suites only)
+# RESIDENCY as commas for every suite that takes a list (spaces once worked for some only);
+# the nsys suite, whose script takes one residency, still takes one
 [ -z "${RESIDENCY:-}" ] || RESIDENCY=$(echo "$RESIDENCY" | tr -s ", " ",,")
 for suite in "$@"; do
 case "$suite" in

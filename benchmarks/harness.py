@@ -35,17 +35,25 @@ def recorded_trace(s: str) -> str:
     return s
 
 
-def numbers(kind=float):
-    """An argparse type: a comma-separated list of ``kind``, checked as the flags are read
-    (before any build), e.g. ``--pieces 1,4,8``."""
+def numbers(kind=float, lo: float | None = None, hi: float | None = None):
+    """An argparse type: a comma-separated list of ``kind`` (at least one, each within
+    ``[lo, hi]``), checked as the flags are read, before any build: ``--pieces 1,4,8``."""
 
     def parse(s: str) -> list:
         try:
-            return [kind(x) for x in s.replace(" ", ",").split(",") if x]
+            out = [kind(x) for x in s.replace(" ", ",").split(",") if x]
         except ValueError:
             raise argparse.ArgumentTypeError(f"{s!r}: give {kind.__name__}s, e.g. 1,2") from None
+        bad = [v for v in out if (lo is not None and v < lo) or (hi is not None and v > hi)]
+        if not out or bad:
+            span = f"within [{lo}, {hi}]" if hi is not None else f"of at least {lo}"
+            raise argparse.ArgumentTypeError(f"{s!r}: give one or more {kind.__name__}s {span}")
+        return out
 
     return parse
+
+
+RESIDENCIES = numbers(float, 0, 1)  # shares of each layer's experts resident
 
 
 def parser(
@@ -66,7 +74,7 @@ def parser(
         p.add_argument(
             "--checkpoint",
             help="an MLX model directory to measure instead of a preset (e.g. the trained "
-            "checkpoints/tiny-stdlib-moe, with --trace none)",
+            "checkpoints/tiny-stdlib-moe" + (", with --trace none)" if trace is True else ")"),
         )
     if workdir is not None:
         p.add_argument("--workdir", default=workdir, help="checkpoints and expert directories")

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import build, finish, log, parser
+from harness import RESIDENCIES, build, finish, log, parser
 
 FORMATS = {
     "8-bit": {"bits": 8},
@@ -50,7 +50,7 @@ def chosen(spec: str) -> list[str]:
 
 def main() -> None:
     p = parser(__doc__, workdir="scratch/precision-beyond")
-    p.add_argument("--residency", default="0.25")
+    p.add_argument("--residency", type=RESIDENCIES, default=[0.25])
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument(
@@ -100,7 +100,7 @@ def main() -> None:
                 "--workdir",
                 str(root),
                 "--residency",
-                a.residency,
+                ",".join(map(str, a.residency)),
                 "--tokens",
                 str(a.tokens),
                 "--repeat",

@@ -32,13 +32,13 @@ import mlx.core as mx
 import numpy as np
 from harness import (
     PROMPT,
+    RESIDENCIES,
     ahead_label,
     build,
     decode_run,
     finish,
     follow,
     log,
-    numbers,
     oracle_accuracies,
     parser,
     read_ahead,
@@ -60,7 +60,7 @@ PHASES = ("ahead_s", "sync_s", "host_s", "read_s", "graph_s")
 
 def main():
     p = parser(__doc__, workdir="scratch/speed")
-    p.add_argument("--residency", type=numbers(), default=[1, 0.5, 0.25, 0.125])
+    p.add_argument("--residency", type=RESIDENCIES, default=[1, 0.5, 0.25, 0.125])
     p.add_argument("--tokens", type=int, default=32, help="decode tokens per run")
     p.add_argument("--prompt-tokens", type=int, help="cut or repeat the prompt to this length")
     p.add_argument("--repeat", type=positive_int, default=3)

@@ -767,13 +767,18 @@ def test_plan_sets_precisions_side_by_side(models, tmp_path, capsys):
     from mlx_streaming.core.io.tier import MARGIN
     from mlx_streaming.core.meta import load_meta
     from mlx_streaming.planning.budget import PoolShape
-    from mlx_streaming.prep.requantize import requantize
+    from mlx_streaming.prep.requantize import requantize, requantized_layouts
 
     _, ed = models.experts("tiny-qwen3_moe")  # 3 MoE layers, 16 experts, top-4
     requantize(ed, tmp_path / "q3", bits=3, progress=False)
     requantize(ed, tmp_path / "q3g32", bits=3, group_size=32, progress=False)
     three = PoolShape.from_meta(load_meta(tmp_path / "q3"))
     four = PoolShape.from_meta(load_meta(ed))
+    source = dict(load_meta(ed).layers)
+    for bits, group, written in ((3, None, "q3"), (3, 32, "q3g32")):  # to the byte
+        want = PoolShape.from_meta(load_meta(tmp_path / written))
+        got = PoolShape.from_layouts(requantized_layouts(source, bits, group), want.top_k)
+        assert (got.slot_bytes, got.strides) == (want.slot_bytes, want.strides)
     local_trace(T=400, E=16).save(tmp_path / "t.npz")
     base = ["--trace", str(tmp_path / "t.npz"), "--expert-dir", str(ed), "--tokens", "100"]
     memory = MARGIN + 3 * 16 * (four.strides[0] + three.strides[0]) // 2  # between the two
@@ -815,6 +820,10 @@ def test_plan_sets_precisions_side_by_side(models, tmp_path, capsys):
     cmd.main([*base, "--budget-gb", str(budget), "--bits", "4", "3", "--json"])
     got = capsys.readouterr()
     assert {r["bits"] for r in json.loads(got.out)} == {3} and "skipped 4 bits: budget" in got.err
+    cmd.main([*base, "--budget-gb", str(budget), "1", "--bits", "4", "3", "--json"])
+    got = capsys.readouterr()  # a budget one precision cannot hold: only that pair left out
+    sizes = {(r["bits"], r["budget_gb"]) for r in json.loads(got.out)}
+    assert sorted(b for b, _ in sizes) == [3, 3, 4] and "skipped 4 bits: budget" in got.err
     cmd.main([*base, "--slots", "6", "--bits", "4", "3", "--t-compute-ms", "1", "--json"])
     rows = json.loads(capsys.readouterr().out)
     by = {(r["bits"], r["policy"]): r for r in rows}
@@ -832,6 +841,10 @@ def test_plan_sets_precisions_side_by_side(models, tmp_path, capsys):
         cmd.main([*base, "--slots", "6", "--bits", "4", "3", "--t-compute-ms", "1", "2", "3"])
     with pytest.raises(ValueError, match=r"--t-compute-ms has 2 values: give one \(several"):
         cmd.main([*base, "--slots", "6", "--t-compute-ms", "1", "2"])
+    with pytest.raises(ValueError, match="^20 slots exceed"):  # no precision's: raised as is
+        cmd.main([*base, "--slots", "20", "--bits", "4", "3"])
+    with pytest.raises(ValueError, match="--group-size sizes the precisions of --bits"):
+        cmd.main([*base, "--slots", "6", "--group-size", "32"])
     with pytest.raises(ValueError, match="--bits 4 4 3: name each precision once"):
         cmd.main([*base, "--slots", "6", "--bits", "4", "4", "3"])
     with pytest.raises(ValueError, match="--bits 7: bits 7 for layer .* not supported"):

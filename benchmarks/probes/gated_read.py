@@ -48,7 +48,7 @@ def main():
     p = parser(__doc__, preset="dsv2-lite-cpu", trace=False, workdir="/tmp/mlxs")
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--direct", action="store_true", help="read with O_DIRECT (the disk)")
-    p.add_argument("--trade-ms", type=numbers(), default=[0.5, 1.0, 2.0])
+    p.add_argument("--trade-ms", type=numbers(float, 0), default=[0.5, 1.0, 2.0])
     a = p.parse_args()
     from mlx_streaming.core.cache.expert_store import FileExpertStore
     from mlx_streaming.core.io import cuda

@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 from harness import (  # noqa: E402
     PROMPT,
+    RESIDENCIES,
     build,
     finish,
     log,
-    numbers,
     parser,
     rewind,
     routing_trace,
@@ -104,7 +104,7 @@ def _count(counter: OpCounter, model, tok, tokens: int) -> dict:
 def main():
     """Count stock's ops, then each residency's (the host path), and print them."""
     p = parser(__doc__, preset="dsv2-lite-cpu", workdir="scratch/bench")
-    p.add_argument("--residency", type=numbers(), default=[0.25])
+    p.add_argument("--residency", type=RESIDENCIES, default=[0.25])
     p.add_argument("--tokens", type=int, default=4)
     p.add_argument(
         "--swap-tier-gb", type=budget_value, help="a swap tier of at most this many GB, or auto"

@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 from harness import (  # noqa: E402
     PROMPT,
+    RESIDENCIES,
     build,
     finish,
     log,
-    numbers,
     parser,
     rewind,
     routing_trace,
@@ -91,7 +91,7 @@ def _profile(model, tok, ids, tokens: int, layers: int, top: int) -> dict:
 
 def main():
     p = parser(__doc__, preset="dsv2-lite", workdir="/tmp/mlxs")
-    p.add_argument("--residency", type=numbers(), default=[0.5, 0.25])
+    p.add_argument("--residency", type=RESIDENCIES, default=[0.5, 0.25])
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--top", type=int, default=30)
     p.add_argument(

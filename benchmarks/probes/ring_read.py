@@ -126,7 +126,7 @@ def main():
     p.add_argument("--direct", action="store_true", help="read with O_DIRECT (the disk)")
     p.add_argument("--readers", type=int, default=8, help="the ring's reader threads (the "
                    "device's DEVICE_READERS)")  # fmt: skip
-    p.add_argument("--pieces", type=numbers(int), default=[1],
+    p.add_argument("--pieces", type=numbers(int, 1), default=[1],
                    help="the reads a record is cut in, a ring each (e.g. 1,4,8: side by side)")  # fmt: skip
     a = p.parse_args()
     from mlx_streaming.core.cache.expert_store import FileExpertStore

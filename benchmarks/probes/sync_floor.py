@@ -38,11 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import (  # noqa: E402
     PROMPT,
+    RESIDENCIES,
     build,
     decode_run,
     finish,
     log,
-    numbers,
     parser,
     rewind,
     routing_on_host,
@@ -73,7 +73,7 @@ def main():
     """Run every row in alternating rounds and print (and write) their medians."""
     p = parser(__doc__, preset="dsv2-lite", trace="required", workdir="/tmp/mlxs")
     p.add_argument(
-        "--residency", type=numbers(), default=[0.25], help="streamed residencies beside 1"
+        "--residency", type=RESIDENCIES, default=[0.25], help="streamed residencies beside 1"
     )
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=5)

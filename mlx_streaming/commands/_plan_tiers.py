@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 from ..core.cache.policy import DEFAULT_POLICY
-from ..planning.budget import PoolShape, default_zero_slot, plan_budget
+from ..planning.budget import PoolShape, TooSmall, default_zero_slot, plan_budget
 from ..planning.planner import sample_layers, shared_layers
 from ..planning.trace import RoutingTrace
 
@@ -28,10 +28,13 @@ def check_tiers(a, t: float | None, b: float | None) -> None:
                          f"{a.policy}: name one (e.g. predictive)")  # fmt: skip
 
 
-def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> tuple[list[dict], str, str]:
+def plan_tiers(
+    a, trace: RoutingTrace, shape: PoolShape, t, b, skip: list | None = None
+) -> tuple[list[dict], str, str]:
     """``--memory-gb``: the pools against the tier beneath them; ``--host-gb``: the tier
     beneath pools of their own (``planning.tiers``). Returns the rows, best first, the
-    policy and what memory they share."""
+    policy and what memory they share. With ``skip``, a budget too small for this shape
+    is left out and its reason appended there; without, ``TooSmall`` is raised."""
     from ..planning.tiers import best_split, split_rows
 
     check_tiers(a, t, b)
@@ -49,13 +52,13 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> tuple[list[dic
             rows = best_split(test, pol, int(a.memory_gb * 1e9), slot, record, shape.top_k,
                               *rates, beneath=("page cache", "swap"), zero_slot=zero,
                               host_s=host_s, **sim)  # fmt: skip
-        except ValueError as e:
-            raise ValueError(f"--memory-gb {a.memory_gb}: {e}; raise it") from None
+        except TooSmall as e:
+            raise TooSmall(f"--memory-gb {a.memory_gb}: {e}; raise it") from None
         what = f"{a.memory_gb} GB for pools and the tier beneath them"
     else:  # pools in a GPU's own memory: a zero slot each
         E, k = min(shape.num_experts), shape.top_k
         gpu_zero = default_zero_slot("cuda")
-        slots = a.slots or [plan_budget(shape, g, gpu_zero).default_slots for g in a.budget_gb]
+        slots = a.slots or _budget_slots(shape, a.budget_gb, gpu_zero, skip)
         if min(slots) < k:
             raise ValueError(f"--slots {min(slots)} is below top_k={k}: a pool holds one "
                              f"token's experts at least; give --slots {k} or more")  # fmt: skip
@@ -74,6 +77,20 @@ def plan_tiers(a, trace: RoutingTrace, shape: PoolShape, t, b) -> tuple[list[dic
             r["flags"] += " --no-swap-tier" if r["tier"] == "page cache" else ""
         what = f"pools on the device, {what} beneath them"
     return rows, pol, what
+
+
+def _budget_slots(shape: PoolShape, budgets, zero: bool, skip: list | None) -> list[int]:
+    out = []
+    for g in budgets:
+        try:
+            out.append(plan_budget(shape, g, zero).default_slots)
+        except TooSmall as e:
+            if skip is None:
+                raise
+            skip.append(str(e))
+    if not out:
+        raise TooSmall("; ".join(skip))
+    return out
 
 
 @functools.cache
@@ -119,7 +136,8 @@ def say_bits(a, skipped: list[str]) -> None:
     """Under a table of ``--bits`` rows: the precisions skipped, and how to run a row."""
     for line in skipped:
         print(f"(skipped: {line})")
-    one_time = len(a.bits) > 1 and len(a.t_compute_ms or []) < 2
+    timed = a.t_compute_ms or a.bench  # a compute time given: tok/s figures printed
+    one_time = len(a.bits) > 1 and len(a.t_compute_ms or []) < 2 and timed
     group = f" --group-size {a.group_size}" if a.group_size else ""
     print(f"(a row at B bits runs on its experts requantized: mlx-streaming requantize "
           f"--src {a.expert_dir or a.model} --out <dir> --bits B{group}, then load with "

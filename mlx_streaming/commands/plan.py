@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 from ..core.options import StreamConfig
-from ..planning.budget import PoolShape, default_zero_slot
+from ..planning.budget import PoolShape, TooSmall, default_zero_slot
 from ..planning.planner import PlanRow, plan, resolve_policies
 from ..planning.trace import RoutingTrace
 from ._args import nonneg_float, nonneg_int, positive_float, positive_int
@@ -195,8 +195,6 @@ def _shapes(a, trace: RoutingTrace) -> list[tuple[int | None, PoolShape]]:
         return [(None, PoolShape.from_layouts(layouts, top_k))]
     from ..prep.requantize import requantized_layouts
 
-    if len(set(a.bits)) < len(a.bits):
-        raise ValueError(f"--bits {' '.join(map(str, a.bits))}: name each precision once")
     out = []
     for bits in a.bits:
         try:
@@ -221,19 +219,23 @@ def _compute_times(a, t: float | None, n: int) -> list[float | None]:
 
 
 def _each_precision(shapes, times, fn) -> tuple[list, list[str]]:
-    """``fn(shape, t)`` of each precision, as ``(bits, shape, t, result)``; a precision
-    the memory cannot hold (``ValueError``) is skipped where another is planned, its
-    reason kept. Raises the ``ValueError`` where none is left."""
-    done, skipped = [], []
+    """``fn(shape, t, skip)`` of each precision, as ``(bits, shape, t, result)``. With
+    several precisions, what one cannot hold (``TooSmall``) is skipped, its reason kept:
+    the whole precision, or one of its budgets (``fn`` appends those to ``skip``; with
+    one precision ``skip`` is None and ``fn`` raises). Any other error is raised, and
+    ``TooSmall`` where no precision is left."""
+    done, skipped, several = [], [], len(shapes) > 1
     for (bits, shape), t in zip(shapes, times):
+        skip = [] if several else None
         try:
-            done.append((bits, shape, t, fn(shape, t)))
-        except ValueError as e:
-            if len(shapes) == 1:
+            done.append((bits, shape, t, fn(shape, t, skip)))
+        except TooSmall as e:
+            if not several:
                 raise
-            skipped.append(f"{bits} bits: {e}")
+            skip = [str(e)]
+        skipped += [f"{bits} bits: {why}" for why in skip or []]
     if not done:
-        raise ValueError("no precision of --bits fits: " + "; ".join(skipped))
+        raise TooSmall("no precision of --bits fits: " + "; ".join(skipped))
     return done, skipped
 
 
@@ -295,10 +297,14 @@ def main(argv=None) -> None:
         )
     if a.plot and a.bits and len(a.bits) > 1:
         raise ValueError("--plot draws one precision: give one --bits value, or drop --plot")
+    if a.bits and len(set(a.bits)) < len(a.bits):
+        raise ValueError(f"--bits {' '.join(map(str, a.bits))}: name each precision once")
+    if a.group_size and not a.bits:
+        raise ValueError("--group-size sizes the precisions of --bits: add --bits")
+    t, b = _bounds(a)
+    times = _compute_times(a, t, len(a.bits or [None]))  # before the model is read
     trace = RoutingTrace.load(a.trace)
     shapes = _shapes(a, trace)
-    t, b = _bounds(a)
-    times = _compute_times(a, t, len(shapes))
     if a.memory_gb or a.host_gb:
         if a.plot or a.pin_hot:
             raise ValueError(
@@ -306,16 +312,30 @@ def main(argv=None) -> None:
                 "drop them"
             )
         check_tiers(a, times[0], b)  # what no precision changes, before any is planned
-        done, skipped = _each_precision(shapes, times, lambda s, tb: plan_tiers(a, trace, s, tb, b))
+        done, skipped = _each_precision(
+            shapes, times, lambda s, tb, skip: plan_tiers(a, trace, s, tb, b, skip)
+        )
         rows = [r for bits, shape, tb, (got, _, _) in done for r in tagged(got, bits, shape, tb)]
         rows.sort(key=lambda r: (-r["predicted_tok_per_s"], -r["serial_tok_per_s"]))
         return print_tiers(a, rows, *done[0][3][1:], skipped)
     pols = resolve_policies(a.policy)
 
-    def rows_of(shape, tb):
-        return plan(trace, shape, budgets_gb=a.budget_gb or (), slots=a.slots or (),
-                    policies=pols, t_compute_s=tb, read_gbps=b, tokens=a.tokens,
-                    layer_sample=a.layer_sample or None, pin_hot=a.pin_hot)  # fmt: skip
+    def rows_of(shape, tb, skip):  # with skip, each budget apart: one may not fit
+        sizes = [{"budgets_gb": [g]} for g in a.budget_gb or ()] if skip is not None else []
+        out = []
+        for size in sizes or [{}]:
+            kw = {"budgets_gb": a.budget_gb or (), "slots": a.slots or (), **size}
+            try:
+                out += plan(trace, shape, **kw, policies=pols, t_compute_s=tb, read_gbps=b,
+                            tokens=a.tokens, layer_sample=a.layer_sample or None,
+                            pin_hot=a.pin_hot)  # fmt: skip
+            except TooSmall as e:
+                if skip is None:
+                    raise
+                skip.append(str(e))
+        if not out:
+            raise TooSmall("; ".join(skip))
+        return out
 
     done, skipped = _each_precision(shapes, times, rows_of)
     rows = [r for *_, got in done for r in got]

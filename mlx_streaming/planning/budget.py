@@ -14,6 +14,10 @@ from ..core.format import ALIGN, ExpertMeta
 from .allocate import climb
 
 
+class TooSmall(ValueError):
+    """A budget or memory that cannot hold one token's experts in every MoE layer."""
+
+
 def slot_bytes(meta: ExpertMeta, layer: int) -> int:
     """Device bytes one slot of ``layer`` takes (its parts, no record padding)."""
     return sum(p.nbytes for p in meta.layers[layer].parts)
@@ -118,8 +122,8 @@ def plan_budget(
     the layer is short of its experts. (Per-layer shares from routing: ``profiles``.)
 
     Raises:
-        ValueError: the budget is not a positive number, or cannot hold one token's
-            experts in every layer.
+        ValueError: the budget is not a positive number; ``TooSmall``, one that cannot
+            hold one token's experts in every layer.
     """
     if not isinstance(budget_gb, (int, float)) or not math.isfinite(budget_gb) or budget_gb <= 0:
         raise ValueError(f"budget_gb must be a positive number of GB, got {budget_gb!r}")
@@ -129,7 +133,7 @@ def plan_budget(
     sb, ne, L = shape.slot_bytes, shape.num_experts, len(shape.layers)
     floor = sum(pool_slots(k, ne[i], zero) * sb[i] for i in range(L))
     if budget < floor:
-        raise ValueError(
+        raise TooSmall(
             f"budget {budget_gb} GB is below the {floor / 1e9:.4g} GB that one token's "
             f"{k} experts in each of {L} MoE layers need; raise --budget-gb to at least "
             f"{floor / 1e9:.4g}"

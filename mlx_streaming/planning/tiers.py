@@ -25,7 +25,7 @@ from ..core.cache.policy import make_policy
 from ..core.cache.slots import SlotCache
 from ..core.io.tier import MARGIN, ring_records
 from ..core.io.tier_moves import bounded_rows, plan_moves
-from .budget import pool_slots
+from .budget import TooSmall, pool_slots
 from .simulate import layer_lookups
 from .trace import RoutingTrace
 
@@ -249,7 +249,7 @@ def best_split(
     usable = memory_bytes - MARGIN  # the process's own, whichever tier is beneath
     most = max([s for s in range(top_k, E + 1) if pools(s) <= usable], default=0)
     if not most:
-        raise ValueError(
+        raise TooSmall(
             f"{memory_bytes / 1e9:.4g} GB cannot hold top_k={top_k} slots in each of "
             f"{model_layers} MoE layers beside the {MARGIN / 1e9:.2f} GB the process "
             f"keeps: that takes {(pools(top_k) + MARGIN) / 1e9:.4g} GB"
