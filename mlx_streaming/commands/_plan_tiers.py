@@ -58,7 +58,10 @@ def plan_tiers(
     else:  # pools in a GPU's own memory: a zero slot each
         E, k = min(shape.num_experts), shape.top_k
         gpu_zero = default_zero_slot("cuda")
-        slots = a.slots or _budget_slots(shape, a.budget_gb, gpu_zero, skip)
+        slots = a.slots or [
+            plan_budget(shape, g, gpu_zero).default_slots
+            for g in fitting_budgets(shape, a.budget_gb, gpu_zero, skip)
+        ]
         if min(slots) < k:
             raise ValueError(f"--slots {min(slots)} is below top_k={k}: a pool holds one "
                              f"token's experts at least; give --slots {k} or more")  # fmt: skip
@@ -79,16 +82,20 @@ def plan_tiers(
     return rows, pol, what
 
 
-def _budget_slots(shape: PoolShape, budgets, zero: bool, skip: list | None) -> list[int]:
+def fitting_budgets(shape: PoolShape, budgets, zero: bool, skip: list | None) -> list:
+    """The budgets (GB) that hold one token's experts in every layer of ``shape``. With
+    ``skip``, one that does not is left out and its reason appended there (``TooSmall``
+    only where none is left); without, its ``TooSmall`` is raised."""
     out = []
     for g in budgets:
         try:
-            out.append(plan_budget(shape, g, zero).default_slots)
+            plan_budget(shape, g, zero)
+            out.append(g)
         except TooSmall as e:
             if skip is None:
                 raise
             skip.append(str(e))
-    if not out:
+    if budgets and not out:
         raise TooSmall("; ".join(skip))
     return out
 

@@ -13,7 +13,15 @@ from ..planning.budget import PoolShape, TooSmall, default_zero_slot
 from ..planning.planner import PlanRow, plan, resolve_policies
 from ..planning.trace import RoutingTrace
 from ._args import nonneg_float, nonneg_int, positive_float, positive_int
-from ._plan_tiers import check_tiers, plan_tiers, print_tiers, say_bits, say_skipped, tagged
+from ._plan_tiers import (
+    check_tiers,
+    fitting_budgets,
+    plan_tiers,
+    print_tiers,
+    say_bits,
+    say_skipped,
+    tagged,
+)
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -320,22 +328,11 @@ def main(argv=None) -> None:
         return print_tiers(a, rows, *done[0][3][1:], skipped)
     pols = resolve_policies(a.policy)
 
-    def rows_of(shape, tb, skip):  # with skip, each budget apart: one may not fit
-        sizes = [{"budgets_gb": [g]} for g in a.budget_gb or ()] if skip is not None else []
-        out = []
-        for size in sizes or [{}]:
-            kw = {"budgets_gb": a.budget_gb or (), "slots": a.slots or (), **size}
-            try:
-                out += plan(trace, shape, **kw, policies=pols, t_compute_s=tb, read_gbps=b,
-                            tokens=a.tokens, layer_sample=a.layer_sample or None,
-                            pin_hot=a.pin_hot)  # fmt: skip
-            except TooSmall as e:
-                if skip is None:
-                    raise
-                skip.append(str(e))
-        if not out:
-            raise TooSmall("; ".join(skip))
-        return out
+    def rows_of(shape, tb, skip):
+        budgets = fitting_budgets(shape, a.budget_gb or (), default_zero_slot(), skip)
+        return plan(trace, shape, budgets_gb=budgets, slots=a.slots or (), policies=pols,
+                    t_compute_s=tb, read_gbps=b, tokens=a.tokens,
+                    layer_sample=a.layer_sample or None, pin_hot=a.pin_hot)  # fmt: skip
 
     done, skipped = _each_precision(shapes, times, rows_of)
     rows = [r for *_, got in done for r in got]
