@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
-from harness import TRACE, finish, held_out_gap, parser  # noqa: E402
+from harness import finish, held_out_gap, parser  # noqa: E402
 
 from mlx_streaming.core.cache.base_policy import Policy  # noqa: E402
 from mlx_streaming.core.cache.policy import Belady, make_policy  # noqa: E402
@@ -84,7 +84,7 @@ def main():
     p = parser(__doc__, preset=None, trace="required", workdir=None)
     p.add_argument("--tokens", type=int, default=4000, help="held-out tokens replayed")
     a = p.parse_args()
-    tr = RoutingTrace.load(a.trace or TRACE)
+    tr = RoutingTrace.load(a.trace)
 
     def horizons(slots, layers, start, n):
         seqs = {li: layer_lookups(tr, li, start, n) for li in layers}

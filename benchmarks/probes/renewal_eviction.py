@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
-from harness import TRACE, finish, held_out_gap, parser  # noqa: E402
+from harness import finish, held_out_gap, parser  # noqa: E402
 
 from mlx_streaming.planning.simulate import layer_lookups  # noqa: E402
 from mlx_streaming.planning.trace import RoutingTrace  # noqa: E402
@@ -68,7 +68,7 @@ def main():
     p.add_argument("--tokens", type=int, default=4000, help="held-out tokens replayed")
     p.add_argument("--prior", type=float, default=4.0)
     a = p.parse_args()
-    tr = RoutingTrace.load(a.trace or TRACE)
+    tr = RoutingTrace.load(a.trace)
 
     def renewals(slots, layers, start, n):
         return {

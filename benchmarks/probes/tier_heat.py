@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
-from harness import TRACE, finish, parser  # noqa: E402
+from harness import finish, parser  # noqa: E402
 
 from mlx_streaming.planning import tiers  # noqa: E402
 from mlx_streaming.planning.simulate import layer_lookups  # noqa: E402
@@ -150,7 +150,7 @@ def main() -> None:
                    help="comma-separated, of: coldest, oldest, lru, decay:D, prior:W, "
                    "ridge-own, ridge-all, furthest")  # fmt: skip
     a = p.parse_args()
-    trace = RoutingTrace.load(a.trace or TRACE)
+    trace = RoutingTrace.load(a.trace)
     rules = a.rules.split(",")
     for r in rules:  # before any work: a bad rule or number stops here
         name, _, arg = r.partition(":")
