@@ -163,6 +163,20 @@ def host_bound(floor_tps, decode_path: str, disk_tok: float, gbps: float, tps: f
             "efficiency_vs_host_serial": round(tps * step, 4)}  # fmt: skip
 
 
+def stretch(run, typical) -> dict:
+    """The simulator's disk bytes per token for the run's own stretch of routing
+    (``run``) against ``typical`` (a long one): their ratio, and the share of
+    ``typical``'s stretches as long as the run's decode that read less."""
+    if not typical.disk_bytes_per_token:
+        return {}
+    _, disk = typical.windows(max(1, run.tokens))
+    return {
+        "typical_disk_bytes_per_token": round(typical.disk_bytes_per_token),
+        "stretch_vs_typical": round(run.disk_bytes_per_token / typical.disk_bytes_per_token, 4),
+        "stretch_percentile": round(float((disk < run.disk_bytes_per_token).mean()), 3),
+    }
+
+
 def run_calls(prompt: int, tokens: int, repeat: int) -> tuple[list[int], list[bool]]:
     """The forwards mlx-lm makes, in tokens per call, since the cold start, and which of
     them ``decode_window`` counts: the first token's run (the prompt less its last token,
@@ -358,17 +372,17 @@ def child(job: dict) -> dict:
     page_cache_end = page_cache_room() if job["limit"] else 0
     rooms = [r for _, r in room.series] if job["limit"] else [0]
     page_cache = int(statistics.median(rooms))  # what the runs had, not the end
-    predicted = None
+    predicted, typical = None, {}
     if trace is not None and how is None:  # (the simulator has no read-ahead)
         calls, counted = run_calls(len(ids), job["tokens"], job["repeat"])
         moe = len(meta.moe_layers)
         cache = 0 if rt.direct_io else page_cache  # O_DIRECT reads around the page cache
-        beneath = tier_bytes if bounded else cache  # the tier, exclusive (the page
-        predicted = simulate_tiers(  # cache beneath it left out), or the page cache
-            trace, rt.policy, slots, beneath, meta.layers[meta.moe_layers[0]].stride,
-            layers=range(min(moe, trace.layers)), model_layers=moe, start=cursor,
-            calls=calls, counted=counted, exclusive=bounded,
-        )  # fmt: skip
+        beneath = tier_bytes if bounded else cache  # the tier, exclusive (the page cache
+        # beneath it left out), or the page cache
+        sim = dict(layers=range(min(moe, trace.layers)), model_layers=moe, exclusive=bounded)
+        args = (trace, rt.policy, slots, beneath, meta.layers[meta.moe_layers[0]].stride)
+        predicted = simulate_tiers(*args, start=cursor, calls=calls, counted=counted, **sim)
+        typical = stretch(predicted, simulate_tiers(*args, start=start, tokens=4000, **sim))
     step_bytes = None  # each decode step's disk bytes, as the simulator replays them
     if predicted is not None and not (tier_bytes and not bounded):
         by_call = predicted.disk_bytes_by_call()
@@ -412,6 +426,10 @@ def child(job: dict) -> dict:
         "predicted_disk_bytes_per_token": predicted
         and (0 if tier_bytes and not bounded else round(predicted.disk_bytes_per_token)),
         "predicted_pool_hit_rate": predicted and round(predicted.shares()["pool"], 4),
+        # the run's stretch of routing against the held-out routing's (4,000 tokens
+        # from the held-out half's first, one a step): decode runs this short read what
+        # their stretch of text asks, which ranges widely (2026-12-08)
+        **typical,
         # the disk's rate in this run: the probe (``storage_probe``: the ring's queue full,
         # else the engine's reads), and a lone record through the ring (what a decode
         # call with one miss waits); the bounds take the probe, or the rate the ring

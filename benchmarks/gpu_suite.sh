@@ -138,7 +138,8 @@
 #                                           kernel per call, 1,024 blocks, every expert resident;
 #                                           ROUNDS alternating rounds (default 5)
 #   bash benchmarks/gpu_suite.sh precision  larger than RAM (O_DIRECT; METHOD=memlimit: a MEMLIMIT-GB cgroup, default 6) at RESIDENCY (0.25) by precision:
-#                                           FORMATS (default "4-bit,3-bit"; see precision_beyond.py)
+#                                           FORMATS (default "4-bit,3-bit"; see precision_beyond.py),
+#                                           TOKENS decode tokens a run (32) from OFFSET (below)
 #   bash benchmarks/gpu_suite.sh hostprof   cProfile of decode, stock against 50% and 25%: where the
 #                                           host's time goes, MLX's eval calls shown apart
 #   bash benchmarks/gpu_suite.sh hmm        whether a kernel can read a plain (unlocked) file mapping
@@ -178,6 +179,10 @@
 # Several suites may run in one call; at exit (a timeout included) every result file is
 # bundled into $OUT/results.tgz (the device returns few files), beside ptx.tgz and the
 # trained checkpoint's parts. ARGS adds flags to every speed.py row (e.g. ARGS="--threads 31").
+# OFFSET starts the speed.py and precision rows' routing that many tokens into the trace's
+# held-out half (default 0). Its first stretch is the trace's cheapest: the simulator puts
+# 4-bit at 25% there at 14.5 MB/token against a 36-58 typical (2026-12-08); each row's
+# stretch_vs_typical says where its own stretch falls.
 # TRACE names the DeepSeek-V2-Lite trace
 # (default .gpu/deepseek-v2-lite.npz, copied from ../shared/traces). MLX compiles each
 # kernel variant on first use; .gpu/ptx.tgz (a former run's $OUT/ptx.tgz) seeds its cache,
@@ -235,7 +240,8 @@ trap bundle EXIT
 speed() {  # name, args...
   local name=$1; shift
   timeout "$limit" python3 benchmarks/speed.py --workdir $work --preset dsv2-lite \
-    --trace "$trace" --tokens 96 --prompt-tokens 32 --json "$out/speed-$name.json" "$@" ${ARGS:-} 2>&1 \
+    --trace "$trace" --trace-offset "${OFFSET:-0}" --tokens 96 --prompt-tokens 32 \
+    --json "$out/speed-$name.json" "$@" ${ARGS:-} 2>&1 \
     | grep -v "PyTorch was not found" | tee "$out/speed-$name.log" | grep -v "^{" | tail -5
 }
 quality() {  # the quality table of the float model that train left in /tmp/tiny-float
@@ -417,7 +423,8 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
              | grep -v "PyTorch was not found" | tee "$out/decode-split-$r.log" | grep -E "^(stock|streamed)"
          done ;;
   precision) timeout "$limit" python3 benchmarks/precision_beyond.py --preset dsv2-lite \
-               --workdir $work --trace "$trace" --residency "${RESIDENCY:-0.25}" --tokens 32 --repeat 3 \
+               --workdir $work --trace "$trace" --trace-offset "${OFFSET:-0}" \
+               --residency "${RESIDENCY:-0.25}" --tokens "${TOKENS:-32}" --repeat 3 \
                --formats "${FORMATS:-4-bit,3-bit}" --method "${METHOD:-direct}" \
                $([ "${METHOD:-direct}" = memlimit ] && echo --memory-limit-gb "${MEMLIMIT:-6}") --json "$out/precision-beyond-gpu.json" 2>&1 \
                | grep -v "PyTorch was not found" | tee "$out/precision-beyond-gpu.log" | tail -4 ;;

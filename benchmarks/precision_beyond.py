@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import RESIDENCIES, build, finish, log, parser
+from harness import RESIDENCIES, add_trace_offset, build, finish, log, parser
 
 FORMATS = {
     "8-bit": {"bits": 8},
@@ -31,8 +31,10 @@ FORMATS = {
     "3-bit": {"bits": 3},
 }
 KEEP = ("tok_per_s", "decode_runs", "ratio_vs_stock", "hit_rate", "bytes_read_per_token",
-        "disk_bytes_per_token", "swap_tier_gb", "storage_gbps", "t_compute_ms", "t_io_ms",
-        "efficiency", "efficiency_vs_serial", "exact_vs_stock", "runtime")  # fmt: skip
+        "disk_bytes_per_token", "predicted_disk_bytes_per_token", "typical_disk_bytes_per_token",
+        "stretch_vs_typical", "stretch_percentile", "swap_tier_gb", "storage_gbps",
+        "t_compute_ms", "t_io_ms", "efficiency", "efficiency_vs_serial", "exact_vs_stock",
+        "runtime")  # fmt: skip
 
 
 def chosen(spec: str) -> list[str]:
@@ -53,6 +55,7 @@ def main() -> None:
     p.add_argument("--residency", type=RESIDENCIES, default=[0.25])
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
+    add_trace_offset(p)
     p.add_argument(
         "--formats",
         default=",".join(FORMATS),
@@ -111,7 +114,8 @@ def main() -> None:
                 str(out),
             ]
             cmd += ["--memory-limit-gb", str(a.memory_limit_gb)] if a.memory_limit_gb else []
-            cmd += ["--trace", a.trace] if a.trace else []  # fmt: skip
+            if a.trace:
+                cmd += ["--trace", a.trace, "--trace-offset", str(a.trace_offset)]
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             r = json.loads(out.read_text())
         ed = root / f"{model.name}-experts"
@@ -119,14 +123,15 @@ def main() -> None:
             rows.append({"format": name, "residency": row["residency"],
                          "expert_mb": round(load_meta(ed).expert_bytes() / 1e6, 3),
                          "stock_tok_per_s": r["stock_tok_per_s"],
-                         **{k: row[k] for k in KEEP}})  # fmt: skip
+                         **{k: row.get(k) for k in KEEP}})  # fmt: skip
             log(rows[-1])
     method = "O_DIRECT" if a.method == "direct" else f"{a.memory_limit_gb:g} GB cgroup"
     finish(
         a,
         "precision-beyond-ram",
         {"preset": a.preset, "source_expert_mb": round(meta.expert_bytes() / 1e6, 3),
-         "method": method, "tokens": a.tokens, "repeat": a.repeat, "rows": rows},
+         "method": method, "tokens": a.tokens, "repeat": a.repeat,
+         "trace_offset": a.trace_offset, "rows": rows},
         t0,
     )  # fmt: skip
 

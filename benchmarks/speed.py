@@ -33,6 +33,7 @@ import numpy as np
 from harness import (
     PROMPT,
     RESIDENCIES,
+    add_trace_offset,
     ahead_label,
     build,
     decode_run,
@@ -64,6 +65,7 @@ def main():
     p.add_argument("--tokens", type=int, default=32, help="decode tokens per run")
     p.add_argument("--prompt-tokens", type=int, help="cut or repeat the prompt to this length")
     p.add_argument("--repeat", type=positive_int, default=3)
+    add_trace_offset(p)
     p.add_argument("--cold", default="both", choices=["warm", "cold", "both"])
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--prefill-residency", type=float, default=0.25)
@@ -132,9 +134,9 @@ def main():
         cfg = stream_config(a).replace(ring_readers=a.ring_readers, ring_pieces=a.ring_pieces)
     except ValueError as e:
         p.error(str(e))
+    trace, start = routing_trace(a)  # (--trace-offset checked before the build)
     t0 = time.perf_counter()
     ck, ed, meta = build(a)
-    trace, start = routing_trace(a)
     files = [meta.file(li) for li in meta.layers]
     log(f"built/split in {time.perf_counter() - t0:.0f}s")
 

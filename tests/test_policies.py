@@ -407,9 +407,11 @@ def test_plan_splits_memory_between_pools_and_the_page_cache(tmp_path, capsys):
     assert whole and all(r["disk_share"] == 0 for r in whole)  # filled at load
     for r in whole:
         assert r["tier_gb"] == round((32 - r["slots"]) * 3 * rec / 1e9, 3)
-    cmd.main([*args, "--t-compute-ms", "1", "--read-gbps", "1"])
+    cmd.main([*args, "--t-compute-ms", "1", "--read-gbps", "1", "--window", "50"])
     table = capsys.readouterr().out
     assert "swap" in table and "--swap-tier" in table and "page cache" in table
+    assert "p10-p90" in table and "stretches of 50 tokens (--window)" in table
+    assert all(r["window_tokens"] == 256 for r in rows)  # the default window
     with pytest.raises(ValueError, match="--memory-gb needs a compute time"):
         cmd.main(args)
     with pytest.raises(
@@ -892,6 +894,35 @@ def test_the_page_cache_tier_beneath_the_pools():
     assert some.disk_by_call.sum() == some.disk_reads > 0 and not some.disk_by_call[::3].any()
     half = simulate_tiers(trace, "lru", 8, 0, 1000, layers=[0], model_layers=2)
     assert half.disk_bytes_by_call().sum() == half.disk_reads * 2000
+
+
+def test_the_simulator_s_stretches_tile_its_run():
+    """``TierResult.windows``: stretches of a run's counted tokens, in order, whose
+    token-weighted mean is the run's (uncounted calls, a prompt's, add no token and no
+    byte); a stretch longer than the run is the run. ``window_tok_per_s`` is the time
+    model of each stretch; the plan rows give their 10th and 90th percentiles."""
+    from mlx_streaming.planning.tiers import simulate_tiers, split_rows
+
+    trace = local_trace(T=600, concentrated=(1,))
+    r = simulate_tiers(trace, "lru", 8, 40 * 1000, 1000)
+    copies, disk = r.windows(100)
+    assert len(disk) == 6 and disk.min() < disk.max()
+    assert np.isclose(disk.mean(), r.disk_bytes_per_token)
+    assert np.isclose(copies.mean(), r.page_cache_bytes_per_token + r.tier_write_bytes_per_token)
+    whole = r.windows(10_000)[1]
+    assert len(whole) == 1 and np.isclose(whole[0], r.disk_bytes_per_token)
+    calls = [20, *[1] * 99] * 3  # three runs: a prompt, then 99 tokens each
+    counted = [False, *[True] * 99] * 3
+    runs = simulate_tiers(trace, "lru", 8, 0, 1000, calls=calls, counted=counted)
+    per_run = runs.windows(99)[1]
+    assert len(per_run) == 3 and np.isclose(per_run.mean(), runs.disk_bytes_per_token)
+    tps = r.window_tok_per_s(100, 1e-3, 1.0, 0.001)
+    assert np.allclose(tps, 1 / np.maximum(1e-3, copies / 1e9 + disk / 1e6))
+    row = split_rows(trace, "lru", [(8, 10**9)], 1000, 1000, 1e-3, 1.0, 0.001,
+                     beneath=("page cache",), window=50)[0]  # fmt: skip
+    lo, hi = row["disk_mb_per_token_p10_p90"]
+    assert row["window_tokens"] == 50 and lo <= row["disk_mb_per_token"] <= hi
+    assert row["tok_per_s_p10_p90"][0] <= row["tok_per_s_p10_p90"][1]
 
 
 def test_an_exclusive_host_tier_holds_no_record_twice():

@@ -41,7 +41,7 @@ def plan_tiers(
     pol = DEFAULT_POLICY if a.policy == "auto" else a.policy
     L = shared_layers(trace, shape)  # a trace of another model is refused, as in plan
     sim = dict(layers=sample_layers(L, a.layer_sample or None),
-               model_layers=len(shape.slot_bytes), tokens=a.tokens)  # fmt: skip
+               model_layers=len(shape.slot_bytes), tokens=a.tokens, window=a.window)  # fmt: skip
     _, test = trace.split(0.5)
     slot, record = int(np.mean(shape.slot_bytes[:L])), int(np.mean(shape.strides[:L]))
     rates = (t, a.mem_gbps, b)
@@ -120,23 +120,31 @@ def print_tiers(a, rows: list[dict], pol: str, what: str, skipped: list[str]) ->
     print(f"policy {pol}; {what} (the page cache, or the store's swap tier, each less "
           f"{MARGIN / 1e9:.2f} GB left to the process); best first")  # fmt: skip
     print(f"{'bits ' if bits else ''}{'slots':>5} {'beneath':<10} {'pool GB':>8} {'tier GB':>8} "
-          f"{'pool':>6} {'tier':>6} {'disk':>6} {'disk MB/tok':>11} {'tok/s':>8} "
-          f"{'serial':>8}  flags")  # fmt: skip
+          f"{'pool':>6} {'tier':>6} {'disk':>6} {'disk MB/tok':>11} {'p10-p90':>13} "
+          f"{'tok/s':>8} {'p10-p90':>13} {'serial':>8}  flags")  # fmt: skip
     for r in rows:
         print(f"{r['bits']:>4} " if bits else "", end="")
         print(f"{r['slots']:>5} {r['tier']:<10} {r['pool_gb']:>8.2f} {r['tier_gb']:>8.2f} "
               f"{r['pool_share']:6.3f} {r['tier_share']:6.3f} {r['disk_share']:6.3f} "
-              f"{r['disk_mb_per_token']:>11.2f} {r['predicted_tok_per_s']:>8.2f} "
+              f"{r['disk_mb_per_token']:>11.2f} {_span(r['disk_mb_per_token_p10_p90']):>13} "
+              f"{r['predicted_tok_per_s']:>8.2f} {_span(r['tok_per_s_p10_p90']):>13} "
               f"{r['serial_tok_per_s']:>8.2f}  "
               f"{r['flags']}")  # fmt: skip
     print("(tok/s: the reads and copies hidden under compute; serial: after it, as a "
           "layer's misses wait for its routing without read-ahead)")  # fmt: skip
+    print(f"(means over {a.tokens} tokens of held-out routing, what a long session sees; "
+          f"p10-p90: over its stretches of {a.window} tokens (--window), what one run "
+          "that long may see: routing differs from text to text)")  # fmt: skip
     if a.host_gb and not a.host_ms_per_call:
         print("(on CUDA the page cache runs the host path, whose own work per layer call "
               "these tok/s leave out: give --host-ms-per-call; a swap tier, whole or "
               "bounded, the device path)")  # fmt: skip
     if bits:
         say_bits(a, skipped)
+
+
+def _span(lo_hi: list[float]) -> str:
+    return f"{lo_hi[0]:.1f}-{lo_hi[1]:.1f}"
 
 
 def say_bits(a, skipped: list[str]) -> None:

@@ -82,6 +82,15 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tokens", type=positive_int, default=20000, help="trace tokens to replay")
     p.add_argument(
+        "--window",
+        type=positive_int,
+        default=256,
+        help="with --memory-gb or --host-gb: the tokens a run decodes; each row also gives "
+        "the 10th and 90th percentiles of disk MB/token and tok/s over the replayed "
+        "routing's stretches of this many tokens, as a run that long may see them "
+        "(default 256)",
+    )
+    p.add_argument(
         "--layer-sample",
         type=nonneg_int,
         default=6,

@@ -43,10 +43,40 @@ class TierResult:
     # when in a step each read is asked (``benchmarks/probes/ahead_horizon.py``)
     disk_by_call: np.ndarray | None = None
     read_bytes: float = 0.0  # a disk read's bytes, scaled to every layer of the model
+    # records copied from or into the tier beneath per call, every replayed layer ([calls])
+    copies_by_call: np.ndarray | None = None
+    tokens_by_call: np.ndarray | None = None  # each call's counted tokens (0: uncounted)
 
     def disk_bytes_by_call(self) -> np.ndarray:
         """Each call's disk bytes, every layer of the model (uncounted calls 0)."""
         return self.disk_by_call.sum(axis=1) * self.read_bytes
+
+    def windows(self, tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """Bytes per token copied (tier beneath) and read (disk) over each stretch of
+        ``tokens`` counted tokens, in order (the last, shorter stretch left out; the
+        whole run where it is shorter than one): how much a short run's bytes depend on
+        where in the routing it falls."""
+        edges, got = [0], 0
+        for i, k in enumerate(self.tokens_by_call):
+            got += int(k)
+            if got >= tokens:
+                edges, got = [*edges, i + 1], 0
+        if len(edges) == 1:  # shorter than one stretch: the whole run
+            edges.append(len(self.tokens_by_call))
+        copies, disk = [], []
+        for a, b in zip(edges[:-1], edges[1:]):
+            k = max(1, int(self.tokens_by_call[a:b].sum()))
+            copies.append(self.copies_by_call[a:b].sum() * self.read_bytes / k)
+            disk.append(self.disk_by_call[a:b].sum() * self.read_bytes / k)
+        return np.asarray(copies), np.asarray(disk)
+
+    def window_tok_per_s(self, tokens: int, t_compute: float, mem_gbps: float,
+                         disk_gbps: float, host_s: float = 0.0) -> np.ndarray:  # fmt: skip
+        """Predicted tok/s (overlap bound, plus ``host_s`` per token) of each stretch
+        of ``windows(tokens)``."""
+        copies, disk = self.windows(tokens)
+        io = copies / (mem_gbps * 1e9) + disk / (disk_gbps * 1e9)
+        return 1 / (np.maximum(t_compute, io) + host_s)
 
     @property
     def lookups(self) -> int:
@@ -180,6 +210,7 @@ def simulate_tiers(
     if counted is None:
         counted = [True] * T
     by_call = np.zeros((T, len(layers)), np.int32)
+    copies = np.zeros(T, np.int64)
     for t in range(T):
         before = (hits, pc, disk, writes)
         for j, li in enumerate(layers):
@@ -202,11 +233,13 @@ def simulate_tiers(
         if not counted[t]:
             hits, pc, disk, writes = before
             by_call[t] = 0
-    n_tokens = sum(c for c, on in zip(calls or [1] * T, counted[:T]) if on)
+        copies[t] = pc + writes - before[1] - before[3]
+    n_by_call = np.array([c * bool(on) for c, on in zip(calls or [1] * T, counted[:T])])
+    n_tokens = int(n_by_call.sum())
     per_read = record_bytes * model_layers / len(layers)
     scale = per_read / max(1, n_tokens)
     return TierResult(n_tokens, hits, pc, disk, pc * scale, disk * scale, writes * scale,
-                      by_call, per_read)  # fmt: skip
+                      by_call, per_read, copies, n_by_call)  # fmt: skip
 
 
 def best_split(
@@ -226,6 +259,7 @@ def best_split(
     beneath: tuple[str, ...] = ("page cache",),
     zero_slot: bool = False,
     host_s: float = 0.0,
+    window: int = 256,
 ) -> list[dict]:
     """The memory ``memory_bytes`` left after the trunk, less ``MARGIN`` (the process's
     own), split between pools (with a zero slot each where ``zero_slot``) and the tier
@@ -260,7 +294,7 @@ def best_split(
     ]
     return split_rows(trace, policy, splits, slot_bytes, record_bytes, t_compute, mem_gbps,
                       disk_gbps, layers, model_layers, tokens, beneath, zero_slot,
-                      host_s)  # fmt: skip
+                      host_s, window=window)  # fmt: skip
 
 
 def split_rows(
@@ -279,6 +313,7 @@ def split_rows(
     zero_slot: bool = False,
     host_s: float = 0.0,
     device_swap: bool = False,
+    window: int = 256,
 ) -> list[dict]:
     """Each ``(slots per layer, host bytes beneath)`` split, with each tier of
     ``beneath`` under the pools: hits per tier, disk bytes and predicted tok/s, best
@@ -289,13 +324,14 @@ def split_rows(
     ``best_split`` makes the splits of one memory; pools in a GPU's own memory (``plan
     --host-gb``) have the same host bytes beneath each pool size. Either tier gets the
     host bytes less ``MARGIN``, which the process takes after load; a swap tier of no row
-    per layer is left out."""
+    per layer is left out. Each row gives the 10th and 90th percentiles of its disk bytes
+    and tok/s over stretches of ``window`` tokens: what a run that long may see."""
     unknown = set(beneath) - {"page cache", "swap"}
     if unknown:
         raise ValueError(f"unknown tier {sorted(unknown)}; known: 'page cache', 'swap'")
     sim = dict(layers=layers, model_layers=model_layers or trace.layers, tokens=tokens)
     rates = (t_compute, mem_gbps, disk_gbps)
-    rest = (rates, sim, zero_slot, host_s, device_swap)
+    rest = (rates, sim, zero_slot, host_s, device_swap, window)
     rows = [
         _row(trace, policy, s, slot_bytes, record_bytes, host, tier, *rest)
         for s, host in splits
@@ -305,8 +341,9 @@ def split_rows(
 
 
 def _row(
-    trace, policy, s, slot_bytes, record_bytes, host, tier, rates, sim, zero, host_s, device_swap
-) -> dict | None:
+    trace, policy, s, slot_bytes, record_bytes, host, tier, rates, sim, zero, host_s, device_swap,
+    window,
+) -> dict | None:  # fmt: skip
     """One split's simulated hits per tier, bytes and predicted tok/s (overlap bound),
     with the flags that run it; None for a swap tier of no row per layer. ``host_s``: the
     host path's seconds per token, none for a swap tier where ``device_swap`` (the
@@ -329,6 +366,8 @@ def _row(
         if not size:
             return None
     r = simulate_tiers(trace, policy, s, room, record_bytes, exclusive=tier == "swap", **sim)
+    disk = np.percentile(r.windows(window)[1], [10, 90]) / 1e6
+    tps = np.percentile(r.window_tok_per_s(window, *rates, host_s), [10, 90])
     return {
         "slots": s,
         "tier": tier,
@@ -340,6 +379,9 @@ def _row(
         "host_ms_per_token": round(1e3 * host_s, 3),
         "predicted_tok_per_s": round(1 / (r.time_per_token(*rates) + host_s), 3),
         "serial_tok_per_s": round(1 / (r.time_per_token(*rates, overlap=False) + host_s), 3),
+        "window_tokens": window,
+        "disk_mb_per_token_p10_p90": [round(float(v), 3) for v in disk],
+        "tok_per_s_p10_p90": [round(float(v), 3) for v in tps],
         "flags": flags,
     }
 
