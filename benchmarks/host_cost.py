@@ -19,6 +19,8 @@ import time
 import numpy as np
 from harness import finish, parser
 
+from mlx_streaming.commands._args import positive_int
+
 
 def planning(store, trace, tokens: int, start: int = 5000) -> dict:
     """µs per layer call of the store's own work for the trace's routing (request,
@@ -50,20 +52,28 @@ def planning(store, trace, tokens: int, start: int = 5000) -> dict:
 
 def main():
     p = parser(__doc__, preset=None, trace="required", workdir="scratch/host_cost")
-    p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--plan-tokens", type=int, default=400)
+    p.add_argument("--tokens", type=positive_int, default=128)
+    p.add_argument("--plan-tokens", type=positive_int, default=400,
+                   help="routed tokens timed (after 50 left out), from the trace's token 5000")  # fmt: skip
     a = p.parse_args()
+    if a.plan_tokens <= 50:
+        p.error(f"--plan-tokens {a.plan_tokens}: the first 50 are left out; give more")
+    from mlx_streaming.planning.trace import RoutingTrace, apply_trace_routing
+
+    trace = RoutingTrace.load(a.trace)  # long enough for both replays, before the build
+    need = 5000 + max(a.plan_tokens, a.tokens + 8 + 64)
+    if trace.tokens < need:
+        p.error(f"--trace {a.trace}: {trace.tokens} tokens; these runs replay from token "
+                f"5000 and need {need}: lower --plan-tokens or --tokens, or record more")  # fmt: skip
     from mlx_lm import stream_generate
 
     import mlx_streaming
-    from mlx_streaming.planning.trace import RoutingTrace, apply_trace_routing
     from mlx_streaming.prep.split_experts import ensure_split
     from mlx_streaming.synthetic import make_checkpoint
 
     ck = make_checkpoint(f"{a.workdir}/trace-deepseek_v2", "trace-deepseek_v2")
     ed = f"{a.workdir}/trace-deepseek_v2-experts"
     ensure_split(ck, ed)
-    trace = RoutingTrace.load(a.trace)
     rows = []
     for reader in ("native", "python"):
         for policy in ("predictive", "lru"):

@@ -1,9 +1,10 @@
 """Requantized experts: bytes per expert, speed and quality at 8/4/3/2 bits and mixed.
 
-Builds a synthetic checkpoint with 8-bit experts, requantizes its expert directory to
+Builds a synthetic checkpoint with 8-bit experts (or takes ``--checkpoint``'s, whatever
+their precision: the result's ``source`` names it), requantizes its expert directory to
 each format, then for each: bytes per expert, streamed decode tok/s at half the experts
 resident (median of runs), exactness against stock mlx-lm on the requantized model, and
-quality against the 8-bit source (KL divergence and top-1 agreement of next-token
+quality against the source (KL divergence and top-1 agreement of next-token
 distributions, relative output error per projection). Random weights: a relative guide.
 
     python benchmarks/requant.py --json benchmarks/results/requant-cpu.json
@@ -36,6 +37,8 @@ def main():
         "2-bit": {"bits": 2},
         "mixed gate=2,up=2,down=3": {"bits": 4, "proj_bits": "gate=2,up=2,down=3"},
     }
+    bits = sorted({b for lay in meta.layers.values() for b in lay.proj_bits().values()}, key=str)
+    source = "float" if bits == [None] else "/".join(f"{b}-bit" for b in bits if b)
     rows = []
     for name, spec in formats.items():
         ed = root / f"experts-{name.split()[0]}{'-mixed' if 'mixed' in name else ''}"
@@ -55,8 +58,8 @@ def main():
         row = {
             "format": name,
             "expert_bytes": load_meta(ed).expert_bytes(),
-            "bytes_vs_8bit": round(load_meta(ed).expert_bytes() / meta.expert_bytes(), 3),
-            "kl_vs_8bit": round(q["kl"], 5),
+            "bytes_vs_source": round(load_meta(ed).expert_bytes() / meta.expert_bytes(), 3),
+            "kl_vs_source": round(q["kl"], 5),
             "top1_agreement": round(q["top1_agreement"], 4),
             "mean_projection_error": q["mean_projection_error"],
             "decode_tok_per_s": b["decode_tok_per_s"],
@@ -71,7 +74,8 @@ def main():
         a,
         "requant",
         {
-            "model": f"synthetic {a.preset}, 8-bit source",
+            "model": str(ck) if a.checkpoint else f"synthetic {a.preset}",
+            "source": source,  # the experts requantized from, and the quality reference
             "slots": meta.num_experts // 2,
             "note": "random weights: quality figures are a relative guide only",
             "formats": rows,

@@ -66,14 +66,14 @@ def main():
     p.add_argument("--prompt-tokens", type=int, help="cut or repeat the prompt to this length")
     p.add_argument("--repeat", type=positive_int, default=3)
     add_trace_offset(p)
-    p.add_argument("--cold", default="both", choices=["warm", "cold", "both"])
-    p.add_argument("--prefill-tokens", type=int, default=512)
-    p.add_argument("--prefill-residency", type=float, default=0.25)
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    # (None: not given; --beyond-ram has its own protocol and refuses them)
+    p.add_argument("--cold", choices=["warm", "cold", "both"], help="default both")
+    p.add_argument("--prefill-tokens", type=int, help="default 512")
+    p.add_argument("--prefill-residency", type=float, help="default 0.25")
+    p.add_argument("--prefill-chunk", type=int, help="default 512")
     p.add_argument(
         "--limited-residency",
         type=float,
-        default=0.0,
         help="also run streamed alone at this residency with MLX's memory "
         "limited to trunk + pool + 1 GB",
     )
@@ -113,6 +113,17 @@ def main():
         "with --beyond-ram, each residency also runs read-ahead by each such predictor",
     )
     a = p.parse_args()
+    protocol = ("cold", "prefill_tokens", "prefill_residency", "prefill_chunk",
+                "limited_residency", "profile")  # fmt: skip
+    ignored = ["--" + k.replace("_", "-") for k in protocol if getattr(a, k) is not None]
+    if a.beyond_ram and ignored:
+        p.error(f"--beyond-ram runs its own protocol (a cold load, a first token, then "
+                f"--repeat timed runs): drop {', '.join(ignored)}")  # fmt: skip
+    a.cold = a.cold or "both"
+    a.prefill_tokens = 512 if a.prefill_tokens is None else a.prefill_tokens
+    a.prefill_residency = a.prefill_residency or 0.25
+    a.prefill_chunk = a.prefill_chunk or 512
+    a.limited_residency = a.limited_residency or 0.0
     if (a.ring_pieces is not None or a.ring_readers is not None) and not a.beyond_ram:
         p.error("--ring-readers and --ring-pieces apply with --beyond-ram")
     oracles = oracle_accuracies(a.oracle)
