@@ -47,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
+TYPICAL = 4000  # tokens of held-out routing a row's stretch is set against
 # the store's per-phase host seconds (``LayerStats``), as speed.py's PHASES, and two spans:
 # gap_s (the device's idle bound) and demand_s (reads in flight), which overlap the rest
 PHASES = ("ahead_s", "sync_s", "host_s", "read_s", "graph_s", "gap_s", "demand_s")
@@ -382,7 +383,8 @@ def child(job: dict) -> dict:
         sim = dict(layers=range(min(moe, trace.layers)), model_layers=moe, exclusive=bounded)
         args = (trace, rt.policy, slots, beneath, meta.layers[meta.moe_layers[0]].stride)
         predicted = simulate_tiers(*args, start=cursor, calls=calls, counted=counted, **sim)
-        typical = stretch(predicted, simulate_tiers(*args, start=start, tokens=4000, **sim))
+        held_out = trace.split(0.5)[0].tokens  # the typical: wherever the runs start
+        typical = stretch(predicted, simulate_tiers(*args, start=held_out, tokens=TYPICAL, **sim))
     step_bytes = None  # each decode step's disk bytes, as the simulator replays them
     if predicted is not None and not (tier_bytes and not bounded):
         by_call = predicted.disk_bytes_by_call()
@@ -427,8 +429,9 @@ def child(job: dict) -> dict:
         and (0 if tier_bytes and not bounded else round(predicted.disk_bytes_per_token)),
         "predicted_pool_hit_rate": predicted and round(predicted.shares()["pool"], 4),
         # the run's stretch of routing against the held-out routing's (4,000 tokens
-        # from the held-out half's first, one a step): decode runs this short read what
-        # their stretch of text asks, which ranges widely (2026-12-08)
+        # from the held-out half's first, one a step, wherever --trace-start puts the
+        # runs): decode runs this short read what their stretch of text asks, which
+        # ranges widely (2026-12-08)
         **typical,
         # the disk's rate in this run: the probe (``storage_probe``: the ring's queue full,
         # else the engine's reads), and a lone record through the ring (what a decode

@@ -139,7 +139,7 @@
 #                                           ROUNDS alternating rounds (default 5)
 #   bash benchmarks/gpu_suite.sh precision  larger than RAM (O_DIRECT; METHOD=memlimit: a MEMLIMIT-GB cgroup, default 6) at RESIDENCY (0.25) by precision:
 #                                           FORMATS (default "4-bit,3-bit"; see precision_beyond.py),
-#                                           TOKENS decode tokens a run (32) from OFFSET (below)
+#                                           TOKENS decode tokens a run (32) from START (below)
 #   bash benchmarks/gpu_suite.sh hostprof   cProfile of decode, stock against 50% and 25%: where the
 #                                           host's time goes, MLX's eval calls shown apart
 #   bash benchmarks/gpu_suite.sh hmm        whether a kernel can read a plain (unlocked) file mapping
@@ -179,10 +179,11 @@
 # Several suites may run in one call; at exit (a timeout included) every result file is
 # bundled into $OUT/results.tgz (the device returns few files), beside ptx.tgz and the
 # trained checkpoint's parts. ARGS adds flags to every speed.py row (e.g. ARGS="--threads 31").
-# OFFSET starts the speed.py and precision rows' routing that many tokens into the trace's
-# held-out half (default 0). Its first stretch is the trace's cheapest: the simulator puts
-# 4-bit at 25% there at 14.5 MB/token against a 36-58 typical (2026-12-08); each row's
-# stretch_vs_typical says where its own stretch falls.
+# START starts the speed.py and precision rows' routing at that trace token (default: the
+# held-out half's first, 44928). That first stretch is among the trace's cheapest: the
+# simulator puts the 7h rows there at 0.29-0.61 of the held-out routing's typical disk
+# bytes (2026-12-08); START=50928 is near typical for both rows' shapes
+# (probes/stretches.py); each row's stretch_vs_typical says where its own stretch falls.
 # TRACE names the DeepSeek-V2-Lite trace
 # (default .gpu/deepseek-v2-lite.npz, copied from ../shared/traces). MLX compiles each
 # kernel variant on first use; .gpu/ptx.tgz (a former run's $OUT/ptx.tgz) seeds its cache,
@@ -240,7 +241,7 @@ trap bundle EXIT
 speed() {  # name, args...
   local name=$1; shift
   timeout "$limit" python3 benchmarks/speed.py --workdir $work --preset dsv2-lite \
-    --trace "$trace" --trace-offset "${OFFSET:-0}" --tokens 96 --prompt-tokens 32 \
+    --trace "$trace" ${START:+--trace-start $START} --tokens 96 --prompt-tokens 32 \
     --json "$out/speed-$name.json" "$@" ${ARGS:-} 2>&1 \
     | grep -v "PyTorch was not found" | tee "$out/speed-$name.log" | grep -v "^{" | tail -5
 }
@@ -423,7 +424,7 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
              | grep -v "PyTorch was not found" | tee "$out/decode-split-$r.log" | grep -E "^(stock|streamed)"
          done ;;
   precision) timeout "$limit" python3 benchmarks/precision_beyond.py --preset dsv2-lite \
-               --workdir $work --trace "$trace" --trace-offset "${OFFSET:-0}" \
+               --workdir $work --trace "$trace" ${START:+--trace-start $START} \
                --residency "${RESIDENCY:-0.25}" --tokens "${TOKENS:-32}" --repeat 3 \
                --formats "${FORMATS:-4-bit,3-bit}" --method "${METHOD:-direct}" \
                $([ "${METHOD:-direct}" = memlimit ] && echo --memory-limit-gb "${MEMLIMIT:-6}") --json "$out/precision-beyond-gpu.json" 2>&1 \

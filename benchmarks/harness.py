@@ -105,33 +105,33 @@ def build(a, **make_kw):
     return ck, ed, ensure_split(ck, ed)
 
 
-def add_trace_offset(p: argparse.ArgumentParser) -> None:
-    """``--trace-offset``: where in the held-out routing the runs start."""
+def add_trace_start(p: argparse.ArgumentParser) -> None:
+    """``--trace-start``: the trace token the runs' routing starts at, as ``bench``'s."""
     p.add_argument(
-        "--trace-offset",
+        "--trace-start",
         type=int,
-        default=0,
-        help="start the replayed routing this many tokens into the trace's held-out half "
-        "(default 0: its first token). A short run reads what its stretch of text asks, "
-        "which ranges widely: each row says how its stretch compares (stretch_vs_typical)",
+        help="the trace token the replayed routing starts at, within its held-out half "
+        "(default: that half's first). A short run reads what its stretch of text asks, "
+        "which ranges widely: each row says how its stretch compares (stretch_vs_typical; "
+        "probes/stretches.py finds typical starts)",
     )
 
 
 def routing_trace(a):
-    """``(trace, start)``: the trace and the token its runs start at (the held-out half's
-    first, plus ``--trace-offset`` where the benchmark has it), or (None, 0)."""
+    """``(trace, start)``: the trace and the token its runs start at (``--trace-start``
+    where the benchmark has it, else the held-out half's first), or (None, 0)."""
     if getattr(a, "trace", "none") in (None, "none"):
         return None, 0
     from mlx_streaming.planning.trace import RoutingTrace
 
     trace = RoutingTrace.load(a.trace)
-    start, offset = trace.split(0.5)[0].tokens, getattr(a, "trace_offset", 0)
-    room = trace.tokens - start - 4096  # the runs' and the typical stretch's routing
-    if not 0 <= offset <= room:
-        raise SystemExit(f"--trace-offset {offset}: give 0 to {max(0, room)} (the held-out "
-                         f"half of {a.trace} has {trace.tokens - start} tokens, and a run "
-                         "needs 4096 after its start)")  # fmt: skip
-    return trace, start + offset
+    first = trace.split(0.5)[0].tokens
+    start = getattr(a, "trace_start", None)
+    last = trace.tokens - 4096  # room for the runs' and the typical stretch's routing
+    if start is not None and not first <= start <= last:
+        raise SystemExit(f"--trace-start {start}: give {first} to {last} (the held-out half "
+                         f"of {a.trace}, less the 4096 tokens a run may replay)")  # fmt: skip
+    return trace, first if start is None else start
 
 
 def stock(ck, trace=None, start: int = 0):

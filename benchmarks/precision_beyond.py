@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import RESIDENCIES, add_trace_offset, build, finish, log, parser
+from harness import RESIDENCIES, add_trace_start, build, finish, log, parser
 
 FORMATS = {
     "8-bit": {"bits": 8},
@@ -55,7 +55,7 @@ def main() -> None:
     p.add_argument("--residency", type=RESIDENCIES, default=[0.25])
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--repeat", type=int, default=3)
-    add_trace_offset(p)
+    add_trace_start(p)
     p.add_argument(
         "--formats",
         default=",".join(FORMATS),
@@ -114,8 +114,8 @@ def main() -> None:
                 str(out),
             ]
             cmd += ["--memory-limit-gb", str(a.memory_limit_gb)] if a.memory_limit_gb else []
-            if a.trace:
-                cmd += ["--trace", a.trace, "--trace-offset", str(a.trace_offset)]
+            cmd += ["--trace", a.trace] if a.trace else []  # fmt: skip
+            cmd += ["--trace-start", str(a.trace_start)] if a.trace_start is not None else []
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             r = json.loads(out.read_text())
         ed = root / f"{model.name}-experts"
@@ -131,7 +131,7 @@ def main() -> None:
         "precision-beyond-ram",
         {"preset": a.preset, "source_expert_mb": round(meta.expert_bytes() / 1e6, 3),
          "method": method, "tokens": a.tokens, "repeat": a.repeat,
-         "trace_offset": a.trace_offset, "rows": rows},
+         "trace_start": a.trace_start, "rows": rows},
         t0,
     )  # fmt: skip
 

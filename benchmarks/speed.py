@@ -33,7 +33,7 @@ import numpy as np
 from harness import (
     PROMPT,
     RESIDENCIES,
-    add_trace_offset,
+    add_trace_start,
     ahead_label,
     build,
     decode_run,
@@ -65,7 +65,7 @@ def main():
     p.add_argument("--tokens", type=int, default=32, help="decode tokens per run")
     p.add_argument("--prompt-tokens", type=int, help="cut or repeat the prompt to this length")
     p.add_argument("--repeat", type=positive_int, default=3)
-    add_trace_offset(p)
+    add_trace_start(p)
     # (None: not given; --beyond-ram has its own protocol and refuses them)
     p.add_argument("--cold", choices=["warm", "cold", "both"], help="default both")
     p.add_argument("--prefill-tokens", type=int, help="default 512")
@@ -145,7 +145,7 @@ def main():
         cfg = stream_config(a).replace(ring_readers=a.ring_readers, ring_pieces=a.ring_pieces)
     except ValueError as e:
         p.error(str(e))
-    trace, start = routing_trace(a)  # (--trace-offset checked before the build)
+    trace, start = routing_trace(a)  # (--trace-start checked before the build)
     t0 = time.perf_counter()
     ck, ed, meta = build(a)
     files = [meta.file(li) for li in meta.layers]

@@ -925,6 +925,42 @@ def test_the_simulator_s_stretches_tile_its_run():
     assert row["tok_per_s_p10_p90"][0] <= row["tok_per_s_p10_p90"][1]
 
 
+def test_a_run_s_stretch_against_the_held_out_routing(monkeypatch, tmp_path):
+    """``beyond_ram.stretch``: a run's simulated disk bytes against a long replay's, and
+    the share of its stretches as long that read less; ``harness.routing_trace`` takes
+    ``--trace-start`` within the held-out half only (the first half trains predictors),
+    leaving room for the runs."""
+    import argparse
+    import importlib
+
+    from mlx_streaming.planning.tiers import simulate_tiers
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    beyond_ram, harness = importlib.import_module("beyond_ram"), importlib.import_module("harness")
+    trace = local_trace(T=600, concentrated=(1,))
+    typical = simulate_tiers(trace, "lru", 8, 0, 1000)
+    calls, counted = beyond_ram.run_calls(8, 20, 2)
+    run = simulate_tiers(trace, "lru", 8, 0, 1000, start=300, calls=calls, counted=counted)
+    got = beyond_ram.stretch(run, typical)
+    assert got["typical_disk_bytes_per_token"] == round(typical.disk_bytes_per_token)
+    assert np.isclose(got["stretch_vs_typical"],
+                      run.disk_bytes_per_token / typical.disk_bytes_per_token, atol=1e-4)  # fmt: skip
+    _, disk = typical.windows(run.tokens)
+    assert got["stretch_percentile"] == round(float((disk < run.disk_bytes_per_token).mean()), 3)
+    whole = simulate_tiers(trace, "lru", 8, 10**9, 1000, exclusive=True)  # nothing read
+    assert whole.disk_reads == 0 and beyond_ram.stretch(run, whole) == {}
+    long = RoutingTrace(np.zeros((10_000, 2, 4), np.uint8), np.array([0, 5000, 10_000]), 32)
+    long.save(tmp_path / "t.npz")
+    a = argparse.Namespace(trace=str(tmp_path / "t.npz"), trace_start=None)
+    assert harness.routing_trace(a)[1] == 5000  # the held-out half's first token
+    a.trace_start = 5904
+    assert harness.routing_trace(a)[1] == 5904
+    for bad in (4999, 5905):
+        a.trace_start = bad
+        with pytest.raises(SystemExit, match=f"--trace-start {bad}: give 5000 to 5904"):
+            harness.routing_trace(a)
+
+
 def test_an_exclusive_host_tier_holds_no_record_twice():
     """``simulate_tiers(exclusive=True)``: the store's swap tier. Its pools are full from
     load (slot ``s`` holds expert ``s``) and the pools behave as over any tier; with no
