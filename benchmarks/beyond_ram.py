@@ -47,7 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
-TYPICAL = 4000  # tokens of held-out routing a row's stretch is set against
+TYPICAL = 4000  # tokens of held-out routing a row's stretch is set against (``typical_run``)
+WARM = 64  # uncounted tokens before them
 # the store's per-phase host seconds (``LayerStats``), as speed.py's PHASES, and two spans:
 # gap_s (the device's idle bound) and demand_s (reads in flight), which overlap the rest
 PHASES = ("ahead_s", "sync_s", "host_s", "read_s", "graph_s", "gap_s", "demand_s")
@@ -164,17 +165,30 @@ def host_bound(floor_tps, decode_path: str, disk_tok: float, gbps: float, tps: f
             "efficiency_vs_host_serial": round(tps * step, 4)}  # fmt: skip
 
 
+def typical_run(trace, args: tuple, sim: dict):
+    """``simulate_tiers(*args, **sim)`` over the held-out routing a row's stretch is set
+    against: ``TYPICAL`` tokens from the held-out half's first (wherever the runs start),
+    one a call, after ``WARM`` uncounted ones (as the runs' prompts warm their pools)."""
+    from mlx_streaming.planning.tiers import simulate_tiers
+
+    start = trace.split(0.5)[0].tokens
+    counted = [False] * WARM + [True] * TYPICAL
+    return simulate_tiers(*args, start=start, calls=[1] * len(counted), counted=counted, **sim)
+
+
 def stretch(run, typical) -> dict:
     """The simulator's disk bytes per token for the run's own stretch of routing
     (``run``) against ``typical`` (a long one): their ratio, and the share of
-    ``typical``'s stretches as long as the run's decode that read less."""
+    ``typical``'s stretches as long as the run's decode that read less (None where
+    ``typical`` holds fewer than 5 such stretches)."""
     if not typical.disk_bytes_per_token:
         return {}
     _, disk = typical.windows(max(1, run.tokens))
+    share = float((disk < run.disk_bytes_per_token).mean()) if len(disk) >= 5 else None
     return {
         "typical_disk_bytes_per_token": round(typical.disk_bytes_per_token),
         "stretch_vs_typical": round(run.disk_bytes_per_token / typical.disk_bytes_per_token, 4),
-        "stretch_percentile": round(float((disk < run.disk_bytes_per_token).mean()), 3),
+        "stretch_percentile": share if share is None else round(share, 3),
     }
 
 
@@ -383,8 +397,8 @@ def child(job: dict) -> dict:
         sim = dict(layers=range(min(moe, trace.layers)), model_layers=moe, exclusive=bounded)
         args = (trace, rt.policy, slots, beneath, meta.layers[meta.moe_layers[0]].stride)
         predicted = simulate_tiers(*args, start=cursor, calls=calls, counted=counted, **sim)
-        held_out = trace.split(0.5)[0].tokens  # the typical: wherever the runs start
-        typical = stretch(predicted, simulate_tiers(*args, start=held_out, tokens=TYPICAL, **sim))
+        if not (tier_bytes and not bounded):  # (a whole tier: nothing read, no stretch)
+            typical = stretch(predicted, typical_run(trace, args, sim))
     step_bytes = None  # each decode step's disk bytes, as the simulator replays them
     if predicted is not None and not (tier_bytes and not bounded):
         by_call = predicted.disk_bytes_by_call()

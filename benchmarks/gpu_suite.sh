@@ -181,9 +181,10 @@
 # trained checkpoint's parts. ARGS adds flags to every speed.py row (e.g. ARGS="--threads 31").
 # START starts the speed.py and precision rows' routing at that trace token (default: the
 # held-out half's first, 44928). That first stretch is among the trace's cheapest: the
-# simulator puts the 7h rows there at 0.29-0.61 of the held-out routing's typical disk
-# bytes (2026-12-08); START=50928 is near typical for both rows' shapes
-# (probes/stretches.py); each row's stretch_vs_typical says where its own stretch falls.
+# simulator puts the 7h rows there at 0.29-0.62 of the held-out routing's typical disk
+# bytes (2026-12-08). START=64928 and 82928 fall within 10% of typical for the ring rows'
+# shape and both precision rows' (probes/stretches.py; results/stretches-*-2026-12-08.json);
+# each row's stretch_vs_typical says where its own stretch falls.
 # TRACE names the DeepSeek-V2-Lite trace
 # (default .gpu/deepseek-v2-lite.npz, copied from ../shared/traces). MLX compiles each
 # kernel variant on first use; .gpu/ptx.tgz (a former run's $OUT/ptx.tgz) seeds its cache,

@@ -117,20 +117,30 @@ def add_trace_start(p: argparse.ArgumentParser) -> None:
     )
 
 
+def held_out_span(trace, room: int = 4096) -> tuple[int, int]:
+    """The first and last tokens a run may start at: the held-out half's first (the first
+    half trains predictors), and ``room`` tokens before the trace's end."""
+    return trace.split(0.5)[0].tokens, trace.tokens - room
+
+
 def routing_trace(a):
     """``(trace, start)``: the trace and the token its runs start at (``--trace-start``
     where the benchmark has it, else the held-out half's first), or (None, 0)."""
+    start = getattr(a, "trace_start", None)
     if getattr(a, "trace", "none") in (None, "none"):
+        if start is not None:
+            raise SystemExit("--trace-start is a position in --trace: give a trace")
         return None, 0
     from mlx_streaming.planning.trace import RoutingTrace
 
     trace = RoutingTrace.load(a.trace)
-    first = trace.split(0.5)[0].tokens
-    start = getattr(a, "trace_start", None)
-    last = trace.tokens - 4096  # room for the runs' and the typical stretch's routing
+    prompt = getattr(a, "prompt_tokens", None) or 64  # (the default prompt: 28 tokens)
+    runs = (getattr(a, "repeat", 3) + 1) * (prompt + getattr(a, "tokens", 32))
+    first, last = held_out_span(trace, max(4096, runs))  # room for the runs' routing
     if start is not None and not first <= start <= last:
         raise SystemExit(f"--trace-start {start}: give {first} to {last} (the held-out half "
-                         f"of {a.trace}, less the 4096 tokens a run may replay)")  # fmt: skip
+                         f"of {a.trace}, less the {trace.tokens - last} tokens the runs may "
+                         "replay)")  # fmt: skip
     return trace, first if start is None else start
 
 

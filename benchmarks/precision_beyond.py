@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness import RESIDENCIES, add_trace_start, build, finish, log, parser
+from harness import RESIDENCIES, add_trace_start, build, finish, log, parser, routing_trace
 
 FORMATS = {
     "8-bit": {"bits": 8},
@@ -31,10 +31,11 @@ FORMATS = {
     "3-bit": {"bits": 3},
 }
 KEEP = ("tok_per_s", "decode_runs", "ratio_vs_stock", "hit_rate", "bytes_read_per_token",
-        "disk_bytes_per_token", "predicted_disk_bytes_per_token", "typical_disk_bytes_per_token",
-        "stretch_vs_typical", "stretch_percentile", "swap_tier_gb", "storage_gbps",
-        "t_compute_ms", "t_io_ms", "efficiency", "efficiency_vs_serial", "exact_vs_stock",
-        "runtime")  # fmt: skip
+        "disk_bytes_per_token", "predicted_disk_bytes_per_token", "swap_tier_gb",
+        "storage_gbps", "t_compute_ms", "t_io_ms", "efficiency", "efficiency_vs_serial",
+        "exact_vs_stock", "runtime")  # fmt: skip
+# a row's stretch of routing against the held-out routing's, where the simulator ran
+STRETCH = ("typical_disk_bytes_per_token", "stretch_vs_typical", "stretch_percentile")
 
 
 def chosen(spec: str) -> list[str]:
@@ -79,6 +80,7 @@ def main() -> None:
         wanted = chosen(a.formats)
     except ValueError as e:
         p.error(str(e))
+    routing_trace(a)  # --trace-start checked before the build, not in each format's run
     from mlx_streaming.core.meta import load_meta
     from mlx_streaming.prep.requantize import requantize
 
@@ -123,7 +125,8 @@ def main() -> None:
             rows.append({"format": name, "residency": row["residency"],
                          "expert_mb": round(load_meta(ed).expert_bytes() / 1e6, 3),
                          "stock_tok_per_s": r["stock_tok_per_s"],
-                         **{k: row.get(k) for k in KEEP}})  # fmt: skip
+                         **{k: row[k] for k in KEEP},
+                         **{k: row[k] for k in STRETCH if k in row}})  # fmt: skip
             log(rows[-1])
     method = "O_DIRECT" if a.method == "direct" else f"{a.memory_limit_gb:g} GB cgroup"
     finish(

@@ -37,8 +37,8 @@ def main():
         "2-bit": {"bits": 2},
         "mixed gate=2,up=2,down=3": {"bits": 4, "proj_bits": "gate=2,up=2,down=3"},
     }
-    bits = sorted({b for lay in meta.layers.values() for b in lay.proj_bits().values()}, key=str)
-    source = "float" if bits == [None] else "/".join(f"{b}-bit" for b in bits if b)
+    bits = {b for lay in meta.layers.values() for b in lay.proj_bits().values()}
+    source = "/".join([f"{b}-bit" for b in sorted(bits - {None})] + ["float"] * (None in bits))
     rows = []
     for name, spec in formats.items():
         ed = root / f"experts-{name.split()[0]}{'-mixed' if 'mixed' in name else ''}"

@@ -113,17 +113,15 @@ def main():
         "with --beyond-ram, each residency also runs read-ahead by each such predictor",
     )
     a = p.parse_args()
-    protocol = ("cold", "prefill_tokens", "prefill_residency", "prefill_chunk",
-                "limited_residency", "profile")  # fmt: skip
-    ignored = ["--" + k.replace("_", "-") for k in protocol if getattr(a, k) is not None]
-    if a.beyond_ram and ignored:
+    defaults = {"cold": "both", "prefill_tokens": 512, "prefill_residency": 0.25,
+                "prefill_chunk": 512, "limited_residency": 0.0, "profile": None}  # fmt: skip
+    given = [k for k in defaults if getattr(a, k) not in (None, 0)]  # (0: none, as off)
+    if a.beyond_ram and given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
         p.error(f"--beyond-ram runs its own protocol (a cold load, a first token, then "
-                f"--repeat timed runs): drop {', '.join(ignored)}")  # fmt: skip
-    a.cold = a.cold or "both"
-    a.prefill_tokens = 512 if a.prefill_tokens is None else a.prefill_tokens
-    a.prefill_residency = a.prefill_residency or 0.25
-    a.prefill_chunk = a.prefill_chunk or 512
-    a.limited_residency = a.limited_residency or 0.0
+                f"--repeat timed runs): drop {flags}")  # fmt: skip
+    for k, v in defaults.items():
+        setattr(a, k, v if getattr(a, k) is None else getattr(a, k))
     if (a.ring_pieces is not None or a.ring_readers is not None) and not a.beyond_ram:
         p.error("--ring-readers and --ring-pieces apply with --beyond-ram")
     oracles = oracle_accuracies(a.oracle)

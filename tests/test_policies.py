@@ -407,11 +407,21 @@ def test_plan_splits_memory_between_pools_and_the_page_cache(tmp_path, capsys):
     assert whole and all(r["disk_share"] == 0 for r in whole)  # filled at load
     for r in whole:
         assert r["tier_gb"] == round((32 - r["slots"]) * 3 * rec / 1e9, 3)
-    cmd.main([*args, "--t-compute-ms", "1", "--read-gbps", "1", "--window", "50"])
+    cmd.main([*args, "--t-compute-ms", "1", "--read-gbps", "1"])
     table = capsys.readouterr().out
     assert "swap" in table and "--swap-tier" in table and "page cache" in table
-    assert "p10-p90" in table and "stretches of 50 tokens (--window)" in table
-    assert all(r["window_tokens"] == 256 for r in rows)  # the default window
+    assert "p10-p90" in table and "stretches of 40 tokens (--window)" in table  # 200 / 5
+    cmd.main([*args, "--t-compute-ms", "1", "--read-gbps", "1", "--window", "20", "--json"])
+    spread = json.loads(capsys.readouterr().out)
+    assert all(r["window_tokens"] == 20 for r in spread)
+    for r in spread:  # the mean of 10 stretches within their 10th and 90th percentiles
+        lo, hi = r["disk_mb_per_token_p10_p90"]
+        assert lo <= r["disk_mb_per_token"] <= hi or lo == hi == r["disk_mb_per_token"] == 0
+    with pytest.raises(ValueError, match="--tokens 200 holds fewer than 5 stretches of "):
+        cmd.main([*args, "--t-compute-ms", "1", "--read-gbps", "1", "--window", "41"])
+    with pytest.raises(ValueError, match="--window spreads the rows of --memory-gb"):
+        cmd.main(["--trace", str(tmp_path / "t.npz"), "--expert-bytes", "1000", "--slots", "8",
+                  "--window", "20"])  # fmt: skip
     with pytest.raises(ValueError, match="--memory-gb needs a compute time"):
         cmd.main(args)
     with pytest.raises(
@@ -899,7 +909,7 @@ def test_the_page_cache_tier_beneath_the_pools():
 def test_the_simulator_s_stretches_tile_its_run():
     """``TierResult.windows``: stretches of a run's counted tokens, in order, whose
     token-weighted mean is the run's (uncounted calls, a prompt's, add no token and no
-    byte); a stretch longer than the run is the run. ``window_tok_per_s`` is the time
+    byte); a stretch longer than the run is the run. ``window_rates`` gives the time
     model of each stretch; the plan rows give their 10th and 90th percentiles."""
     from mlx_streaming.planning.tiers import simulate_tiers, split_rows
 
@@ -916,7 +926,8 @@ def test_the_simulator_s_stretches_tile_its_run():
     runs = simulate_tiers(trace, "lru", 8, 0, 1000, calls=calls, counted=counted)
     per_run = runs.windows(99)[1]
     assert len(per_run) == 3 and np.isclose(per_run.mean(), runs.disk_bytes_per_token)
-    tps = r.window_tok_per_s(100, 1e-3, 1.0, 0.001)
+    same, tps = r.window_rates(100, 1e-3, 1.0, 0.001)
+    assert np.array_equal(same, disk)
     assert np.allclose(tps, 1 / np.maximum(1e-3, copies / 1e9 + disk / 1e6))
     row = split_rows(trace, "lru", [(8, 10**9)], 1000, 1000, 1e-3, 1.0, 0.001,
                      beneath=("page cache",), window=50)[0]  # fmt: skip
@@ -937,18 +948,31 @@ def test_a_run_s_stretch_against_the_held_out_routing(monkeypatch, tmp_path):
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     beyond_ram, harness = importlib.import_module("beyond_ram"), importlib.import_module("harness")
+    from mlx_streaming.planning.tiers import TierResult
+
+    def result(per_call: list[int]) -> TierResult:  # one layer, one token a call
+        n = len(per_call)
+        return TierResult(n, 0, 0, sum(per_call), 0.0, sum(per_call) / n, 0.0,
+                          np.array(per_call)[:, None], 1.0, np.zeros(n), np.ones(n))  # fmt: skip
+
+    typical = result([1, 1, 3, 3, 5, 5, 7, 7, 9, 9])  # 5 a token; stretches of 2: 1,3,5,7,9
+    assert beyond_ram.stretch(result([6, 6]), typical) == {
+        "typical_disk_bytes_per_token": 5, "stretch_vs_typical": 1.2, "stretch_percentile": 0.6
+    }  # fmt: skip
+    few = beyond_ram.stretch(result([4, 4, 4]), typical)  # 3 stretches of 3: no percentile
+    assert few["stretch_vs_typical"] == 0.8 and few["stretch_percentile"] is None
     trace = local_trace(T=600, concentrated=(1,))
-    typical = simulate_tiers(trace, "lru", 8, 0, 1000)
     calls, counted = beyond_ram.run_calls(8, 20, 2)
     run = simulate_tiers(trace, "lru", 8, 0, 1000, start=300, calls=calls, counted=counted)
-    got = beyond_ram.stretch(run, typical)
-    assert got["typical_disk_bytes_per_token"] == round(typical.disk_bytes_per_token)
-    assert np.isclose(got["stretch_vs_typical"],
-                      run.disk_bytes_per_token / typical.disk_bytes_per_token, atol=1e-4)  # fmt: skip
-    _, disk = typical.windows(run.tokens)
-    assert got["stretch_percentile"] == round(float((disk < run.disk_bytes_per_token).mean()), 3)
     whole = simulate_tiers(trace, "lru", 8, 10**9, 1000, exclusive=True)  # nothing read
     assert whole.disk_reads == 0 and beyond_ram.stretch(run, whole) == {}
+    # the typical: TYPICAL tokens from the held-out half's first, after WARM uncounted
+    big = local_trace(T=2 * (beyond_ram.WARM + beyond_ram.TYPICAL))
+    got = beyond_ram.typical_run(big, (big, "lru", 8, 0, 1000), {})
+    assert got.tokens == beyond_ram.TYPICAL and big.split(0.5)[0].tokens == 4064
+    assert got.disk_by_call[: beyond_ram.WARM].sum() == 0  # the warm-up left out
+    held = simulate_tiers(big, "lru", 8, 0, 1000, start=4064 + beyond_ram.WARM, tokens=4000)
+    assert abs(got.disk_reads - held.disk_reads) < 0.05 * held.disk_reads  # (warm vs cold)
     long = RoutingTrace(np.zeros((10_000, 2, 4), np.uint8), np.array([0, 5000, 10_000]), 32)
     long.save(tmp_path / "t.npz")
     a = argparse.Namespace(trace=str(tmp_path / "t.npz"), trace_start=None)

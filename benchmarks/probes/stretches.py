@@ -7,10 +7,10 @@ the prompt, then each run's decode) from each start through the two-tier simulat
 default policy's pools over a bounded swap tier, or over nothing: O_DIRECT), the model
 the rows' ``predicted_disk_bytes_per_token`` comes from (it matched the H100's disk to
 0.1%, 2026-12-07h). Each start's disk MB per token sits beside the held-out routing's
-(4,000 tokens from the held-out half's first, one a step) as ``stretch_vs_typical``, with
-the share of that routing's stretches as long that read less (``stretch_percentile``),
-as each ``speed.py --beyond-ram`` row now reports. The start nearest the typical is one
-to measure a headline at.
+(``beyond_ram.typical_run``: 4,000 tokens from the held-out half's first, one a step) as
+``stretch_vs_typical``, with the share of that routing's stretches as long that read
+less (``stretch_percentile``), as each ``speed.py --beyond-ram`` row now reports. The
+start nearest the typical is one to measure a headline at.
 
     python benchmarks/probes/stretches.py --trace .gpu/deepseek-v2-lite.npz
 """
@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from beyond_ram import TYPICAL, run_calls, stretch  # noqa: E402
-from harness import finish, numbers, parser  # noqa: E402
+from beyond_ram import run_calls, stretch, typical_run  # noqa: E402
+from harness import finish, held_out_span, numbers, parser  # noqa: E402
 
 from mlx_streaming.commands._args import nonneg_float, positive_float, positive_int  # noqa: E402
 from mlx_streaming.core.cache.policy import DEFAULT_POLICY  # noqa: E402
@@ -47,17 +47,16 @@ def main() -> None:
                    "every 2,000 tokens of the held-out half)")  # fmt: skip
     a = p.parse_args()
     trace = RoutingTrace.load(a.trace)
-    start = trace.split(0.5)[0].tokens
-    last = trace.tokens - 4096
-    starts = a.starts or list(range(start, last + 1, 2000))
-    if not start <= min(starts) <= max(starts) <= last:
-        p.error(f"--starts: give {start} to {last} (as speed.py's --trace-start)")
+    first, last = held_out_span(trace, max(4096, (a.repeat + 1) * (a.prompt_tokens + a.tokens)))
+    starts = a.starts or list(range(first, last + 1, 2000))
+    if not starts or not first <= min(starts) <= max(starts) <= last:
+        p.error(f"--starts: give {first} to {last} (as speed.py's --trace-start)")
     record = int(a.expert_mb * 1e6)
     bounded = a.tier_gb > 0
     sim = dict(layers=range(min(a.moe_layers, trace.layers)), model_layers=a.moe_layers,
                exclusive=bounded)  # fmt: skip
     args = (trace, DEFAULT_POLICY, a.slots, int(a.tier_gb * 1e9), record)
-    typical = simulate_tiers(*args, start=start, tokens=TYPICAL, **sim)
+    typical = typical_run(trace, args, sim)
     calls, counted = run_calls(a.prompt_tokens, a.tokens, a.repeat)
     rows = []
     for s in starts:

@@ -84,11 +84,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--window",
         type=positive_int,
-        default=256,
         help="with --memory-gb or --host-gb: the tokens a run decodes; each row also gives "
         "the 10th and 90th percentiles of disk MB/token and tok/s over the replayed "
         "routing's stretches of this many tokens, as a run that long may see them "
-        "(default 256)",
+        "(default 256, or a fifth of --tokens where that is less)",
     )
     p.add_argument(
         "--layer-sample",
@@ -318,6 +317,12 @@ def main(argv=None) -> None:
         raise ValueError(f"--bits {' '.join(map(str, a.bits))}: name each precision once")
     if a.group_size and not a.bits:
         raise ValueError("--group-size sizes the precisions of --bits: add --bits")
+    if a.window and not (a.memory_gb or a.host_gb):
+        raise ValueError("--window spreads the rows of --memory-gb or --host-gb: add one")
+    if a.window and a.tokens < 5 * a.window:
+        raise ValueError(f"--tokens {a.tokens} holds fewer than 5 stretches of --window "
+                         f"{a.window}: raise --tokens or lower --window")  # fmt: skip
+    a.window = a.window or max(1, min(256, a.tokens // 5))  # (each row says which)
     t, b = _bounds(a)
     times = _compute_times(a, t, len(a.bits or [None]))  # before the model is read
     trace = RoutingTrace.load(a.trace)

@@ -70,13 +70,13 @@ class TierResult:
             disk.append(self.disk_by_call[a:b].sum() * self.read_bytes / k)
         return np.asarray(copies), np.asarray(disk)
 
-    def window_tok_per_s(self, tokens: int, t_compute: float, mem_gbps: float,
-                         disk_gbps: float, host_s: float = 0.0) -> np.ndarray:  # fmt: skip
-        """Predicted tok/s (overlap bound, plus ``host_s`` per token) of each stretch
-        of ``windows(tokens)``."""
+    def window_rates(self, tokens: int, t_compute: float, mem_gbps: float, disk_gbps: float,
+                     host_s: float = 0.0) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """Each stretch of ``windows(tokens)``: its disk bytes per token and predicted
+        tok/s (overlap bound, plus ``host_s`` seconds per token)."""
         copies, disk = self.windows(tokens)
-        io = copies / (mem_gbps * 1e9) + disk / (disk_gbps * 1e9)
-        return 1 / (np.maximum(t_compute, io) + host_s)
+        io = _io_seconds(copies, disk, mem_gbps, disk_gbps)
+        return disk, 1 / (np.maximum(t_compute, io) + host_s)
 
     @property
     def lookups(self) -> int:
@@ -95,8 +95,13 @@ class TierResult:
         """Predicted seconds per token: compute and reads overlapped, or one after the
         other. Copies to and from the tier beneath run at ``mem_gbps``."""
         copies = self.page_cache_bytes_per_token + self.tier_write_bytes_per_token
-        io = copies / (mem_gbps * 1e9) + self.disk_bytes_per_token / (disk_gbps * 1e9)
+        io = _io_seconds(copies, self.disk_bytes_per_token, mem_gbps, disk_gbps)
         return max(t_compute, io) if overlap else t_compute + io
+
+
+def _io_seconds(copies, disk, mem_gbps: float, disk_gbps: float):
+    """Seconds per token of the copies to and from the tier beneath and the disk's reads."""
+    return copies / (mem_gbps * 1e9) + disk / (disk_gbps * 1e9)
 
 
 class _PageCache:
@@ -366,8 +371,8 @@ def _row(
         if not size:
             return None
     r = simulate_tiers(trace, policy, s, room, record_bytes, exclusive=tier == "swap", **sim)
-    disk = np.percentile(r.windows(window)[1], [10, 90]) / 1e6
-    tps = np.percentile(r.window_tok_per_s(window, *rates, host_s), [10, 90])
+    disk, tps = r.window_rates(window, *rates, host_s)
+    disk, tps = np.percentile(disk, [10, 90]) / 1e6, np.percentile(tps, [10, 90])
     return {
         "slots": s,
         "tier": tier,
