@@ -364,6 +364,20 @@ def test_plan_command_json(tmp_path, capsys):
     assert {r["policy"] for r in rows} == {"lfu", "lru", "belady"}
     assert all({"policy", "slots", "hit_rate"} <= set(r) for r in rows)
     assert (tmp_path / "p.png").stat().st_size > 1000
+    # each row's spread over stretches of --window tokens (default: a fifth of --tokens)
+    for r in rows:
+        lo, hi = r["miss_bytes_per_token_p10_p90"]
+        assert r["window_tokens"] == 30 and lo <= r["miss_bytes_per_token"] <= hi
+        assert r["tok_per_s_p10_p90"] == []  # no compute time or bandwidth given
+    cmd.main(["--trace", str(tmp_path / "t.npz"), "--expert-bytes", "4096", "--slots", "8",
+              "--tokens", "150", "--window", "10", "--t-compute-ms", "1", "--read-gbps",
+              "0.001"])  # fmt: skip
+    table = capsys.readouterr().out
+    assert "p10-p90" in table and "stretches of 10 tokens (--window)" in table
+    sim = simulate(local_trace(T=300).split(0.5)[1], "lru", 8, tokens=150)
+    per = sim.window_misses(10)  # 15 stretches whose mean is the run's misses per layer
+    assert len(per) == 15 and np.isclose(per.mean(), sim.misses_per_token() / 3)
+    assert np.isclose(sim.window_misses(1000)[0], sim.misses_per_token() / 3)  # the run
 
 
 def test_plan_splits_memory_between_pools_and_the_page_cache(tmp_path, capsys):
@@ -419,9 +433,6 @@ def test_plan_splits_memory_between_pools_and_the_page_cache(tmp_path, capsys):
         assert lo <= r["disk_mb_per_token"] <= hi or lo == hi == r["disk_mb_per_token"] == 0
     with pytest.raises(ValueError, match="--tokens 200 holds fewer than 5 stretches of "):
         cmd.main([*args, "--t-compute-ms", "1", "--read-gbps", "1", "--window", "41"])
-    with pytest.raises(ValueError, match="--window spreads the rows of --memory-gb"):
-        cmd.main(["--trace", str(tmp_path / "t.npz"), "--expert-bytes", "1000", "--slots", "8",
-                  "--window", "20"])  # fmt: skip
     with pytest.raises(ValueError, match="--memory-gb needs a compute time"):
         cmd.main(args)
     with pytest.raises(

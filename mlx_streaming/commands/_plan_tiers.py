@@ -126,15 +126,13 @@ def print_tiers(a, rows: list[dict], pol: str, what: str, skipped: list[str]) ->
         print(f"{r['bits']:>4} " if bits else "", end="")
         print(f"{r['slots']:>5} {r['tier']:<10} {r['pool_gb']:>8.2f} {r['tier_gb']:>8.2f} "
               f"{r['pool_share']:6.3f} {r['tier_share']:6.3f} {r['disk_share']:6.3f} "
-              f"{r['disk_mb_per_token']:>11.2f} {_span(r['disk_mb_per_token_p10_p90']):>13} "
-              f"{r['predicted_tok_per_s']:>8.2f} {_span(r['tok_per_s_p10_p90']):>13} "
+              f"{r['disk_mb_per_token']:>11.2f} {span(r['disk_mb_per_token_p10_p90']):>13} "
+              f"{r['predicted_tok_per_s']:>8.2f} {span(r['tok_per_s_p10_p90']):>13} "
               f"{r['serial_tok_per_s']:>8.2f}  "
               f"{r['flags']}")  # fmt: skip
     print("(tok/s: the reads and copies hidden under compute; serial: after it, as a "
           "layer's misses wait for its routing without read-ahead)")  # fmt: skip
-    print(f"(means over {a.tokens} tokens of held-out routing, what a long session sees; "
-          f"p10-p90: over its stretches of {a.window} tokens (--window), what one run "
-          "that long may see: routing differs from text to text)")  # fmt: skip
+    print(say_window(a))
     if a.host_gb and not a.host_ms_per_call:
         print("(on CUDA the page cache runs the host path, whose own work per layer call "
               "these tok/s leave out: give --host-ms-per-call; a swap tier, whole or "
@@ -143,8 +141,16 @@ def print_tiers(a, rows: list[dict], pol: str, what: str, skipped: list[str]) ->
         say_bits(a, skipped)
 
 
-def _span(lo_hi: list[float]) -> str:
+def span(lo_hi: list[float]) -> str:
+    """``[p10, p90]`` as ``lo-hi``."""
     return f"{lo_hi[0]:.1f}-{lo_hi[1]:.1f}"
+
+
+def say_window(a) -> str:
+    """Under a table: what its means and its spreads are."""
+    return (f"(means over {a.tokens} tokens of held-out routing, what a long session sees; "
+            f"p10-p90: over its stretches of {a.window} tokens (--window), what one run "
+            "that long may see: routing differs from text to text)")  # fmt: skip
 
 
 def say_bits(a, skipped: list[str]) -> None:

@@ -20,6 +20,8 @@ from ._plan_tiers import (
     print_tiers,
     say_bits,
     say_skipped,
+    say_window,
+    span,
     tagged,
 )
 
@@ -84,8 +86,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--window",
         type=positive_int,
-        help="with --memory-gb or --host-gb: the tokens a run decodes; each row also gives "
-        "the 10th and 90th percentiles of disk MB/token and tok/s over the replayed "
+        help="the tokens a run decodes: each row also gives the 10th and 90th percentiles "
+        "of its miss (or disk) MB/token and tok/s over the replayed "
         "routing's stretches of this many tokens, as a run that long may see them "
         "(default 256, or a fifth of --tokens where that is less)",
     )
@@ -317,8 +319,6 @@ def main(argv=None) -> None:
         raise ValueError(f"--bits {' '.join(map(str, a.bits))}: name each precision once")
     if a.group_size and not a.bits:
         raise ValueError("--group-size sizes the precisions of --bits: add --bits")
-    if a.window and not (a.memory_gb or a.host_gb):
-        raise ValueError("--window spreads the rows of --memory-gb or --host-gb: add one")
     if a.window and a.tokens < 5 * a.window:
         raise ValueError(f"--tokens {a.tokens} holds fewer than 5 stretches of --window "
                          f"{a.window}: raise --tokens or lower --window")  # fmt: skip
@@ -346,7 +346,8 @@ def main(argv=None) -> None:
         budgets = fitting_budgets(shape, a.budget_gb or (), default_zero_slot(), skip)
         return plan(trace, shape, budgets_gb=budgets, slots=a.slots or (), policies=pols,
                     t_compute_s=tb, read_gbps=b, tokens=a.tokens,
-                    layer_sample=a.layer_sample or None, pin_hot=a.pin_hot)  # fmt: skip
+                    layer_sample=a.layer_sample or None, pin_hot=a.pin_hot,
+                    window=a.window)  # fmt: skip
 
     done, skipped = _each_precision(shapes, times, rows_of)
     rows = [r for *_, got in done for r in got]
@@ -370,17 +371,21 @@ def main(argv=None) -> None:
                     print(f"at {bits} bits ({mb:.3f} MB an expert)")
                 print(
                     f"{'policy':<11} {'slots':>5} {'GB':>8} {'hit':>6} {'MB miss/tok':>12} "
-                    f"{'tok/s':>8} {'serial':>8}"
+                    f"{'p10-p90':>13} {'tok/s':>8} {'p10-p90':>13} {'serial':>8}"
                 )
             tps = f"{r.predicted_tok_per_s:8.2f}" if r.predicted_tok_per_s else f"{'-':>8}"
             ser = f"{r.serial_tok_per_s:8.2f}" if r.serial_tok_per_s else f"{'-':>8}"
+            spread = span([v / 1e6 for v in r.miss_bytes_per_token_p10_p90])
+            tps_spread = span(r.tok_per_s_p10_p90) if r.tok_per_s_p10_p90 else "-"
             mark = " *" if best[bits, r.slots] is r and a.policy == "auto" else ""
             print(
                 f"{r.policy:<11} {r.slots:>5} {r.budget_gb:>8.3f} {r.hit_rate:6.3f} "
-                f"{r.miss_bytes_per_token / 1e6:12.2f} {tps} {ser}{mark}"
+                f"{r.miss_bytes_per_token / 1e6:12.2f} {spread:>13} {tps} {tps_spread:>13} "
+                f"{ser}{mark}"
             )
         if a.bits:
             say_bits(a, skipped)
+        print(say_window(a))
         if t is None or b is None:
             print("(tok/s: give --bench, or --t-compute-ms and --read-gbps)", file=sys.stderr)
     if a.plot:

@@ -30,9 +30,17 @@ class PlanRow:
     serial_tok_per_s: float | None = None
     pinned: int = 0
     layers: list = field(default_factory=list)
+    window_tokens: int = 0
+    # 10th and 90th percentiles over the stretches of window_tokens: what one run may see
+    miss_bytes_per_token_p10_p90: list = field(default_factory=list)
+    tok_per_s_p10_p90: list = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+        def rounded(v):
+            return round(v, 4) if isinstance(v, float) else v
+
+        return {k: [rounded(x) for x in v] if isinstance(v, list) and k != "layers"
+                else rounded(v) for k, v in asdict(self).items()}  # fmt: skip
 
 
 def shared_layers(trace: RoutingTrace, shape: PoolShape) -> int:
@@ -81,12 +89,15 @@ def plan(
     pin_hot: int = 0,
     held_out: bool = True,
     zero_slot: bool | None = None,
+    window: int = 256,
 ) -> list[PlanRow]:
     """Predicted hit rate, miss bytes and tok/s of each policy at each budget or slot count.
 
     The trace's second half is replayed (``held_out``) so that policies or pins fitted on
     its first half are judged on routing they have not seen. ``zero_slot``: whether pools
-    hold one (default: as ``load`` makes them here, ``Runtime.zero_slot``).
+    hold one (default: as ``load`` makes them here, ``Runtime.zero_slot``). Each row also
+    gives the 10th and 90th percentiles of its miss bytes and tok/s over stretches of
+    ``window`` tokens: what a run that long may see.
     """
     zero = default_zero_slot() if zero_slot is None else bool(zero_slot)
     L = shared_layers(trace, shape)
@@ -118,10 +129,15 @@ def plan(
                 else round(shape.pool_bytes({li: s for li in shape.layers}, zero) / 1e9, 4)
             )
             row = PlanRow(pol, s, gb, r.hit_rate, miss_bytes, pinned=pin_hot, layers=layers)
+            spread = r.window_misses(window) * sum(shape.slot_bytes[:L])
+            row.window_tokens = window
+            row.miss_bytes_per_token_p10_p90 = np.percentile(spread, [10, 90]).tolist()
             if t_compute_s and read_gbps:
                 io = miss_bytes / (read_gbps * 1e9)
                 row.predicted_tok_per_s = 1 / max(t_compute_s, io)
                 row.serial_tok_per_s = 1 / (t_compute_s + io)
+                tps = 1 / np.maximum(t_compute_s, spread / (read_gbps * 1e9))
+                row.tok_per_s_p10_p90 = np.percentile(tps, [10, 90]).tolist()
             rows.append(row)
     return rows
 

@@ -27,6 +27,17 @@ class SimResult:
     evictions: dict[int, int]
     tokens: int
     read_ahead: dict[int, int] = field(default_factory=dict)  # experts loaded on a guess
+    misses_by_token: np.ndarray | None = None  # each token's misses, every simulated layer
+
+    def window_misses(self, tokens: int) -> np.ndarray:
+        """Misses per token and simulated layer over each stretch of ``tokens`` tokens, in
+        order (a last, shorter stretch left out; the whole run where it is shorter)."""
+        m = self.misses_by_token
+        if m is None or not len(m):
+            return np.zeros(1)
+        size = min(tokens, len(m))
+        n = len(m) // size
+        return m[: n * size].reshape(n, size).sum(1) / size / max(1, len(self.slots))
 
     def reads_per_token(self) -> float:
         """Experts loaded per token: demand misses plus read-ahead."""
@@ -80,6 +91,7 @@ def simulate(
     layers = list(range(trace.layers)) if layers is None else list(layers)
     E = trace.num_experts
     res = SimResult(policy, {}, {}, {}, {}, 0)
+    by_token = None
     for li in layers:
         c = slots[li] if isinstance(slots, dict) else int(slots)
         seq = layer_lookups(trace, li, start, tokens)
@@ -91,7 +103,10 @@ def simulate(
             cache.pinned = set(pinned.tolist())
         guesses = None if ahead is None else ahead.get(li)
         res.read_ahead[li] = 0
+        if by_token is None:
+            by_token = np.zeros(len(seq), np.int64)
         for t, need in enumerate(seq):
+            before = cache.stats.misses
             if guesses is not None:
                 g = np.unique(guesses[start + t])
                 g = g[g >= 0]
@@ -100,10 +115,12 @@ def simulate(
                 cache.commit(placed)
                 res.read_ahead[li] += len(placed)
             cache.lookup(need)
+            by_token[t] += cache.stats.misses - before
         res.slots[li] = c
         res.hits[li], res.misses[li] = cache.stats.hits, cache.stats.misses
         res.evictions[li] = cache.stats.evictions
         res.tokens = len(seq)
+    res.misses_by_token = by_token
     return res
 
 
