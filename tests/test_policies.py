@@ -369,15 +369,30 @@ def test_plan_command_json(tmp_path, capsys):
         lo, hi = r["miss_bytes_per_token_p10_p90"]
         assert r["window_tokens"] == 30 and lo <= r["miss_bytes_per_token"] <= hi
         assert r["tok_per_s_p10_p90"] == []  # no compute time or bandwidth given
-    cmd.main(["--trace", str(tmp_path / "t.npz"), "--expert-bytes", "4096", "--slots", "8",
-              "--tokens", "150", "--window", "10", "--t-compute-ms", "1", "--read-gbps",
-              "0.001"])  # fmt: skip
+    args = ["--trace", str(tmp_path / "t.npz"), "--expert-bytes", "4096", "--slots", "8",
+            "--tokens", "150", "--window", "10", "--t-compute-ms", "1", "--read-gbps", "0.001"]  # fmt: skip
+    cmd.main(args)
     table = capsys.readouterr().out
-    assert "p10-p90" in table and "stretches of 10 tokens (--window)" in table
-    sim = simulate(local_trace(T=300).split(0.5)[1], "lru", 8, tokens=150)
-    per = sim.window_misses(10)  # 15 stretches whose mean is the run's misses per layer
-    assert len(per) == 15 and np.isclose(per.mean(), sim.misses_per_token() / 3)
+    cmd.main([*args, "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert "stretches of 10 tokens (--window)" in table
+    for r in rows:  # the table's spread is the JSON's, in MB
+        lo, hi = (v / 1e6 for v in r["miss_bytes_per_token_p10_p90"])
+        assert f"{lo:.2f}-{hi:.2f}" in table and lo < hi
+    with pytest.raises(ValueError, match="150 tokens replayed .* lower --window"):
+        cmd.main([*args[:-6], "--tokens", "20000", "--window", "31"])  # held-out: 150
+    with pytest.raises(ValueError, match="--window plans pools, not a pipeline's split"):
+        cmd.main(["--machines-gb", "48,24", "--model", "x", "--window", "10"])
+    trace = local_trace(T=300).split(0.5)[1]
+    sim = simulate(trace, "lru", 8, tokens=150)
+    assert sim.misses_by_token.sum() == sum(sim.misses.values())
+    per = sim.window_misses(40)  # 3 stretches; the last 30 tokens left out
+    want = sim.misses_by_token[:120].reshape(3, 40).sum(1) / 40 / trace.layers
+    assert np.allclose(per, want) and not np.allclose(per, per[0])
     assert np.isclose(sim.window_misses(1000)[0], sim.misses_per_token() / 3)  # the run
+    for other in (simulate(trace, "belady", 8, tokens=150),
+                  simulate(trace, "lru", 8, tokens=150, ahead={0: trace.experts[:, 1]})):  # fmt: skip
+        assert other.misses_by_token.sum() == sum(other.misses.values())  # (guesses: not)
 
 
 def test_plan_splits_memory_between_pools_and_the_page_cache(tmp_path, capsys):
@@ -431,7 +446,7 @@ def test_plan_splits_memory_between_pools_and_the_page_cache(tmp_path, capsys):
     for r in spread:  # the mean of 10 stretches within their 10th and 90th percentiles
         lo, hi = r["disk_mb_per_token_p10_p90"]
         assert lo <= r["disk_mb_per_token"] <= hi or lo == hi == r["disk_mb_per_token"] == 0
-    with pytest.raises(ValueError, match="--tokens 200 holds fewer than 5 stretches of "):
+    with pytest.raises(ValueError, match="200 tokens replayed .* fewer than 5 stretches of "):
         cmd.main([*args, "--t-compute-ms", "1", "--read-gbps", "1", "--window", "41"])
     with pytest.raises(ValueError, match="--memory-gb needs a compute time"):
         cmd.main(args)

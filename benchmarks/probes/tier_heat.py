@@ -10,6 +10,8 @@
   heat, counts from the window's start);
 - ``prior:W``: each expert's share of the lookups in the trace's first half (a recorded
   trace's popularity, fixed), plus W times the window's lookups decayed by 0.97;
+- ``seqreset:F``: the store's heat (lookups decayed by 0.97), scaled by F at each of the
+  trace's sequence starts, as a server could at each new request (F=0: forgotten);
 - ``furthest``: the expert next used furthest ahead, Belady's choice among the rows,
   which no store can know: the headroom left to the tier's rule (the victim itself
   always takes a row, as in the store).
@@ -38,6 +40,7 @@ from mlx_streaming.planning.simulate import layer_lookups  # noqa: E402
 from mlx_streaming.planning.trace import RoutingTrace  # noqa: E402
 
 KNOWN = ("coldest", "oldest", "lru", "ridge-own", "ridge-all", "furthest")
+NUMBERED = ("decay", "prior", "seqreset")  # rules that take a number: decay:0.99
 RECORD = 4_866_048  # DS2-Lite's 4-bit expert record, bytes
 SPLITS = ((8, 4.43), (16, 4.43), (16, 2.0), (32, 3.0))  # slots per layer, tier GB
 DISCOUNT = 0.97  # the learned rules' target: lookups over the next tokens, discounted
@@ -110,6 +113,14 @@ def scores(trace, rule: str, start: int, tokens: int, x, past):
         prior = x[:half].mean(0)
         h = decayed(window, DISCOUNT)
         return lambda li, t: (prior + w * h[t])[own(li)]
+    if rule.startswith("seqreset:"):  # the heat, scaled by F where a sequence starts
+        f, starts = float(rule.split(":")[1]), set(trace.offsets.tolist())
+        h, acc = np.empty_like(window), np.zeros(window.shape[1], np.float32)
+        for t in range(len(window)):
+            acc *= DISCOUNT * (f if start + t in starts else 1.0)
+            acc += window[t]
+            h[t] = acc
+        return lambda li, t: h[t, own(li)]
     if rule == "furthest":
         nxt = {}
         for li in range(0, trace.layers, 2):
@@ -148,16 +159,17 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=2000, help="tokens replayed per window")
     p.add_argument("--rules", default="oldest,coldest,furthest",
                    help="comma-separated, of: coldest, oldest, lru, decay:D, prior:W, "
-                   "ridge-own, ridge-all, furthest")  # fmt: skip
+                   "seqreset:F, ridge-own, ridge-all, furthest")  # fmt: skip
     a = p.parse_args()
     trace = RoutingTrace.load(a.trace)
     rules = a.rules.split(",")
     for r in rules:  # before any work: a bad rule or number stops here
         name, _, arg = r.partition(":")
-        if name in ("decay", "prior") and not arg.replace(".", "", 1).isdigit():
+        if name in NUMBERED and not arg.replace(".", "", 1).isdigit():
             p.error(f"--rules {r}: give {name}:NUMBER, e.g. {name}:0.99")
-        if name not in ("decay", "prior") and r not in KNOWN:
-            p.error(f"--rules names {r!r}: choose from {', '.join(KNOWN)}, decay:D, prior:W")
+        if name not in NUMBERED and r not in KNOWN:
+            p.error(f"--rules names {r!r}: choose from {', '.join(KNOWN)}, decay:D, prior:W, "
+                    "seqreset:F")  # fmt: skip
     x = usage(trace)
     half = trace.tokens // 2
     past = decayed(x[:half], DISCOUNT) if any(r.startswith("ridge") for r in rules) else None

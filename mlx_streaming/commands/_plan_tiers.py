@@ -120,14 +120,14 @@ def print_tiers(a, rows: list[dict], pol: str, what: str, skipped: list[str]) ->
     print(f"policy {pol}; {what} (the page cache, or the store's swap tier, each less "
           f"{MARGIN / 1e9:.2f} GB left to the process); best first")  # fmt: skip
     print(f"{'bits ' if bits else ''}{'slots':>5} {'beneath':<10} {'pool GB':>8} {'tier GB':>8} "
-          f"{'pool':>6} {'tier':>6} {'disk':>6} {'disk MB/tok':>11} {'p10-p90':>13} "
-          f"{'tok/s':>8} {'p10-p90':>13} {'serial':>8}  flags")  # fmt: skip
+          f"{'pool':>6} {'tier':>6} {'disk':>6} {'disk MB/tok':>11} {'p10-p90':>15} "
+          f"{'tok/s':>8} {'p10-p90':>15} {'serial':>8}  flags")  # fmt: skip
     for r in rows:
         print(f"{r['bits']:>4} " if bits else "", end="")
         print(f"{r['slots']:>5} {r['tier']:<10} {r['pool_gb']:>8.2f} {r['tier_gb']:>8.2f} "
               f"{r['pool_share']:6.3f} {r['tier_share']:6.3f} {r['disk_share']:6.3f} "
-              f"{r['disk_mb_per_token']:>11.2f} {span(r['disk_mb_per_token_p10_p90']):>13} "
-              f"{r['predicted_tok_per_s']:>8.2f} {span(r['tok_per_s_p10_p90']):>13} "
+              f"{r['disk_mb_per_token']:>11.2f} {span(r['disk_mb_per_token_p10_p90']):>15} "
+              f"{r['predicted_tok_per_s']:>8.2f} {span(r['tok_per_s_p10_p90']):>15} "
               f"{r['serial_tok_per_s']:>8.2f}  "
               f"{r['flags']}")  # fmt: skip
     print("(tok/s: the reads and copies hidden under compute; serial: after it, as a "
@@ -142,8 +142,8 @@ def print_tiers(a, rows: list[dict], pol: str, what: str, skipped: list[str]) ->
 
 
 def span(lo_hi: list[float]) -> str:
-    """``[p10, p90]`` as ``lo-hi``."""
-    return f"{lo_hi[0]:.1f}-{lo_hi[1]:.1f}"
+    """``[p10, p90]`` as ``lo-hi``, to the means' precision (``-``: too few stretches)."""
+    return f"{lo_hi[0]:.2f}-{lo_hi[1]:.2f}" if lo_hi else "-"
 
 
 def say_window(a) -> str:

@@ -299,9 +299,9 @@ def plot(rows: list[PlanRow], path: str) -> None:
 def main(argv=None) -> None:
     a = setup_arg_parser().parse_args(argv)
     if a.machines_gb:
-        if a.bits:
-            raise ValueError("--bits plans pools, not a pipeline's split: drop it with "
-                             "--machines-gb")  # fmt: skip
+        if a.bits or a.window:
+            raise ValueError(f"{'--bits' if a.bits else '--window'} plans pools, not a "
+                             "pipeline's split: drop it with --machines-gb")  # fmt: skip
         return plan_hosts(a)
     if a.host_gb and a.memory_gb:
         raise ValueError("give --memory-gb (pools and the tier beneath share one memory) or "
@@ -319,13 +319,15 @@ def main(argv=None) -> None:
         raise ValueError(f"--bits {' '.join(map(str, a.bits))}: name each precision once")
     if a.group_size and not a.bits:
         raise ValueError("--group-size sizes the precisions of --bits: add --bits")
-    if a.window and a.tokens < 5 * a.window:
-        raise ValueError(f"--tokens {a.tokens} holds fewer than 5 stretches of --window "
-                         f"{a.window}: raise --tokens or lower --window")  # fmt: skip
-    a.window = a.window or max(1, min(256, a.tokens // 5))  # (each row says which)
     t, b = _bounds(a)
     times = _compute_times(a, t, len(a.bits or [None]))  # before the model is read
     trace = RoutingTrace.load(a.trace)
+    a.tokens = min(a.tokens, trace.split(0.5)[1].tokens)  # what is replayed: held out
+    if a.window and a.tokens < 5 * a.window:
+        raise ValueError(f"{a.tokens} tokens replayed (--tokens, at most the trace's "
+                         f"held-out half) hold fewer than 5 stretches of --window "
+                         f"{a.window}: lower --window")  # fmt: skip
+    a.window = a.window or max(1, min(256, a.tokens // 5))  # (each row says which)
     shapes = _shapes(a, trace)
     if a.memory_gb or a.host_gb:
         if a.plot or a.pin_hot:
@@ -371,16 +373,16 @@ def main(argv=None) -> None:
                     print(f"at {bits} bits ({mb:.3f} MB an expert)")
                 print(
                     f"{'policy':<11} {'slots':>5} {'GB':>8} {'hit':>6} {'MB miss/tok':>12} "
-                    f"{'p10-p90':>13} {'tok/s':>8} {'p10-p90':>13} {'serial':>8}"
+                    f"{'p10-p90':>15} {'tok/s':>8} {'p10-p90':>15} {'serial':>8}"
                 )
             tps = f"{r.predicted_tok_per_s:8.2f}" if r.predicted_tok_per_s else f"{'-':>8}"
             ser = f"{r.serial_tok_per_s:8.2f}" if r.serial_tok_per_s else f"{'-':>8}"
             spread = span([v / 1e6 for v in r.miss_bytes_per_token_p10_p90])
-            tps_spread = span(r.tok_per_s_p10_p90) if r.tok_per_s_p10_p90 else "-"
+            tps_spread = span(r.tok_per_s_p10_p90)
             mark = " *" if best[bits, r.slots] is r and a.policy == "auto" else ""
             print(
                 f"{r.policy:<11} {r.slots:>5} {r.budget_gb:>8.3f} {r.hit_rate:6.3f} "
-                f"{r.miss_bytes_per_token / 1e6:12.2f} {spread:>13} {tps} {tps_spread:>13} "
+                f"{r.miss_bytes_per_token / 1e6:12.2f} {spread:>15} {tps} {tps_spread:>15} "
                 f"{ser}{mark}"
             )
         if a.bits:

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..core.cache.policy import POLICIES
 from .budget import PoolShape, default_zero_slot, plan_budget
-from .simulate import simulate, static_hot
+from .simulate import p10_p90, simulate, static_hot
 from .trace import RoutingTrace
 
 
@@ -31,7 +31,8 @@ class PlanRow:
     pinned: int = 0
     layers: list = field(default_factory=list)
     window_tokens: int = 0
-    # 10th and 90th percentiles over the stretches of window_tokens: what one run may see
+    # 10th and 90th percentiles over the stretches of window_tokens, what one run may see
+    # (empty over fewer than 5 stretches)
     miss_bytes_per_token_p10_p90: list = field(default_factory=list)
     tok_per_s_p10_p90: list = field(default_factory=list)
 
@@ -39,8 +40,8 @@ class PlanRow:
         def rounded(v):
             return round(v, 4) if isinstance(v, float) else v
 
-        return {k: [rounded(x) for x in v] if isinstance(v, list) and k != "layers"
-                else rounded(v) for k, v in asdict(self).items()}  # fmt: skip
+        return {k: [rounded(x) for x in v] if isinstance(v, list) else rounded(v)
+                for k, v in asdict(self).items()}  # fmt: skip
 
 
 def shared_layers(trace: RoutingTrace, shape: PoolShape) -> int:
@@ -131,13 +132,13 @@ def plan(
             row = PlanRow(pol, s, gb, r.hit_rate, miss_bytes, pinned=pin_hot, layers=layers)
             spread = r.window_misses(window) * sum(shape.slot_bytes[:L])
             row.window_tokens = window
-            row.miss_bytes_per_token_p10_p90 = np.percentile(spread, [10, 90]).tolist()
+            row.miss_bytes_per_token_p10_p90 = p10_p90(spread)
             if t_compute_s and read_gbps:
                 io = miss_bytes / (read_gbps * 1e9)
                 row.predicted_tok_per_s = 1 / max(t_compute_s, io)
                 row.serial_tok_per_s = 1 / (t_compute_s + io)
                 tps = 1 / np.maximum(t_compute_s, spread / (read_gbps * 1e9))
-                row.tok_per_s_p10_p90 = np.percentile(tps, [10, 90]).tolist()
+                row.tok_per_s_p10_p90 = p10_p90(tps)
             rows.append(row)
     return rows
 

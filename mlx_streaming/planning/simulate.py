@@ -30,14 +30,12 @@ class SimResult:
     misses_by_token: np.ndarray | None = None  # each token's misses, every simulated layer
 
     def window_misses(self, tokens: int) -> np.ndarray:
-        """Misses per token and simulated layer over each stretch of ``tokens`` tokens, in
-        order (a last, shorter stretch left out; the whole run where it is shorter)."""
+        """Misses per token and simulated layer over each stretch of ``tokens`` tokens
+        (``stretches``; ``[0.]`` where nothing was simulated)."""
         m = self.misses_by_token
         if m is None or not len(m):
             return np.zeros(1)
-        size = min(tokens, len(m))
-        n = len(m) // size
-        return m[: n * size].reshape(n, size).sum(1) / size / max(1, len(self.slots))
+        return stretches(m, np.ones(len(m), np.int64), tokens) / max(1, len(self.slots))
 
     def reads_per_token(self) -> float:
         """Experts loaded per token: demand misses plus read-ahead."""
@@ -54,6 +52,26 @@ class SimResult:
 
     def misses_per_token(self) -> float:
         return sum(self.misses.values()) / max(1, self.tokens)
+
+
+def stretches(values: np.ndarray, tokens_by_call: np.ndarray, tokens: int) -> np.ndarray:
+    """``values`` (per call, any shape after the first axis) per counted token over each
+    stretch of ``tokens`` counted tokens, in order: a last, shorter stretch left out; the
+    whole run where it is shorter than one. A stretch is what one run that long sees."""
+    edges, got = [0], 0
+    for i, k in enumerate(tokens_by_call):
+        got += int(k)
+        if got >= tokens:
+            edges, got = [*edges, i + 1], 0
+    if len(edges) == 1:
+        edges.append(len(tokens_by_call))
+    return np.array([values[a:b].sum() / max(1, int(tokens_by_call[a:b].sum()))
+                     for a, b in zip(edges[:-1], edges[1:])])  # fmt: skip
+
+
+def p10_p90(x: np.ndarray) -> list[float]:
+    """The 10th and 90th percentiles of ``x``, or [] over fewer than 5 values."""
+    return np.percentile(x, [10, 90]).tolist() if len(x) >= 5 else []
 
 
 def layer_lookups(

@@ -26,7 +26,7 @@ from ..core.cache.slots import SlotCache
 from ..core.io.tier import MARGIN, ring_records
 from ..core.io.tier_moves import bounded_rows, plan_moves
 from .budget import TooSmall, pool_slots
-from .simulate import layer_lookups
+from .simulate import layer_lookups, p10_p90, stretches
 from .trace import RoutingTrace
 
 
@@ -53,22 +53,12 @@ class TierResult:
 
     def windows(self, tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """Bytes per token copied (tier beneath) and read (disk) over each stretch of
-        ``tokens`` counted tokens, in order (the last, shorter stretch left out; the
-        whole run where it is shorter than one): how much a short run's bytes depend on
-        where in the routing it falls."""
-        edges, got = [0], 0
-        for i, k in enumerate(self.tokens_by_call):
-            got += int(k)
-            if got >= tokens:
-                edges, got = [*edges, i + 1], 0
-        if len(edges) == 1:  # shorter than one stretch: the whole run
-            edges.append(len(self.tokens_by_call))
-        copies, disk = [], []
-        for a, b in zip(edges[:-1], edges[1:]):
-            k = max(1, int(self.tokens_by_call[a:b].sum()))
-            copies.append(self.copies_by_call[a:b].sum() * self.read_bytes / k)
-            disk.append(self.disk_by_call[a:b].sum() * self.read_bytes / k)
-        return np.asarray(copies), np.asarray(disk)
+        ``tokens`` counted tokens (``simulate.stretches``): how much a short run's bytes
+        depend on where in the routing it falls."""
+        n, scale = self.tokens_by_call, self.read_bytes
+        copies = stretches(self.copies_by_call, n, tokens) * scale
+        disk = stretches(self.disk_by_call, n, tokens) * scale
+        return copies, disk
 
     def window_rates(self, tokens: int, t_compute: float, mem_gbps: float, disk_gbps: float,
                      host_s: float = 0.0) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
@@ -372,7 +362,6 @@ def _row(
             return None
     r = simulate_tiers(trace, policy, s, room, record_bytes, exclusive=tier == "swap", **sim)
     disk, tps = r.window_rates(window, *rates, host_s)
-    disk, tps = np.percentile(disk, [10, 90]) / 1e6, np.percentile(tps, [10, 90])
     return {
         "slots": s,
         "tier": tier,
@@ -385,8 +374,8 @@ def _row(
         "predicted_tok_per_s": round(1 / (r.time_per_token(*rates) + host_s), 3),
         "serial_tok_per_s": round(1 / (r.time_per_token(*rates, overlap=False) + host_s), 3),
         "window_tokens": window,
-        "disk_mb_per_token_p10_p90": [round(float(v), 3) for v in disk],
-        "tok_per_s_p10_p90": [round(float(v), 3) for v in tps],
+        "disk_mb_per_token_p10_p90": [round(v / 1e6, 3) for v in p10_p90(disk)],
+        "tok_per_s_p10_p90": [round(v, 3) for v in p10_p90(tps)],
         "flags": flags,
     }
 
