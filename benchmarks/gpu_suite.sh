@@ -184,7 +184,8 @@
 # simulator puts the 7h rows there at 0.29-0.62 of the held-out routing's typical disk
 # bytes (2026-12-08). START=64928 and 82928 fall within 10% of typical for the ring rows'
 # shape and both precision rows' (probes/stretches.py; results/stretches-*-2026-12-08.json);
-# each row's stretch_vs_typical says where its own stretch falls.
+# each row's stretch_vs_typical says where its own stretch falls. Their files are named
+# -sSTART, so one call may run several starts (START=64928 ...; START=82928 ...).
 # TRACE names the DeepSeek-V2-Lite trace
 # (default .gpu/deepseek-v2-lite.npz, copied from ../shared/traces). MLX compiles each
 # kernel variant on first use; .gpu/ptx.tgz (a former run's $OUT/ptx.tgz) seeds its cache,
@@ -239,8 +240,8 @@ bundle() {  # the device returns only a few files per call: the results go back 
   [ -n "$files" ] && (cd "$out" && tar czf $name $files && rm -f $files)
 }
 trap bundle EXIT
-speed() {  # name, args...
-  local name=$1; shift
+speed() {  # name, args... (START in the name: one call may run several starts)
+  local name=$1${START:+-s$START}; shift
   timeout "$limit" python3 benchmarks/speed.py --workdir $work --preset dsv2-lite \
     --trace "$trace" ${START:+--trace-start $START} --tokens 96 --prompt-tokens 32 \
     --json "$out/speed-$name.json" "$@" ${ARGS:-} 2>&1 \
@@ -298,7 +299,7 @@ case "$suite" in
                   for cut in ${CUTS:-default}; do  # the ring's threads x its cut of a record
                     tag=$r-${reads#--}${CUTS:+-cut$cut}
                     speed gpu-dsv2-ring-$tag --residency "$r" --repeat 3 --beyond-ram memlimit \
-                      --memory-limit-gb "${MEMLIMIT:-6}" $reads --timeline "$out/timeline-ring-$tag.json" \
+                      --memory-limit-gb "${MEMLIMIT:-6}" $reads --timeline "$out/timeline-ring-$tag${START:+-s$START}.json" \
                       ${CUTS:+--ring-readers ${cut%x*} --ring-pieces ${cut#*x}}
                   done
                 done
@@ -428,8 +429,8 @@ print(int(${TRAIN_S:-240} * r['curve'][-1]['tokens_per_s'] / (64 * 256)))")
                --workdir $work --trace "$trace" ${START:+--trace-start $START} \
                --residency "${RESIDENCY:-0.25}" --tokens "${TOKENS:-32}" --repeat 3 \
                --formats "${FORMATS:-4-bit,3-bit}" --method "${METHOD:-direct}" \
-               $([ "${METHOD:-direct}" = memlimit ] && echo --memory-limit-gb "${MEMLIMIT:-6}") --json "$out/precision-beyond-gpu.json" 2>&1 \
-               | grep -v "PyTorch was not found" | tee "$out/precision-beyond-gpu.log" | tail -4 ;;
+               $([ "${METHOD:-direct}" = memlimit ] && echo --memory-limit-gb "${MEMLIMIT:-6}") --json "$out/precision-beyond-gpu${START:+-s$START}.json" 2>&1 \
+               | grep -v "PyTorch was not found" | tee "$out/precision-beyond-gpu${START:+-s$START}.log" | tail -4 ;;
   hostprof) timeout "$limit" python3 benchmarks/probes/host_profile.py --workdir $work \
               --trace "$trace" --residency "${RESIDENCY:-0.5,0.25}" ${TIERGB:+--swap-tier-gb $TIERGB} \
               $([ "${DIRECT:-}" = 1 ] && echo --direct-io) --json "$out/host-profile${TIERGB:+-tier$TIERGB}.json" 2>&1 \
