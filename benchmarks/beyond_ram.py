@@ -24,7 +24,10 @@ two-tier simulator's prediction (``planning.tiers``), ``B``, the overlap bound
 with the run's share of each, the share of the runs' time with demand reads in flight
 (``demand_reads_share``: where it is well under 1 at the storage bound, the disk idles
 between layers, as demand reads start only once a layer's routing is known), and whether
-the output was exact. With a trace, stock runs again reading each MoE layer's routing on
+the output was exact. Routing differs from text to text, so a row's simulated disk bytes
+are set beside the held-out routing's (``typical_run``): ``stretch_vs_typical`` and
+``stretch_percentile`` say how light or heavy the runs' stretch was (``--trace-start``
+moves it). With a trace, stock runs again reading each MoE layer's routing on
 the host as the host path does (``harness.routing_on_host``): the host path's floor, and
 a host-path row's serial bound on it, ``1 / (1 / floor + disk bytes / B)``, with its
 share (``efficiency_vs_host_serial``): how close the store's own work comes to reading
