@@ -50,7 +50,7 @@ def test_load_with_budget(models, tmp_path):
     meta = load_meta(ed)
     from mlx_streaming.planning.budget import default_zero_slot, slot_bytes
 
-    per_layer = slot_bytes(meta, meta.moe_layers[0])
+    per_layer = slot_bytes(meta.layers[meta.moe_layers[0]])
     zero = int(default_zero_slot())  # GPUs: a zero slot for masked rows; CPU: none
     budget = (5 + zero) * per_layer * len(meta.moe_layers) / 1e9
     model, tok, store = mlx_streaming.load(ck, ed, budget_gb=budget)

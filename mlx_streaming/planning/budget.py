@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.cache.pool import default_slots
-from ..core.format import ALIGN, ExpertMeta
+from ..core.format import ALIGN, ExpertMeta, LayerLayout
 from .allocate import climb
 
 
@@ -18,9 +18,10 @@ class TooSmall(ValueError):
     """A budget or memory that cannot hold one token's experts in every MoE layer."""
 
 
-def slot_bytes(meta: ExpertMeta, layer: int) -> int:
-    """Device bytes one slot of ``layer`` takes (its parts, no record padding)."""
-    return sum(p.nbytes for p in meta.layers[layer].parts)
+def slot_bytes(layout: LayerLayout) -> int:
+    """Device bytes one slot of a layer laid out as ``layout`` takes (its parts, no
+    record padding)."""
+    return sum(p.nbytes for p in layout.parts)
 
 
 def pool_slots(slots: int, num_experts: int, zero_slot: bool) -> int:
@@ -75,7 +76,7 @@ class PoolShape:
         """The shape of records laid out as ``layouts`` (MoE layer -> ``LayerLayout``)."""
         layers = sorted(layouts)
         return cls(
-            [sum(p.nbytes for p in layouts[li].parts) for li in layers],
+            [slot_bytes(layouts[li]) for li in layers],
             [layouts[li].num_experts for li in layers],
             top_k,
             layers,
