@@ -34,10 +34,10 @@ def plan_tiers(
     """``--memory-gb``: the pools against the tier beneath them; ``--host-gb``: the tier
     beneath pools of their own (``planning.tiers``). Returns the rows, best first, the
     policy and what memory they share. With ``skip``, a budget too small for this shape
-    is left out and its reason appended there; without, ``TooSmall`` is raised."""
+    is left out and its reason appended there; without, ``TooSmall`` is raised.
+    ``check_tiers`` has refused what it cannot plan, once for every precision."""
     from ..planning.tiers import best_split, split_rows
 
-    check_tiers(a, t, b)
     pol = DEFAULT_POLICY if a.policy == "auto" else a.policy
     L = shared_layers(trace, shape)  # a trace of another model is refused, as in plan
     sim = dict(layers=sample_layers(L, a.layer_sample or None),
