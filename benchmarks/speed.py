@@ -139,7 +139,7 @@ def main():
 
     if a.beyond_ram and a.beyond_ram != "direct" and not a.memory_limit_gb:
         p.error("--beyond-ram memlimit needs --memory-limit-gb")  # before the build
-    try:  # the ring's cut, a measurement's knob: StreamConfig checks it
+    try:  # the ring's cut (None without --beyond-ram), a measurement's knob: checked here
         cfg = stream_config(a).replace(ring_readers=a.ring_readers, ring_pieces=a.ring_pieces)
     except ValueError as e:
         p.error(str(e))
@@ -171,7 +171,6 @@ def main():
         return
     ref, tok, ref_routing = stock(ck, trace, start)
     ids = prompt_ids(tok)
-    cfg = stream_config(a)
     if a.prefetch and trace is not None:
         cfg = read_ahead(cfg, "transition", trace, meta)
     runtime = resolve(cfg, meta)
