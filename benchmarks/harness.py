@@ -117,10 +117,11 @@ def add_trace_start(p: argparse.ArgumentParser) -> None:
     )
 
 
-def held_out_span(trace, room: int = 4096) -> tuple[int, int]:
-    """The first and last tokens a run may start at: the held-out half's first (the first
-    half trains predictors), and ``room`` tokens before the trace's end."""
-    return trace.split(0.5)[0].tokens, trace.tokens - room
+def held_out_span(trace, run_tokens: int = 0) -> tuple[int, int]:
+    """The first and last tokens runs replaying ``run_tokens`` tokens of routing may
+    start at: the held-out half's first (the first half trains predictors), and room
+    before the trace's end for them and at least 4096 (a typical stretch's)."""
+    return trace.split(0.5)[0].tokens, trace.tokens - max(4096, run_tokens)
 
 
 def routing_trace(a):
@@ -136,7 +137,7 @@ def routing_trace(a):
     trace = RoutingTrace.load(a.trace)
     prompt = getattr(a, "prompt_tokens", None) or 64  # (the default prompt: 28 tokens)
     runs = (getattr(a, "repeat", 3) + 1) * (prompt + getattr(a, "tokens", 32))
-    first, last = held_out_span(trace, max(4096, runs))  # room for the runs' routing
+    first, last = held_out_span(trace, runs)
     if start is not None and not first <= start <= last:
         raise SystemExit(f"--trace-start {start}: give {first} to {last} (the held-out half "
                          f"of {a.trace}, less the {trace.tokens - last} tokens the runs may "

@@ -47,7 +47,8 @@ def main() -> None:
                    "every 2,000 tokens of the held-out half)")  # fmt: skip
     a = p.parse_args()
     trace = RoutingTrace.load(a.trace)
-    first, last = held_out_span(trace, max(4096, (a.repeat + 1) * (a.prompt_tokens + a.tokens)))
+    calls, counted = run_calls(a.prompt_tokens, a.tokens, a.repeat)
+    first, last = held_out_span(trace, sum(calls))
     starts = a.starts or list(range(first, last + 1, 2000))
     if not starts or not first <= min(starts) <= max(starts) <= last:
         p.error(f"--starts: give {first} to {last} (as speed.py's --trace-start)")
@@ -57,7 +58,6 @@ def main() -> None:
                exclusive=bounded)  # fmt: skip
     args = (trace, DEFAULT_POLICY, a.slots, int(a.tier_gb * 1e9), record)
     typical = typical_run(trace, args, sim)
-    calls, counted = run_calls(a.prompt_tokens, a.tokens, a.repeat)
     rows = []
     for s in starts:
         run = simulate_tiers(*args, start=s, calls=calls, counted=counted, **sim)
