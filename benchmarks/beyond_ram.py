@@ -346,6 +346,7 @@ def child(job: dict) -> dict:
         gbps = store_read_gbps(meta, rt, records=16, cold=True)
     tier_bytes = store.reader.mapped_bytes if rt.reader == "tier" else 0  # a swap tier
     bounded = bool(tier_bytes) and store.reader.tier.partial  # --swap-tier-gb: the rest read
+    whole = bool(tier_bytes) and not bounded  # every record in RAM from load: none read
     cursor = routing.cursor if routing is not None else start
     t1 = time.perf_counter()
     first = decode_run(model, tok, ids, 1, first_only=True)  # cold: prompt, first token
@@ -400,10 +401,10 @@ def child(job: dict) -> dict:
         sim = dict(layers=range(min(moe, trace.layers)), model_layers=moe, exclusive=bounded)
         args = (trace, rt.policy, slots, beneath, meta.layers[meta.moe_layers[0]].stride)
         predicted = simulate_tiers(*args, start=cursor, calls=calls, counted=counted, **sim)
-        if not (tier_bytes and not bounded):  # (a whole tier: nothing read, no stretch)
+        if not whole:  # (nothing read: no stretch)
             typical = stretch(predicted, typical_run(trace, args, sim))
     step_bytes = None  # each decode step's disk bytes, as the simulator replays them
-    if predicted is not None and not (tier_bytes and not bounded):
+    if predicted is not None and not whole:
         by_call = predicted.disk_bytes_by_call()
         step_bytes = [by_call[i] for i, (n, on) in enumerate(zip(calls, counted)) if on and n == 1]
     rewind(start, routing)
@@ -443,7 +444,7 @@ def child(job: dict) -> dict:
         "swap_tier_gb": round(tier_bytes / 1e9, 3),
         # a swap tier holds every record the pools do not, from load: no disk read
         "predicted_disk_bytes_per_token": predicted
-        and (0 if tier_bytes and not bounded else round(predicted.disk_bytes_per_token)),
+        and (0 if whole else round(predicted.disk_bytes_per_token)),
         "predicted_pool_hit_rate": predicted and round(predicted.shares()["pool"], 4),
         # the run's stretch of routing against the held-out routing's (4,000 tokens
         # from the held-out half's first, one a step, wherever --trace-start puts the
